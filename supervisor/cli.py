@@ -1,0 +1,70 @@
+"""Command line: `run`, `check`, `render`, `status`. Exit 0 ok, 1 failure, 2 bad settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .effective import RenderedConfigError, build_effective, prepare_runtime_dir, read_rendered, validate
+from .settings import Settings, SettingsError, load_settings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="haproxy-supervisor", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("run", "run the daemon in the foreground (systemd starts this)"),
+        ("check", "render and validate the effective config with `haproxy -c`"),
+        ("render", "print the effective config (rendered config + injections)"),
+    ):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--config", required=True, metavar="FILE", help="settings YAML")
+    return parser
+
+
+def _load(path: str) -> Settings:
+    return load_settings(path)
+
+
+def cmd_render(settings: Settings) -> int:
+    effective = build_effective(settings, read_rendered(settings.haproxy.config))
+    sys.stdout.write(effective.text)
+    return EXIT_OK
+
+
+def cmd_check(settings: Settings) -> int:
+    effective = build_effective(settings, read_rendered(settings.haproxy.config))
+    prepare_runtime_dir(settings)
+    ok, message = asyncio.run(validate(settings.haproxy.binary, effective.text, settings.haproxy.runtime_dir))
+    if ok:
+        print(f"{settings.haproxy.config}: effective config is valid")
+        return EXIT_OK
+    print(f"{settings.haproxy.config}: effective config is invalid:\n{message}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = _load(args.config)
+        if args.command == "render":
+            return cmd_render(settings)
+        if args.command == "check":
+            return cmd_check(settings)
+        if args.command == "run":
+            from .daemon import run_daemon
+
+            return run_daemon(settings)
+    except SettingsError as exc:
+        print(f"haproxy-supervisor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RenderedConfigError as exc:
+        print(f"haproxy-supervisor: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_USAGE

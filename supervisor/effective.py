@@ -1,0 +1,97 @@
+"""From the rendered config on disk to a validated effective config.
+
+The rendered file belongs to the controller and is never written to; the
+effective config (rendered + injections) lives in runtime_dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .haproxy.config import Config
+from .haproxy.inject import effective_config
+from .settings import Settings
+
+
+class RenderedConfigError(Exception):
+    """The rendered config cannot be read. One line, names the file."""
+
+
+@dataclass(frozen=True)
+class Effective:
+    rendered_text: str
+    rendered_sha256: str
+    model: Config  # the parsed rendered config, before injections
+    text: str  # the effective config
+
+    @property
+    def sha256(self) -> str:
+        return sha256_text(self.text)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_rendered(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise RenderedConfigError(f"{path}: cannot read rendered config: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise RenderedConfigError(f"{path}: rendered config is not UTF-8: {exc.reason}") from None
+
+
+def build_effective(settings: Settings, rendered_text: str) -> Effective:
+    model = Config.parse(rendered_text)
+    text = effective_config(model, settings).render()
+    return Effective(rendered_text, sha256_text(rendered_text), model, text)
+
+
+def prepare_runtime_dir(settings: Settings) -> None:
+    """The runtime dir and the files the effective config refers to must exist before `haproxy -c`."""
+    runtime = settings.haproxy.runtime_dir
+    runtime.mkdir(parents=True, exist_ok=True)
+    steer_map = settings.haproxy.steer_map
+    if not steer_map.exists():
+        # Empty on disk on purpose: a worker starts with no steering; only old ones get entries.
+        steer_map.write_text("")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:
+    """Run `haproxy -c` on `text`. Returns (valid, HAProxy's own message)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".validate.", suffix=".cfg")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                binary, "-c", "-f", tmp,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )
+        except OSError as exc:
+            return False, f"cannot run {binary}: {exc.strerror or exc}"
+        out, _ = await proc.communicate()
+        message = out.decode(errors="replace").strip().replace(tmp, "<effective config>")
+        # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
+        return proc.returncode == 0, message
+    finally:
+        Path(tmp).unlink(missing_ok=True)

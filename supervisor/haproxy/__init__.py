@@ -1,0 +1,1 @@
+"""Everything that knows HAProxy's config language and CLI."""

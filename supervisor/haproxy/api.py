@@ -1,0 +1,285 @@
+"""Async client for HAProxy's master CLI, and parsers for what it answers.
+
+The master CLI answers one command line per connection: we write the line,
+half-close, and read until HAProxy closes. A line may carry several commands
+separated by `;`, each with its own `@!<pid>` prefix to reach a worker (old
+ones included). Parsers are pure functions over the answer text, so they are
+unit-tested on captured answers of 2.6 and 3.x.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# HAProxy accepts 10 master-CLI connections at once; leave room for an operator's socat.
+MAX_CONNECTIONS = 8
+# A command line must fit in tune.bufsize (16384 by default), with room for the newline.
+DEFAULT_LINE_LIMIT = 16000
+
+# Names that reach the CLI must not be able to smuggle a second command or argument.
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+
+
+class CLIError(Exception):
+    """The master CLI could not be reached or did not answer in time."""
+
+
+def validate_name(kind: str, name: str) -> str:
+    """A backend, server, map key or value that may go on a CLI line, or ValueError."""
+    if not _SAFE_NAME.match(name):
+        raise ValueError(f"invalid {kind} name {name!r}: only letters, digits and _ . : - are allowed")
+    return name
+
+
+def on_process(pid: int, command: str) -> str:
+    """Route a command to one process through the master: `@!<pid> <command>`."""
+    return f"@!{int(pid)} {command}"
+
+
+def batch_lines(commands: Iterable[str], limit: int = DEFAULT_LINE_LIMIT) -> list[str]:
+    """Join commands with `;` into as few lines as fit in `limit` bytes each."""
+    lines: list[str] = []
+    current: list[str] = []
+    size = 0
+    for command in commands:
+        if "\n" in command or ";" in command:
+            raise ValueError(f"command would split into several: {command!r}")
+        cost = len(command.encode()) + (1 if current else 0)
+        if current and size + cost > limit:
+            lines.append(";".join(current))
+            current, size = [], 0
+            cost = len(command.encode())
+        if cost > limit:
+            raise ValueError(f"command longer than the CLI line limit ({limit} bytes): {command[:60]}...")
+        current.append(command)
+        size += cost
+    if current:
+        lines.append(";".join(current))
+    return lines
+
+
+class MasterCLI:
+    """The master socket. Every call opens its own connection, bounded by a semaphore."""
+
+    def __init__(self, path: Path | str, timeout: float = 5.0, connections: int = MAX_CONNECTIONS):
+        self.path = str(path)
+        self.timeout = timeout
+        self._slots = asyncio.Semaphore(connections)
+
+    async def execute(self, line: str, timeout: float | None = None) -> str:
+        """Send one command line and return the whole answer."""
+        async with self._slots:
+            try:
+                return await asyncio.wait_for(self._roundtrip(line), timeout or self.timeout)
+            except (TimeoutError, OSError, EOFError) as exc:
+                kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
+                raise CLIError(f"master CLI {self.path}: {line.split(' ', 2)[:2]}: {kind}") from None
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # The master re-executes itself on reload and its socket refuses connections for a
+        # few milliseconds; that is not an error worth reporting.
+        for attempt in range(50):
+            try:
+                return await asyncio.open_unix_connection(self.path, limit=1 << 24)
+            except (ConnectionRefusedError, FileNotFoundError):
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.02)
+        raise AssertionError("unreachable")
+
+    async def _roundtrip(self, line: str) -> str:
+        reader, writer = await self._connect()
+        try:
+            writer.write(line.encode() + b"\n")
+            await writer.drain()
+            # The master CLI only answers once it sees the end of input.
+            if writer.can_write_eof():
+                writer.write_eof()
+            return (await reader.read()).decode(errors="replace")
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def execute_many(self, commands: Sequence[str], limit: int = DEFAULT_LINE_LIMIT) -> list[str]:
+        """Send commands batched into lines, lines in parallel; answers per line, in order."""
+        lines = batch_lines(commands, limit)
+        return list(await asyncio.gather(*(self.execute(line) for line in lines)))
+
+    async def show_proc(self) -> ProcList:
+        return parse_show_proc(await self.execute("show proc"))
+
+    async def reload(self) -> ReloadAnswer:
+        return parse_reload(await self.execute("reload", timeout=max(self.timeout, 30.0)))
+
+    async def on(self, pid: int, command: str, timeout: float | None = None) -> str:
+        return await self.execute(on_process(pid, command), timeout)
+
+
+# ---------------------------------------------------------------- show proc
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    pid: int
+    kind: str  # master | worker | program name
+    reloads: int  # for a worker: how many reloads ago it was started
+    uptime: str
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProcList:
+    master: Proc | None
+    master_failed: int  # the master's `[failed: N]` counter
+    workers: tuple[Proc, ...]  # current worker(s)
+    old_workers: tuple[Proc, ...]
+
+    @property
+    def current_worker(self) -> Proc | None:
+        # With nbproc gone there is one current worker; the youngest if ever several.
+        return min(self.workers, key=lambda p: p.reloads) if self.workers else None
+
+
+_PROC_LINE = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)(?:\s+\[failed:\s*(\d+)\])?\s+(\S+)\s*(\S*)")
+
+
+def parse_show_proc(text: str) -> ProcList:
+    """Parse `show proc` of 2.6 to 3.x (`# programs` present or not, `# old workers` only when any)."""
+    master: Proc | None = None
+    failed = 0
+    workers: list[Proc] = []
+    old: list[Proc] = []
+    section = "master"
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            heading = stripped.lstrip("#").strip().lower()
+            if heading.startswith("<pid>") or not heading:
+                continue
+            section = {"workers": "workers", "old workers": "old", "programs": "programs"}.get(
+                heading, "other"
+            )
+            continue
+        m = _PROC_LINE.match(stripped)
+        if not m:
+            continue
+        proc = Proc(int(m[1]), m[2], int(m[3]), m[5], m[6])
+        if proc.kind == "master":
+            master = proc
+            failed = int(m[4] or 0)
+        elif section == "workers" and proc.kind == "worker":
+            workers.append(proc)
+        elif section == "old" and proc.kind == "worker":
+            old.append(proc)
+    return ProcList(master, failed, tuple(workers), tuple(old))
+
+
+# ---------------------------------------------------------------- reload
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadAnswer:
+    success: bool | None  # None: 2.6 says nothing, confirm with show proc
+    log: str
+
+
+def parse_reload(text: str) -> ReloadAnswer:
+    """2.6 answers nothing; 2.7+ answers `Success=1|0`, a `--` line, then the startup log."""
+    stripped = text.strip()
+    if not stripped:
+        return ReloadAnswer(None, "")
+    head, _, log = stripped.partition("\n--")
+    m = re.search(r"Success=(\d)", head)
+    if not m:
+        return ReloadAnswer(None, stripped)
+    return ReloadAnswer(m[1] == "1", log.lstrip("-\n"))
+
+
+# ---------------------------------------------------------------- show info / servers state / map
+
+
+def parse_show_info(text: str) -> dict[str, str]:
+    info: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            info[key.strip()] = value.strip()
+    return info
+
+
+# srv_op_state: 0 = stopped (DOWN), 1 = starting, 2 = running, 3 = stopping.
+# srv_admin_state is a bit field: 0x01 forced maint, 0x02 inherited maint, 0x04 maint via
+# config `disabled`, 0x08 forced drain, 0x10 inherited drain, 0x20 maint from DNS resolution.
+ADMIN_MAINT_MASK = 0x01 | 0x02 | 0x04 | 0x20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerState:
+    backend: str
+    name: str
+    address: str
+    port: int | None
+    op_state: int
+    admin_state: int
+    weight: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}/{self.name}"
+
+    @property
+    def in_maint(self) -> bool:
+        return bool(self.admin_state & ADMIN_MAINT_MASK)
+
+    @property
+    def down(self) -> bool:
+        return self.op_state == 0
+
+    @property
+    def alive(self) -> bool:
+        return not self.down and not self.in_maint
+
+
+def parse_servers_state(text: str) -> list[ServerState]:
+    """Parse `show servers state` (format version 1), one or many answers concatenated."""
+    states: list[ServerState] = []
+    columns: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("# be_id"):
+            columns = line[2:].split()
+            continue
+        if not line or line.startswith("#") or not columns:
+            continue
+        values = line.split()
+        if len(values) < len(columns):
+            continue
+        row = dict(zip(columns, values, strict=False))
+        port = row.get("srv_port", "")
+        states.append(
+            ServerState(
+                backend=row["be_name"],
+                name=row["srv_name"],
+                address=row["srv_addr"],
+                port=int(port) if port.isdigit() else None,
+                op_state=int(row["srv_op_state"]),
+                admin_state=int(row["srv_admin_state"]),
+                weight=int(row["srv_uweight"]),
+            )
+        )
+    return states
+
+
+def parse_show_map(text: str) -> list[tuple[str, str]]:
+    """`show map <file>` lines are `<ref> <key> <value>`; the answer is (key, value) pairs."""
+    entries: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[0].startswith("0x"):
+            entries.append((parts[1], parts[2]))
+    return entries

@@ -1,0 +1,403 @@
+"""The rendered-config model: parse an HAProxy config, edit it, render it back.
+
+The model keeps every line's raw text, so an unmodified parse renders back
+byte-identical. Edits (injections) replace or insert whole lines; nothing else
+is ever reformatted, which keeps the effective config diffable against the
+rendered one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+# Section keywords known to HAProxy 2.6 - 3.x. Anything inside a section we do not
+# model (peers, resolvers, ...) is kept as opaque lines.
+SECTION_KEYWORDS = frozenset(
+    {
+        "global",
+        "defaults",
+        "frontend",
+        "backend",
+        "listen",
+        "peers",
+        "resolvers",
+        "userlist",
+        "mailers",
+        "program",
+        "http-errors",
+        "ring",
+        "cache",
+        "fcgi-app",
+        "log-forward",
+        "crt-store",
+        "traces",
+        "acme",
+    }
+)
+PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
+BACKEND_KINDS = frozenset({"backend", "listen"})
+
+# Server keywords that take one argument. Knowing them keeps an argument such as
+# `observe layer4` or `track be/check` from being read as a flag.
+_SERVER_KEYWORDS_WITH_ARG = frozenset(
+    """
+    addr agent-addr agent-inter agent-port agent-send alpn ca-file check-alpn check-
+    proto check-sni ciphers ciphersuites client-sigalgs cookie crl-file crt curves
+    downinter error-limit fall fastinter guid hash-key id init-addr inter log-bufsize
+    log-proto max-reuse maxconn maxqueue minconn namespace npn observe on-error on-
+    marked-down on-marked-up pool-conn-name pool-low-conn pool-max-conn pool-purge-delay
+    port proto redir resolve-net resolve-opts resolve-prefer resolvers rise send-
+    proxy-v2-options shard sigalgs slowstart sni socks4 source ssl-max-ver ssl-min-ver
+    tcp-ut track verifyhost weight ws usesrc interface
+    """.split()  # noqa: SIM905 - a word list reads better as text
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One physical line. `raw` includes its newline (absent on a last line without one)."""
+
+    raw: str
+    words: tuple[str, ...]
+    code_end: int  # offset in raw where the code ends: before trailing blanks, comment, newline
+
+    @property
+    def keyword(self) -> str:
+        return self.words[0] if self.words else ""
+
+    @property
+    def indent(self) -> str:
+        return self.raw[: len(self.raw) - len(self.raw.lstrip(" \t"))]
+
+    def with_appended(self, text: str) -> Line:
+        """The same line with `text` added after its last word, before any comment."""
+        raw = self.raw[: self.code_end] + text + self.raw[self.code_end :]
+        return parse_line(raw)
+
+
+def parse_line(raw: str) -> Line:
+    """Split a line into words the way HAProxy's parser does.
+
+    Whitespace separates words; `#` outside quotes starts a comment; a backslash
+    escapes the next character (not inside single quotes); quotes group words
+    and are removed. Environment variables are left unexpanded.
+    """
+    body = raw.rstrip("\r\n")
+    if "\\" not in body and '"' not in body and "'" not in body:
+        code = body.split("#", 1)[0]
+        stripped = code.rstrip(" \t")
+        return Line(raw, tuple(stripped.split()), len(stripped))
+    words: list[str] = []
+    current: list[str] = []
+    in_word = False
+    quote = ""
+    code_end = 0
+    i = 0
+    n = len(body)
+    while i < n:
+        c = body[i]
+        if quote:
+            if c == quote:
+                quote = ""
+            elif c == "\\" and quote == '"' and i + 1 < n:
+                i += 1
+                current.append(body[i])
+            else:
+                current.append(c)
+            i += 1
+            code_end = i
+            continue
+        if c in " \t":
+            if in_word:
+                words.append("".join(current))
+                current = []
+                in_word = False
+            i += 1
+            continue
+        if c == "#":
+            break
+        in_word = True
+        if c in "\"'":
+            quote = c
+        elif c == "\\" and i + 1 < n:
+            i += 1
+            current.append(body[i])
+        else:
+            current.append(c)
+        i += 1
+        code_end = i
+    if in_word or quote:
+        words.append("".join(current))
+    return Line(raw, tuple(words), code_end)
+
+
+def quote_word(word: str) -> str:
+    """Quote a word for a config line, if it needs it."""
+    if word and not any(c in word for c in " \t#\"'\\"):
+        return word
+    return "'" + word.replace("'", "'\\''") + "'"
+
+
+@dataclass(slots=True)
+class Section:
+    """A section: its header line (None for the preamble before the first) and body."""
+
+    header: Line | None
+    body: list[Line] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return self.header.keyword if self.header else ""
+
+    @property
+    def name(self) -> str:
+        if self.header is None or len(self.header.words) < 2:
+            return ""
+        second = self.header.words[1]
+        # `defaults from x` has no name; every other section's name is its first argument.
+        return "" if self.kind == "defaults" and second == "from" else second
+
+    @property
+    def from_defaults(self) -> str | None:
+        """The named defaults section a proxy inherits from (`from NAME`), if any."""
+        if self.header is None:
+            return None
+        words = self.header.words
+        for i, w in enumerate(words[:-1]):
+            if w == "from" and i >= 1:
+                return words[i + 1]
+        return None
+
+    def lines(self) -> Iterator[Line]:
+        if self.header is not None:
+            yield self.header
+        yield from self.body
+
+    def render(self) -> str:
+        return "".join(line.raw for line in self.lines())
+
+    def copy(self) -> Section:
+        return Section(self.header, list(self.body))
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """A server as a backend sees it, with `default-server` settings applied."""
+
+    backend: str
+    name: str
+    address: str  # host part, as written (no port), e.g. "127.0.0.1", "::1", "unix@/x"
+    port: int | None
+    params: tuple[str, ...]  # the server's own parameters, after the address
+    check: bool
+    backup: bool
+    disabled: bool
+    observe: bool
+    track: str | None
+    weight: int | None
+    template: bool  # expanded from a server-template line
+    line_index: int  # index into the section body of the line that declares it
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}/{self.name}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.port}" if self.port is not None else self.address
+
+    @property
+    def primary(self) -> bool:
+        return not self.backup and self.track is None
+
+
+def split_address(spec: str) -> tuple[str, int | None]:
+    """`127.0.0.1:80` -> ("127.0.0.1", 80); `[::1]:80` -> ("::1", 80); `unix@/s` -> (spec, None)."""
+    family = ""
+    if "@" in spec:
+        family, _, rest = spec.partition("@")
+        if family in ("unix", "abns", "sockpair", "fd"):
+            return spec, None
+        family += "@"
+        spec = rest
+    if spec.startswith("["):
+        host, _, tail = spec[1:].partition("]")
+        port_text = tail[1:] if tail.startswith(":") else ""
+    elif spec.count(":") == 1:
+        host, _, port_text = spec.partition(":")
+    elif family == "ipv6@" and ":" in spec:
+        host, _, port_text = spec.rpartition(":")
+    else:
+        host, port_text = spec, ""
+    port = int(port_text) if port_text.isdigit() else None
+    return family + host if family not in ("", "ipv4@", "ipv6@") else host, port
+
+
+@dataclass(frozen=True, slots=True)
+class _ServerFlags:
+    check: bool = False
+    backup: bool = False
+    disabled: bool = False
+    observe: bool = False
+    track: str | None = None
+    weight: int | None = None
+
+    def apply(self, params: tuple[str, ...]) -> _ServerFlags:
+        check, backup, disabled = self.check, self.backup, self.disabled
+        observe, track, weight = self.observe, self.track, self.weight
+        i = 0
+        while i < len(params):
+            p = params[i]
+            arg = params[i + 1] if i + 1 < len(params) else None
+            if p == "check":
+                check = True
+            elif p == "no-check":
+                check = False
+            elif p == "backup":
+                backup = True
+            elif p == "no-backup":
+                backup = False
+            elif p == "disabled":
+                disabled = True
+            elif p == "enabled":
+                disabled = False
+            elif p == "observe":
+                observe = True
+            elif p == "track":
+                track = arg
+            elif p == "weight" and arg is not None and arg.isdigit():
+                weight = int(arg)
+            if p in _SERVER_KEYWORDS_WITH_ARG:
+                i += 1
+            i += 1
+        return _ServerFlags(check, backup, disabled, observe, track, weight)
+
+
+def template_names(prefix: str, count: str) -> list[str]:
+    """Names a `server-template` line declares: `srv 3` -> srv1..srv3, `srv 2-4` -> srv2..srv4."""
+    low, sep, high = count.partition("-")
+    if sep:
+        first, last = int(low), int(high)
+    else:
+        first, last = 1, int(low)
+    return [f"{prefix}{i}" for i in range(first, last + 1)]
+
+
+class Config:
+    """A parsed HAProxy config: the preamble, then one Section per section header."""
+
+    def __init__(self, sections: list[Section]) -> None:
+        self.sections = sections
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        sections = [Section(None)]
+        for raw in text.splitlines(keepends=True):
+            line = parse_line(raw)
+            if line.keyword in SECTION_KEYWORDS:
+                sections.append(Section(line))
+            else:
+                sections[-1].body.append(line)
+        return cls(sections)
+
+    def render(self) -> str:
+        return "".join(section.render() for section in self.sections)
+
+    def copy(self) -> Config:
+        """A copy whose sections can be edited without touching this one (lines are immutable)."""
+        return Config([s.copy() for s in self.sections])
+
+    def backends(self) -> Iterator[Section]:
+        return (s for s in self.sections if s.kind in BACKEND_KINDS)
+
+    def backend(self, name: str) -> Section | None:
+        return next((s for s in self.backends() if s.name == name), None)
+
+    def defaults_for(self, proxy: Section) -> Section | None:
+        """The defaults section a proxy inherits from: its `from`, else the last one before it."""
+        wanted = proxy.from_defaults
+        last: Section | None = None
+        for section in self.sections:
+            if section is proxy:
+                break
+            if section.kind == "defaults" and (wanted is None or section.name == wanted):
+                last = section
+        return last
+
+    def servers(self, backend: Section | None = None) -> list[Server]:
+        """Every server of every backend (or of one), in config order, templates expanded."""
+        targets = [backend] if backend is not None else list(self.backends())
+        result: list[Server] = []
+        for section in targets:
+            result.extend(self._servers_of(section))
+        return result
+
+    def server_map(self) -> dict[str, Server]:
+        """Servers keyed by "backend/name"."""
+        return {s.key: s for s in self.servers()}
+
+    def _servers_of(self, section: Section) -> Iterator[Server]:
+        flags = _ServerFlags()
+        defaults = self.defaults_for(section)
+        if defaults is not None:
+            for line in defaults.body:
+                if line.keyword == "default-server":
+                    flags = flags.apply(line.words[1:])
+        for index, line in enumerate(section.body):
+            kw = line.keyword
+            if kw == "default-server":
+                flags = flags.apply(line.words[1:])
+            elif kw == "server" and len(line.words) >= 3:
+                params = line.words[3:]
+                yield self._server(section, line.words[1], line.words[2], params, flags, False, index)
+            elif kw == "server-template" and len(line.words) >= 4:
+                params = line.words[4:]
+                for name in template_names(line.words[1], line.words[2]):
+                    yield self._server(section, name, line.words[3], params, flags, True, index)
+
+    @staticmethod
+    def _server(
+        section: Section,
+        name: str,
+        address: str,
+        params: tuple[str, ...],
+        defaults: _ServerFlags,
+        template: bool,
+        index: int,
+    ) -> Server:
+        host, port = split_address(address)
+        f = defaults.apply(params)
+        return Server(
+            backend=section.name,
+            name=name,
+            address=host,
+            port=port,
+            params=params,
+            check=f.check,
+            backup=f.backup,
+            disabled=f.disabled,
+            observe=f.observe,
+            track=f.track,
+            weight=f.weight,
+            template=template,
+            line_index=index,
+        )
+
+    def mode_of(self, proxy: Section) -> str:
+        """`http` or `tcp` (HAProxy's default), from the proxy or its defaults."""
+        for source in (proxy, self.defaults_for(proxy)):
+            if source is None:
+                continue
+            for line in reversed(source.body):
+                if line.keyword == "mode" and len(line.words) > 1:
+                    return line.words[1]
+        return "tcp"
+
+    def global_setting(self, keyword: str) -> Line | None:
+        for section in self.sections:
+            if section.kind == "global":
+                for line in section.body:
+                    if line.keyword == keyword:
+                        return line
+        return None

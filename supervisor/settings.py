@@ -1,0 +1,264 @@
+"""Settings: a YAML file plus environment gates, validated into frozen dataclasses.
+
+Every problem becomes one SettingsError line naming the file, the key and what
+is wrong, so `run`, `check` and `render` can exit 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class SettingsError(Exception):
+    """Bad settings. The message is one line and names what is wrong."""
+
+
+@dataclass(frozen=True)
+class HAProxySettings:
+    binary: str = "haproxy"
+    config: Path = Path("/etc/haproxy/rendered/haproxy.cfg")
+    watch: tuple[Path, ...] = ()
+    runtime_dir: Path = Path("/run/haproxy-supervisor")
+    master_socket: Path | None = None
+    stop_timeout_s: float = 30
+
+    @property
+    def master_socket_path(self) -> Path:
+        return self.master_socket or self.runtime_dir / "master.sock"
+
+    @property
+    def effective_config(self) -> Path:
+        return self.runtime_dir / "haproxy.cfg"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.runtime_dir / "haproxy.pid"
+
+    @property
+    def steer_map(self) -> Path:
+        return self.runtime_dir / "steer.map"
+
+    @property
+    def server_state_file(self) -> Path:
+        return self.runtime_dir / "server-state"
+
+
+@dataclass(frozen=True)
+class ReloadSettings:
+    debounce_ms: int = 200
+    min_interval_ms: int = 1000
+    timeout_s: float = 30
+    runtime_apply: bool = True
+
+
+@dataclass(frozen=True)
+class OldWorkerSettings:
+    max: int = 50
+    poll_interval_ms: int = 250
+    guard: bool = True
+    no_backup: Literal["fail-fast", "keep"] = "fail-fast"
+    shutdown_stuck_sessions: bool = False
+
+
+@dataclass(frozen=True)
+class ObserveSettings:
+    enabled: bool = False
+    error_limit: int = 3
+
+
+@dataclass(frozen=True)
+class StatusSettings:
+    listen: str = "127.0.0.1:9180"
+    token_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+@dataclass(frozen=True)
+class Settings:
+    haproxy: HAProxySettings = field(default_factory=HAProxySettings)
+    reload: ReloadSettings = field(default_factory=ReloadSettings)
+    old_workers: OldWorkerSettings = field(default_factory=OldWorkerSettings)
+    observe: ObserveSettings = field(default_factory=ObserveSettings)
+    status: StatusSettings = field(default_factory=StatusSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    source: Path | None = None  # the settings file these came from
+
+
+# Keys whose value must be > 0 (a zero or negative value is a mistake, not "off").
+_POSITIVE = {
+    "haproxy.stop_timeout_s",
+    "reload.debounce_ms",
+    "reload.timeout_s",
+    "old_workers.max",
+    "old_workers.poll_interval_ms",
+    "observe.error_limit",
+}
+# Keys that may be zero but not negative.
+_NON_NEGATIVE = {"reload.min_interval_ms"}
+
+OBSERVE_GATE_ENV = ("RAY_SERVE_HAPROXY_OBSERVE_MARK_DOWN_ENABLED", "HAPROXY_SUPERVISOR_OBSERVE_MARK_DOWN_ENABLED")
+OBSERVE_LIMIT_ENV = ("RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT", "HAPROXY_SUPERVISOR_OBSERVE_ERROR_LIMIT")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool | None:
+    """1/0, true/false, yes/no, on/off in any case; None for anything else."""
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    return None
+
+
+def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read, validate and freeze the settings file, then apply the environment gates."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read settings file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise SettingsError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: top level must be a mapping, got {_type_name(data)}")
+    base = path.resolve().parent
+    settings = _build(Settings, data, prefix="", file=path, base=base)
+    settings = dataclasses.replace(settings, source=path)
+    return apply_environment(settings, os.environ if environ is None else environ, path)
+
+
+def apply_environment(settings: Settings, environ: Mapping[str, str], file: Path | str = "environment") -> Settings:
+    """The Ray Serve observe gates override the file: the first variable set of each pair wins."""
+    observe = settings.observe
+    for name in OBSERVE_GATE_ENV:
+        if name in environ:
+            value = parse_bool(environ[name])
+            if value is None:
+                raise SettingsError(
+                    f"{name}={environ[name]!r}: not a boolean (use 1/0, true/false, yes/no, on/off)"
+                )
+            observe = dataclasses.replace(observe, enabled=value)
+            break
+    for name in OBSERVE_LIMIT_ENV:
+        if name in environ:
+            raw = environ[name].strip()
+            if not raw.isdigit() or int(raw) <= 0:
+                raise SettingsError(f"{name}={environ[name]!r}: must be a positive integer")
+            observe = dataclasses.replace(observe, error_limit=int(raw))
+            break
+    return dataclasses.replace(settings, observe=observe)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str, file: Path, base: Path) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            raise SettingsError(f"{file}: {dotted}: unknown key")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise SettingsError(f"{file}: {dotted}: must be a mapping, got {_type_name(value)}")
+            kwargs[key] = _build(hint, value, f"{dotted}.", file, base)
+        else:
+            kwargs[key] = _convert(hint, value, dotted, file, base)
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
+    def fail(problem: str) -> typing.NoReturn:
+        raise SettingsError(f"{file}: {key}: {problem}")
+
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, key, file, base)
+    if value is None:
+        fail("must not be null")
+    if origin is Literal:
+        if value not in args:
+            fail(f"must be one of {', '.join(map(str, args))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            fail(f"must be a list, got {_type_name(value)}")
+        return tuple(_convert(args[0], v, f"{key}[{i}]", file, base) for i, v in enumerate(value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            fail(f"must be true or false, got {value!r}")
+        return value
+    if hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            fail(f"must be a number, got {value!r}")
+        if hint is int and not isinstance(value, int):
+            fail(f"must be a whole number, got {value!r}")
+        if key in _POSITIVE and value <= 0:
+            fail(f"must be positive, got {value!r}")
+        if key in _NON_NEGATIVE and value < 0:
+            fail(f"must not be negative, got {value!r}")
+        return hint(value)
+    if hint is Path:
+        if not isinstance(value, str) or not value:
+            fail(f"must be a path, got {value!r}")
+        p = Path(value)
+        return p if p.is_absolute() else base / p
+    if hint is str:
+        if not isinstance(value, str):
+            fail(f"must be a string, got {value!r}")
+        if key == "status.listen":
+            _check_listen(value, fail)
+        return value
+    raise AssertionError(f"unhandled settings type {hint!r} for {key}")
+
+
+def _check_listen(value: str, fail: typing.Callable[[str], typing.NoReturn]) -> None:
+    if value.startswith("unix:"):
+        if len(value) <= len("unix:"):
+            fail("unix: needs a path")
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        fail(f"must be host:port or unix:/path, got {value!r}")
+
+
+def listen_address(listen: str) -> tuple[str, int] | str:
+    """("host", port) for TCP, or the socket path for `unix:/path`."""
+    if listen.startswith("unix:"):
+        return listen[len("unix:") :]
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,159 @@
+"""What the daemon knows, in one place: written by the components, read by status.
+
+Plain mutable dataclasses, touched only from the event loop, so no locks. The
+status app renders them to JSON and Prometheus; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Literal
+
+from .haproxy.config import Config
+
+ReloadResult = Literal["ok", "failed", "invalid", "skipped_unchanged", "runtime_applied"]
+PushStateName = Literal["ok", "pending", "failed"]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def rfc3339(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Generation:
+    """One loaded config: generation N is what the worker started by the N-th reload runs."""
+
+    number: int
+    model: Config  # the effective config this generation's worker runs
+    effective_sha256: str
+    rendered_sha256: str
+    started_at: datetime
+    worker_pid: int | None = None
+
+
+@dataclass
+class ReloadRecord:
+    at: datetime
+    result: ReloadResult
+    duration_ms: float
+    error: str | None = None
+
+
+@dataclass
+class ReloadStats:
+    ok: int = 0
+    failed: int = 0
+    invalid: int = 0
+    skipped_unchanged: int = 0
+    runtime_applied: int = 0
+    last: ReloadRecord | None = None
+    history: list[ReloadRecord] = field(default_factory=list)  # newest last, bounded
+
+    HISTORY = 20
+
+    def record(self, result: ReloadResult, duration_ms: float, error: str | None = None) -> ReloadRecord:
+        entry = ReloadRecord(utcnow(), result, duration_ms, error)
+        setattr(self, result, getattr(self, result) + 1)
+        self.last = entry
+        self.history.append(entry)
+        del self.history[: -self.HISTORY]
+        return entry
+
+
+@dataclass
+class PushState:
+    state: PushStateName = "pending"
+    at: datetime | None = None
+    error: str | None = None
+
+
+@dataclass
+class OldWorker:
+    pid: int
+    generation: int | None  # None when adopted and its config could not be recovered
+    started_at: datetime | None
+    rss_bytes: int | None = None
+    connections: int | None = None
+    steered: list[str] = field(default_factory=list)  # "backend/server" steered away from
+    push: PushState = field(default_factory=PushState)
+
+    def age_s(self, now: datetime | None = None) -> float | None:
+        if self.started_at is None:
+            return None
+        return ((now or utcnow()) - self.started_at).total_seconds()
+
+
+@dataclass
+class DurationHistogram:
+    """Cumulative-bucket histogram of seconds, in Prometheus's shape, kept without a registry."""
+
+    bounds: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+    counts: list[int] = field(default_factory=list)  # per bound, cumulative; +Inf is `count`
+    count: int = 0
+    sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.bounds)
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.counts[i] += 1
+        self.count += 1
+        self.sum += seconds
+
+
+@dataclass
+class State:
+    """Everything /status, /metrics and the page show."""
+
+    supervisor_pid: int = field(default_factory=os.getpid)
+    started_monotonic: float = field(default_factory=time.monotonic)
+    haproxy_binary: str = "haproxy"
+    haproxy_version: str | None = None
+    master_pid: int | None = None
+    master_restarts: int = 0
+    master_up: bool = False
+    generations: dict[int, Generation] = field(default_factory=dict)
+    current_generation: int | None = None
+    old_workers: dict[int, OldWorker] = field(default_factory=dict)
+    reloads: ReloadStats = field(default_factory=ReloadStats)
+    rendered_path: str | None = None
+    rendered_sha256: str | None = None
+    effective_path: str | None = None
+    last_good_sha256: str | None = None
+    observe_enabled: bool = False
+    observe_error_limit: int = 3
+    operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
+    dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
+    push_failures: int = 0
+    push_duration: DurationHistogram = field(default_factory=lambda: DurationHistogram())
+
+    @property
+    def current(self) -> Generation | None:
+        if self.current_generation is None:
+            return None
+        return self.generations.get(self.current_generation)
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_monotonic
+
+    @property
+    def ready(self) -> bool:
+        """A current worker runs the last good config."""
+        current = self.current
+        return (
+            self.master_up
+            and current is not None
+            and current.worker_pid is not None
+            and current.effective_sha256 == self.last_good_sha256
+        )

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import haproxy_binary, short_tmpdir
+
+CORPUS = Path(__file__).parent / "corpus"
+
+
+@pytest.fixture(scope="session")
+def haproxy() -> str:
+    return haproxy_binary()
+
+
+@pytest.fixture
+def rundir() -> Iterator[Path]:
+    """A short directory for unix sockets, removed after the test."""
+    path = short_tmpdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def corpus_files() -> list[Path]:
+    return sorted(CORPUS.glob("*.cfg"))

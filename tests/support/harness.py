@@ -1,0 +1,271 @@
+"""Real processes and sockets for end-to-end tests: HAProxy, backends, vanished nodes, clients.
+
+Everything listens on or connects to 127.0.0.1 only. Every process started here is
+stopped by PID by the fixture that started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKEND_SCRIPT = ROOT / "demo" / "backend.py"
+
+
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+    if not found:
+        raise RuntimeError("haproxy is not installed: run `make test`, which installs Debian's package")
+    return found
+
+
+def short_tmpdir(prefix: str = "hs-") -> Path:
+    """Unix socket paths must stay under 108 bytes; pytest's tmp_path can be longer."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
+    """Stop a process we started, by its PID, and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (HAProxy workers, old ones included)."""
+    try:
+        parent = psutil.Process(pid)
+        procs = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=5)
+
+
+@dataclass
+class Backend:
+    """A tiny HTTP server process on 127.0.0.1 that answers with its name."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Backend:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(BACKEND_SCRIPT), str(self.port), self.name],
+            stdout=subprocess.DEVNULL,
+        )
+        wait_for(lambda: port_open(self.port), what=f"backend {self.name} on port {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class VanishedNode:
+    """A port where connects hang, like a node that vanished from the network.
+
+    A listener with backlog 0 whose accept queue is filled by connections we never
+    accept: the kernel then drops new SYNs, so connects time out instead of being
+    refused (a killed local server would answer with a reset at once).
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", port))
+        self.listener.listen(0)
+        self.fillers: list[socket.socket] = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+            self.fillers.append(s)
+        time.sleep(0.05)
+
+    def connect_hangs(self, timeout: float = 0.3) -> bool:
+        with socket.socket() as s:
+            s.settimeout(timeout)
+            try:
+                s.connect(("127.0.0.1", self.port))
+            except TimeoutError:
+                return True
+            except OSError:
+                return False
+            return False
+
+    def close(self) -> None:
+        for s in self.fillers:
+            s.close()
+        self.listener.close()
+
+
+class HAProxyMaster:
+    """`haproxy -W -S <sock> -f <cfg>` as our child; stopped (with every worker) by PID."""
+
+    def __init__(self, config: Path, runtime: Path) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.socket = runtime / "master.sock"
+        self.pid_file = runtime / "haproxy.pid"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> HAProxyMaster:
+        self.proc = subprocess.Popen(
+            [haproxy_binary(), "-W", "-S", str(self.socket), "-f", str(self.config), "-p", str(self.pid_file)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        wait_for(lambda: self.socket.exists() or self.proc.poll() is not None, what="master socket")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"haproxy exited: {self.proc.stderr.read().decode()}")
+        wait_for(lambda: self.command("show proc").count("worker") >= 1, what="first worker")
+        return self
+
+    def command(self, line: str, timeout: float = 5.0) -> str:
+        """A blocking master-CLI round trip (the daemon uses the async client)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.settimeout(timeout)
+                s.connect(str(self.socket))
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                # The master re-executes itself on reload: its socket is briefly closed.
+                s.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        with s:
+            s.sendall(line.encode() + b"\n")
+            s.shutdown(socket.SHUT_WR)
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+    def worker_pids(self) -> tuple[int | None, list[int]]:
+        from supervisor.haproxy.api import parse_show_proc
+
+        procs = parse_show_proc(self.command("show proc"))
+        current = procs.current_worker
+        return (current.pid if current else None), [p.pid for p in procs.old_workers]
+
+    def reload(self) -> int:
+        """Reload and wait for a new worker; returns its PID."""
+        before, _ = self.worker_pids()
+        self.command("reload")
+        return wait_for(
+            lambda: (pid := self.worker_pids()[0]) not in (None, before) and pid,
+            timeout=10,
+            what="new worker after reload",
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+
+
+class KeepAliveClient:
+    """One HTTP/1.1 keep-alive connection, so a test knows which worker serves it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> KeepAliveClient:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        return self
+
+    async def get(self, path: str = "/", host: str = "test", timeout: float = 10.0) -> tuple[int, str, float]:
+        """(status, body, seconds). Status 0 when the connection closed or timed out."""
+        assert self.reader is not None and self.writer is not None
+        started = time.monotonic()
+        try:
+            self.writer.write(f"GET {path} HTTP/1.1\r\nhost: {host}\r\n\r\n".encode())
+            await self.writer.drain()
+            head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), timeout)
+            status = int(head.split(b" ", 2)[1])
+            length = 0
+            for line in head.split(b"\r\n"):
+                key, _, value = line.partition(b":")
+                if key.strip().lower() == b"content-length":
+                    length = int(value)
+            body = await asyncio.wait_for(self.reader.readexactly(length), timeout) if length else b""
+            return status, body.decode().strip(), time.monotonic() - started
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            return 0, "", time.monotonic() - started
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+
+
+@contextlib.contextmanager
+def backends(*names: str) -> Iterator[dict[str, Backend]]:
+    started: dict[str, Backend] = {}
+    try:
+        for name in names:
+            started[name] = Backend(name, free_port()).start()
+        yield started
+    finally:
+        for backend in started.values():
+            backend.stop()

@@ -1,0 +1,116 @@
+"""The rendered-config model: parsing, servers, byte-identical render."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.haproxy.config import Config, parse_line, split_address, template_names
+from tests.conftest import corpus_files
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_corpus_renders_byte_identical(path):
+    text = path.read_text()
+    assert Config.parse(text).render() == text
+
+
+def test_render_keeps_missing_final_newline_and_crlf():
+    text = "global\r\n  maxconn 10 # c\r\nbackend b\n  server s 127.0.0.1:1"
+    assert Config.parse(text).render() == text
+
+
+def test_parse_line_quotes_escapes_and_comments():
+    line = parse_line("""  http-response set-header X-Note "a # b" 'c d' e\\ f # trailing\n""")
+    assert line.words == ("http-response", "set-header", "X-Note", "a # b", "c d", "e f")
+    assert line.raw[: line.code_end].endswith("e\\ f")
+
+
+def test_parse_line_comment_glued_to_word():
+    assert parse_line("server s 127.0.0.1:1 weight 10#c\n").words == ("server", "s", "127.0.0.1:1", "weight", "10")
+
+
+def test_with_appended_goes_before_comment():
+    line = parse_line("\tserver s1 127.0.0.1:80 check   # primary\n")
+    assert line.with_appended(" observe layer4").raw == "\tserver s1 127.0.0.1:80 check observe layer4   # primary\n"
+
+
+def test_split_address_forms():
+    assert split_address("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert split_address("[::1]:8080") == ("::1", 8080)
+    assert split_address("ipv6@::1:18202") == ("::1", 18202)
+    assert split_address("unix@/run/x.sock") == ("unix@/run/x.sock", None)
+    assert split_address("backend.svc") == ("backend.svc", None)
+
+
+def test_template_names():
+    assert template_names("SRV", "3") == ["SRV1", "SRV2", "SRV3"]
+    assert template_names("s_", "5-7") == ["s_5", "s_6", "s_7"]
+
+
+def test_rayserve_servers_and_flags():
+    config = Config.parse((corpus_files()[0].parent / "rayserve.cfg").read_text())
+    servers = config.server_map()
+    assert servers["echo/echo_r1"].check and servers["echo/echo_r1"].primary
+    assert servers["echo/fallback"].backup
+    assert servers["echo_via_router/echo_r1"].track == "echo/echo_r1"
+    assert not servers["echo_via_router/echo_r1"].primary
+    assert [s.name for s in config.servers(config.backend("wide")) if s.primary] == ["wide_r1", "wide_r2", "wide_r3"]
+    assert "h2" in servers["grpc_wide/wide_r1"].params
+
+
+def test_default_server_and_templates_in_ingress():
+    config = Config.parse((corpus_files()[0].parent / "ingress.cfg").read_text())
+    servers = config.server_map()
+    # check comes from `default-server` in defaults
+    assert servers["default_api_8080/srv001"].check
+    assert servers["default_api_8080/srv003"].disabled
+    assert servers["default_api_8080/srv003"].endpoint == "127.0.0.1:1"
+    templated = [s for s in config.servers() if s.template]
+    assert len(templated) >= 5 and all(s.name.startswith("SRV") for s in templated)
+
+
+def test_default_server_scoping():
+    text = (
+        "defaults\n  default-server check\n"
+        "backend a\n  server a1 127.0.0.1:1\n  server a2 127.0.0.1:2 no-check\n"
+        "  default-server backup\n  server a3 127.0.0.1:3\n"
+        "defaults named\n  mode http\n"
+        "backend b\n  server b1 127.0.0.1:4\n"
+    )
+    servers = Config.parse(text).server_map()
+    assert servers["a/a1"].check and not servers["a/a1"].backup
+    assert not servers["a/a2"].check
+    assert servers["a/a3"].backup
+    # backend b follows the last defaults section, which sets no default-server
+    assert not servers["b/b1"].check
+
+
+def test_named_defaults_with_from():
+    text = (
+        "defaults base\n  default-server check\n  mode http\n"
+        "defaults other\n  mode tcp\n"
+        "backend x from base\n  server x1 127.0.0.1:1\n"
+        "backend y\n  server y1 127.0.0.1:2\n"
+    )
+    config = Config.parse(text)
+    servers = config.server_map()
+    assert servers["x/x1"].check and not servers["y/y1"].check
+    assert config.mode_of(config.backend("x")) == "http"
+    assert config.mode_of(config.backend("y")) == "tcp"
+
+
+def test_argument_words_are_not_flags():
+    servers = Config.parse("backend b\n  server s 127.0.0.1:1 track other/backup observe layer4\n").server_map()
+    s = servers["b/s"]
+    assert s.track == "other/backup" and not s.backup and s.observe
+
+
+def test_opaque_sections_survive_copy_and_edit():
+    text = "userlist u\n  user a insecure-password x\nbackend b\n  server s 127.0.0.1:1 check\n"
+    config = Config.parse(text)
+    copy = config.copy()
+    section = copy.backend("b")
+    section.body[0] = section.body[0].with_appended(" weight 5")
+    assert config.render() == text  # the original is untouched
+    assert "server s 127.0.0.1:1 check weight 5\n" in copy.render()
+    assert copy.render().startswith("userlist u\n  user a insecure-password x\n")
