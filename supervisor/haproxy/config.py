@@ -327,19 +327,32 @@ class Config:
 
     def servers(self, backend: Section | None = None) -> list[Server]:
         """Every server of every backend (or of one), in config order, templates expanded."""
-        targets = [backend] if backend is not None else list(self.backends())
-        result: list[Server] = []
-        for section in targets:
-            result.extend(self._servers_of(section))
+        if backend is not None:
+            return list(self._servers_of(backend, self.defaults_for(backend)))
+        return [server for _, servers in self.servers_by_backend() for server in servers]
+
+    def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
+        """Each backend/listen section with its servers, resolving defaults in one pass."""
+        result: list[tuple[Section, list[Server]]] = []
+        last_defaults: Section | None = None
+        named: dict[str, Section] = {}
+        for section in self.sections:
+            if section.kind == "defaults":
+                last_defaults = section
+                if section.name:
+                    named[section.name] = section
+            elif section.kind in BACKEND_KINDS:
+                wanted = section.from_defaults
+                defaults = named.get(wanted) if wanted is not None else last_defaults
+                result.append((section, list(self._servers_of(section, defaults))))
         return result
 
     def server_map(self) -> dict[str, Server]:
         """Servers keyed by "backend/name"."""
         return {s.key: s for s in self.servers()}
 
-    def _servers_of(self, section: Section) -> Iterator[Server]:
+    def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
         flags = _ServerFlags()
-        defaults = self.defaults_for(section)
         if defaults is not None:
             for line in defaults.body:
                 if line.keyword == "default-server":

@@ -29,9 +29,9 @@ def inject_observe(config: Config, error_limit: int) -> Config:
     """Add `observe layer4 ... on-error mark-down` to every server line that wants it."""
     result = config.copy()
     suffix = " " + observe_directive(error_limit)
-    for section in result.backends():
+    for section, servers in result.servers_by_backend():
         # A server-template line declares many servers with the same flags: edit it once.
-        lines_to_edit = sorted({s.line_index for s in result.servers(section) if wants_observe(s)})
+        lines_to_edit = sorted({s.line_index for s in servers if wants_observe(s)})
         for index in lines_to_edit:
             section.body[index] = section.body[index].with_appended(suffix)
     return result
