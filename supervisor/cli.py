@@ -40,7 +40,12 @@ def cmd_render(settings: Settings) -> int:
 
 def cmd_check(settings: Settings) -> int:
     effective = build_effective(settings, read_rendered(settings.haproxy.config))
-    prepare_runtime_dir(settings)
+    try:
+        prepare_runtime_dir(settings)
+    except OSError as exc:
+        print(f"haproxy-supervisor: {settings.haproxy.runtime_dir}: cannot prepare runtime_dir: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
     ok, message = asyncio.run(validate(settings.haproxy.binary, effective.text, settings.haproxy.runtime_dir))
     if ok:
         print(f"{settings.haproxy.config}: effective config is valid")
