@@ -287,8 +287,8 @@ def format_bytes(value: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def _milliseconds(value: float) -> str:
-    return f"{value:.0f} ms"
+def format_duration_ms(value: float) -> str:
+    return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.1f} s"
 
 
 def _badge(text: str, tone: str) -> str:
@@ -301,10 +301,21 @@ def _chips(keys: list[str], tone: str = "") -> str:
     return " ".join(f'<span class="chip {tone}">{_esc(key)}</span>' for key in keys)
 
 
+def _when(value: str | None, now: datetime, with_date: bool = True) -> str:
+    """A time from the document as `2025-01-02 03:04:05` and how long ago; the exact value on hover."""
+    if value is None:
+        return '<span class="muted">—</span>'
+    moment = datetime.fromisoformat(value)
+    shown = moment.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
+    ago = format_age(max(0.0, (now - moment).total_seconds()))
+    return f'<span class="when" title="{_esc(value)}">{_esc(shown)} <span class="muted">{_esc(ago)} ago</span></span>'
+
+
 _RESULT_TONE = {
     "ok": "good", "runtime_applied": "good", "skipped_unchanged": "neutral", "failed": "bad", "invalid": "bad",
 }
 _PUSH_TONE = {"ok": "good", "pending": "warn", "failed": "bad"}
+_OPERATOR_TAG = ' <span class="tag">operator</span>'
 
 _PAGE_CSS = """
 :root { color-scheme: light; }
@@ -312,47 +323,57 @@ _PAGE_CSS = """
 body { margin: 0; background: #f3f5f8; color: #1d2330;
   font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; }
 header { background: #1d2330; color: #fff; padding: 14px 24px; display: flex; align-items: center;
-  gap: 14px; flex-wrap: wrap; }
+  gap: 10px; flex-wrap: wrap; }
 header h1 { font-size: 18px; margin: 0 8px 0 0; font-weight: 600; }
-header .facts { color: #b9c2d3; font-size: 13px; }
+header .facts { color: #b9c2d3; font-size: 13px; margin-left: 8px; }
 main { padding: 18px 24px; display: grid; gap: 16px; max-width: 1280px; }
-section { background: #fff; border: 1px solid #dde2ea; border-radius: 8px; padding: 14px 16px; }
+.row { display: grid; grid-template-columns: minmax(300px, 2fr) 3fr; gap: 16px; }
+@media (max-width: 800px) { .row { grid-template-columns: 1fr; } }
+section { background: #fff; border: 1px solid #dde2ea; border-radius: 8px; padding: 14px 16px; min-width: 0; }
 h2 { font-size: 15px; margin: 0 0 10px; font-weight: 600; }
 h2 .count { color: #6b7587; font-weight: 400; }
 table { border-collapse: collapse; width: 100%; }
-th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #edf0f4; vertical-align: top; }
-th { font-size: 12px; text-transform: uppercase; letter-spacing: .04em; color: #6b7587; font-weight: 600; }
-td.num { font-variant-numeric: tabular-nums; }
-code, .mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 13px; }
-.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; }
+th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #edf0f4; vertical-align: baseline; }
+tr:last-child td { border-bottom: 0; }
+th { font-size: 12px; text-transform: uppercase; letter-spacing: .04em; color: #6b7587; font-weight: 600;
+  white-space: nowrap; }
+td.num, .num { font-variant-numeric: tabular-nums; white-space: nowrap; }
+.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 13px; }
+.when { white-space: nowrap; font-variant-numeric: tabular-nums; }
+.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; margin: 0; }
 .kv dt { color: #6b7587; } .kv dd { margin: 0; }
-.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600;
+  white-space: nowrap; }
 .good { background: #dff5e3; color: #17692c; } .bad { background: #fde2e1; color: #a61b1b; }
 .warn { background: #fff1cc; color: #7a5200; } .neutral { background: #e8ebf0; color: #444d5c; }
 .chip { display: inline-block; margin: 1px 2px; padding: 0 6px; border-radius: 4px; background: #eef1f6;
-  font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
+  font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; white-space: nowrap; }
 .chip.bad { background: #fde2e1; color: #a61b1b; }
-.counters { display: flex; gap: 18px; flex-wrap: wrap; margin-bottom: 10px; }
-.counters div { min-width: 90px; } .counters b { display: block; font-size: 20px; }
+.chip .tag { font-family: system-ui, sans-serif; font-size: 11px; opacity: .75; }
+.counters { display: flex; gap: 10px; flex-wrap: wrap; margin-bottom: 10px; }
+.counters div { min-width: 110px; padding: 6px 10px; border-radius: 6px; background: #f6f7f9; }
+.counters b { display: block; font-size: 20px; font-variant-numeric: tabular-nums; }
 .counters span { color: #6b7587; font-size: 12px; }
-.muted { color: #8a93a3; } .err { color: #a61b1b; }
+.counters .bad { background: #fde2e1; } .counters .bad b { color: #a61b1b; }
+.muted { color: #8a93a3; } .err { color: #a61b1b; overflow-wrap: anywhere; }
 footer { padding: 0 24px 18px; color: #6b7587; font-size: 12px; }
+footer a { color: #3b5bdb; }
 """
 
 
-def _current_worker_html(worker: dict[str, Any]) -> str:
+def _current_worker_html(worker: dict[str, Any], now: datetime) -> str:
     sha = worker["config_sha256"]
     return (
         '<dl class="kv">'
-        f'<dt>PID</dt><dd class="mono" id="current-pid">{_esc(worker["pid"])}</dd>'
-        f'<dt>Generation</dt><dd>{_esc(worker["generation"])}</dd>'
-        f'<dt>Started</dt><dd>{_esc(worker["started_at"])}</dd>'
-        f'<dt>Config sha256</dt><dd class="mono" title="{_esc(sha)}">{_esc(sha[:16] if sha else None)}</dd>'
+        f'<dt>PID</dt><dd class="num" id="current-pid">{_esc(worker["pid"])}</dd>'
+        f'<dt>Generation</dt><dd class="num">{_esc(worker["generation"])}</dd>'
+        f'<dt>Started</dt><dd>{_when(worker["started_at"], now)}</dd>'
+        f'<dt>Config</dt><dd class="mono" title="sha256 {_esc(sha)}">{_esc(sha[:16] if sha else None)}</dd>'
         "</dl>"
     )
 
 
-def _old_workers_html(workers: list[dict[str, Any]]) -> str:
+def _old_workers_html(workers: list[dict[str, Any]], now: datetime) -> str:
     if not workers:
         return '<p class="muted">No old workers: nothing is draining.</p>'
     rows = []
@@ -360,40 +381,42 @@ def _old_workers_html(workers: list[dict[str, Any]]) -> str:
         push = w["push"]
         push_cell = _badge(push["state"], _PUSH_TONE.get(push["state"], "neutral"))
         if push["at"]:
-            push_cell += f' <span class="muted">{_esc(push["at"])}</span>'
+            push_cell += f' <span class="muted" title="{_esc(push["at"])}">'
+            push_cell += f'{_esc(format_age((now - datetime.fromisoformat(push["at"])).total_seconds()))} ago</span>'
         if push["error"]:
             push_cell += f'<div class="err">{_esc(push["error"])}</div>'
         rows.append(
             f'<tr class="old-worker" data-pid="{_esc(w["pid"])}">'
-            f'<td class="mono">{_esc(w["pid"])}</td><td class="num">{_esc(w["generation"])}</td>'
+            f'<td class="num pid">{_esc(w["pid"])}</td><td class="num">{_esc(w["generation"])}</td>'
             f'<td class="num" title="{_esc(w["age_s"])} s">{_esc(format_age(w["age_s"]))}</td>'
             f'<td class="num">{_esc(format_bytes(w["rss_bytes"]))}</td>'
             f'<td class="num">{_esc(w["connections"] if w["connections"] is not None else "?")}</td>'
-            f"<td>{_chips(w['steered'], 'bad')}</td><td>{push_cell}</td></tr>"
+            f"<td class=\"steered\">{_chips(w['steered'], 'bad')}</td><td>{push_cell}</td></tr>"
         )
     return (
         "<table><thead><tr><th>PID</th><th>Gen</th><th>Age</th><th>RSS</th><th>Conns</th>"
-        "<th>Steered away from</th><th>Push</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+        "<th>Steered away from</th><th>Push to worker</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
     )
 
 
-def _reloads_html(reloads: dict[str, Any]) -> str:
+def _reloads_html(reloads: dict[str, Any], now: datetime) -> str:
     counters = "".join(
-        f'<div><b>{_esc(reloads[result])}</b><span>{_esc(result.replace("_", " "))}</span></div>'
+        f'<div class="{"bad" if result in ("failed", "invalid") and reloads[result] else ""}">'
+        f'<b>{_esc(reloads[result])}</b><span>{_esc(result.replace("_", " "))}</span></div>'
         for result in RELOAD_RESULTS
     )
     if not reloads["recent"]:
         return f'<div class="counters">{counters}</div><p class="muted">No reloads yet.</p>'
     rows = "".join(
-        f'<tr class="reload"><td>{_esc(r["at"])}</td>'
-        f'<td>{_badge(r["result"], _RESULT_TONE.get(r["result"], "neutral"))}</td>'
-        f'<td class="num">{_esc(_milliseconds(r["duration_ms"]))}</td>'
+        f'<tr class="reload"><td>{_when(r["at"], now)}</td>'
+        f'<td>{_badge(r["result"].replace("_", " "), _RESULT_TONE.get(r["result"], "neutral"))}</td>'
+        f'<td class="num">{_esc(format_duration_ms(r["duration_ms"]))}</td>'
         f'<td class="err">{_esc(r["error"] or "")}</td></tr>'
         for r in reloads["recent"]
     )
     return (
         f'<div class="counters">{counters}</div>'
-        "<table><thead><tr><th>At (UTC)</th><th>Result</th><th>Duration</th><th>Error</th></tr></thead>"
+        "<table><thead><tr><th>When (UTC)</th><th>Result</th><th>Took</th><th>Error</th></tr></thead>"
         f"<tbody>{rows}</tbody></table>"
     )
 
@@ -410,7 +433,8 @@ def render_page(doc: dict[str, Any], now: datetime) -> str:
     operator_dead = set(doc["operator_dead"])
     dead = (
         " ".join(
-            f'<span class="chip bad">{_esc(key)}{" (operator)" if key in operator_dead else ""}</span>'
+            f'<span class="chip bad">{_esc(key)}'
+            f'{_OPERATOR_TAG if key in operator_dead else ""}</span>'
             for key in doc["dead_servers"]
         )
         or '<span class="muted">none</span>'
@@ -425,12 +449,16 @@ def render_page(doc: dict[str, Any], now: datetime) -> str:
 <body>
 <header><h1>haproxy-supervisor</h1>{master} {ready}<span class="facts">{facts}</span></header>
 <main>
-<section id="current"><h2>Current worker</h2>{_current_worker_html(doc["worker"])}</section>
-<section id="old-workers"><h2>Old workers <span class="count">({_esc(len(old))})</span></h2>
-{_old_workers_html(old)}</section>
+<div class="row">
+<section id="current"><h2>Current worker</h2>{_current_worker_html(doc["worker"], now)}</section>
 <section id="dead"><h2>Dead servers <span class="count">({_esc(len(doc["dead_servers"]))})</span></h2>
-{dead}</section>
-<section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"])}</section>
+<p>{dead}</p><p class="muted">Old workers are steered away from these. Mark or clear one with
+<span class="mono">POST</span> / <span class="mono">DELETE /servers/&lt;backend&gt;/&lt;server&gt;/dead</span>.</p>
+</section>
+</div>
+<section id="old-workers"><h2>Old workers <span class="count">({_esc(len(old))})</span></h2>
+{_old_workers_html(old, now)}</section>
+<section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"], now)}</section>
 </main>
 <footer>Generated {_esc(rfc3339(now))} · refreshes every {PAGE_REFRESH_S} s ·
 <a href="/status">/status</a> · <a href="/metrics">/metrics</a></footer>

@@ -206,7 +206,7 @@ def test_page_shows_workers_steering_and_reloads():
     for key in ("app/app1", "echo/echo_r1", "highscale/highscale_r2"):
         assert f">{key}<" in page
     assert "40m 00s" in page and "3m 00s" in page
-    assert "highscale/highscale_r2 (operator)" in page
+    assert 'highscale/highscale_r2 <span class="tag">operator</span>' in page
     assert page.count('<tr class="reload">') == 7
 
 
