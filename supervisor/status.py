@@ -44,6 +44,8 @@ UNIX_SOCKET_MODE = 0o660
 # The classic text format: every Prometheus version parses it (1.0.0 needs Prometheus 3).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PAGE_REFRESH_S = 5
+# A drain can make thousands of servers dead at once; the page lists the first ones, /status all.
+PAGE_CHIP_LIMIT = 40
 # Reload results that mean "the config HAProxy runs is what was asked for".
 RELOAD_SUCCESS = frozenset({"ok", "runtime_applied", "skipped_unchanged"})
 RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied")
@@ -266,7 +268,7 @@ def _esc(value: Any) -> str:
 def format_age(seconds: float | None) -> str:
     if seconds is None:
         return "?"
-    total = int(seconds)
+    total = max(0, int(seconds))  # a clock step must not show "-3s"
     if total < 60:
         return f"{total}s"
     if total < 3600:
@@ -295,10 +297,13 @@ def _badge(text: str, tone: str) -> str:
     return f'<span class="badge {tone}">{_esc(text)}</span>'
 
 
-def _chips(keys: list[str], tone: str = "") -> str:
+def _chips(keys: list[str], tone: str = "", limit: int = PAGE_CHIP_LIMIT) -> str:
     if not keys:
         return '<span class="muted">none</span>'
-    return " ".join(f'<span class="chip {tone}">{_esc(key)}</span>' for key in keys)
+    shown = " ".join(f'<span class="chip {tone}">{_esc(key)}</span>' for key in keys[:limit])
+    if len(keys) > limit:
+        shown += f' <span class="muted">and {len(keys) - limit} more (see /status)</span>'
+    return shown
 
 
 def _when(value: str | None, now: datetime, with_date: bool = True) -> str:
@@ -431,14 +436,17 @@ def render_page(doc: dict[str, Any], now: datetime) -> str:
         f' · HAProxy {_esc(hap["version"])} · master pid {_esc(hap["master_pid"])}'
     )
     operator_dead = set(doc["operator_dead"])
+    dead_servers = doc["dead_servers"]
     dead = (
         " ".join(
             f'<span class="chip bad">{_esc(key)}'
             f'{_OPERATOR_TAG if key in operator_dead else ""}</span>'
-            for key in doc["dead_servers"]
+            for key in dead_servers[:PAGE_CHIP_LIMIT]
         )
         or '<span class="muted">none</span>'
     )
+    if len(dead_servers) > PAGE_CHIP_LIMIT:
+        dead += f' <span class="muted">and {len(dead_servers) - PAGE_CHIP_LIMIT} more (see /status)</span>'
     old = doc["old_workers"]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -598,7 +606,9 @@ class _Endpoints:
         if not header:
             raise _Refused(403, "this endpoint needs Authorization: Bearer <token> (status.token_file)")
         scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self.token):
+        # aiohttp decodes headers with surrogateescape; encode the same way to get the bytes sent.
+        presented_bytes = presented.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented_bytes, self.token):
             log.warning("status: %s %s from %s: wrong bearer token", request.method, request.path, _peer(request))
             raise _Refused(401, "wrong bearer token", {"WWW-Authenticate": 'Bearer realm="haproxy-supervisor"'})
 
@@ -711,7 +721,9 @@ def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
 async def start_status_server(app: web.Application, listen: str) -> web.AppRunner:
     """Serve `app` on `host:port` or `unix:/path`. Stop it with `await runner.cleanup()`."""
     address = listen_address(listen)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # Scrapes every few seconds would flood an access log; operator actions are logged by the handlers.
+    # An action in flight (a reload) may delay a stop by at most `shutdown_timeout`.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     sock: socket.socket | None = None
     if isinstance(address, str):
         path = Path(address)

@@ -91,6 +91,14 @@ def _text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _first(keys: list[str], limit: int = 10) -> str:
+    """Up to `limit` keys; a drain can make thousands dead and --json has them all."""
+    if not keys:
+        return "-"
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
 def _push_text(push: dict[str, Any]) -> str:
     return push["state"] + (f" ({push['error']})" if push["error"] else "")
 
@@ -113,7 +121,7 @@ def format_status(doc: dict[str, Any], recent: int = 5) -> str:
         rows = [
             [
                 str(w["pid"]), _text(w["generation"]), format_age(w["age_s"]), format_bytes(w["rss_bytes"]),
-                _text(w["connections"]), _push_text(w["push"]), ", ".join(w["steered"]) or "-",
+                _text(w["connections"]), _push_text(w["push"]), _first(w["steered"]),
             ]
             for w in old
         ]
@@ -133,7 +141,7 @@ def format_status(doc: dict[str, Any], recent: int = 5) -> str:
     out.append("")
     operator = set(doc.get("operator_dead", []))
     dead = [f"{key} (operator)" if key in operator else key for key in doc["dead_servers"]]
-    out.append(f"dead servers ({len(dead)}): {', '.join(dead) if dead else 'none'}")
+    out.append(f"dead servers ({len(dead)}): {_first(dead, 50) if dead else 'none'}")
     return "\n".join(out) + "\n"
 
 

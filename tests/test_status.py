@@ -224,6 +224,18 @@ def test_page_has_no_external_assets():
     assert not re.search(r"(src|href)=\"(https?:)?//", page)
 
 
+def test_page_lists_the_first_dead_servers_of_a_big_drain():
+    state = running_state(NOW)
+    many = [f"be/srv{i:05d}" for i in range(5000)]
+    state.old_workers[OLD_PIDS[0]].steered = many
+    state.dead_servers = set(many)
+    page = render_page(status_document(state, Settings(), NOW), NOW)
+    assert page.count("be/srv") == 2 * 40
+    assert page.count("and 4960 more (see /status)") == 2
+    table = format_status(status_document(state, Settings(), NOW))
+    assert "be/srv00009 (+4990 more)" in table and "be/srv00049 (+4950 more)" in table
+
+
 def test_page_of_a_fresh_daemon():
     page = render_page(status_document(State(started_at=NOW), Settings(), NOW), NOW)
     assert "No old workers" in page and "No reloads yet" in page and "master down" in page
@@ -231,7 +243,10 @@ def test_page_of_a_fresh_daemon():
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(None, "?"), (0, "0s"), (59.9, "59s"), (60, "1m 00s"), (3599, "59m 59s"), (3600, "1h 00m"), (90061, "1d 01h")],
+    [
+        (None, "?"), (-3.5, "0s"), (0, "0s"), (59.9, "59s"), (60, "1m 00s"), (3599, "59m 59s"), (3600, "1h 00m"),
+        (90061, "1d 01h"),
+    ],
 )
 def test_format_age(seconds, text):
     assert format_age(seconds) == text

@@ -204,6 +204,21 @@ async def test_reload_needs_the_token(tcp: Served):
     assert tcp.actions.calls == [("reload_now",)]
 
 
+async def test_a_token_that_is_not_ascii_is_refused_not_crashed(tcp: Served):
+    # Raw bytes on the socket: clients may send any octets in a header.
+    host, port = tcp.base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /reload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\xf6k\xe9n\xff\r\n"
+                     b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert tcp.actions.calls == []
+
+
 async def test_mark_and_unmark_dead(tcp: Served):
     async with tcp.session() as session:
         status, body = await get_json(session, "POST", "/servers/wide/wide_r3/dead", headers=AUTH)
