@@ -15,7 +15,7 @@ import aiohttp
 from yarl import URL
 
 from .settings import SettingsError, listen_address, load_settings
-from .status import format_age, format_bytes
+from .status import format_age, format_bytes, format_duration_ms
 
 DEFAULT_URL = "http://127.0.0.1:9180"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -99,10 +99,6 @@ def _first(keys: list[str], limit: int = 10) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def _push_text(push: dict[str, Any]) -> str:
-    return push["state"] + (f" ({push['error']})" if push["error"] else "")
-
-
 def format_status(doc: dict[str, Any], recent: int = 5) -> str:
     """The /status document as a readable report."""
     sup, hap, worker, reloads = doc["supervisor"], doc["haproxy"], doc["worker"], doc["reloads"]
@@ -121,11 +117,12 @@ def format_status(doc: dict[str, Any], recent: int = 5) -> str:
         rows = [
             [
                 str(w["pid"]), _text(w["generation"]), format_age(w["age_s"]), format_bytes(w["rss_bytes"]),
-                _text(w["connections"]), _push_text(w["push"]), _first(w["steered"]),
+                _text(w["connections"]), w["push"]["state"], _first(w["steered"]),
             ]
             for w in old
         ]
         out += _table(["PID", "GEN", "AGE", "RSS", "CONNS", "PUSH", "STEERED AWAY FROM"], rows)
+        out += [f"  push to {w['pid']} failed: {w['push']['error']}" for w in old if w["push"]["error"]]
     else:
         out.append("  none")
     out.append("")
@@ -134,7 +131,7 @@ def format_status(doc: dict[str, Any], recent: int = 5) -> str:
     out.append(f"reloads     {counts}")
     if reloads["recent"]:
         rows = [
-            [r["at"], r["result"], f"{r['duration_ms']:.0f} ms", (r["error"] or "").replace("\n", " ")[:80]]
+            [r["at"], r["result"], format_duration_ms(r["duration_ms"]), (r["error"] or "").replace("\n", " ")[:80]]
             for r in reloads["recent"][:recent]
         ]
         out += _table(["AT", "RESULT", "DURATION", "ERROR"], rows)

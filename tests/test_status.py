@@ -271,7 +271,9 @@ def test_format_status_table():
     assert lines[header - 1] == "old workers (2)"
     oldest, newer = lines[header + 1].split(), lines[header + 2]
     assert oldest[:4] == [str(OLD_PIDS[0]), "1", "40m", "00s"]
-    assert "echo/echo_r1, highscale/highscale_r2" in newer and "failed (master CLI" in newer
+    assert newer.split()[7:] == ["failed", "echo/echo_r1,", "highscale/highscale_r2"]
+    assert f"  push to {OLD_PIDS[1]} failed: master CLI /run/x/master.sock: timed out" in lines
+    assert any(line.split()[1:3] == ["failed", "30.0"] for line in lines)
     assert "reloads     ok 3  failed 1  invalid 1  skipped_unchanged 1  runtime_applied 1" in lines
     assert lines[-1] == "dead servers (3): app/app1, echo/echo_r1, highscale/highscale_r2 (operator)"
 
