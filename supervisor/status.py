@@ -690,8 +690,9 @@ def _remove_stale_socket(path: Path) -> None:
     except (ConnectionRefusedError, FileNotFoundError):
         path.unlink(missing_ok=True)  # left by a daemon that died
         return
-    except OSError:
-        pass
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+        raise StatusServerError(f"status.listen unix:{path}: exists and cannot be probed: {problem}") from None
     finally:
         probe.close()
     raise StatusServerError(f"status.listen unix:{path}: another process is listening on it")
