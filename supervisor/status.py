@@ -13,10 +13,8 @@ token: the socket file is created 0660, so its owner and group decide who may co
 from __future__ import annotations
 
 import contextlib
-import functools
 import hmac
 import html
-import json
 import logging
 import os
 import socket
@@ -565,8 +563,9 @@ class _Endpoints:
     # -- reads
 
     async def status(self, request: web.Request) -> web.Response:
-        document = status_document(self.state, self.settings, self.clock())
-        return web.json_response(document, dumps=functools.partial(json.dumps, indent=2))
+        # Compact: a big drain (50 old workers x 10,000 steered servers) is 8 MB and ~50 ms of
+        # this event loop; indenting would double both. `jq` or `status --json` pretty-print.
+        return web.json_response(status_document(self.state, self.settings, self.clock()))
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": METRICS_CONTENT_TYPE})
