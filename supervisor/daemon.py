@@ -1,8 +1,9 @@
 """`haproxy-supervisor run`: wire the components, handle signals, talk to systemd.
 
 SIGTERM / SIGINT: stop HAProxy gracefully, exit 0. SIGHUP: reload now, even when
-nothing changed. A crash of the daemon itself (an exception escaping a task) leaves
-HAProxy running and exits 1, so the next `run` adopts it.
+nothing changed. SIGQUIT: exit at once (status 3) and leave HAProxy running, so the
+next `run` adopts it: how to restart or upgrade the daemon alone. A crash of the
+daemon itself (an exception escaping a task) also leaves HAProxy running, exit 1.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from .settings import Settings
 from .state import ReloadRecord, State
 
 log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_CRASHED, EXIT_DETACHED = 0, 1, 3
 
 
 class Component(Protocol):
@@ -92,6 +95,7 @@ class Daemon:
         self.reloader: Reloader | None = None
         self.displaced: DisplacedComponent | None = None
         self._stop = asyncio.Event()
+        self._detach = False
         self._group: asyncio.TaskGroup | None = None
         self._signal_tasks: set[asyncio.Task[Any]] = set()
 
@@ -102,6 +106,11 @@ class Daemon:
             log.info("%s: already stopping", name)
             return
         log.info("%s: stopping haproxy gracefully, then exiting", name)
+        self._stop.set()
+
+    def handle_detach(self) -> None:
+        log.info("SIGQUIT: exiting and leaving haproxy running for the next start to adopt")
+        self._detach = True
         self._stop.set()
 
     def handle_reload(self) -> None:
@@ -117,6 +126,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.handle_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.handle_stop, "SIGINT")
         loop.add_signal_handler(signal.SIGHUP, self.handle_reload)
+        loop.add_signal_handler(signal.SIGQUIT, self.handle_detach)
 
     # ------------------------------------------------------------ callbacks
 
@@ -138,7 +148,7 @@ class Daemon:
             prepare_runtime_dir(settings)
         except OSError as exc:
             log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
-            return 1
+            return EXIT_CRASHED
         self.state.haproxy_version = await haproxy_version(settings.haproxy.binary)
         self.master = MasterProcess(settings, self.state, self.cli, on_started=self.handle_master_started)
         ext = self.extensions
@@ -158,7 +168,7 @@ class Daemon:
             adopted = await self.master.adopt()
         except MasterError as exc:
             log.error("%s", exc)
-            return 1
+            return EXIT_CRASHED
         if adopted is not None:
             self.reloader.rebuild(adopted)
             self.notifier.ready(summary_line(self.state, len(adopted.old_workers)))
@@ -184,11 +194,20 @@ class Daemon:
 
             await self._stop.wait()
             self.notifier.stopping()
-            await self.master.stop()
+            if self._detach:
+                # Let an in-flight reload finish, so the next daemon finds generations.json current.
+                self.master.stopping = True
+                await self.master.lock.acquire()
+            else:
+                await self.master.stop()
             for task in (*tasks, *self._signal_tasks):
                 task.cancel()
+        if self._detach:
+            log.info("haproxy-supervisor detached: haproxy master pid=%s left running, exit %d",
+                     self.master.pid, EXIT_DETACHED)
+            return EXIT_DETACHED
         log.info("haproxy-supervisor stopped: exit 0")
-        return 0
+        return EXIT_OK
 
 
 async def haproxy_version(binary: str) -> str | None:
@@ -210,4 +229,4 @@ def run_daemon(settings: Settings, extensions: Extensions | None = None) -> int:
     except Exception:  # an ExceptionGroup from the TaskGroup included
         # A bug, not a decision: HAProxy keeps running and the next `run` adopts it.
         log.critical("haproxy-supervisor crashed; haproxy is left running for the next start", exc_info=True)
-        return 1
+        return EXIT_CRASHED

@@ -207,6 +207,7 @@ class MasterProcess:
 
     def _mark_down(self) -> None:
         self.state.master_up = False
+        self.state.master_pid = None
         self._up.clear()
         self.pid = None
         self._child = None

@@ -296,6 +296,9 @@ class Reloader:
         self._last_number = 0
         self.loaded: LoadedConfig | None = None
         self.last_procs: ProcList | None = None
+        self._persisted: Snapshot | None = None
+        self._terminated: set[int] = set()  # old workers we sent SIGTERM, until they are gone
+        self._status_sent = ""
         state.rendered_path = str(settings.haproxy.config)
         state.effective_path = str(settings.haproxy.effective_config)
 
@@ -313,21 +316,32 @@ class Reloader:
 
     async def _watch(self) -> None:
         roots = watch_roots(self.watch_files, self.watch_dirs)
+        reported: list[Path] = []
         while True:
             existing = [r for r in roots if r.is_dir()]
             missing = [r for r in roots if not r.is_dir()]
-            if missing:
-                log.warning("watch: %s missing; watching the rest", ", ".join(map(str, missing)))
+            if missing != reported:
+                if missing:
+                    log.warning("watch: %s missing; watching for it to appear", ", ".join(map(str, missing)))
+                elif reported:
+                    # What appeared may hold the rendered config: look at it.
+                    self.changed()
+                reported = missing
             if not existing:
                 await asyncio.sleep(1)
                 continue
             log.info("watching %s", ", ".join(map(str, existing)))
-            # watchfiles' own batching is kept short: the debounce that matters is ours.
-            async for changes in awatch(*existing, watch_filter=self.filter, debounce=50, step=10):
-                log.debug("change: %s", ", ".join(sorted(p for _, p in changes)))
-                self.changed()
-            if not missing:
-                return
+            # watchfiles' own batching is kept short: the debounce that matters is ours. With a root
+            # missing, wake up every second to see whether it appeared.
+            async for changes in awatch(
+                *existing, watch_filter=self.filter, debounce=50, step=10,
+                rust_timeout=1000 if missing else None, yield_on_timeout=bool(missing),
+            ):
+                if changes:
+                    log.debug("change: %s", ", ".join(sorted(p for _, p in changes)))
+                    self.changed()
+                if missing and any(r.is_dir() for r in missing):
+                    break
 
     async def _schedule(self) -> None:
         while True:
@@ -356,6 +370,10 @@ class Reloader:
                     log.debug("housekeeping: %s", exc)
                     continue
                 self._observe(procs)
+            status = summary_line(self.state, self._old_count())
+            if status != self._status_sent:
+                self._status_sent = status
+                self.notifier.status(status)
 
     # ------------------------------------------------------------ requests
 
@@ -554,8 +572,12 @@ class Reloader:
 
     def _persist(self) -> None:
         records = tuple(record_of(g, self._inputs.get(n)) for n, g in self.state.generations.items())
+        snapshot = Snapshot(records, self.state.current_generation, self._last_number)
+        if snapshot == self._persisted:
+            return
         try:
-            self.store.save(Snapshot(records, self.state.current_generation, self._last_number))
+            self.store.save(snapshot)
+            self._persisted = snapshot
         except OSError as exc:
             log.error("cannot write %s: %s", self.store.index, exc.strerror or exc)
 
@@ -574,13 +596,15 @@ class Reloader:
 
     def enforce_old_workers_max(self, procs: ProcList) -> list[int]:
         limit = self.settings.old_workers.max
-        victims = old_workers_over_max(procs, limit)
+        self._terminated &= {p.pid for p in procs.old_workers}
+        victims = [p for p in old_workers_over_max(procs, limit) if p.pid not in self._terminated]
         by_pid = {g.worker_pid: n for n, g in self.state.generations.items()}
         for proc in victims:
             log.warning(
                 "old worker pid=%d generation=%s SIGTERM: %d old workers alive > old_workers.max=%d, oldest first",
                 proc.pid, by_pid.get(proc.pid), len(procs.old_workers), limit,
             )
+            self._terminated.add(proc.pid)
             try:
                 # Only a PID `show proc` just listed as an old worker of our master is signalled.
                 if psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:

@@ -261,3 +261,23 @@ async def test_old_workers_over_max_get_sigterm_oldest_first(make):
         assert (await held1)[0] == 0, "the oldest worker was hard-stopped with its request"
         assert (await held2)[0] == 200
         assert d.count(rf"old worker pid={w2} ") == 0
+
+
+async def test_sigquit_detaches_and_the_next_run_adopts(make):
+    """How the daemon alone is restarted or upgraded: exit 3, HAProxy untouched, adopted again."""
+    front = free_port()
+    with backends("b1") as started:
+        d = make(config(front, started["b1"].address, "v1"))
+        d.start()
+        worker = await d.wait_generation(1)
+        master = d.master_pid()
+        assert master is not None
+        d.signal(signal.SIGQUIT)
+        assert await d.wait_exit() == 3
+        assert alive(master) and alive(worker)
+        assert (await http_get(front))[0] == 200
+        d.start()
+        await d.wait_log(rf"master adopted pid={master} worker={worker}")
+        d.signal(signal.SIGTERM)
+        assert await d.wait_exit() == 0
+        assert not alive(master)

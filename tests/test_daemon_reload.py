@@ -235,3 +235,19 @@ async def test_invalid_config_at_start_waits_then_starts_on_a_valid_one(make):
         d.write(good)
         await d.wait_generation(1)
         assert await tag_of(front) == "late"
+
+
+async def test_rendered_config_directory_appearing_later_is_picked_up(make, rundir: Path):
+    """A node where the controller has not rendered anything yet: the daemon waits, then starts."""
+    front = free_port()
+    with backends("b1") as started:
+        d = make(config(front, started["b1"].address, "v1"), name="late")
+        later = rundir / "not-yet" / "haproxy.cfg"
+        d.settings_path.write_text(d.settings_path.read_text().replace(str(d.rendered), str(later)))
+        d.start()
+        await d.wait_log(r"cannot read rendered config")
+        await d.wait_log(r"watch: .*not-yet missing")
+        later.parent.mkdir()
+        later.write_text(config(front, started["b1"].address, "v1"))
+        await d.wait_generation(1)
+        assert await tag_of(front) == "v1"
