@@ -129,13 +129,20 @@ class Daemon:
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.remember_master()
-            self.proc.kill()
-            self.proc.wait(5)
+            # SIGTERM first: the daemon stops (and reaps) HAProxy itself, faster than a kill.
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
         self.remember_master()
         for pid in self.masters:
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)
-                if str(self.runtime / "master.sock") in " ".join(proc.cmdline()):
+                if proc.status() != psutil.STATUS_ZOMBIE and str(self.runtime / "master.sock") in " ".join(
+                    proc.cmdline()
+                ):
                     kill_tree(pid)
 
     def remember_master(self) -> int | None:
