@@ -353,7 +353,7 @@ class Reloader:
                     await asyncio.wait_for(self._wake.wait(), None if due is None else due - now)
                 continue
             self.scheduler.take(now)
-            await self.apply_change(force=False, reason="change")
+            await self._guarded(self.apply_change(force=False, reason="change"))
 
     async def _housekeeping(self) -> None:
         """Prune generations whose worker is gone and enforce old_workers.max, between reloads."""
@@ -383,7 +383,17 @@ class Reloader:
         if wait > 0:
             await asyncio.sleep(wait)
         self.scheduler.clear()
-        return await self.apply_change(force=force, reason=reason)
+        return await self._guarded(self.apply_change(force=force, reason=reason))
+
+    async def _guarded(self, cycle: Awaitable[ReloadRecord | None]) -> ReloadRecord | None:
+        """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the
+        daemon goes on watching, HAProxy goes on serving the last good config."""
+        started = time.monotonic()
+        try:
+            return await cycle
+        except Exception as exc:
+            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+            return self._record("failed", started, f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------ the cycle
 
@@ -400,6 +410,10 @@ class Reloader:
         except RenderedConfigError as exc:
             log.error("reload invalid: %s", exc)
             return self._record("invalid", started, str(exc))
+        except Exception as exc:  # our parser choking on input must not take the daemon down
+            error = f"{self.settings.haproxy.config}: cannot build the effective config: {exc}"
+            log.error("reload invalid: %s", error)
+            return self._record("invalid", started, error)
         inputs = inputs_digest(self.settings.haproxy.watch)
         self.state.rendered_sha256 = effective.rendered_sha256
         if not self.master.wanted:
@@ -411,7 +425,8 @@ class Reloader:
                     return None
                 if not self.master.up:
                     continue
-                return await self._change_locked(effective, inputs, force, reason, started)
+                # Timed (and reload.timeout_s counted) from here, not from waiting for the lock.
+                return await self._change_locked(effective, inputs, force, reason, time.monotonic())
 
     async def _change_locked(
         self, effective: Effective, inputs: str, force: bool, reason: str, started: float
@@ -677,8 +692,14 @@ class Reloader:
                 log.warning("generation %d: %s missing; worker %s runs an unknown config",
                             record.number, self.store.config_path(record.number), record.worker_pid)
                 continue
+            try:
+                model = Config.parse(text)
+            except Exception as exc:
+                log.warning("generation %d: cannot parse %s: %s", record.number,
+                            self.store.config_path(record.number), exc)
+                continue
             self.state.generations[record.number] = Generation(
-                record.number, Config.parse(text), record.effective_sha256, record.rendered_sha256,
+                record.number, model, record.effective_sha256, record.rendered_sha256,
                 record.started_at, record.worker_pid,
             )
             self._inputs[record.number] = record.inputs_sha256
