@@ -263,6 +263,8 @@ class MasterProcess:
             log.info("pid file %s names pid=%d, which is not our haproxy master: stale, ignored", h.pid_file, pid)
             pid = None
         if pid is None:
+            if not h.master_socket_path.exists():
+                return None
             # The pid file may be gone while the master runs: its socket knows the PID too.
             try:
                 procs = await self.cli.show_proc()
