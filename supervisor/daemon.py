@@ -62,8 +62,9 @@ class DaemonActions:
         await self._displaced().unmark_dead(f"{backend}/{server}")
 
     def has_server(self, backend: str, server: str) -> bool:
-        current = self._daemon.state.current
-        return current is not None and f"{backend}/{server}" in current.model.server_map()
+        """In the current config or in the config an old worker still runs."""
+        key = f"{backend}/{server}"
+        return any(key in g.model.server_map() for g in self._daemon.state.generations.values())
 
 
 @dataclass
@@ -75,7 +76,8 @@ class Extensions:
     displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
     # runtime.py: the reloadless path; returns the callable the reloader tries before a reload
     runtime_apply: Callable[[Settings, State, MasterCLI], RuntimeApply | None] | None = None
-    # status.py: build_app(state, settings, actions) wrapped in something with run()
+    # status.py: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
+    # something whose run() serves until cancelled
     status: Callable[[Settings, State, DaemonActions], Component] | None = None
     extra_tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
 
