@@ -1,0 +1,234 @@
+"""`haproxy-supervisor run`: wire the components, handle signals, talk to systemd.
+
+SIGTERM / SIGINT: stop HAProxy gracefully, exit 0. SIGHUP: reload now, even when
+nothing changed. SIGQUIT: exit at once (status 3) and leave HAProxy running, so the
+next `run` adopts it: how to restart or upgrade the daemon alone. A crash of the
+daemon itself (an exception escaping a task) also leaves HAProxy running, exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .effective import prepare_runtime_dir
+from .haproxy.api import MasterCLI, ProcList
+from .logs import setup_logging
+from .master import MasterError, MasterProcess
+from .notify import Notifier, summary_line
+from .reloader import NoHooks, Reloader, ReloadHooks, RuntimeApply
+from .settings import Settings
+from .state import ReloadRecord, State
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_CRASHED, EXIT_DETACHED = 0, 1, 3
+
+
+class Component(Protocol):
+    async def run(self) -> None: ...
+
+
+class DisplacedComponent(ReloadHooks, Component, Protocol):
+    """The displaced-worker component (displaced.py, built separately)."""
+
+
+class DaemonActions:
+    """What the status server may ask the daemon to do (`build_app(state, settings, actions)`)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    async def reload_now(self) -> ReloadRecord | None:
+        assert self._daemon.reloader is not None
+        return await self._daemon.reloader.reload_now(force=True, reason="POST /reload")
+
+    def _displaced(self) -> Any:
+        displaced = self._daemon.displaced
+        if displaced is None:
+            raise NotImplementedError("the displaced-worker component is not running")
+        return displaced
+
+    async def mark_dead(self, backend: str, server: str) -> None:
+        await self._displaced().mark_dead(f"{backend}/{server}")
+
+    async def unmark_dead(self, backend: str, server: str) -> None:
+        await self._displaced().unmark_dead(f"{backend}/{server}")
+
+    def has_server(self, backend: str, server: str) -> bool:
+        """In the current config or in the config an old worker still runs."""
+        key = f"{backend}/{server}"
+        return any(key in g.model.server_map() for g in self._daemon.state.generations.values())
+
+
+@dataclass
+class Extensions:
+    """Factories for the components other parts of the project provide. All optional: without
+    them the daemon runs HAProxy, watches and reloads on its own."""
+
+    # displaced.py: DisplacedWorkers(settings, state, cli) -> hooks around reloads + run() task
+    displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
+    # runtime.py: the reloadless path; returns the callable the reloader tries before a reload
+    runtime_apply: Callable[[Settings, State, MasterCLI], RuntimeApply | None] | None = None
+    # status.py: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
+    # something whose run() serves until cancelled
+    status: Callable[[Settings, State, DaemonActions], Component] | None = None
+    extra_tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+
+
+class Daemon:
+    def __init__(self, settings: Settings, extensions: Extensions | None = None) -> None:
+        self.settings = settings
+        self.extensions = extensions or Extensions()
+        self.state = State(
+            haproxy_binary=settings.haproxy.binary,
+            observe_enabled=settings.observe.enabled,
+            observe_error_limit=settings.observe.error_limit,
+        )
+        self.notifier = Notifier()
+        self.cli = MasterCLI(settings.haproxy.master_socket_path)
+        self.master: MasterProcess | None = None
+        self.reloader: Reloader | None = None
+        self.displaced: DisplacedComponent | None = None
+        self._stop = asyncio.Event()
+        self._detach = False
+        self._group: asyncio.TaskGroup | None = None
+        self._signal_tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------ signals
+
+    def handle_stop(self, name: str) -> None:
+        if self._stop.is_set():
+            log.info("%s: already stopping", name)
+            return
+        log.info("%s: stopping haproxy gracefully, then exiting", name)
+        self._stop.set()
+
+    def handle_detach(self) -> None:
+        log.info("SIGQUIT: exiting and leaving haproxy running for the next start to adopt")
+        self._detach = True
+        self._stop.set()
+
+    def handle_reload(self) -> None:
+        log.info("SIGHUP: reload requested")
+        if self.reloader is None or self._stop.is_set():
+            return
+        task = asyncio.get_running_loop().create_task(self.reloader.reload_now(force=True, reason="SIGHUP"))
+        self._signal_tasks.add(task)
+        task.add_done_callback(self._signal_tasks.discard)
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.handle_stop, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self.handle_stop, "SIGINT")
+        loop.add_signal_handler(signal.SIGHUP, self.handle_reload)
+        loop.add_signal_handler(signal.SIGQUIT, self.handle_detach)
+
+    # ------------------------------------------------------------ callbacks
+
+    async def handle_master_started(self, procs: ProcList) -> None:
+        assert self.reloader is not None
+        await self.reloader.on_master_started(procs)
+        self.notifier.ready(summary_line(self.state, len(procs.old_workers)))
+
+    # ------------------------------------------------------------ main
+
+    async def run(self) -> int:
+        if sys.version_info < (3, 12):
+            # 3.11's default child watcher waits in a thread per child (`haproxy -c`): pidfds need none.
+            watcher = asyncio.PidfdChildWatcher()
+            watcher.attach_loop(asyncio.get_running_loop())
+            asyncio.set_child_watcher(watcher)
+        settings = self.settings
+        try:
+            prepare_runtime_dir(settings)
+        except OSError as exc:
+            log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
+            return EXIT_CRASHED
+        self.state.haproxy_version = await haproxy_version(settings.haproxy.binary)
+        self.master = MasterProcess(settings, self.state, self.cli, on_started=self.handle_master_started)
+        ext = self.extensions
+        if ext.displaced is not None:
+            self.displaced = ext.displaced(settings, self.state, self.cli)
+        runtime_apply = ext.runtime_apply(settings, self.state, self.cli) if ext.runtime_apply else None
+        hooks: ReloadHooks = self.displaced if self.displaced is not None else NoHooks()
+        self.reloader = Reloader(
+            settings, self.state, self.cli, self.master, self.notifier, hooks=hooks, runtime_apply=runtime_apply
+        )
+        self._install_signals()
+        log.info(
+            "haproxy-supervisor starting pid=%d haproxy=%s runtime_dir=%s",
+            self.state.supervisor_pid, self.state.haproxy_version, settings.haproxy.runtime_dir,
+        )
+        try:
+            adopted = await self.master.adopt()
+        except MasterError as exc:
+            log.error("%s", exc)
+            return EXIT_CRASHED
+        if adopted is not None:
+            self.reloader.rebuild(adopted)
+            self.notifier.ready(summary_line(self.state, len(adopted.old_workers)))
+
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            tasks = [
+                group.create_task(self.master.run(), name="master"),
+                group.create_task(self.reloader.run(), name="reloader"),
+                group.create_task(self.notifier.run_watchdog(), name="watchdog"),
+            ]
+            # ---- components built elsewhere start here: displaced workers, status server ----
+            if self.displaced is not None:
+                tasks.append(group.create_task(self.displaced.run(), name="displaced"))
+            if ext.status is not None:
+                status = ext.status(settings, self.state, DaemonActions(self))
+                tasks.append(group.create_task(status.run(), name="status"))
+            for make in ext.extra_tasks:
+                tasks.append(group.create_task(make()))
+            # -----------------------------------------------------------------------------------
+            if adopted is None:
+                tasks.append(group.create_task(self.reloader.apply_change(force=True, reason="startup")))
+
+            await self._stop.wait()
+            self.notifier.stopping()
+            if self._detach:
+                # Let an in-flight reload finish, so the next daemon finds generations.json current.
+                self.master.stopping = True
+                await self.master.lock.acquire()
+            else:
+                await self.master.stop()
+            for task in (*tasks, *self._signal_tasks):
+                task.cancel()
+        if self._detach:
+            log.info("haproxy-supervisor detached: haproxy master pid=%s left running, exit %d",
+                     self.master.pid, EXIT_DETACHED)
+            return EXIT_DETACHED
+        log.info("haproxy-supervisor stopped: exit 0")
+        return EXIT_OK
+
+
+async def haproxy_version(binary: str) -> str | None:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            binary, "-v", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+        out, _ = await proc.communicate()
+    except OSError:
+        return None
+    m = re.search(r"version (\S+)", out.decode(errors="replace"))
+    return m[1] if m else None
+
+
+def run_daemon(settings: Settings, extensions: Extensions | None = None) -> int:
+    setup_logging(settings.logging)
+    try:
+        return asyncio.run(Daemon(settings, extensions).run())
+    except Exception:  # an ExceptionGroup from the TaskGroup included
+        # A bug, not a decision: HAProxy keeps running and the next `run` adopts it.
+        log.critical("haproxy-supervisor crashed; haproxy is left running for the next start", exc_info=True)
+        return EXIT_CRASHED

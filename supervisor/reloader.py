@@ -1,0 +1,760 @@
+"""Watch the rendered config, and turn each burst of changes into one safe reload.
+
+watch -> debounce -> render -> skip if unchanged -> `haproxy -c` -> runtime apply or
+(write effective, `reload` on the master CLI, confirm with `show proc`) -> new generation.
+
+The decisions (when to reload, whether a reload took, which old workers exceed the
+limit, which paths are relevant) are pure and unit-tested; this module's I/O is a
+thin shell around them, tested end to end with the real binary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal, Protocol
+
+import psutil
+from watchfiles import Change, awatch
+
+from .effective import (
+    Effective,
+    RenderedConfigError,
+    build_effective,
+    read_rendered,
+    sha256_text,
+    validate,
+    write_atomically,
+)
+from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
+from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
+from .haproxy.config import Config
+from .master import MasterProcess
+from .notify import Notifier, summary_line
+from .settings import Settings
+from .state import Generation, ReloadRecord, ReloadResult, State, utcnow
+
+log = logging.getLogger(__name__)
+# watchfiles logs every batch at INFO; our own lines say what a change led to.
+logging.getLogger("watchfiles").setLevel(logging.WARNING)
+
+HOUSEKEEPING_S = 1.0
+CONFIRM_POLL_S = 0.05
+
+# ---------------------------------------------------------------- hooks
+
+
+class ReloadHooks(Protocol):
+    """What the displaced-worker component needs around each change."""
+
+    async def before_reload(self, next_model: Config) -> None: ...
+
+    async def after_reload(self, ok: bool) -> None: ...
+
+    async def refresh(self) -> None: ...
+
+
+class NoHooks:
+    async def before_reload(self, next_model: Config) -> None:
+        return None
+
+    async def after_reload(self, ok: bool) -> None:
+        return None
+
+    async def refresh(self) -> None:
+        return None
+
+
+# (current generation, new effective model, the effective config) -> True when applied without a reload.
+RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[bool]]
+
+
+# ---------------------------------------------------------------- pure decisions
+
+
+@dataclass
+class ReloadScheduler:
+    """When the next reload is due: `debounce_s` after the last change of a burst, and at
+    least `min_interval_s` after the previous reload; changes in between coalesce.
+
+    Fed with monotonic timestamps, so it is tested without clocks or files.
+    """
+
+    debounce_s: float
+    min_interval_s: float
+    last_change: float | None = None  # newest change not yet handled
+    last_reload: float | None = None  # when the previous reload was issued
+
+    def changed(self, now: float) -> None:
+        self.last_change = now
+
+    @property
+    def pending(self) -> bool:
+        return self.last_change is not None
+
+    def due_at(self) -> float | None:
+        if self.last_change is None:
+            return None
+        return max(self.last_change + self.debounce_s, self.earliest_reload())
+
+    def earliest_reload(self) -> float:
+        return float("-inf") if self.last_reload is None else self.last_reload + self.min_interval_s
+
+    def take(self, now: float) -> bool:
+        """True (and the pending change consumed) when a change is due at `now`."""
+        due = self.due_at()
+        if due is None or now < due:
+            return False
+        self.last_change = None
+        return True
+
+    def clear(self) -> None:
+        """A forced reload reads the files afresh, so it handles what is pending."""
+        self.last_change = None
+
+    def reloaded(self, now: float) -> None:
+        self.last_reload = now
+
+
+Verdict = Literal["ok", "failed", "pending"]
+
+
+def confirm_reload(before: ProcList, after: ProcList) -> Verdict:
+    """Did the reload take? Decided from two `show proc` answers.
+
+    ok: a current worker that was not there before. failed: the master's `[failed: N]`
+    grew, or the master reloaded (its counter moved) with failures and no new worker.
+    HAProxy resets `failed` to 0 on a successful load, so "unchanged" is not required.
+    """
+    if after.master is None:
+        return "pending"
+    known = {p.pid for p in (*before.workers, *before.old_workers)}
+    current = after.current_worker
+    if current is not None and current.pid not in known:
+        return "ok"
+    if after.master_failed > before.master_failed:
+        return "failed"
+    if (
+        before.master is not None
+        and after.master.reloads > before.master.reloads
+        and after.master_failed > 0
+    ):
+        return "failed"
+    return "pending"
+
+
+def old_workers_over_max(procs: ProcList, max_old: int) -> list[Proc]:
+    """The old workers beyond `max_old`, oldest first (the most reloads ago, then lowest PID)."""
+    olds = sorted(procs.old_workers, key=lambda p: (-p.reloads, p.pid))
+    excess = len(olds) - max_old
+    return olds[:excess] if excess > 0 else []
+
+
+def _is_k8s_internal(relative: Path) -> bool:
+    # Kubernetes' atomic writer keeps the real files in `..<timestamp>/` and swaps `..data`.
+    return bool(relative.parts) and relative.parts[0].startswith("..")
+
+
+class ChangeFilter:
+    """Which filesystem events mean "the input changed".
+
+    Watched files are seen through their parent directory, so a rename into place
+    (editors, `mv`), a ConfigMap's `..data` symlink swap and a write through the file
+    all count, while an editor's swap files and our own runtime_dir do not.
+    """
+
+    def __init__(self, files: Iterable[Path], directories: Iterable[Path], ignore: Iterable[Path] = ()) -> None:
+        self.files = [Path(f) for f in files]
+        self.targets = {f.resolve() for f in self.files} - set(self.files)
+        self.directories = [Path(d) for d in directories]
+        self.ignore = [Path(i) for i in ignore]
+
+    def __call__(self, change: Change, path: str) -> bool:
+        return self.relevant(Path(path))
+
+    def relevant(self, p: Path) -> bool:
+        if any(p == i or i in p.parents for i in self.ignore):
+            return False
+        for f in self.files:
+            if p == f:
+                return True
+            if f.parent in p.parents and _is_k8s_internal(p.relative_to(f.parent)):
+                return True
+        if p in self.targets:
+            return True
+        return any(p == d or d in p.parents for d in self.directories)
+
+
+def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[Path]]:
+    """(files, directories) among what to watch; a path that does not exist yet counts as a file."""
+    files = [config]
+    dirs: list[Path] = []
+    for p in watch:
+        (dirs if p.is_dir() else files).append(p)
+    return files, dirs
+
+
+def watch_roots(files: Sequence[Path], directories: Sequence[Path]) -> list[Path]:
+    """Directories to hand to inotify: each file's parent (and its symlink target's), each directory."""
+    roots: set[Path] = set(directories)
+    for f in files:
+        roots.add(f.parent)
+        target = f.resolve().parent
+        if target != f.parent:
+            roots.add(target)
+    ordered = sorted(roots, key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for root in ordered:
+        if not any(k == root or k in root.parents for k in kept):
+            kept.append(root)
+    return kept
+
+
+def inputs_digest(paths: Sequence[Path]) -> str:
+    """sha256 over the content of every file under haproxy.watch: maps, certificates, includes.
+
+    A change there needs a reload even when the effective config text is the same.
+    Kubernetes' `..` internals are skipped: the visible names resolve through them.
+    """
+    h = hashlib.sha256()
+    for root in sorted(paths):
+        if root.is_dir():
+            entries = []
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".."))
+                entries.extend(Path(dirpath) / n for n in filenames if not n.startswith(".."))
+            items = sorted(entries)
+        else:
+            items = [root]
+        for item in items:
+            h.update(str(item).encode() + b"\0")
+            try:
+                h.update(hashlib.sha256(item.read_bytes()).digest())
+            except OSError:
+                h.update(b"missing")
+    return h.hexdigest()
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """HAProxy's message on one log line: its ALERT lines first, joined with ` | `."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    alerts = [ln for ln in lines if "ALERT" in ln] or lines
+    joined = " | ".join(alerts)
+    return joined if len(joined) <= limit else joined[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- the reloader
+
+
+@dataclass
+class LoadedConfig:
+    """The effective config on disk that the current worker runs (the last good one)."""
+
+    text: str
+    rendered_sha256: str
+    inputs_sha256: str | None
+
+    @property
+    def sha256(self) -> str:
+        return sha256_text(self.text)
+
+
+class Reloader:
+    def __init__(
+        self,
+        settings: Settings,
+        state: State,
+        cli: MasterCLI,
+        master: MasterProcess,
+        notifier: Notifier | None = None,
+        hooks: ReloadHooks | None = None,
+        runtime_apply: RuntimeApply | None = None,
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.cli = cli
+        self.master = master
+        self.notifier = notifier or Notifier(environ={})
+        self.hooks: ReloadHooks = hooks or NoHooks()
+        self.runtime_apply = runtime_apply
+        self.store = GenerationStore(settings.haproxy.runtime_dir)
+        self.scheduler = ReloadScheduler(settings.reload.debounce_ms / 1000, settings.reload.min_interval_ms / 1000)
+        files, dirs = split_watch(settings.haproxy.config, settings.haproxy.watch)
+        self.watch_files, self.watch_dirs = files, dirs
+        self.filter = ChangeFilter(files, dirs, ignore=[settings.haproxy.runtime_dir])
+        self._wake = asyncio.Event()
+        self._inputs: dict[int, str | None] = {}  # generation -> inputs digest it was loaded with
+        self._last_number = 0
+        self.loaded: LoadedConfig | None = None
+        self.last_procs: ProcList | None = None
+        self._persisted: Snapshot | None = None
+        self._terminated: set[int] = set()  # old workers we sent SIGTERM, until they are gone
+        self._status_sent = ""
+        state.rendered_path = str(settings.haproxy.config)
+        state.effective_path = str(settings.haproxy.effective_config)
+
+    # ------------------------------------------------------------ tasks
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch())
+            tg.create_task(self._schedule())
+            tg.create_task(self._housekeeping())
+
+    def changed(self, now: float | None = None) -> None:
+        self.scheduler.changed(time.monotonic() if now is None else now)
+        self._wake.set()
+
+    async def _watch(self) -> None:
+        roots = watch_roots(self.watch_files, self.watch_dirs)
+        reported: list[Path] = []
+        while True:
+            existing = [r for r in roots if r.is_dir()]
+            missing = [r for r in roots if not r.is_dir()]
+            if missing != reported:
+                if missing:
+                    log.warning("watch: %s missing; watching for it to appear", ", ".join(map(str, missing)))
+                elif reported:
+                    # What appeared may hold the rendered config: look at it.
+                    self.changed()
+                reported = missing
+            if not existing:
+                await asyncio.sleep(1)
+                continue
+            log.info("watching %s", ", ".join(map(str, existing)))
+            # watchfiles' own batching is kept short: the debounce that matters is ours. With a root
+            # missing, wake up every second to see whether it appeared.
+            async for changes in awatch(
+                *existing, watch_filter=self.filter, debounce=50, step=10,
+                rust_timeout=1000 if missing else None, yield_on_timeout=bool(missing),
+            ):
+                if changes:
+                    log.debug("change: %s", ", ".join(sorted(p for _, p in changes)))
+                    self.changed()
+                if missing and any(r.is_dir() for r in missing):
+                    break
+
+    async def _schedule(self) -> None:
+        while True:
+            due = self.scheduler.due_at()
+            now = time.monotonic()
+            if due is None or due > now:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), None if due is None else due - now)
+                continue
+            self.scheduler.take(now)
+            await self._guarded(self.apply_change(force=False, reason="change"))
+
+    async def _housekeeping(self) -> None:
+        """Prune generations whose worker is gone and enforce old_workers.max, between reloads."""
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            if not self.master.up or self.master.lock.locked():
+                continue
+            async with self.master.lock:
+                if not self.master.up:
+                    continue
+                try:
+                    procs = await self.cli.show_proc()
+                except CLIError as exc:
+                    log.debug("housekeeping: %s", exc)
+                    continue
+                self._observe(procs)
+            status = summary_line(self.state, self._old_count())
+            if status != self._status_sent:
+                self._status_sent = status
+                self.notifier.status(status)
+
+    # ------------------------------------------------------------ requests
+
+    async def reload_now(self, force: bool = True, reason: str = "requested") -> ReloadRecord | None:
+        """Reload at once (SIGHUP, POST /reload), even when nothing changed; still honours min_interval_ms."""
+        wait = self.scheduler.earliest_reload() - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.scheduler.clear()
+        return await self._guarded(self.apply_change(force=force, reason=reason))
+
+    async def _guarded(self, cycle: Awaitable[ReloadRecord | None]) -> ReloadRecord | None:
+        """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the
+        daemon goes on watching, HAProxy goes on serving the last good config."""
+        started = time.monotonic()
+        try:
+            return await cycle
+        except Exception as exc:
+            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+            return self._record("failed", started, f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------ the cycle
+
+    def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
+        return self.state.reloads.record(result, (time.monotonic() - started) * 1000, error)
+
+    async def apply_change(self, force: bool, reason: str) -> ReloadRecord | None:
+        started = time.monotonic()
+        if self.master.stopping:
+            return None
+        try:
+            rendered = read_rendered(self.settings.haproxy.config)
+            effective = build_effective(self.settings, rendered)
+        except RenderedConfigError as exc:
+            log.error("reload invalid: %s", exc)
+            return self._record("invalid", started, str(exc))
+        except Exception as exc:  # our parser choking on input must not take the daemon down
+            error = f"{self.settings.haproxy.config}: cannot build the effective config: {exc}"
+            log.error("reload invalid: %s", error)
+            return self._record("invalid", started, error)
+        inputs = inputs_digest(self.settings.haproxy.watch)
+        self.state.rendered_sha256 = effective.rendered_sha256
+        if not self.master.wanted:
+            return await self._first_start(effective, inputs, started)
+        while True:
+            await self.master.wait_up()
+            async with self.master.lock:
+                if self.master.stopping:
+                    return None
+                if not self.master.up:
+                    continue
+                # Timed (and reload.timeout_s counted) from here, not from waiting for the lock.
+                return await self._change_locked(effective, inputs, force, reason, time.monotonic())
+
+    async def _change_locked(
+        self, effective: Effective, inputs: str, force: bool, reason: str, started: float
+    ) -> ReloadRecord:
+        current = self.state.current
+        unchanged = (
+            current is not None
+            and effective.sha256 == current.effective_sha256
+            and inputs == self._inputs.get(current.number)
+        )
+        if unchanged and not force:
+            log.info("reload skipped_unchanged sha256=%s reason=%s", effective.sha256[:12], reason)
+            return self._record("skipped_unchanged", started)
+        ok, message = await validate(self.settings.haproxy.binary, effective.text, self.settings.haproxy.runtime_dir)
+        if not ok:
+            log.error("reload invalid: %s", one_line(message))
+            record = self._record("invalid", started, message)
+            self.notifier.status(summary_line(self.state))
+            return record
+        model = Config.parse(effective.text)
+        if (
+            self.runtime_apply is not None
+            and current is not None
+            and not force
+            and inputs == self._inputs.get(current.number)
+        ):
+            try:
+                applied = await self.runtime_apply(current, model, effective)
+            except Exception:
+                log.exception("runtime apply raised; reloading instead")
+                applied = False
+            if applied:
+                return await self._runtime_applied(current, model, effective, inputs, started)
+        return await self._reload(effective, model, inputs, reason, started)
+
+    async def _runtime_applied(
+        self, current: Generation, model: Config, effective: Effective, inputs: str, started: float
+    ) -> ReloadRecord:
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        current.model = model
+        current.effective_sha256 = effective.sha256
+        current.rendered_sha256 = effective.rendered_sha256
+        self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
+        self.state.last_good_sha256 = effective.sha256
+        self.store.write_config(current.number, effective.text)
+        self._persist()
+        record = self._record("runtime_applied", started)
+        log.info(
+            "reload runtime_applied generation=%d worker=%s duration_ms=%d",
+            current.number, current.worker_pid, record.duration_ms,
+        )
+        await self._call_hook("refresh")
+        self.notifier.status(summary_line(self.state, self._old_count()))
+        return record
+
+    async def _reload(
+        self, effective: Effective, model: Config, inputs: str, reason: str, started: float
+    ) -> ReloadRecord:
+        deadline = started + self.settings.reload.timeout_s
+        try:
+            before = await self.cli.show_proc()
+        except CLIError as exc:
+            log.error("reload failed: %s", exc)
+            return self._record("failed", started, str(exc))
+        await self._call_hook("before_reload", model)
+        self.notifier.reloading(f"reloading: {reason}")
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        self.scheduler.reloaded(time.monotonic())
+        error: str | None = None
+        verdict: Verdict = "pending"
+        after: ProcList | None = None
+        try:
+            answer = await self.cli.reload()
+            if answer.success is False:
+                verdict, error = "failed", answer.log or "reload answered Success=0"
+        except CLIError as exc:
+            # 2.6 closes the connection as the master re-executes; `show proc` decides.
+            log.debug("reload command: %s", exc)
+        if verdict == "pending":
+            verdict, after, error = await self._confirm(before, deadline)
+        if verdict == "ok" and after is not None and after.current_worker is not None:
+            record = self._reload_ok(effective, model, inputs, after, started)
+        else:
+            record = self._reload_failed(before, error or "reload failed", started)
+        await self._call_hook("after_reload", verdict == "ok")
+        self.notifier.ready(summary_line(self.state, self._old_count()))
+        return record
+
+    async def _confirm(self, before: ProcList, deadline: float) -> tuple[Verdict, ProcList | None, str | None]:
+        after: ProcList | None = None
+        while True:
+            if not self.master.alive:
+                return "failed", after, "haproxy master exited during the reload"
+            try:
+                after = await self.cli.show_proc()
+                verdict = confirm_reload(before, after)
+            except CLIError:
+                verdict = "pending"
+            if verdict == "ok":
+                return "ok", after, None
+            if verdict == "failed":
+                assert after is not None
+                return "failed", after, (
+                    f"HAProxy could not load the new config (show proc: failed={after.master_failed}); "
+                    "its reason is in HAProxy's own log lines on the daemon's stderr"
+                )
+            if time.monotonic() > deadline:
+                return "failed", after, f"no new worker in `show proc` within {self.settings.reload.timeout_s}s"
+            await asyncio.sleep(CONFIRM_POLL_S)
+
+    def _reload_ok(
+        self, effective: Effective, model: Config, inputs: str, after: ProcList, started: float
+    ) -> ReloadRecord:
+        worker = after.current_worker
+        assert worker is not None
+        generation = self._new_generation(model, effective.sha256, effective.rendered_sha256, inputs, worker.pid)
+        self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
+        self.store.write_config(generation.number, effective.text)
+        record = self._record("ok", started)
+        log.info(
+            "reload ok generation=%d worker=%d duration_ms=%d",
+            generation.number, worker.pid, record.duration_ms,
+        )
+        self._observe(after)
+        return record
+
+    def _reload_failed(self, before: ProcList, error: str, started: float) -> ReloadRecord:
+        if self.loaded is not None:
+            write_atomically(self.settings.haproxy.effective_config, self.loaded.text)
+        current = before.current_worker
+        record = self._record("failed", started, error)
+        log.error(
+            "reload failed duration_ms=%d: %s; worker %s keeps serving; %s restored to the last good config",
+            record.duration_ms, one_line(error), current.pid if current else None,
+            self.settings.haproxy.effective_config,
+        )
+        return record
+
+    async def _call_hook(self, name: str, *args: object) -> None:
+        # A component's failure must not stop a reload that protects the fleet from stale configs.
+        try:
+            await getattr(self.hooks, name)(*args)
+        except Exception:
+            log.exception("hook %s raised", name)
+
+    # ------------------------------------------------------------ generations
+
+    def _new_generation(
+        self, model: Config, effective_sha: str, rendered_sha: str, inputs: str | None, worker_pid: int
+    ) -> Generation:
+        self._last_number += 1
+        generation = Generation(self._last_number, model, effective_sha, rendered_sha, utcnow(), worker_pid)
+        self.state.generations[generation.number] = generation
+        self.state.current_generation = generation.number
+        self.state.last_good_sha256 = effective_sha
+        self._inputs[generation.number] = inputs
+        return generation
+
+    def _persist(self) -> None:
+        records = tuple(record_of(g, self._inputs.get(n)) for n, g in self.state.generations.items())
+        snapshot = Snapshot(records, self.state.current_generation, self._last_number)
+        if snapshot == self._persisted:
+            return
+        try:
+            self.store.save(snapshot)
+            self._persisted = snapshot
+        except OSError as exc:
+            log.error("cannot write %s: %s", self.store.index, exc.strerror or exc)
+
+    def _observe(self, procs: ProcList) -> None:
+        """Prune dead generations and enforce old_workers.max from one `show proc` answer."""
+        self.last_procs = procs
+        live = {p.pid for p in (*procs.workers, *procs.old_workers)}
+        gone = prunable(self.state.generations, live, self.state.current_generation)
+        for n in gone:
+            g = self.state.generations.pop(n)
+            self._inputs.pop(n, None)
+            log.info("generation pruned generation=%d worker=%s: worker gone", n, g.worker_pid)
+        self.store.remove_configs(gone)
+        self._persist()
+        self.enforce_old_workers_max(procs)
+
+    def enforce_old_workers_max(self, procs: ProcList) -> list[int]:
+        limit = self.settings.old_workers.max
+        self._terminated &= {p.pid for p in procs.old_workers}
+        victims = [p for p in old_workers_over_max(procs, limit) if p.pid not in self._terminated]
+        by_pid = {g.worker_pid: n for n, g in self.state.generations.items()}
+        for proc in victims:
+            log.warning(
+                "old worker pid=%d generation=%s SIGTERM: %d old workers alive > old_workers.max=%d, oldest first",
+                proc.pid, by_pid.get(proc.pid), len(procs.old_workers), limit,
+            )
+            self._terminated.add(proc.pid)
+            try:
+                # Only a PID `show proc` just listed as an old worker of our master is signalled.
+                if psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+                    os.kill(proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        return [p.pid for p in victims]
+
+    def _old_count(self) -> int | None:
+        return len(self.last_procs.old_workers) if self.last_procs is not None else None
+
+    async def _first_start(self, effective: Effective, inputs: str, started: float) -> ReloadRecord | None:
+        """No master yet: validate, write the effective config, and let the master start on it."""
+        h = self.settings.haproxy
+        ok, message = await validate(h.binary, effective.text, h.runtime_dir)
+        if ok:
+            write_atomically(h.effective_config, effective.text)
+            self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
+            log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
+            self.master.request_start()
+            return None
+        log.error("initial config invalid: %s", one_line(message))
+        record = self._record("invalid", started, message)
+        fallback = self._previous_effective()
+        if fallback is not None:
+            ok, _ = await validate(h.binary, fallback, h.runtime_dir)
+            if ok:
+                log.warning("starting haproxy on the previous effective config %s until a valid one is rendered",
+                            h.effective_config)
+                self.loaded = LoadedConfig(fallback, "", None)
+                self.master.request_start()
+                return record
+        log.error("no valid config to start haproxy with: waiting for %s to change", h.config)
+        self.notifier.status(f"waiting for a valid config: {one_line(message, 200)}")
+        return record
+
+    def _previous_effective(self) -> str | None:
+        try:
+            return self.settings.haproxy.effective_config.read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    async def on_master_started(self, procs: ProcList) -> Generation | None:
+        """A master we started (first start or restart) runs the effective config on disk."""
+        worker = procs.current_worker
+        if worker is None:
+            return None
+        # Called by MasterProcess.run() with master.lock held, before any reload can run.
+        loaded = self.loaded
+        if loaded is None:
+            text = self._previous_effective() or ""
+            loaded = self.loaded = LoadedConfig(text, "", None)
+        generation = self._new_generation(
+            Config.parse(loaded.text), loaded.sha256, loaded.rendered_sha256, loaded.inputs_sha256, worker.pid
+        )
+        self.store.write_config(generation.number, loaded.text)
+        log.info("generation started generation=%d worker=%d (master start)", generation.number, worker.pid)
+        self._observe(procs)  # the workers of a previous master are gone: prune their generations
+        self._check_inputs_since_loaded("the master was starting")
+        return generation
+
+    def rebuild(self, procs: ProcList) -> Generation | None:
+        """After adoption: generations from generations.json + generations/*.cfg, matched to `show proc`."""
+        snapshot = self.store.load()
+        plan = plan_rebuild(snapshot, procs)
+        self._last_number = snapshot.last_number if snapshot else 0
+        for record in plan.keep:
+            text = self.store.read_config(record.number)
+            if text is None:
+                log.warning("generation %d: %s missing; worker %s runs an unknown config",
+                            record.number, self.store.config_path(record.number), record.worker_pid)
+                continue
+            try:
+                model = Config.parse(text)
+            except Exception as exc:
+                log.warning("generation %d: cannot parse %s: %s", record.number,
+                            self.store.config_path(record.number), exc)
+                continue
+            self.state.generations[record.number] = Generation(
+                record.number, model, record.effective_sha256, record.rendered_sha256,
+                record.started_at, record.worker_pid,
+            )
+            self._inputs[record.number] = record.inputs_sha256
+            self._last_number = max(self._last_number, record.number)
+        worker = procs.current_worker
+        current = self.state.generations.get(plan.current.number) if plan.current else None
+        disk = self._previous_effective()
+        if current is None and worker is not None:
+            # Died between HAProxy starting a worker and recording it: the worker runs what was on disk.
+            text = disk or ""
+            log.warning("current worker %d has no recorded generation: assuming it runs %s",
+                        worker.pid, self.settings.haproxy.effective_config)
+            current = self._new_generation(Config.parse(text), sha256_text(text), "", None, worker.pid)
+            current.started_at = _process_start(worker.pid) or current.started_at
+            self.store.write_config(current.number, text)
+        if current is None:
+            return None
+        self.state.current_generation = current.number
+        self.state.last_good_sha256 = current.effective_sha256
+        text = self.store.read_config(current.number) or disk or ""
+        if disk != text:
+            # Died mid-reload with a config on disk that never took: disk must be what runs.
+            log.warning("%s differs from what worker %s runs: restored", self.settings.haproxy.effective_config,
+                        current.worker_pid)
+            write_atomically(self.settings.haproxy.effective_config, text)
+        self.loaded = LoadedConfig(text, current.rendered_sha256, self._inputs.get(current.number))
+        for record in plan.drop:
+            log.info("generation pruned generation=%d worker=%s: worker gone", record.number, record.worker_pid)
+        self.store.remove_configs([r.number for r in plan.drop])
+        self._observe(procs)
+        log.info(
+            "generations rebuilt current=%d worker=%s kept=%s unknown_old_workers=%s",
+            current.number, current.worker_pid, sorted(self.state.generations), list(plan.unknown_old_pids),
+        )
+        self._check_inputs_since_loaded("no daemon was watching")
+        return current
+
+    def _check_inputs_since_loaded(self, why: str) -> None:
+        """Schedule a change when the rendered config or a watched file differs from what was loaded."""
+        loaded = self.loaded
+        try:
+            rendered_sha = sha256_text(read_rendered(self.settings.haproxy.config))
+        except RenderedConfigError:
+            rendered_sha = None
+        if (
+            loaded is None
+            or rendered_sha != loaded.rendered_sha256
+            or inputs_digest(self.settings.haproxy.watch) != loaded.inputs_sha256
+        ):
+            log.info("inputs changed while %s: change scheduled", why)
+            self.changed()
+
+
+def _process_start(pid: int) -> datetime | None:
+    try:
+        return datetime.fromtimestamp(psutil.Process(pid).create_time(), UTC)
+    except psutil.Error:
+        return None

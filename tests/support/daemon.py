@@ -1,0 +1,285 @@
+"""The daemon as a real subprocess (`python -m supervisor run --config FILE`), for end-to-end tests.
+
+Tests observe it through its log lines, the master CLI and the files in runtime_dir.
+Every daemon and every HAProxy master it started is stopped by PID in cleanup(),
+including masters left running after a `kill -9` of the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import yaml
+
+from supervisor.haproxy.api import MasterCLI, ProcList
+from tests.support.harness import ROOT, kill_tree
+
+RENDERED = """\
+global
+    hard-stop-after 30s
+
+defaults
+    mode http
+    timeout connect 200ms
+    timeout client 10s
+    timeout server 10s
+    retries 1
+
+frontend fe
+    bind 127.0.0.1:{front}
+    http-response set-header x-tag {tag}
+    default_backend app
+
+backend app
+    server s1 {backend}
+"""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Rename into place, the way editors and controllers write."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Daemon:
+    """One settings file and runtime_dir; `start()` may be called again after a stop or a kill."""
+
+    def __init__(self, directory: Path, rendered: str, settings: dict | None = None) -> None:
+        self.directory = directory
+        self.rendered = directory / "rendered" / "haproxy.cfg"
+        self.rendered.parent.mkdir(parents=True, exist_ok=True)
+        if not self.rendered.exists() and not self.rendered.is_symlink():
+            self.rendered.write_text(rendered)
+        self.runtime = directory / "run"
+        self.log_path = directory / "daemon.log"
+        self.settings_path = directory / "settings.yaml"
+        base: dict = {
+            "haproxy": {
+                "config": str(self.rendered),
+                "runtime_dir": str(self.runtime),
+                "stop_timeout_s": 5,
+            },
+            "reload": {"debounce_ms": 80, "min_interval_ms": 0, "timeout_s": 10, "runtime_apply": False},
+            "old_workers": {"guard": False},
+            "logging": {"level": "info"},
+        }
+        for key, value in (settings or {}).items():
+            base.setdefault(key, {}).update(value)
+        self.settings_path.write_text(yaml.safe_dump(base))
+        self.proc: subprocess.Popen | None = None
+        self.masters: set[int] = set()
+        self._log_offset = 0
+        self.cli = MasterCLI(self.runtime / "master.sock", timeout=5)
+
+    # ------------------------------------------------------------ process
+
+    def start(self, env: dict[str, str] | None = None) -> Daemon:
+        full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        full_env["PATH"] = full_env.get("PATH", "") + ":/usr/sbin"
+        full_env.update(env or {})
+        with self.log_path.open("a") as log:
+            self._log_offset = self.log_path.stat().st_size
+            log.write(f"--- daemon start at {time.time():.3f}\n")
+        log_file = self.log_path.open("a")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "supervisor", "run", "--config", str(self.settings_path)],
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=full_env,
+            )
+        finally:
+            log_file.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    async def wait_exit(self, timeout: float = 15) -> int:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon pid={self.proc.pid} still running after {timeout}s\n{self.log()}")
+            await asyncio.sleep(0.05)
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        """kill -9 the daemon only: HAProxy stays, as after an OOM kill."""
+        self.remember_master()
+        self.signal(signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.wait(5)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.remember_master()
+            # SIGTERM first: the daemon stops (and reaps) HAProxy itself, faster than a kill.
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.remember_master()
+        for pid in self.masters:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE and str(self.runtime / "master.sock") in " ".join(
+                    proc.cmdline()
+                ):
+                    kill_tree(pid)
+
+    def remember_master(self) -> int | None:
+        pid = self.master_pid()
+        if pid is not None:
+            self.masters.add(pid)
+        return pid
+
+    def master_pid(self) -> int | None:
+        try:
+            return int((self.runtime / "haproxy.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    # ------------------------------------------------------------ logs
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def run_log(self) -> str:
+        """The log of the latest start only."""
+        return self.log()[self._log_offset :]
+
+    def count(self, pattern: str, whole: bool = False) -> int:
+        return len(re.findall(pattern, self.log() if whole else self.run_log(), re.M))
+
+    async def wait_log(self, pattern: str, count: int = 1, timeout: float = 15, whole: bool = False) -> list[str]:
+        """Wait until `pattern` (a regex) matched `count` lines; returns the matching lines."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log() if whole else self.run_log()
+            lines = [m.group(0) for m in re.finditer(f"^.*(?:{pattern}).*$", text, re.M)]
+            if len(lines) >= count:
+                return lines
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited ({self.proc.returncode}) before logging {pattern!r}:\n{text}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {count} x {pattern!r} in the daemon log after {timeout}s:\n{text}")
+            await asyncio.sleep(0.05)
+
+    async def wait_generation(self, number: int, timeout: float = 15) -> int:
+        """Wait for `reload ok generation=N` (or a master start with that generation); returns the worker PID."""
+        lines = await self.wait_log(
+            rf"(reload ok|generation started) generation={number} worker=\d+", timeout=timeout, whole=True
+        )
+        m = re.search(r"worker=(\d+)", lines[-1])
+        assert m
+        return int(m[1])
+
+    # ------------------------------------------------------------ haproxy
+
+    async def show_proc(self) -> ProcList:
+        return await self.cli.show_proc()
+
+    def write(self, text: str) -> None:
+        write_atomic(self.rendered, text)
+
+
+@contextlib.contextmanager
+def daemons(directory: Path) -> Iterator[Callable[..., Daemon]]:
+    made: list[Daemon] = []
+
+    def make(rendered: str, settings: dict | None = None, name: str = "d") -> Daemon:
+        d = Daemon(directory / name, rendered, settings)
+        made.append(d)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in made:
+            d.cleanup()
+
+
+# ---------------------------------------------------------------- HTTP through HAProxy
+
+
+async def http_get(port: int, path: str = "/", timeout: float = 5.0) -> tuple[int, dict[str, str], str]:
+    """One request on a new connection: (status, headers, body); status 0 when it failed."""
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    except (OSError, TimeoutError, asyncio.IncompleteReadError):
+        return 0, {}, ""
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode(errors="replace").split("\r\n")
+    try:
+        status = int(lines[0].split(" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0, {}, ""
+    headers = {}
+    for line in lines[1:]:
+        key, _, value = line.partition(":")
+        headers[key.strip().lower()] = value.strip()
+    return status, headers, body.decode(errors="replace").strip()
+
+
+class RequestLoop:
+    """Sequential requests on fresh connections until stopped; bounded in count and in time."""
+
+    def __init__(self, port: int, max_requests: int = 5000, max_seconds: float = 30, pause: float = 0.005) -> None:
+        self.port = port
+        self.max_requests = max_requests
+        self.max_seconds = max_seconds
+        self.pause = pause
+        self.results: list[tuple[int, str]] = []  # (status, x-tag)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> RequestLoop:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        deadline = time.monotonic() + self.max_seconds
+        while not self._stop.is_set() and len(self.results) < self.max_requests and time.monotonic() < deadline:
+            status, headers, _ = await http_get(self.port, timeout=3)
+            self.results.append((status, headers.get("x-tag", "")))
+            await asyncio.sleep(self.pause)
+
+    async def stop(self) -> list[tuple[int, str]]:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        return self.results
+
+    @property
+    def failures(self) -> list[tuple[int, str]]:
+        return [r for r in self.results if r[0] != 200]

@@ -1,0 +1,215 @@
+"""Pure decisions of the reloader: scheduling, confirming a reload, old-worker limit, relevant paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.haproxy.api import parse_show_proc
+from supervisor.reloader import (
+    ChangeFilter,
+    ReloadScheduler,
+    confirm_reload,
+    inputs_digest,
+    old_workers_over_max,
+    one_line,
+    split_watch,
+    watch_roots,
+)
+
+HEAD = "#<PID>          <type>          <reloads>       <uptime>        <version>\n"
+
+
+def show_proc(master_reloads: int, failed: int, current: int, old: tuple[tuple[int, int], ...] = ()) -> str:
+    """A `show proc` answer in 2.6's shape; `old` is ((pid, reloads), ...)."""
+    text = HEAD + f"100             master          {master_reloads} [failed: {failed}]   0d00h00m09s     2.6.12\n"
+    text += "# workers\n" + f"{current}             worker          0               0d00h00m01s     2.6.12\n"
+    if old:
+        text += "# old workers\n"
+        for pid, reloads in old:
+            text += f"{pid}             worker          {reloads}               0d00h00m05s     2.6.12\n"
+    return text + "# programs\n\n"
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+def test_burst_gives_one_reload_after_the_last_change():
+    s = ReloadScheduler(debounce_s=0.1, min_interval_s=1.0)
+    for i in range(300):  # a write every 5 ms for 1.5 s
+        now = i * 0.005
+        s.changed(now)
+        assert not s.take(now), "nothing may fire while the burst goes on"
+    last = 299 * 0.005
+    assert s.due_at() == pytest.approx(last + 0.1)
+    assert not s.take(last + 0.099)
+    assert s.take(last + 0.1)
+    assert not s.pending and s.due_at() is None
+    assert not s.take(last + 5)
+
+
+def test_min_interval_coalesces_changes_after_a_reload():
+    s = ReloadScheduler(debounce_s=0.1, min_interval_s=2.0)
+    s.changed(0.0)
+    assert s.take(0.1)
+    s.reloaded(0.15)
+    # two more bursts before the interval is over: one reload, at the interval's end
+    s.changed(0.5)
+    s.changed(1.2)
+    assert s.due_at() == pytest.approx(2.15)
+    assert not s.take(1.4)
+    assert not s.take(2.1)
+    assert s.take(2.15)
+    assert s.due_at() is None
+
+
+def test_debounce_still_applies_after_the_interval():
+    s = ReloadScheduler(debounce_s=0.3, min_interval_s=1.0)
+    s.reloaded(0.0)
+    s.changed(5.0)
+    assert s.due_at() == pytest.approx(5.3)
+
+
+def test_zero_min_interval_and_clear():
+    s = ReloadScheduler(debounce_s=0.05, min_interval_s=0.0)
+    s.reloaded(1.0)
+    s.changed(1.0)
+    assert s.due_at() == pytest.approx(1.05)
+    s.clear()
+    assert s.due_at() is None and s.earliest_reload() == 1.0
+
+
+# ---------------------------------------------------------------- confirm
+
+
+def test_confirm_new_worker_is_ok():
+    before = parse_show_proc(show_proc(0, 0, 200))
+    after = parse_show_proc(show_proc(1, 0, 201, old=((200, 1),)))
+    assert confirm_reload(before, after) == "ok"
+
+
+def test_confirm_same_worker_is_pending_until_the_master_reports():
+    before = parse_show_proc(show_proc(0, 0, 200))
+    assert confirm_reload(before, parse_show_proc(show_proc(0, 0, 200))) == "pending"
+
+
+def test_confirm_failed_counter_growth_is_failed():
+    # Seen on 2.6.12: a config that passes -c but cannot bind -> master `2 [failed: 1]`, same worker.
+    before = parse_show_proc(show_proc(1, 0, 200))
+    after = parse_show_proc(show_proc(2, 1, 200))
+    assert confirm_reload(before, after) == "failed"
+
+
+def test_confirm_second_failure_in_a_row_is_failed():
+    before = parse_show_proc(show_proc(2, 1, 200))
+    after = parse_show_proc(show_proc(3, 1, 200))
+    assert confirm_reload(before, after) == "failed"
+
+
+def test_confirm_success_after_failure_resets_failed_and_is_ok():
+    # HAProxy resets `failed` to 0 when a load succeeds: "unchanged" must not be required.
+    before = parse_show_proc(show_proc(2, 1, 200))
+    after = parse_show_proc(show_proc(3, 0, 300, old=((200, 2),)))
+    assert confirm_reload(before, after) == "ok"
+
+
+def test_confirm_an_old_worker_becoming_current_is_not_a_new_worker():
+    before = parse_show_proc(show_proc(1, 0, 201, old=((200, 1),)))
+    after = parse_show_proc(show_proc(1, 0, 200))
+    assert confirm_reload(before, after) == "pending"
+
+
+def test_confirm_on_34_shape():
+    before = parse_show_proc(
+        "#<PID>          <type>          <reloads>       <uptime>        <version>\n"
+        "1234            master          2 [failed: 0]   0d00h01m02s     3.4.0\n"
+        "# workers\n1300            worker          0               0d00h00m05s     3.4.0\n"
+    )
+    after = parse_show_proc(
+        "#<PID>          <type>          <reloads>       <uptime>        <version>\n"
+        "1234            master          3 [failed: 0]   0d00h01m03s     3.4.0\n"
+        "# workers\n1400            worker          0               0d00h00m00s     3.4.0\n"
+        "# old workers\n1300            worker          1               0d00h00m06s     3.4.0\n"
+    )
+    assert confirm_reload(before, after) == "ok"
+
+
+# ---------------------------------------------------------------- old workers max
+
+
+def test_old_workers_over_max_picks_the_oldest():
+    procs = parse_show_proc(show_proc(3, 0, 400, old=((300, 1), (200, 2), (100, 3))))
+    assert [p.pid for p in old_workers_over_max(procs, 1)] == [100, 200]
+    assert [p.pid for p in old_workers_over_max(procs, 2)] == [100]
+    assert old_workers_over_max(procs, 3) == []
+    assert old_workers_over_max(procs, 50) == []
+
+
+def test_old_workers_over_max_ties_go_by_pid():
+    procs = parse_show_proc(show_proc(3, 0, 400, old=((310, 1), (305, 1))))
+    assert [p.pid for p in old_workers_over_max(procs, 1)] == [305]
+
+
+# ---------------------------------------------------------------- paths
+
+
+def test_change_filter_files_editors_and_configmaps(tmp_path: Path):
+    cfg = tmp_path / "rendered" / "haproxy.cfg"
+    maps = tmp_path / "maps"
+    runtime = tmp_path / "run"
+    f = ChangeFilter([cfg], [maps], ignore=[runtime])
+    assert f.relevant(cfg)
+    assert f.relevant(cfg.parent / "..data")  # ConfigMap symlink swap
+    assert f.relevant(cfg.parent / "..2024_01_01_00_00_00.123" / "haproxy.cfg")
+    assert f.relevant(maps / "hosts.map")
+    assert f.relevant(maps / "sub" / "x.pem")
+    assert not f.relevant(cfg.parent / ".haproxy.cfg.swp")
+    assert not f.relevant(cfg.parent / "other.cfg")
+    assert not f.relevant(tmp_path / "mapsfoo")
+    assert not f.relevant(runtime / "haproxy.cfg")
+
+
+def test_change_filter_follows_a_symlinked_file(tmp_path: Path):
+    real = tmp_path / "real" / "h.cfg"
+    real.parent.mkdir()
+    real.write_text("x")
+    link_dir = tmp_path / "etc"
+    link_dir.mkdir()
+    (link_dir / "haproxy.cfg").symlink_to(real)
+    f = ChangeFilter([link_dir / "haproxy.cfg"], [])
+    assert f.relevant(real)
+    assert set(watch_roots([link_dir / "haproxy.cfg"], [])) == {link_dir, real.parent}
+
+
+def test_watch_roots_drop_nested(tmp_path: Path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    roots = watch_roots([tmp_path / "a" / "h.cfg"], [tmp_path / "a" / "b", tmp_path / "a"])
+    assert roots == [tmp_path / "a"]
+
+
+def test_split_watch(tmp_path: Path):
+    (tmp_path / "certs").mkdir()
+    files, dirs = split_watch(tmp_path / "h.cfg", (tmp_path / "certs", tmp_path / "x.map"))
+    assert files == [tmp_path / "h.cfg", tmp_path / "x.map"] and dirs == [tmp_path / "certs"]
+
+
+def test_inputs_digest_changes_with_content_not_k8s_internals(tmp_path: Path):
+    d = tmp_path / "maps"
+    d.mkdir()
+    (d / "a.map").write_text("k v\n")
+    first = inputs_digest([d])
+    (d / "..2024_01").mkdir()
+    (d / "..2024_01" / "junk").write_text("whatever")
+    assert inputs_digest([d]) == first
+    (d / "a.map").write_text("k w\n")
+    assert inputs_digest([d]) != first
+    assert inputs_digest([]) == inputs_digest(())
+    assert inputs_digest([tmp_path / "missing.map"]) != inputs_digest([])
+
+
+def test_one_line_prefers_alerts():
+    text = "[NOTICE] hello\n[ALERT] (1) : config : bad thing\n[ALERT] (1) : fatal\n"
+    assert one_line(text) == "[ALERT] (1) : config : bad thing | [ALERT] (1) : fatal"
+    assert one_line("plain") == "plain"
+    assert one_line("x" * 1000, limit=20).endswith("...")

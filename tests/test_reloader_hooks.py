@@ -1,0 +1,160 @@
+"""The reloader's contract with the components plugged into it, in-process with the real HAProxy.
+
+before_reload gets the next effective model before the reload, after_reload the outcome;
+a runtime_apply that returns True replaces the reload (no new worker, the generation
+updated in place, `runtime_applied` recorded); reload_now(force=True) reloads unchanged
+content and returns its record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from supervisor.effective import Effective, prepare_runtime_dir
+from supervisor.haproxy.api import MasterCLI
+from supervisor.haproxy.config import Config
+from supervisor.master import MasterProcess
+from supervisor.reloader import Reloader
+from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
+from supervisor.state import Generation, State
+from tests.support.daemon import write_atomic
+from tests.support.harness import haproxy_binary
+
+pytestmark = pytest.mark.haproxy
+
+RENDERED = """\
+global
+    hard-stop-after 5s
+defaults
+    mode http
+    timeout connect 200ms
+    timeout client 5s
+    timeout server 5s
+frontend fe
+    bind 127.0.0.1:{front}
+    default_backend app
+backend app
+    server s1 127.0.0.1:{port}
+"""
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    async def before_reload(self, next_model: Config) -> None:
+        self.calls.append(("before", [s.key for s in next_model.servers()]))
+
+    async def after_reload(self, ok: bool) -> None:
+        self.calls.append(("after", ok))
+
+    async def refresh(self) -> None:
+        self.calls.append(("refresh", None))
+
+
+async def wait_until(predicate, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Rig:
+    rendered: Path
+    front: int
+    state: State
+    reloader: Reloader
+    hooks: Recorder
+    applied: list[tuple[int, list[str]]]
+    cli: MasterCLI
+
+
+@contextlib.asynccontextmanager
+async def running(rundir: Path, apply_at_runtime: bool):
+    from tests.support.harness import free_port
+
+    rendered = rundir / "rendered.cfg"
+    front = free_port()
+    rendered.write_text(RENDERED.format(front=front, port=9))
+    settings = Settings(
+        haproxy=HAProxySettings(binary=haproxy_binary(), config=rendered, runtime_dir=rundir / "run"),
+        reload=ReloadSettings(debounce_ms=50, min_interval_ms=0, timeout_s=10),
+        old_workers=OldWorkerSettings(guard=False),
+    )
+    prepare_runtime_dir(settings)
+    state = State()
+    cli = MasterCLI(settings.haproxy.master_socket_path)
+    hooks = Recorder()
+    applied: list[tuple[int, list[str]]] = []
+
+    async def runtime_apply(current: Generation, model: Config, effective: Effective) -> bool:
+        # Stand-in for runtime.py: claims address-only changes, as the real one would plan them.
+        applied.append((current.number, [f"{s.key}={s.endpoint}" for s in model.servers()]))
+        return apply_at_runtime
+
+    master = MasterProcess(settings, state, cli)
+    reloader = Reloader(settings, state, cli, master, hooks=hooks, runtime_apply=runtime_apply)
+    master.on_started = reloader.on_master_started
+    tasks = [asyncio.create_task(master.run()), asyncio.create_task(reloader.run())]
+    try:
+        await reloader.apply_change(force=True, reason="startup")
+        await wait_until(lambda: state.current is not None)
+        yield Rig(rendered, front, state, reloader, hooks, applied, cli)
+    finally:
+        await master.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_runtime_apply_true_replaces_the_reload(rundir: Path):
+    async with running(rundir, apply_at_runtime=True) as rig:
+        rendered, front, state, hooks, applied = rig.rendered, rig.front, rig.state, rig.hooks, rig.applied
+        cli = rig.cli
+        first = state.current
+        assert first is not None and first.number == 1
+        worker = first.worker_pid
+        write_atomic(rendered, RENDERED.format(front=front, port=10))
+        await wait_until(lambda: state.reloads.runtime_applied == 1)
+        assert applied == [(1, ["app/s1=127.0.0.1:10"])]
+        current = state.current
+        assert current is first and current.number == 1 and current.worker_pid == worker
+        assert current.model.server_map()["app/s1"].port == 10
+        effective = (rundir / "run" / "haproxy.cfg").read_text()
+        assert "127.0.0.1:10" in effective and current.effective_sha256 == state.last_good_sha256
+        assert (rundir / "run" / "generations" / "1.cfg").read_text() == effective
+        assert hooks.calls == [("refresh", None)], "no reload: neither before_reload nor after_reload"
+        procs = await cli.show_proc()
+        assert procs.master is not None and procs.master.reloads == 0
+        assert procs.current_worker is not None and procs.current_worker.pid == worker
+
+
+async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
+    async with running(rundir, apply_at_runtime=False) as rig:
+        rendered, front, state, hooks, applied = rig.rendered, rig.front, rig.state, rig.hooks, rig.applied
+        reloader = rig.reloader
+        write_atomic(rendered, RENDERED.format(front=front, port=11).replace("server s1", "server s2"))
+        await wait_until(lambda: state.reloads.ok == 1)
+        assert applied, "runtime_apply is asked first"
+        assert hooks.calls == [("before", ["app/s2"]), ("after", True)]
+        assert state.current is not None and state.current.number == 2
+        assert [s.key for s in state.current.model.servers()] == ["app/s2"]
+        # Forced: same content, still a reload, never offered to runtime_apply.
+        asked = len(applied)
+        record = await reloader.reload_now(force=True, reason="test")
+        assert record is not None and record.result == "ok"
+        assert len(applied) == asked
+        assert state.current.number == 3
+        assert hooks.calls[-2:] == [("before", ["app/s2"]), ("after", True)]
+        # An invalid change calls no hook.
+        write_atomic(rendered, "frontend broken\n    bind :notaport\n")
+        await wait_until(lambda: state.reloads.invalid == 1)
+        assert len(hooks.calls) == 4
+        assert state.reloads.last is not None and "notaport" in (state.reloads.last.error or "")
