@@ -224,8 +224,17 @@ async def haproxy_version(binary: str) -> str | None:
     return m[1] if m else None
 
 
+def default_extensions() -> Extensions:
+    """Every component the project ships, as `haproxy-supervisor run` uses them."""
+    from .status import StatusServer
+
+    return Extensions(status=StatusServer)
+
+
 def run_daemon(settings: Settings, extensions: Extensions | None = None) -> int:
     setup_logging(settings.logging)
+    if extensions is None:
+        extensions = default_extensions()
     try:
         return asyncio.run(Daemon(settings, extensions).run())
     except Exception:  # an ExceptionGroup from the TaskGroup included

@@ -12,6 +12,7 @@ token: the socket file is created 0660, so its owner and group decide who may co
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import html
@@ -756,3 +757,31 @@ async def start_status_server(app: web.Application, listen: str) -> web.AppRunne
         raise
     log.info("status: listening on %s", listen)
     return runner
+
+
+class StatusServer:
+    """The status app as a daemon component: serves from `run()` until cancelled."""
+
+    def __init__(self, settings: Settings, state: State, actions: StatusActions) -> None:
+        self.settings = settings
+        self.state = state
+        self.actions = actions
+
+    RETRY_S = 5.0
+
+    async def run(self) -> None:
+        # A busy port must not take HAProxy down with the daemon: keep serving traffic, say why
+        # the status endpoint is missing, and try again.
+        while True:
+            try:
+                # A fresh app each try: a runner that failed has already cleaned its app up.
+                app = build_app(self.state, self.settings, self.actions)
+                runner = await start_status_server(app, self.settings.status.listen)
+                break
+            except StatusServerError as exc:
+                log.error("%s; retrying in %.0f s", exc, self.RETRY_S)
+                await asyncio.sleep(self.RETRY_S)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()

@@ -45,6 +45,9 @@ def test_split_address_forms():
 def test_template_names():
     assert template_names("SRV", "3") == ["SRV1", "SRV2", "SRV3"]
     assert template_names("s_", "5-7") == ["s_5", "s_6", "s_7"]
+    # HAProxy reads counts with atoi() and accepts junk; so must the model, without raising.
+    assert template_names("s", "x-y") == []
+    assert template_names("s", "2x") == ["s1", "s2"]
 
 
 def test_rayserve_servers_and_flags():

@@ -116,11 +116,6 @@ async def test_broken_config_is_refused_while_traffic_flows_then_a_good_one_load
         d.write(config(front, b1, "v2").replace("backend app", "backend app\n    bogus_keyword here"))
         lines = await d.wait_log(r"reload invalid")
         assert "bogus_keyword" in lines[0], lines  # HAProxy's own words
-        # Input our own config model chokes on (with observe on it lists the servers, and a
-        # server-template count that is not a number raises) is refused too; the daemon lives on.
-        d.write(config(front, b1, "v2").replace("server s1", "server-template s x-y"))
-        lines = await d.wait_log(r"reload invalid", count=2)
-        assert "cannot build the effective config" in lines[1], lines
         await asyncio.sleep(0.3)
         assert sha(effective) == good_sha, "the effective config on disk must stay the last good one"
         assert (await d.show_proc()).master.reloads == 0

@@ -274,14 +274,23 @@ class _ServerFlags:
         return _ServerFlags(check, backup, disabled, observe, track, weight)
 
 
+def _leading_int(text: str) -> int:
+    """HAProxy reads these counts with atoi(): leading digits, anything else is 0."""
+    digits = len(text) - len(text.lstrip("0123456789"))
+    return int(text[:digits]) if digits else 0
+
+
 def template_names(prefix: str, count: str) -> list[str]:
-    """Names a `server-template` line declares: `srv 3` -> srv1..srv3, `srv 2-4` -> srv2..srv4."""
+    """Names a `server-template` line declares: `srv 3` -> srv1..srv3, `srv 2-4` -> srv2..srv4.
+
+    HAProxy accepts junk counts (`x-y` reads as 0-0); they declare no server we can name.
+    """
     low, sep, high = count.partition("-")
     if sep:
-        first, last = int(low), int(high)
+        first, last = _leading_int(low), _leading_int(high)
     else:
-        first, last = 1, int(low)
-    return [f"{prefix}{i}" for i in range(first, last + 1)]
+        first, last = 1, _leading_int(low)
+    return [f"{prefix}{i}" for i in range(max(first, 1), last + 1)]
 
 
 class Config:

@@ -73,6 +73,8 @@ class Daemon:
             "reload": {"debounce_ms": 80, "min_interval_ms": 0, "timeout_s": 10, "runtime_apply": False},
             "old_workers": {"guard": False},
             "logging": {"level": "info"},
+            # Tests run side by side: never the default TCP port.
+            "status": {"listen": f"unix:{directory / 'status.sock'}"},
         }
         for key, value in (settings or {}).items():
             base.setdefault(key, {}).update(value)
