@@ -31,7 +31,6 @@ from supervisor.haproxy.runtime import (
     apply_changes,
     plan_runtime_apply,
 )
-from supervisor.haproxy.server_state import save_server_state
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, utcnow
 from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, backends, free_port
@@ -136,10 +135,7 @@ class Rig:
             # Control: the state as HAProxy dumps it, without the filter.
             path.write_text(self.master.command(f"@!{self.worker} show servers state"))
         elif self.settings.reload.preserve_server_state:
-            assert await save_server_state(
-                self.cli, self.worker, path, running=self.generation.model, new=new_model,
-                forget=self.applier.forget,
-            )
+            assert await self.applier.save_server_state(self.generation, new_model, path)
         write_atomically(self.settings.haproxy.effective_config, effective.text)
         pid = self.master.reload()
         self.generation = Generation(

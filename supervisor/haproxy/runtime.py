@@ -46,10 +46,12 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from .api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process, validate_name
 from .config import _SERVER_KEYWORDS_WITH_ARG, BACKEND_KINDS, Config, Section, Server
+from .server_state import clear_server_state, save_server_state
 
 log = logging.getLogger(__name__)
 
@@ -520,3 +522,15 @@ class RuntimeApplier:
             current.worker_pid, len(result.applied), len(result.refused), result.commands_sent, result.lines_sent,
         )
         return result.ok
+
+    async def save_server_state(self, current: _Generation, new_model: Config, path: Path) -> bool:
+        """Before a reload to `new_model`: save the current worker's state, minus what must not carry over."""
+        if current.worker_pid is None:
+            clear_server_state(path)
+            return False
+        saved = await save_server_state(
+            self.cli, current.worker_pid, path, running=current.model, new=new_model, forget=self.forget
+        )
+        if saved:
+            self.forget.clear()
+        return saved

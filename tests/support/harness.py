@@ -163,14 +163,18 @@ class HAProxyMaster:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> HAProxyMaster:
-        self.proc = subprocess.Popen(
-            [haproxy_binary(), "-W", "-S", str(self.socket), "-f", str(self.config), "-p", str(self.pid_file)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        # stderr to a file, not a pipe: workers print a line per server state change there
+        # (`Server b/s is UP/READY ...`), and a pipe nobody reads blocks them after 64 KiB.
+        self.stderr_path = self.runtime / "haproxy.stderr"
+        with open(self.stderr_path, "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [haproxy_binary(), "-W", "-S", str(self.socket), "-f", str(self.config), "-p", str(self.pid_file)],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
         wait_for(lambda: self.socket.exists() or self.proc.poll() is not None, what="master socket")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"haproxy exited: {self.proc.stderr.read().decode()}")
+            raise RuntimeError(f"haproxy exited: {self.stderr_path.read_text(errors='replace')}")
         wait_for(lambda: self.command("show proc").count("worker") >= 1, what="first worker")
         return self
 
