@@ -558,7 +558,7 @@ async def test_old_worker_refuses_and_the_hook_asks_for_a_reload(rundir, caplog)
             old = rig.worker
             slow = await KeepAliveClient(rig.front).connect()
             try:
-                in_flight = asyncio.create_task(slow.get("/slow?ms=1500", timeout=10))
+                in_flight = asyncio.create_task(slow.get("/slow?ms=3000", timeout=10))
                 await asyncio.sleep(0.2)
                 new = rig.master.reload()
                 assert old in rig.master.worker_pids()[1], "the first worker should be draining"

@@ -204,7 +204,16 @@ class HAProxyMaster:
     def worker_pids(self) -> tuple[int | None, list[int]]:
         from supervisor.haproxy.api import parse_show_proc
 
-        procs = parse_show_proc(self.command("show proc"))
+        for attempt in range(50):
+            try:
+                answer = self.command("show proc")
+                break
+            except ConnectionResetError:
+                # Polled right while the master re-executes for a reload; a read is safe to repeat.
+                if attempt == 49:
+                    raise
+                time.sleep(0.02)
+        procs = parse_show_proc(answer)
         current = procs.current_worker
         return (current.pid if current else None), [p.pid for p in procs.old_workers]
 
