@@ -373,3 +373,24 @@ def test_master_error_ends_the_line_early():
 )
 def test_refusal(command, answer, accepted):
     assert (refusal(command, answer) is None) is accepted
+
+
+def test_config_disabled_flag_alone_is_not_maint():
+    # Captured on 2.6.12: a `disabled` slot is admin 5; after `state ready` it serves with
+    # admin 4 (the "config said disabled" flag stays); after `state maint` on a live one, 1.
+    from supervisor.haproxy.api import parse_servers_state
+
+    header = (
+        "1\n# be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight srv_iweight "
+        "srv_time_since_last_change srv_check_status srv_check_result srv_check_health srv_check_state "
+        "srv_agent_state bk_f_forced_id srv_f_forced_id srv_fqdn srv_port srvrecord srv_use_ssl "
+        "srv_check_port srv_check_addr srv_agent_addr srv_agent_port\n"
+    )
+    rows = (
+        "3 app 3 slot1 127.0.0.1 2 4 5 5 0 1 0 0 8 0 0 0 - 1 - 0 0 - - 0\n"
+        "3 app 4 slot2 127.0.0.1 0 5 5 5 75 1 0 0 8 0 0 0 - 1 - 0 0 - - 0\n"
+        "3 app 1 s1 127.0.0.1 0 1 1 1 0 1 0 0 0 0 0 0 - 28011 - 0 0 - - 0\n"
+    )
+    states = {s.name: s for s in parse_servers_state(header + rows + "\n")}
+    assert not states["slot1"].in_maint and states["slot1"].alive
+    assert states["slot2"].in_maint and states["s1"].in_maint

@@ -152,6 +152,14 @@ class VanishedNode:
         self.listener.close()
 
 
+def _is_show(command: str) -> bool:
+    """`show ...`, or `@!<pid> show ...` / `@<n> show ...`: safe to send twice."""
+    words = command.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return bool(words) and words[0] == "show"
+
+
 class HAProxyMaster:
     """`haproxy -W -S <sock> -f <cfg>` as our child; stopped (with every worker) by PID."""
 
@@ -181,19 +189,25 @@ class HAProxyMaster:
     def command(self, line: str, timeout: float = 5.0) -> str:
         """A blocking master-CLI round trip (the daemon uses the async client)."""
         deadline = time.monotonic() + timeout
+        # The master re-executes itself after start-up and on reload: its socket is briefly
+        # closed (refused) or drops a connection it had accepted (reset). Reads are repeated.
+        read_only = all(_is_show(command) for command in line.split(";"))
         while True:
-            s = socket.socket(socket.AF_UNIX)
             try:
-                s.settimeout(timeout)
-                s.connect(str(self.socket))
-                break
+                return self._roundtrip(line, timeout)
             except (ConnectionRefusedError, FileNotFoundError):
-                # The master re-executes itself on reload: its socket is briefly closed.
-                s.close()
-                if time.monotonic() > deadline:
+                pass
+            except ConnectionResetError:
+                if not read_only:
                     raise
-                time.sleep(0.02)
-        with s:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"master CLI {self.socket}: no answer to {line!r} in {timeout}s")
+            time.sleep(0.02)
+
+    def _roundtrip(self, line: str, timeout: float) -> str:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(timeout)
+            s.connect(str(self.socket))
             s.sendall(line.encode() + b"\n")
             s.shutdown(socket.SHUT_WR)
             chunks = []
@@ -204,16 +218,7 @@ class HAProxyMaster:
     def worker_pids(self) -> tuple[int | None, list[int]]:
         from supervisor.haproxy.api import parse_show_proc
 
-        for attempt in range(50):
-            try:
-                answer = self.command("show proc")
-                break
-            except ConnectionResetError:
-                # Polled right while the master re-executes for a reload; a read is safe to repeat.
-                if attempt == 49:
-                    raise
-                time.sleep(0.02)
-        procs = parse_show_proc(answer)
+        procs = parse_show_proc(self.command("show proc"))
         current = procs.current_worker
         return (current.pid if current else None), [p.pid for p in procs.old_workers]
 
