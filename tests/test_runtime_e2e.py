@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.effective import build_effective, prepare_runtime_dir, write_atomically
-from supervisor.haproxy.api import MasterCLI, parse_servers_state, parse_show_proc
+from supervisor.haproxy.api import MasterCLI, ServerState, parse_servers_state, parse_show_proc
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime import (
     RuntimeApplier,
@@ -110,7 +110,7 @@ class Rig:
         assert procs.master is not None
         return procs.master.reloads
 
-    def servers(self, pid: int | None = None) -> dict[str, object]:
+    def servers(self, pid: int | None = None) -> dict[str, ServerState]:
         answer = self.master.command(f"@!{pid or self.worker} show servers state app")
         return {s.name: s for s in parse_servers_state(answer)}
 
@@ -375,9 +375,7 @@ async def test_rolling_deployment_through_slots_without_a_503_or_a_reload(rundir
                 nonlocal applied_slot_changes
                 applied_slot_changes = await roll(rig, ports, apply)
 
-            started_at = time.monotonic()
             load = await under_load(rig, work)
-            print(f"rolling: {load.requests} requests in {time.monotonic() - started_at:.2f}s")
             assert applied_slot_changes == 4 * STEPS  # 2 slots out, 2 slots in, each step
             assert rig.reloads() == reloads and rig.worker == worker, "runtime apply must not reload"
             check_final_state(rig, ports)
@@ -406,9 +404,7 @@ async def test_control_rolling_deployment_address_first_gives_503s(rundir):
             async def work() -> None:
                 await roll(rig, ports, apply)
 
-            started_at = time.monotonic()
             load = await under_load(rig, work)
-            print(f"rolling address-first: {load.statuses} in {time.monotonic() - started_at:.2f}s")
             check_final_state(rig, ports)
             await asyncio.sleep(0.1)
             lines = failed_log_lines(rig)
