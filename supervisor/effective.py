@@ -61,6 +61,10 @@ def prepare_runtime_dir(settings: Settings) -> None:
     if not steer_map.exists():
         # Empty on disk on purpose: a worker starts with no steering; only old ones get entries.
         steer_map.write_text("")
+    state_file = settings.haproxy.server_state_file
+    if settings.reload.preserve_server_state and not state_file.exists():
+        # A state file with no server (haproxy.server_state.EMPTY_STATE): loads without a warning.
+        state_file.write_text("1\n")
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -58,6 +58,8 @@ class ReloadSettings:
     min_interval_ms: int = 1000
     timeout_s: float = 30
     runtime_apply: bool = True
+    # Save `show servers state` before each reload and make the new worker load it.
+    preserve_server_state: bool = True
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ def setup(tmp_path: Path) -> Path:
     settings = tmp_path / "settings.yaml"
     settings.write_text(
         "haproxy:\n  config: rendered.cfg\n  runtime_dir: run\nold_workers:\n  guard: false\n"
+        "reload:\n  preserve_server_state: false\n"
     )
     return settings
 

@@ -8,7 +8,7 @@ import pytest
 
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import effective_config, inject_observe, observe_directive
-from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
+from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import CORPUS, corpus_files
 
 DIRECTIVE = observe_directive(3)
@@ -67,7 +67,11 @@ def test_servers_without_check_and_already_observed_are_left_alone():
 
 
 def test_gate_off_changes_nothing():
-    settings = Settings(observe=ObserveSettings(enabled=False), old_workers=OldWorkerSettings(guard=False))
+    settings = Settings(
+        observe=ObserveSettings(enabled=False),
+        old_workers=OldWorkerSettings(guard=False),
+        reload=ReloadSettings(preserve_server_state=False),
+    )
     for path in corpus_files():
         text = path.read_text()
         assert effective_config(Config.parse(text), settings).render() == text

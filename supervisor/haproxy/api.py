@@ -214,9 +214,11 @@ def parse_show_info(text: str) -> dict[str, str]:
 
 
 # srv_op_state: 0 = stopped (DOWN), 1 = starting, 2 = running, 3 = stopping.
-# srv_admin_state is a bit field: 0x01 forced maint, 0x02 inherited maint, 0x04 maint via
-# config `disabled`, 0x08 forced drain, 0x10 inherited drain, 0x20 maint from DNS resolution.
-ADMIN_MAINT_MASK = 0x01 | 0x02 | 0x04 | 0x20
+# srv_admin_state is a bit field: 0x01 forced maint, 0x02 inherited maint, 0x04 "config said
+# `disabled`", 0x08 forced drain, 0x10 inherited drain, 0x20 maint from DNS resolution.
+# 0x04 alone is not maint: a `disabled` server starts at 0x05 and `set server ... state
+# ready` leaves 0x04 on a server that serves (seen on 2.6.12), so it stays out of the mask.
+ADMIN_MAINT_MASK = 0x01 | 0x02 | 0x20
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,6 +152,14 @@ class VanishedNode:
         self.listener.close()
 
 
+def _is_show(command: str) -> bool:
+    """`show ...`, or `@!<pid> show ...` / `@<n> show ...`: safe to send twice."""
+    words = command.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return bool(words) and words[0] == "show"
+
+
 class HAProxyMaster:
     """`haproxy -W -S <sock> -f <cfg>` as our child; stopped (with every worker) by PID."""
 
@@ -163,33 +171,43 @@ class HAProxyMaster:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> HAProxyMaster:
-        self.proc = subprocess.Popen(
-            [haproxy_binary(), "-W", "-S", str(self.socket), "-f", str(self.config), "-p", str(self.pid_file)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        # stderr to a file, not a pipe: workers print a line per server state change there
+        # (`Server b/s is UP/READY ...`), and a pipe nobody reads blocks them after 64 KiB.
+        self.stderr_path = self.runtime / "haproxy.stderr"
+        with open(self.stderr_path, "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [haproxy_binary(), "-W", "-S", str(self.socket), "-f", str(self.config), "-p", str(self.pid_file)],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
         wait_for(lambda: self.socket.exists() or self.proc.poll() is not None, what="master socket")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"haproxy exited: {self.proc.stderr.read().decode()}")
+            raise RuntimeError(f"haproxy exited: {self.stderr_path.read_text(errors='replace')}")
         wait_for(lambda: self.command("show proc").count("worker") >= 1, what="first worker")
         return self
 
     def command(self, line: str, timeout: float = 5.0) -> str:
         """A blocking master-CLI round trip (the daemon uses the async client)."""
         deadline = time.monotonic() + timeout
+        # The master re-executes itself after start-up and on reload: its socket is briefly
+        # closed (refused) or drops a connection it had accepted (reset). Reads are repeated.
+        read_only = all(_is_show(command) for command in line.split(";"))
         while True:
-            s = socket.socket(socket.AF_UNIX)
             try:
-                s.settimeout(timeout)
-                s.connect(str(self.socket))
-                break
+                return self._roundtrip(line, timeout)
             except (ConnectionRefusedError, FileNotFoundError):
-                # The master re-executes itself on reload: its socket is briefly closed.
-                s.close()
-                if time.monotonic() > deadline:
+                pass
+            except ConnectionResetError:
+                if not read_only:
                     raise
-                time.sleep(0.02)
-        with s:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"master CLI {self.socket}: no answer to {line!r} in {timeout}s")
+            time.sleep(0.02)
+
+    def _roundtrip(self, line: str, timeout: float) -> str:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(timeout)
+            s.connect(str(self.socket))
             s.sendall(line.encode() + b"\n")
             s.shutdown(socket.SHUT_WR)
             chunks = []

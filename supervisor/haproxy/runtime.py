@@ -1,0 +1,536 @@
+"""Runtime changes to live servers, and the plan that says when a reload is not needed.
+
+Every change this daemon makes to a live server's address, port, weight or enabled
+state goes through this module. HAProxy runs each CLI command as its own locked
+operation, even several on one `;` line, so between two commands a server routes
+traffic in whatever state the first one left it. `set server B/S addr 127.0.0.1 port 1`
+on a `ready` server makes it routable at the placeholder until the `state maint` that
+follows lands: requests balanced to it in that window fail with 503 (termination state
+SC), and without `option redispatch` every retry hits the same slot.
+
+Order of the commands for one server (`ordered_commands`):
+
+- disable: `state maint` first, then the address, then the weight. Once in maint the
+  server takes no new request, so what follows cannot route anything.
+- enable: the address and the weight while the server is still in maint, `state ready`
+  last, so it starts taking requests at the right address with the right weight. When
+  the address changes, an explicit `state maint` goes first even though a disabled
+  server should already be in maint: if the address is then refused the server is
+  known to be in maint, never ready at an address it should not have.
+- new address of an enabled server: `state maint`, address, weight, `state ready`.
+  A draining-free swap is not possible with one server: the slot is out of rotation
+  for the few milliseconds between the commands, which costs nothing (the other
+  servers take the requests), where the reverse order would send requests to the
+  old or the placeholder address.
+- weight alone, address and enabled state unchanged: one `weight` command. Weight only
+  shifts the proportion of requests between servers that are all at the right address,
+  so no order of it can route wrongly. `weight 0` before a disable buys nothing
+  either: `state maint` stops new requests just as well and is what a disable means.
+
+A refused command stops the sequence for that server: what was accepted stays, the
+rest is not sent. As `state ready` is always last, a server whose sequence began with
+`state maint` stays in maint. The reloader then reloads (the hook answers False).
+
+Commands are batched across servers, one step at a time: the first command of every
+server's sequence on one master-CLI line (`@!<pid> cmd;@!<pid> cmd;...`), every answer
+checked, then the second command of the servers whose first was accepted, and so on.
+One `;` line runs all its commands whatever each answers, so the commands of ONE server
+never share a line: a refusal can only stop what has not been sent yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process, validate_name
+from .config import _SERVER_KEYWORDS_WITH_ARG, BACKEND_KINDS, Config, Section, Server
+from .server_state import clear_server_state, save_server_state
+
+log = logging.getLogger(__name__)
+
+MAX_WEIGHT = 256  # HAProxy's absolute weight range is 0..256
+DEFAULT_WEIGHT = 1
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
+
+
+def validate_address(address: str) -> str:
+    """An IPv4 or IPv6 literal, or a host name (letters, digits, `-` and `.`), or ValueError."""
+    try:
+        ipaddress.ip_address(address)
+        return address
+    except ValueError:
+        pass
+    if not _HOSTNAME.match(address):
+        raise ValueError(f"invalid server address {address!r}: not an IP address or a host name")
+    return address
+
+
+def validate_port(port: int | None) -> int | None:
+    if port is None:
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"invalid server port {port!r}: must be an integer from 1 to 65535")
+    return port
+
+
+def validate_weight(weight: int) -> int:
+    if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
+        raise ValueError(f"invalid server weight {weight!r}: must be an integer from 0 to {MAX_WEIGHT}")
+    return weight
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerChange:
+    """What changes on one server that already exists in the running worker."""
+
+    backend: str
+    server: str
+    from_address: str
+    from_port: int | None
+    to_address: str
+    to_port: int | None
+    from_weight: int = DEFAULT_WEIGHT
+    to_weight: int = DEFAULT_WEIGHT
+    was_enabled: bool = True
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        validate_name("backend", self.backend)
+        validate_name("server", self.server)
+        validate_address(self.from_address)
+        validate_address(self.to_address)
+        validate_port(self.from_port)
+        validate_port(self.to_port)
+        validate_weight(self.from_weight)
+        validate_weight(self.to_weight)
+        if self.address_changed and self.to_port is None and self.from_port is not None:
+            raise ValueError(f"{self.key}: cannot drop the port of a server at runtime")
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}/{self.server}"
+
+    @property
+    def address_changed(self) -> bool:
+        return self.from_port != self.to_port or not _same_host(self.from_address, self.to_address)
+
+    @property
+    def weight_changed(self) -> bool:
+        return self.from_weight != self.to_weight
+
+    @property
+    def to_endpoint(self) -> str:
+        host = f"[{self.to_address}]" if ":" in self.to_address else self.to_address
+        return host if self.to_port is None else f"{host}:{self.to_port}"
+
+
+def ordered_commands(change: ServerChange) -> list[str]:
+    """The CLI commands for one change, in the only order that never routes wrongly (module doc)."""
+    target = f"{change.backend}/{change.server}"
+    weight = [f"set server {target} weight {change.to_weight}"] if change.weight_changed else []
+    disabling = change.was_enabled and not change.enabled
+    if not change.address_changed and not disabling:
+        if change.enabled and not change.was_enabled:
+            # Still in maint from the config's `disabled`: weight first, ready last.
+            return [*weight, f"set server {target} state ready"]
+        return weight
+    commands = [f"set server {target} state maint"]
+    if change.address_changed:
+        port = f" port {change.to_port}" if change.to_port is not None else ""
+        commands.append(f"set server {target} addr {change.to_address}{port}")
+    commands += weight
+    if change.enabled:
+        commands.append(f"set server {target} state ready")
+    return commands
+
+
+# ---------------------------------------------------------------- planning
+
+
+def _runtime_endpoint(word: str) -> tuple[str, int | None] | None:
+    """(host, port) of a config address that `set server ... addr` can express, else None.
+
+    Only IP literals: `set server addr` does no DNS resolution, and a host name, a port
+    range or offset (`+1000`), a unix socket or a family prefix other than ipv4@/ipv6@
+    means the change is for a reload to make.
+    """
+    family = ""
+    if word.startswith(("ipv4@", "ipv6@")):
+        family, word = word[:4], word[5:]
+    host: str
+    port_text: str | None
+    if word.startswith("["):
+        host, sep, tail = word[1:].partition("]")
+        if not sep or (tail and not tail.startswith(":")):
+            return None
+        port_text = tail[1:] if tail else None
+    elif family == "ipv6":
+        host, _, port_text = word.rpartition(":")
+    elif word.count(":") == 1:
+        host, _, port_text = word.partition(":")
+    elif ":" not in word:
+        host, port_text = word, None
+    else:
+        return None  # bare IPv6: HAProxy reads the last group as a port; too easy to misread
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if (family == "ipv4" and ip.version != 4) or (family == "ipv6" and ip.version != 6):
+        return None
+    if port_text is None:
+        return str(ip), None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return None
+    return str(ip), int(port_text)
+
+
+def _address_index(line_words: tuple[str, ...]) -> int:
+    return 3 if line_words[0] == "server-template" else 2
+
+
+def _without_runtime_fields(words: tuple[str, ...]) -> tuple[str, ...]:
+    """A server line's words with the address, `disabled`/`enabled` and `weight N` taken out."""
+    at = _address_index(words)
+    kept = [*words[:at], "<address>"]
+    params = words[at + 1 :]
+    i = 0
+    while i < len(params):
+        word = params[i]
+        if word in ("disabled", "enabled"):
+            i += 1
+            continue
+        if word == "weight":
+            i += 2
+            continue
+        kept.append(word)
+        if word in _SERVER_KEYWORDS_WITH_ARG and i + 1 < len(params):
+            kept.append(params[i + 1])
+            i += 1
+        i += 1
+    return tuple(kept)
+
+
+def _is_server_line(section: Section, words: tuple[str, ...]) -> bool:
+    if section.kind not in BACKEND_KINDS or not words:
+        return False
+    return (words[0] == "server" and len(words) >= 3) or (words[0] == "server-template" and len(words) >= 4)
+
+
+def config_skeleton(config: Config) -> list[tuple[str, ...]]:
+    """Every line's words, blank and comment lines left out, server runtime fields taken out.
+
+    Two configs with the same skeleton differ only in what the Runtime API can set on
+    servers that exist in both, or in comments and spacing, which HAProxy never sees.
+    """
+    skeleton: list[tuple[str, ...]] = []
+    for section in config.sections:
+        if section.header is not None:
+            skeleton.append(("<section>", *section.header.words))
+        for line in section.body:
+            if not line.words:
+                continue
+            skeleton.append(_without_runtime_fields(line.words) if _is_server_line(section, line.words) else line.words)
+    return skeleton
+
+
+def _weight(server: Server) -> int:
+    return DEFAULT_WEIGHT if server.weight is None else server.weight
+
+
+def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | None:
+    """The runtime changes that turn `running` into `new`, or None when only a reload can.
+
+    [] means nothing HAProxy sees differs (comments, spacing). Pass like with like:
+    both effective configs (or both rendered), so injections compare equal.
+    """
+    if config_skeleton(running) != config_skeleton(new):
+        return None
+    changes: list[ServerChange] = []
+    new_backends = [s for s in new.sections if s.kind in BACKEND_KINDS]
+    for old_section, new_section in zip(running.backends(), new_backends, strict=True):
+        old_servers = running.servers(old_section)
+        new_servers = new.servers(new_section)
+        if [s.name for s in old_servers] != [s.name for s in new_servers]:
+            return None  # same skeleton cannot give other names; refuse rather than guess
+        for old, fresh in zip(old_servers, new_servers, strict=True):
+            change = _server_change(old_section, old, new_section, fresh)
+            if change is False:
+                return None
+            if change is not None:
+                changes.append(change)
+    return changes
+
+
+def _server_change(old_section: Section, old: Server, new_section: Section, new: Server) -> ServerChange | bool | None:
+    """The change for one server; None when it does not change; False when it needs a reload."""
+    old_words = old_section.body[old.line_index].words
+    new_words = new_section.body[new.line_index].words
+    old_word = old_words[_address_index(old_words)]
+    new_word = new_words[_address_index(new_words)]
+    if old_word == new_word:
+        old_endpoint = new_endpoint = (old.address, old.port)
+    else:
+        parsed_old, parsed_new = _runtime_endpoint(old_word), _runtime_endpoint(new_word)
+        if parsed_old is None or parsed_new is None:
+            return False
+        if (parsed_old[1] is None) != (parsed_new[1] is None):
+            return False  # a port mapping cannot be switched on or off at runtime
+        old_endpoint, new_endpoint = parsed_old, parsed_new
+    if (
+        old_word == new_word
+        and old.disabled == new.disabled
+        and _weight(old) == _weight(new)
+    ):
+        return None
+    try:
+        change = ServerChange(
+            backend=old.backend,
+            server=old.name,
+            from_address=old_endpoint[0],
+            from_port=old_endpoint[1],
+            to_address=new_endpoint[0],
+            to_port=new_endpoint[1],
+            from_weight=_weight(old),
+            to_weight=_weight(new),
+            was_enabled=not old.disabled,
+            enabled=not new.disabled,
+        )
+    except ValueError as exc:
+        log.info("runtime apply not possible, reloading instead: %s", exc)
+        return False
+    if not change.address_changed and not change.weight_changed and change.was_enabled == change.enabled:
+        return None  # the address was only spelled differently
+    return change
+
+
+# ---------------------------------------------------------------- applying
+
+_ADDR_ACCEPTED = re.compile(
+    r"^(IP changed from '[^']*' to '[^']*'|no need to change the addr)"
+    r"(, (port changed from '[^']*' to '[^']*'|no need to change the port))?"
+    r" by '[^']*'\.?$"
+)
+
+
+def split_answers(text: str, count: int) -> list[str] | None:
+    """One answer per command of a `;` line, or None when they cannot be told apart.
+
+    Each command's answer is its text followed by an empty line; a command that prints
+    nothing answers the empty line alone. A master-level error (`Can't find the target
+    PID`) ends the line early, so the count no longer matches.
+    """
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    answers: list[str] = []
+    current: list[str] = []
+    for line in lines:
+        if line == "":
+            answers.append("\n".join(current))
+            current = []
+        else:
+            current.append(line)
+    if current:
+        answers.append("\n".join(current))
+    return answers if len(answers) == count else None
+
+
+def refusal(command: str, answer: str | None) -> str | None:
+    """None when HAProxy accepted `command`, else why not (its own words when it gave any).
+
+    `state` and `weight` print nothing when they succeed; `addr` prints what it changed.
+    Anything else, including an answer this code does not know, counts as refused: the
+    safe reading, since the sequence then stops with the server out of rotation.
+    """
+    if answer is None:
+        return "no answer"
+    text = answer.strip()
+    if " addr " in command:
+        return None if _ADDR_ACCEPTED.match(text) else (text or "empty answer to addr")
+    return None if text == "" else text
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    change: ServerChange
+    command: str
+    answer: str
+    accepted: tuple[str, ...]  # the commands of this server's sequence that HAProxy accepted
+
+    @property
+    def left_in_maint(self) -> bool:
+        return any(c.endswith(" state maint") for c in self.accepted)
+
+
+@dataclass
+class ApplyResult:
+    applied: list[ServerChange] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    commands_sent: int = 0
+    lines_sent: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+
+async def _send_line(cli: MasterCLI, line: str, count: int) -> list[str | None]:
+    try:
+        text = await cli.execute(line)
+    except CLIError as exc:
+        return [f"no answer: {exc}"] * count
+    answers = split_answers(text, count)
+    if answers is None:
+        # Cannot tell which command said what: every command of the line counts as refused.
+        unexpected = text.strip() or "empty answer"
+        return [f"unexpected answer to {count} commands: {unexpected}"] * count
+    return list(answers)
+
+
+async def _send_step(
+    cli: MasterCLI, worker_pid: int, commands: Sequence[str], line_limit: int
+) -> tuple[list[str | None], int]:
+    """Send one step's commands (one per server) as few `;` lines as fit; answers in order."""
+    lines = batch_lines([on_process(worker_pid, c) for c in commands], line_limit)
+    tasks: list[asyncio.Task[list[str | None]]] = []
+    async with asyncio.TaskGroup() as group:
+        for line in lines:
+            # Names and addresses are validated, so `;` only ever separates commands.
+            tasks.append(group.create_task(_send_line(cli, line, line.count(";") + 1)))
+    answers: list[str | None] = []
+    for task in tasks:
+        answers.extend(task.result())
+    return answers, len(lines)
+
+
+async def apply_changes(
+    cli: MasterCLI,
+    worker_pid: int,
+    changes: Iterable[ServerChange],
+    *,
+    order: Callable[[ServerChange], list[str]] = ordered_commands,
+    line_limit: int = DEFAULT_LINE_LIMIT,
+) -> ApplyResult:
+    """Apply changes to one worker, step by step across servers, checking every answer.
+
+    `order` exists so a test can drive the wrong order and show the window it opens.
+    """
+    worker_pid = int(worker_pid)
+    plans = [(change, order(change)) for change in changes]
+    accepted: list[list[str]] = [[] for _ in plans]
+    stopped: dict[int, Refusal] = {}
+    result = ApplyResult()
+    step = 0
+    while True:
+        batch = [
+            (i, sequence[step])
+            for i, (_, sequence) in enumerate(plans)
+            if step < len(sequence) and i not in stopped
+        ]
+        if not batch:
+            break
+        answers, lines = await _send_step(cli, worker_pid, [command for _, command in batch], line_limit)
+        result.commands_sent += len(batch)
+        result.lines_sent += lines
+        for (i, command), answer in zip(batch, answers, strict=True):
+            reason = refusal(command, answer)
+            if reason is None:
+                accepted[i].append(command)
+                continue
+            refused = Refusal(plans[i][0], command, reason, tuple(accepted[i]))
+            stopped[i] = refused
+            log.warning(
+                "worker %d refused %r: %s; %s",
+                worker_pid,
+                command,
+                reason,
+                "server left in maint" if refused.left_in_maint else "server left as it was",
+            )
+        step += 1
+    for i, (change, _) in enumerate(plans):
+        if i in stopped:
+            result.refused.append(stopped[i])
+        else:
+            result.applied.append(change)
+    return result
+
+
+# ---------------------------------------------------------------- the reloader's hook
+
+
+class _Generation(Protocol):
+    model: Config
+    worker_pid: int | None
+
+
+class _Effective(Protocol):
+    text: str
+
+
+class RuntimeApplier:
+    """`runtime_apply(current, new_model, effective) -> bool` for the reloader.
+
+    True: the change is live in the current worker and no reload is needed (the reloader
+    then writes the effective config and updates the generation's model in place).
+    False: a reload must do it; either the plan needs one, or a command was refused.
+    Servers whose sequence was refused are remembered in `forget`, so that the next
+    server-state save leaves them out and the reload starts them from the config rather
+    than keeping them in the maint this module left them in.
+    """
+
+    def __init__(self, cli: MasterCLI, line_limit: int = DEFAULT_LINE_LIMIT) -> None:
+        self.cli = cli
+        self.line_limit = line_limit
+        self.forget: set[str] = set()
+        self.last_result: ApplyResult | None = None
+
+    async def __call__(self, current: _Generation, new_model: Config, effective: _Effective | None = None) -> bool:
+        # Compare effective with effective: the generation's model is the effective config.
+        new = Config.parse(effective.text) if effective is not None else new_model
+        if current.worker_pid is None:
+            return False
+        changes = plan_runtime_apply(current.model, new)
+        if changes is None:
+            return False
+        if not changes:
+            return True
+        result = await apply_changes(self.cli, current.worker_pid, changes, line_limit=self.line_limit)
+        self.last_result = result
+        for change in result.applied:
+            self.forget.discard(change.key)
+        for refused in result.refused:
+            self.forget.add(refused.change.key)
+        log.info(
+            "runtime apply to worker %d: %d servers changed, %d refused, %d commands on %d lines",
+            current.worker_pid, len(result.applied), len(result.refused), result.commands_sent, result.lines_sent,
+        )
+        return result.ok
+
+    async def save_server_state(self, current: _Generation, new_model: Config, path: Path) -> bool:
+        """Before a reload to `new_model`: save the current worker's state, minus what must not carry over."""
+        if current.worker_pid is None:
+            clear_server_state(path)
+            return False
+        saved = await save_server_state(
+            self.cli, current.worker_pid, path, running=current.model, new=new_model, forget=self.forget
+        )
+        if saved:
+            self.forget.clear()
+        return saved

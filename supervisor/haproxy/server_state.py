@@ -1,0 +1,157 @@
+"""Server state across reloads: what the current worker knows, handed to the next one.
+
+Before a reload the current worker's `show servers state` is saved to the file the
+effective config names in `server-state-file`; the new worker loads it at start-up
+(`load-server-state-from-file global`), so a server in maint, or DOWN by its health
+checks, does not start UP in the new worker.
+
+HAProxy 2.6 applies that file with rules that do not fit a config that changes
+(checked with the real binary, see tests/test_runtime_e2e.py):
+
+- `srv_port` from the file always overrides the port in the new config, so a server
+  moved to another port would keep the old one. (The address of a server written as an
+  IP literal comes from the config.)
+- The admin state is restored whenever the config's `disabled` did not flip between the
+  old worker's config and the new one. The old worker's config is not what we last set:
+  a slot disabled at runtime by this daemon (forced maint) and enabled again in the next
+  config would stay in maint, and a slot enabled at runtime and disabled again would
+  come back ready.
+
+So the saved file is filtered: a server's line is kept only when the server exists in
+both the running effective config and the new one with the same address, port,
+`disabled` and weight, and the file's address and port are the ones the new config
+gives it. Everything else starts from the new config. What carries over is exactly the
+state no config expresses: health (DOWN), a maint or drain set by an operator, an
+operator's weight.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Collection
+from pathlib import Path
+
+from ..effective import write_atomically
+from .api import CLIError, MasterCLI
+from .config import Config, Server
+
+log = logging.getLogger(__name__)
+
+# A state file with no server: HAProxy loads it without a warning (an empty or missing
+# file makes every start log one).
+EMPTY_STATE = "1\n"
+
+
+def server_state_target(config: Config) -> Path | None:
+    """The file the worker of `config` loads its server state from, when it can be known.
+
+    The global `server-state-file`: absolute, or relative to an absolute
+    `server-state-base`. A relative path without a base resolves against HAProxy's
+    working directory, which is not ours to guess: None.
+    """
+    line = config.global_setting("server-state-file")
+    if line is None or len(line.words) < 2:
+        return None
+    path = Path(line.words[1])
+    if path.is_absolute():
+        return path
+    base = config.global_setting("server-state-base")
+    if base is not None and len(base.words) >= 2 and Path(base.words[1]).is_absolute():
+        return Path(base.words[1]) / path
+    return None
+
+
+def _same_ip(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return False
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _config_identity(server: Server) -> tuple[str, int | None, bool, int]:
+    return server.address, server.port, server.disabled, 1 if server.weight is None else server.weight
+
+
+def _carries_over(
+    row: dict[str, str], running: dict[str, Server], new: dict[str, Server], forget: Collection[str]
+) -> bool:
+    key = f"{row.get('be_name')}/{row.get('srv_name')}"
+    before, after = running.get(key), new.get(key)
+    if key in forget or before is None or after is None:
+        return False
+    if _config_identity(before) != _config_identity(after):
+        return False
+    port = row.get("srv_port", "")
+    if port != str(after.port if after.port is not None else 0):
+        return False
+    if _is_ip(after.address):
+        return _same_ip(row.get("srv_addr", ""), after.address)
+    return True  # a host name: the file holds what it resolved to
+
+
+def filter_server_state(text: str, running: Config, new: Config, forget: Collection[str] = ()) -> str:
+    """The saved `show servers state`, keeping only what the new worker should inherit."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines or not lines[0].strip().isdigit():
+        return EMPTY_STATE
+    out = [lines[0]]
+    columns: list[str] = []
+    running_servers, new_servers = running.server_map(), new.server_map()
+    for line in lines[1:]:
+        if line.startswith("# be_id"):
+            columns = line[2:].split()
+            out.append(line)
+            continue
+        if line.startswith("#") or not columns:
+            continue
+        row = dict(zip(columns, line.split(), strict=False))
+        if _carries_over(row, running_servers, new_servers, forget):
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def clear_server_state(path: Path) -> None:
+    """No state to hand over: a master started afresh must not load a previous run's file."""
+    write_atomically(path, EMPTY_STATE)
+
+
+async def save_server_state(
+    cli: MasterCLI,
+    worker_pid: int,
+    path: Path,
+    *,
+    running: Config,
+    new: Config,
+    forget: Collection[str] = (),
+) -> bool:
+    """Save the worker's server state for the reload to `new`; False (and no state) on failure.
+
+    On failure the file is emptied rather than left alone: a state file from an earlier
+    reload would hand the new worker states that are no longer true.
+    """
+    try:
+        answer = await cli.on(worker_pid, "show servers state")
+    except CLIError as exc:
+        log.warning("cannot save server state of worker %d: %s; the new worker starts from its config", worker_pid, exc)
+        write_atomically(path, EMPTY_STATE)
+        return False
+    first = answer.lstrip().split("\n", 1)[0].strip()
+    if not first.isdigit():
+        log.warning(
+            "cannot save server state of worker %d: unexpected answer %r; the new worker starts from its config",
+            worker_pid,
+            first[:120],
+        )
+        write_atomically(path, EMPTY_STATE)
+        return False
+    write_atomically(path, filter_server_state(answer, running, new, forget))
+    return True

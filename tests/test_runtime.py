@@ -1,0 +1,396 @@
+"""Runtime changes: command order, the reloadless plan, and reading HAProxy's answers (pure)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.runtime import (
+    ServerChange,
+    config_skeleton,
+    ordered_commands,
+    plan_runtime_apply,
+    refusal,
+    split_answers,
+)
+from tests.conftest import CORPUS
+
+INGRESS = (CORPUS / "ingress.cfg").read_text()
+
+
+def change(**overrides) -> ServerChange:
+    fields = dict(
+        backend="app",
+        server="slot1",
+        from_address="127.0.0.1",
+        from_port=8080,
+        to_address="127.0.0.1",
+        to_port=8080,
+        from_weight=1,
+        to_weight=1,
+        was_enabled=True,
+        enabled=True,
+    )
+    fields.update(overrides)
+    return ServerChange(**fields)
+
+
+# ---------------------------------------------------------------- ordered_commands
+
+
+def test_disable_is_maint_first_then_address():
+    commands = ordered_commands(change(to_port=1, enabled=False))
+    assert commands == ["set server app/slot1 state maint", "set server app/slot1 addr 127.0.0.1 port 1"]
+
+
+def test_enable_is_address_first_then_ready():
+    commands = ordered_commands(change(from_port=1, to_port=9000, was_enabled=False))
+    assert commands == [
+        "set server app/slot1 state maint",
+        "set server app/slot1 addr 127.0.0.1 port 9000",
+        "set server app/slot1 state ready",
+    ]
+
+
+def test_new_address_of_live_server_goes_through_maint():
+    commands = ordered_commands(change(to_address="10.0.0.7", to_port=80))
+    assert commands == [
+        "set server app/slot1 state maint",
+        "set server app/slot1 addr 10.0.0.7 port 80",
+        "set server app/slot1 state ready",
+    ]
+
+
+def test_weight_is_set_inside_the_maint_window():
+    commands = ordered_commands(change(from_port=1, to_port=9000, was_enabled=False, to_weight=50))
+    assert commands == [
+        "set server app/slot1 state maint",
+        "set server app/slot1 addr 127.0.0.1 port 9000",
+        "set server app/slot1 weight 50",
+        "set server app/slot1 state ready",
+    ]
+    assert ordered_commands(change(to_port=1, enabled=False, to_weight=0)) == [
+        "set server app/slot1 state maint",
+        "set server app/slot1 addr 127.0.0.1 port 1",
+        "set server app/slot1 weight 0",
+    ]
+
+
+def test_weight_alone_is_one_command():
+    assert ordered_commands(change(to_weight=7)) == ["set server app/slot1 weight 7"]
+    assert ordered_commands(change(to_weight=7, was_enabled=False, enabled=False)) == ["set server app/slot1 weight 7"]
+
+
+def test_enable_in_place_is_weight_then_ready():
+    assert ordered_commands(change(was_enabled=False)) == ["set server app/slot1 state ready"]
+    assert ordered_commands(change(was_enabled=False, to_weight=3)) == [
+        "set server app/slot1 weight 3",
+        "set server app/slot1 state ready",
+    ]
+
+
+def test_disable_in_place_is_maint_alone():
+    assert ordered_commands(change(enabled=False)) == ["set server app/slot1 state maint"]
+
+
+def test_parked_server_readdressed_stays_in_maint():
+    commands = ordered_commands(change(to_port=9, was_enabled=False, enabled=False))
+    assert commands == ["set server app/slot1 state maint", "set server app/slot1 addr 127.0.0.1 port 9"]
+
+
+def test_no_change_no_command():
+    assert ordered_commands(change()) == []
+
+
+def test_ipv6_and_portless_addresses():
+    assert ordered_commands(change(to_address="::1", to_port=8081))[1] == "set server app/slot1 addr ::1 port 8081"
+    portless = change(from_port=None, to_port=None, to_address="127.0.0.2")
+    assert ordered_commands(portless)[1] == "set server app/slot1 addr 127.0.0.2"
+
+
+@pytest.mark.parametrize(
+    ("was_enabled", "enabled", "readdress", "reweight"),
+    list(itertools.product([True, False], repeat=4)),
+)
+def test_order_invariants(was_enabled, enabled, readdress, reweight):
+    c = change(
+        was_enabled=was_enabled,
+        enabled=enabled,
+        to_port=9999 if readdress else 8080,
+        to_weight=9 if reweight else 1,
+    )
+    commands = ordered_commands(c)
+    kinds = [cmd.split()[3] for cmd in commands]  # state | addr | weight
+    states = [cmd.split()[-1] for cmd in commands if cmd.split()[3] == "state"]
+    # Ready comes last, and only when the server ends enabled.
+    assert ("ready" in states) == (enabled and not (was_enabled and not readdress))
+    if "ready" in states:
+        assert commands[-1].endswith("state ready")
+    # Nothing is ever ready at an address before the address is set: addr precedes ready,
+    # and an address change always happens inside maint.
+    if readdress:
+        assert kinds.index("addr") > 0 and commands[0].endswith("state maint")
+    # A server that ends disabled is put in maint before anything else.
+    if was_enabled and not enabled:
+        assert commands[0].endswith("state maint") and "ready" not in states
+    assert ("weight" in kinds) == reweight
+    assert len(commands) == len(set(commands))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"backend": "app;show info"},
+        {"server": "slot1 state ready"},
+        {"server": "slot\n1"},
+        {"backend": ""},
+        {"to_address": "127.0.0.1;@!1 shutdown"},
+        {"to_address": "10.0.0.1 port 1"},
+        {"to_address": "-bad.example"},
+        {"to_port": 0},
+        {"to_port": 70000},
+        {"to_port": "80"},
+        {"to_weight": 257},
+        {"to_weight": -1},
+        {"to_weight": True},
+        {"from_port": 80, "to_port": None, "to_address": "10.0.0.2"},
+    ],
+)
+def test_invalid_changes_are_refused(overrides):
+    with pytest.raises(ValueError):
+        change(**overrides)
+
+
+def test_host_names_are_valid_addresses():
+    assert change(to_address="pod-1.default.svc.cluster.local").to_endpoint == "pod-1.default.svc.cluster.local:8080"
+    assert change(to_address="::1", to_port=1).to_endpoint == "[::1]:1"
+
+
+# ---------------------------------------------------------------- plan_runtime_apply
+
+
+def edit(text: str, old: str, new: str, count: int = 1) -> str:
+    assert text.count(old) == count, (old, text.count(old))
+    return text.replace(old, new)
+
+
+def plan(old_text: str, new_text: str) -> list[ServerChange] | None:
+    return plan_runtime_apply(Config.parse(old_text), Config.parse(new_text))
+
+
+def by_key(changes: list[ServerChange]) -> dict[str, ServerChange]:
+    return {c.key: c for c in changes}
+
+
+def test_identical_configs_need_nothing():
+    assert plan(INGRESS, INGRESS) == []
+
+
+def test_comments_and_spacing_need_nothing():
+    changed = edit(INGRESS, "    balance roundrobin\n", "\tbalance   roundrobin   # spread\n", count=2)
+    changed = "# regenerated at 12:00\n" + changed + "\n\n"
+    assert plan(INGRESS, changed) == []
+
+
+def test_filling_a_parked_slot_is_an_enable():
+    new = edit(INGRESS, "server srv003 127.0.0.1:1 disabled weight 1", "server srv003 127.0.0.1:18122 weight 1")
+    (c,) = plan(INGRESS, new)
+    assert (c.key, c.was_enabled, c.enabled) == ("default_api_8080/srv003", False, True)
+    assert (c.from_port, c.to_port, c.address_changed, c.weight_changed) == (1, 18122, True, False)
+    assert ordered_commands(c)[-1] == "set server default_api_8080/srv003 state ready"
+
+
+def test_emptying_a_slot_is_a_disable():
+    new = edit(INGRESS, "server srv002 127.0.0.1:18121 weight 50", "server srv002 127.0.0.1:1 disabled weight 1")
+    (c,) = plan(INGRESS, new)
+    assert (c.key, c.was_enabled, c.enabled, c.from_weight, c.to_weight) == (
+        "default_api_8080/srv002", True, False, 50, 1
+    )
+    assert ordered_commands(c)[0].endswith("state maint")
+
+
+def test_weight_change():
+    new = edit(INGRESS, "server srv001 127.0.0.1:18120 weight 100", "server srv001 127.0.0.1:18120 weight 10")
+    (c,) = plan(INGRESS, new)
+    assert ordered_commands(c) == ["set server default_api_8080/srv001 weight 10"]
+
+
+def test_weight_added_where_default_was_one():
+    new = edit(INGRESS, "server SRV_1 127.0.0.1:18130 enabled", "server SRV_1 127.0.0.1:18130 enabled weight 1")
+    assert plan(INGRESS, new) == []
+    new = edit(INGRESS, "server SRV_1 127.0.0.1:18130 enabled", "server SRV_1 127.0.0.1:18130 weight 4 enabled")
+    (c,) = plan(INGRESS, new)
+    assert (c.from_weight, c.to_weight) == (1, 4)
+
+
+def test_enabled_keyword_against_disabled_default_server():
+    # `default-server disabled` in default_web_80: dropping `enabled` disables SRV_1.
+    new = edit(INGRESS, "server SRV_1 127.0.0.1:18130 enabled", "server SRV_1 127.0.0.1:18130")
+    (c,) = plan(INGRESS, new)
+    assert (c.key, c.was_enabled, c.enabled, c.address_changed) == ("default_web_80/SRV_1", True, False, False)
+    new = edit(INGRESS, "server SRV_3 127.0.0.1:1\n", "server SRV_3 127.0.0.1:18132 enabled\n")
+    (c,) = plan(INGRESS, new)
+    assert (c.key, c.was_enabled, c.enabled, c.to_port) == ("default_web_80/SRV_3", False, True, 18132)
+
+
+def test_template_line_address_applies_to_every_slot():
+    new = edit(INGRESS, "server-template SRV 1-10 127.0.0.1:18110 disabled", "server-template SRV 1-10 127.0.0.1:18111")
+    changes = by_key(plan(INGRESS, new))
+    assert sorted(changes) == sorted(f"default_shop_http/SRV{i}" for i in range(1, 11))
+    assert all(c.enabled and not c.was_enabled and c.to_port == 18111 for c in changes.values())
+
+
+def test_template_slots_enabled_in_place():
+    slots = "server-template SRV_EXTRA 5-8 127.0.0.1:1"
+    new = edit(INGRESS, slots, slots + " enabled")
+    changes = by_key(plan(INGRESS, new))
+    assert sorted(changes) == [f"default_web_80/SRV_EXTRA{i}" for i in range(5, 9)]
+    assert all(ordered_commands(c) == [f"set server {c.key} state ready"] for c in changes.values())
+
+
+def test_same_endpoint_spelled_differently_needs_nothing():
+    new = edit(INGRESS, "server srv001 127.0.0.1:18120", "server srv001 ipv4@127.0.0.1:18120")
+    assert plan(INGRESS, new) == []
+
+
+def test_ipv6_endpoints():
+    old = "backend b\n  server s [::1]:80\n"
+    (c,) = plan(old, "backend b\n  server s ipv6@::2:81\n")
+    assert (c.from_address, c.from_port, c.to_address, c.to_port) == ("::1", 80, "::2", 81)
+    (c,) = plan(old, "backend b\n  server s 127.0.0.1:80\n")
+    assert ordered_commands(c)[1] == "set server b/s addr 127.0.0.1 port 80"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # servers added, removed, renamed, slots added
+        ("server srv005 127.0.0.1:1 disabled weight 1\n", "server srv005 127.0.0.1:1 disabled weight 1\n"
+         "    server srv006 127.0.0.1:1 disabled weight 1\n"),
+        ("    server srv005 127.0.0.1:1 disabled weight 1\n", ""),
+        ("server srv005 127.0.0.1:1", "server srv105 127.0.0.1:1"),
+        ("server-template SRV 1-10 ", "server-template SRV 1-12 "),
+        ("server-template SRV_EXTRA 5-8 ", "server-template SRV_EXTRA 5-9 "),
+        # other server parameters
+        ("server srv001 127.0.0.1:18120 weight 100", "server srv001 127.0.0.1:18120 weight 100 check inter 1s"),
+        ("server _default_server_backend 127.0.0.1:18199 no-check", "server _default_server_backend 127.0.0.1:18199"),
+        ("server srv_static 127.0.0.1:18142 weight 10", "server srv_static 127.0.0.1:18142 weight 10 backup"),
+        # default-server, backend, frontend, global, defaults lines
+        ("    default-server disabled\n", "    default-server disabled weight 2\n"),
+        ("default-server check inter 2s", "default-server check inter 3s"),
+        ("    balance leastconn\n    default-server", "    balance roundrobin\n    default-server"),
+        ("maxconn 2048", "maxconn 4096"),
+        ("timeout connect 5s", "timeout connect 4s"),
+        ("bind 127.0.0.1:18100", "bind 127.0.0.1:18101"),
+        ("\nbackend _default_backend\n", "\nbackend _default_backend2\n"),
+        ("# TCP passthrough", "backend extra\n    server x 127.0.0.1:1\n# TCP passthrough"),
+        # addresses the Runtime API cannot set
+        ("server srv001 127.0.0.1:18120", "server srv001 app.example.local:18120"),
+        ("server srv001 127.0.0.1:18120", "server srv001 unix@/run/app.sock"),
+        ("server srv001 127.0.0.1:18120", "server srv001 127.0.0.1:+1000"),
+        ("server srv001 127.0.0.1:18120", "server srv001 127.0.0.1"),
+        ("server srv001 127.0.0.1:18120", "server srv001 127.0.0.1:0"),
+        ("server srv001 127.0.0.1:18120", "server srv001 ::1:18120"),
+        # a weight HAProxy would refuse
+        ("server srv001 127.0.0.1:18120 weight 100", "server srv001 127.0.0.1:18120 weight 300"),
+    ],
+)
+def test_anything_else_needs_a_reload(old, new):
+    assert plan(INGRESS, edit(INGRESS, old, new)) is None
+
+
+def test_servers_outside_backends_are_not_runtime_servers():
+    old = "ring logs\n  format rfc5424\n  server log1 127.0.0.1:514\nbackend b\n  server s 127.0.0.1:1\n"
+    assert plan(old, old.replace("127.0.0.1:514", "127.0.0.1:515")) is None
+
+
+def test_skeleton_ignores_exactly_the_runtime_fields():
+    a = Config.parse("backend b\n  server s 10.0.0.1:80 weight 3 check disabled cookie disabled\n")
+    b = Config.parse("backend b\n  server s 10.0.0.2:81 check enabled cookie disabled\n")
+    assert config_skeleton(a) == config_skeleton(b)
+    c = Config.parse("backend b\n  server s 10.0.0.2:81 check enabled cookie enabled\n")
+    assert config_skeleton(a) != config_skeleton(c)  # a cookie value is not a runtime field
+
+
+def test_listen_sections_count_as_backends():
+    old = "listen l\n  bind 127.0.0.1:1\n  server a 127.0.0.1:2\n"
+    (c,) = plan(old, old.replace("127.0.0.1:2", "127.0.0.1:3 disabled"))
+    assert (c.key, c.enabled, c.to_port) == ("l/a", False, 3)
+
+
+# ---------------------------------------------------------------- answers (captured from 2.6.12)
+
+
+def test_split_answers_of_a_line():
+    text = (
+        "\nIP changed from '127.0.0.2' to '127.0.0.3', port changed from '9' to '10' by 'stats socket command'\n\n"
+        "No such server.\n\n\n"
+    )
+    assert split_answers(text, 4) == [
+        "",
+        "IP changed from '127.0.0.2' to '127.0.0.3', port changed from '9' to '10' by 'stats socket command'",
+        "No such server.",
+        "",
+    ]
+    assert split_answers("\n\n\n", 3) == ["", "", ""]
+    assert split_answers("\n\n\n", 2) is None
+
+
+def test_master_error_ends_the_line_early():
+    text = "Can't find the target PID matching the prefix '@!999999'\n"
+    assert split_answers(text, 3) is None
+    assert split_answers(text, 1) == ["Can't find the target PID matching the prefix '@!999999'"]
+
+
+@pytest.mark.parametrize(
+    ("command", "answer", "accepted"),
+    [
+        ("set server b/s state maint", "", True),
+        ("set server b/s state ready", "", True),
+        ("set server b/s weight 3", "", True),
+        ("set server b/s state maint", "No such server.", False),
+        ("set server b/s state maint", "No such backend.", False),
+        ("set server b/s state maint", "Proxy is disabled.", False),
+        ("set server b/s weight 300", "Absolute weight can only be between 0 and 256 inclusive.", False),
+        ("set server b/s weight 50", "Backend is using a static LB algorithm and only accepts weights '0%' and '100%'.",
+         False),
+        ("set server b/s addr 127.0.0.2 port 9",
+         "IP changed from '127.0.0.1' to '127.0.0.2', port changed from '28012' to '9' by 'stats socket command'",
+         True),
+        ("set server b/s addr 127.0.0.1 port 1",
+         "no need to change the addr, port changed from '28011' to '34463' by 'stats socket command'", True),
+        ("set server b/s addr 127.0.0.1 port 1",
+         "no need to change the addr, no need to change the port by 'stats socket command'", True),
+        ("set server b/s addr 127.0.0.2", "IP changed from '127.0.0.1' to '127.0.0.2' by 'stats socket command'", True),
+        ("set server b/s addr foo.example port 1", "Invalid addr 'foo.example' by 'stats socket command'", False),
+        ("set server b/s addr 127.0.0.1 port 1", "", False),
+        ("set server b/s addr 127.0.0.1 port 1", "No such server.", False),
+        ("set server b/s addr 127.0.0.1 port 1", "Proxy is disabled.", False),
+        ("set server b/s state maint", None, False),
+    ],
+)
+def test_refusal(command, answer, accepted):
+    assert (refusal(command, answer) is None) is accepted
+
+
+def test_config_disabled_flag_alone_is_not_maint():
+    # Captured on 2.6.12: a `disabled` slot is admin 5; after `state ready` it serves with
+    # admin 4 (the "config said disabled" flag stays); after `state maint` on a live one, 1.
+    from supervisor.haproxy.api import parse_servers_state
+
+    header = (
+        "1\n# be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight srv_iweight "
+        "srv_time_since_last_change srv_check_status srv_check_result srv_check_health srv_check_state "
+        "srv_agent_state bk_f_forced_id srv_f_forced_id srv_fqdn srv_port srvrecord srv_use_ssl "
+        "srv_check_port srv_check_addr srv_agent_addr srv_agent_port\n"
+    )
+    rows = (
+        "3 app 3 slot1 127.0.0.1 2 4 5 5 0 1 0 0 8 0 0 0 - 1 - 0 0 - - 0\n"
+        "3 app 4 slot2 127.0.0.1 0 5 5 5 75 1 0 0 8 0 0 0 - 1 - 0 0 - - 0\n"
+        "3 app 1 s1 127.0.0.1 0 1 1 1 0 1 0 0 0 0 0 0 - 28011 - 0 0 - - 0\n"
+    )
+    states = {s.name: s for s in parse_servers_state(header + rows + "\n")}
+    assert not states["slot1"].in_maint and states["slot1"].alive
+    assert states["slot2"].in_maint and states["s1"].in_maint
