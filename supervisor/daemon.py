@@ -19,10 +19,11 @@ from typing import Any, Protocol
 
 from .effective import prepare_runtime_dir
 from .haproxy.api import MasterCLI, ProcList
+from .haproxy.runtime import RuntimeApplier
 from .logs import setup_logging
 from .master import MasterError, MasterProcess
 from .notify import Notifier, summary_line
-from .reloader import NoHooks, Reloader, ReloadHooks, RuntimeApply
+from .reloader import NoHooks, Reloader, ReloadHooks
 from .settings import Settings
 from .state import ReloadRecord, State
 
@@ -74,8 +75,6 @@ class Extensions:
 
     # displaced.py: DisplacedWorkers(settings, state, cli) -> hooks around reloads + run() task
     displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
-    # runtime.py: the reloadless path; returns the callable the reloader tries before a reload
-    runtime_apply: Callable[[Settings, State, MasterCLI], RuntimeApply | None] | None = None
     # status.py: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
     # something whose run() serves until cancelled
     status: Callable[[Settings, State, DaemonActions], Component] | None = None
@@ -156,10 +155,15 @@ class Daemon:
         ext = self.extensions
         if ext.displaced is not None:
             self.displaced = ext.displaced(settings, self.state, self.cli)
-        runtime_apply = ext.runtime_apply(settings, self.state, self.cli) if ext.runtime_apply else None
+        # One applier serves both: it remembers the servers whose runtime change was refused,
+        # so the state saved before the next reload leaves them out.
+        applier = RuntimeApplier(self.cli)
+        runtime_apply = applier if settings.reload.runtime_apply else None
+        save_state = applier.save_server_state if settings.reload.preserve_server_state else None
         hooks: ReloadHooks = self.displaced if self.displaced is not None else NoHooks()
         self.reloader = Reloader(
-            settings, self.state, self.cli, self.master, self.notifier, hooks=hooks, runtime_apply=runtime_apply
+            settings, self.state, self.cli, self.master, self.notifier,
+            hooks=hooks, runtime_apply=runtime_apply, save_server_state=save_state,
         )
         self._install_signals()
         log.info(

@@ -33,6 +33,7 @@ from pathlib import Path
 import psutil
 
 from .haproxy.api import CLIError, MasterCLI, ProcList
+from .haproxy.server_state import clear_server_state
 from .notify import child_environment
 from .settings import Settings
 from .state import State
@@ -217,6 +218,9 @@ class MasterProcess:
     async def start(self) -> ProcList:
         """Start a master on the effective config on disk; return once its first worker is listed."""
         cmd = master_command(self.settings)
+        # A fresh master has no worker to hand states over from: a previous run's file would
+        # put servers in states nobody asked for.
+        clear_server_state(self.settings.haproxy.server_state_file)
         log.info("starting haproxy master: %s", shlex.join(cmd))
         try:
             child = subprocess.Popen(

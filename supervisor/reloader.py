@@ -76,6 +76,9 @@ class NoHooks:
 
 # (current generation, new effective model, the effective config) -> True when applied without a reload.
 RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[bool]]
+# (current generation, next effective model, state file) -> saved. Runs just before a reload so
+# the new worker starts with the current worker's server states (maint, DOWN, weights).
+SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -278,6 +281,7 @@ class Reloader:
         notifier: Notifier | None = None,
         hooks: ReloadHooks | None = None,
         runtime_apply: RuntimeApply | None = None,
+        save_server_state: SaveServerState | None = None,
     ) -> None:
         self.settings = settings
         self.state = state
@@ -286,6 +290,7 @@ class Reloader:
         self.notifier = notifier or Notifier(environ={})
         self.hooks: ReloadHooks = hooks or NoHooks()
         self.runtime_apply = runtime_apply
+        self.save_server_state = save_server_state
         self.store = GenerationStore(settings.haproxy.runtime_dir)
         self.scheduler = ReloadScheduler(settings.reload.debounce_ms / 1000, settings.reload.min_interval_ms / 1000)
         files, dirs = split_watch(settings.haproxy.config, settings.haproxy.watch)
@@ -492,6 +497,12 @@ class Reloader:
             log.error("reload failed: %s", exc)
             return self._record("failed", started, str(exc))
         await self._call_hook("before_reload", model)
+        current = self.state.current
+        if self.save_server_state is not None and current is not None:
+            try:
+                await self.save_server_state(current, model, self.settings.haproxy.server_state_file)
+            except Exception:  # a missing state file costs states, not the reload
+                log.exception("saving server state failed; the new worker starts from the config")
         self.notifier.reloading(f"reloading: {reason}")
         write_atomically(self.settings.haproxy.effective_config, effective.text)
         self.scheduler.reloaded(time.monotonic())
