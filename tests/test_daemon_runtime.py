@@ -1,0 +1,74 @@
+"""The daemon applies slot changes of a rolling deployment at runtime: the controller rewrites
+the rendered config, the daemon turns each rewrite into ordered Runtime API commands, under
+steady load, with zero 503s and no reload (the master's reload counter does not move).
+The address-first control lives in tests/test_runtime_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.haproxy.api import parse_servers_state
+from tests.support.daemon import daemons
+from tests.support.harness import free_port
+from tests.test_runtime_e2e import HEAD, Load, LogReceiver, pods, rolling_body, rolling_deployment, steady_load
+from tests.test_runtime_e2e import initial_assignment as first_assignment
+
+pytestmark = pytest.mark.haproxy
+
+STEPS = 50  # each step parks one template line (2 slots) and fills another: 200 slot changes
+
+
+@pytest.fixture
+def make(rundir: Path):
+    with daemons(rundir) as factory:
+        yield factory
+
+
+async def test_daemon_rolls_slots_at_runtime_without_503_or_reload(make, rundir):
+    front = free_port()
+    logs = LogReceiver(rundir / "log.sock")
+    try:
+        with pods(4) as started:
+            ports = [p.port for p in started]
+            head = HEAD.format(log_socket=logs.path, front=front)
+            d = make(head + rolling_body(first_assignment(ports)), {
+                "reload": {"runtime_apply": True, "debounce_ms": 20, "min_interval_ms": 0},
+            })
+            d.start()
+            await d.wait_generation(1)
+            reloads_before = (await d.show_proc()).master.reloads
+            load, stop = Load(), asyncio.Event()
+            runner = asyncio.create_task(steady_load(front, stop, load, clients=4, max_seconds=90))
+            try:
+                deadline = time.monotonic() + 10
+                while load.statuses[200] < 50 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                for step, assignment in enumerate(rolling_deployment(ports, STEPS), start=1):
+                    d.write(head + rolling_body(assignment))
+                    await d.wait_log(r"reload runtime_applied", count=step, timeout=10)
+                await asyncio.sleep(0.2)
+            finally:
+                stop.set()
+                await runner
+            procs = await d.show_proc()
+            final = list(rolling_deployment(ports, STEPS))[-1]
+            worker = procs.current_worker.pid
+            servers = {s.name: s for s in parse_servers_state(
+                await d.cli.execute(f"@!{worker} show servers state app"))}
+            failures = [line for line in logs.drain() if " 503 " in line]
+    finally:
+        logs.close()
+    assert procs.master.reloads == reloads_before, "runtime apply must not reload"
+    assert not procs.old_workers
+    assert load.statuses[503] == 0 and not failures, (load.statuses, failures[:3])
+    assert set(load.statuses) == {200} and load.requests > 200, load.statuses
+    for i, port in enumerate(final, start=1):
+        for slot in (f"g{i}_1", f"g{i}_2"):
+            assert servers[slot].in_maint == (port is None), servers[slot]
+            if port is not None:
+                assert servers[slot].port == port
+    assert d.log().count("reload runtime_applied") == STEPS
