@@ -461,11 +461,16 @@ class DisplacedWorkers:
     async def run(self) -> None:
         """Poll, steer and reconcile until cancelled."""
         interval = self.settings.old_workers.poll_interval_ms / 1000
+        errors = 0
         while True:
             try:
                 await self.sync()
+                errors = 0
             except CLIError as exc:
-                log.warning("old workers: %s", exc)
+                # The master socket resets connections while the master re-executes on a
+                # reload: one miss is routine, a run of them is worth a warning.
+                errors += 1
+                log.log(logging.WARNING if errors >= 3 else logging.DEBUG, "old workers: %s", exc)
             except Exception:
                 # A bug here must not stop the protection of later reloads.
                 log.exception("old workers: unexpected error")
@@ -582,28 +587,40 @@ class DisplacedWorkers:
         live_models = {id(g.model) for g in self.state.generations.values()} | {id(latest)}
         for key in [k for k in self._models if k not in live_models]:
             del self._models[key]
-        steering = [w for w in self._workers.values() if self._steered(w)]
+        leaving = self._leaving_pid if self._next is not None else None
+        # Which workers get a dead set, and which of those a map that can act on it.
+        judged: list[tuple[_Worker, _Model]] = []
+        for worker in self._workers.values():
+            generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
+            worker.dead = frozenset()
+            if generation is None:
+                worker.desired = None
+                self._record(worker, "failed", "the config this worker runs is unknown: it cannot be steered")
+                continue
+            digest = self._digest(generation.model)
+            if worker.current and worker.pid != leaving:
+                worker.desired = {} if digest.guarded else None
+                continue
+            judged.append((worker, digest))
         live: list[ServerState] = []
         current = procs.current_worker
-        if steering and current is not None:
+        if judged and current is not None:
             live = parse_servers_state(await self.cli.on(current.pid, "show servers state"))
         view = live_view_of(self._digest(latest).servers, live, self.state.operator_dead)
-        dead_by_generation: dict[int, frozenset[str]] = {}
-        for worker in self._workers.values():
-            if not self._steered(worker):
-                worker.dead = frozenset()
-                worker.desired = {} if worker.current else None
-                continue
-            assert worker.generation is not None
-            digest = self._digest(self.state.generations[worker.generation].model)
+        dead_by_generation: dict[int | None, frozenset[str]] = {}
+        steering: list[tuple[_Worker, _Model]] = []
+        for worker, digest in judged:
             if worker.generation not in dead_by_generation:
                 dead_by_generation[worker.generation] = dead_in(digest.servers, view)
             worker.dead = dead_by_generation[worker.generation]
-        await self._read_unusable(steering)
-        all_dead: set[str] = set()
-        for worker in steering:
-            assert worker.generation is not None
-            digest = self._digest(self.state.generations[worker.generation].model)
+            if digest.guarded:
+                steering.append((worker, digest))
+            else:
+                worker.desired = None
+                self._record(worker, "failed", "its config has no guard: it cannot be steered")
+        self.state.dead_servers = set().union(*(w.dead for w, _ in judged))
+        await self._read_unusable([w for w, _ in steering])
+        for worker, digest in steering:
             unusable = frozenset().union(*worker.unusable.values())
             worker.desired = steer_map_entries(
                 digest.model,
@@ -613,20 +630,9 @@ class DisplacedWorkers:
                 digest.servers,
                 digest.guarded,
             )
-            all_dead |= worker.dead
-        self.state.dead_servers = all_dead
-        for worker in self._workers.values():
-            if worker.desired is None and worker.pid in self.state.old_workers:
-                self._record(worker, "failed", "the config this worker runs is unknown: cannot steer it")
         await self._push_all()
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
-
-    def _steered(self, worker: _Worker) -> bool:
-        """Old workers of a known generation, and the current one while it is about to become old."""
-        if worker.generation is None or worker.generation not in self.state.generations:
-            return False
-        return not worker.current or (self._next is not None and worker.pid == self._leaving_pid)
 
     async def _read_unusable(self, workers: list[_Worker]) -> None:
         """Ask each worker, for the backends that have dead servers, which servers it already

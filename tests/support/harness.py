@@ -189,12 +189,22 @@ class HAProxyMaster:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
-        with s:
-            s.sendall(line.encode() + b"\n")
-            s.shutdown(socket.SHUT_WR)
-            chunks = []
-            while chunk := s.recv(65536):
-                chunks.append(chunk)
+        try:
+            with s:
+                s.sendall(line.encode() + b"\n")
+                s.shutdown(socket.SHUT_WR)
+                chunks = []
+                while chunk := s.recv(65536):
+                    chunks.append(chunk)
+        except ConnectionResetError:
+            # The master was re-executing (a reload, or a slow start with a big config): ask
+            # again, except a reload itself, which the reset answers.
+            if line.strip() == "reload":
+                return ""
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            return self.command(line, max(0.1, deadline - time.monotonic()))
         return b"".join(chunks).decode()
 
     def worker_pids(self) -> tuple[int | None, list[int]]:
@@ -228,6 +238,9 @@ class KeepAliveClient:
         self.port = port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        # Set when a response said `connection: close` (an old worker winding its connections
+        # down over close-spread-time): the answer was good, but no request may follow it.
+        self.closing = False
 
     async def connect(self) -> KeepAliveClient:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -247,6 +260,8 @@ class KeepAliveClient:
                 key, _, value = line.partition(b":")
                 if key.strip().lower() == b"content-length":
                     length = int(value)
+                if key.strip().lower() == b"connection" and value.strip().lower() == b"close":
+                    self.closing = True
             body = await asyncio.wait_for(self.reader.readexactly(length), timeout) if length else b""
             return status, body.decode().strip(), time.monotonic() - started
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
