@@ -441,7 +441,11 @@ class DisplacedWorkers:
     RECONCILE_INTERVAL_S = 5.0
     MAX_BACKOFF_S = 5.0
 
-    def __init__(self, settings: Settings, state: State, cli: MasterCLI) -> None:
+    def __init__(
+        self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
+    ) -> None:
+        if reconcile_interval_s is not None:
+            self.RECONCILE_INTERVAL_S = reconcile_interval_s
         self.settings = settings
         self.state = state
         self.cli = cli
@@ -658,6 +662,9 @@ class DisplacedWorkers:
         now = time.monotonic()
         todo = [w for w in self._workers.values() if w.desired is not None and w.known != w.desired]
         todo = [w for w in todo if w.retry_at <= now]
+        for worker in self._workers.values():
+            if worker.desired is not None and worker.known == worker.desired:
+                self._record(worker, "ok")  # e.g. steered before the reload made it old
         for worker in todo:
             self._record(worker, "pending")
         if not todo:
@@ -733,9 +740,12 @@ class DisplacedWorkers:
         record = self.state.old_workers.get(worker.pid)
         if record is None:
             return  # the worker about to become old: not listed as old yet
+        if result == "ok" and record.push.state == "ok":
+            record.steered = steered_servers(worker.dead, worker.desired or {})
+            return  # keep the time of the push that made it so
         record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)
         if result == "ok":
-            record.steered = steered_servers(worker.dead, worker.desired)
+            record.steered = steered_servers(worker.dead, worker.desired or {})
 
     async def _sweep(self) -> None:
         """End the streams of old workers that still wait on a dead server."""

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.displaced import DisplacedWorkers
+from supervisor.displaced import DisplacedWorkers, map_entries
 from supervisor.effective import build_effective, prepare_runtime_dir, write_atomically
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
@@ -32,7 +32,34 @@ class Supervised:
     master: HAProxyMaster
     cli: MasterCLI
     displaced: DisplacedWorkers
+    task: asyncio.Task | None = None
     reload_seconds: list[float] = field(default_factory=list)
+
+    def start_displaced(self) -> None:
+        self.task = asyncio.create_task(self.displaced.run())
+
+    async def stop_displaced(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+            self.task = None
+
+    async def restart_displaced(self, reconcile_interval_s: float | None = None) -> None:
+        """What a daemon restart leaves: the generations (recovered from runtime_dir), nothing
+        else; a new DisplacedWorkers that must learn the old workers' maps from HAProxy."""
+        await self.stop_displaced()
+        self.state = State(
+            generations=self.state.generations,
+            current_generation=self.state.current_generation,
+            last_good_sha256=self.state.last_good_sha256,
+            master_up=True,
+        )
+        self.displaced = DisplacedWorkers(self.settings, self.state, self.cli, reconcile_interval_s)
+        self.start_displaced()
+
+    async def map_of(self, pid: int) -> dict[str, str]:
+        return map_entries(await self.cli.on(pid, f"show map {self.settings.haproxy.steer_map}"))
 
     @property
     def current_pid(self) -> int:
@@ -76,6 +103,19 @@ class Supervised:
         await self.displaced.after_reload(True)
         return new_pid
 
+    async def until(self, predicate, timeout: float = 10.0, what: str = "condition"):
+        """Poll `predicate` (sync or async) without blocking the event loop."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            await asyncio.sleep(0.02)
+
     async def wait_steered(self, pids: list[int], timeout: float = 10.0) -> None:
         """Until every given old worker's map was pushed and read back equal."""
         deadline = time.monotonic() + timeout
@@ -107,12 +147,10 @@ async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervi
         state.master_pid = master.proc.pid if master.proc else None
         state.master_up = True
         sup.register(effective.text, effective.rendered_sha256, effective.sha256, pid)
-        task = asyncio.create_task(displaced.run())
+        sup.start_displaced()
         try:
             yield sup
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await sup.stop_displaced()
     finally:
         master.stop()
