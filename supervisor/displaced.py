@@ -31,7 +31,9 @@ from typing import Literal
 
 import psutil
 
+from .effective import sha256_text
 from .haproxy.api import (
+    ADMIN_MAINT_MASK,
     DEFAULT_LINE_LIMIT,
     CLIError,
     MasterCLI,
@@ -71,64 +73,160 @@ def _is_ip(address: str) -> bool:
 At = tuple[str, str]  # (backend, endpoint)
 
 
-@dataclass(frozen=True)
-class LiveView:
-    """What the latest config and the current worker say, per (backend, endpoint).
+@dataclass(frozen=True, eq=False)
+class ConfigDigest:
+    """What the displaced-worker decisions need from one config, worked out once.
 
-    Servers are matched by backend and address, not by name: a replica that moves gets a
-    new address (and usually a new name), and a server re-added at the same address is
-    the same process again.
+    Listing 10,000 servers takes tens of milliseconds; every old worker of a generation and
+    every poll reuses this instead. Servers are matched by backend and address (endpoint):
+    a replica that moves gets a new address, and one re-added at the same address is the
+    same process again, whatever the names.
     """
 
-    present: frozenset[At]  # endpoints the latest config has, per backend
-    down: frozenset[At]  # the current worker has servers there and none of them is alive
+    model: Config
+    servers: tuple[Server, ...]
+    by_backend: dict[str, tuple[Server, ...]]
+    by_key: dict[str, Server]
+    at_keys: dict[At, tuple[str, ...]]  # servers that are not disabled, per (backend, endpoint)
+    present: frozenset[At]  # the same, as a set: where this config routes to
+    named_hosts: tuple[Server, ...]  # servers given by host name, whose live address differs
+    guarded: frozenset[str]
+    all_backups: frozenset[str]  # backends with `option allbackups`
+    limit: int  # longest CLI line its processes accept
+
+    @classmethod
+    def of(cls, model: Config) -> ConfigDigest:
+        servers = tuple(model.servers())
+        by_backend: dict[str, list[Server]] = {}
+        at_keys: dict[At, list[str]] = {}
+        for s in servers:
+            by_backend.setdefault(s.backend, []).append(s)
+            if not s.disabled:
+                at_keys.setdefault((s.backend, s.endpoint), []).append(s.key)
+        return cls(
+            model=model,
+            servers=servers,
+            by_backend={b: tuple(members) for b, members in by_backend.items()},
+            by_key={s.key: s for s in servers},
+            at_keys={at: tuple(keys) for at, keys in at_keys.items()},
+            present=frozenset(at_keys),
+            named_hosts=tuple(s for s in servers if s.port is not None and not _is_ip(s.address)),
+            guarded=guarded_backends(model),
+            all_backups=frozenset(
+                section.name for section in model.backends() if _has_option(section.body, "allbackups")
+            ),
+            limit=line_limit(model),
+        )
+
+
+# Check state flags (CHK_ST_CONFIGURED | CHK_ST_ENABLED) and the "no result yet" check result.
+_CHECK_RUNNING = 0x02 | 0x04
+_CHECK_UNKNOWN = "0"
+
+
+@dataclass(frozen=True)
+class LiveStates:
+    """The current worker's `show servers state`, boiled down to evidence per endpoint.
+
+    A server whose health check has not concluded yet (a worker just started by a reload
+    reports every server UP until its first check) is evidence of nothing.
+    """
+
+    down: frozenset[At]  # some server there is DOWN or MAINT ...
+    up: frozenset[At]  # ... and some server there is alive (alive wins)
+    pending: frozenset[At]  # only servers whose check has not run yet
+    alive_by_key: dict[str, bool | None]  # for servers configured by host name
+
+
+def summarize_states(states: Iterable[ServerState]) -> LiveStates:
+    """From parsed states (no check details: op and admin state are the evidence)."""
+    down: set[At] = set()
+    up: set[At] = set()
+    by_key: dict[str, bool | None] = {}
+    for st in states:
+        at = (st.backend, endpoint(st.address, st.port))
+        (up if st.alive else down).add(at)
+        by_key[st.key] = st.alive
+    return LiveStates(frozenset(down - up), frozenset(up), frozenset(), by_key)
+
+
+def parse_live_states(text: str) -> LiveStates:
+    """`show servers state` straight to LiveStates: a 10,000-server answer on every poll
+    must not cost what building a ServerState per line costs."""
+    down: set[At] = set()
+    up: set[At] = set()
+    pending: set[At] = set()
+    by_key: dict[str, bool | None] = {}
+    idx: dict[str, int] = {}
+    width = 0
+    for line in text.splitlines():
+        if line.startswith("# be_id"):
+            columns = line[2:].split()
+            idx = {name: i for i, name in enumerate(columns)}
+            width = len(columns)
+            continue
+        if not idx or not line or line[0] == "#":
+            continue
+        v = line.split()
+        if len(v) < width:
+            continue
+        backend, name, port = v[idx["be_name"]], v[idx["srv_name"]], v[idx["srv_port"]]
+        at = (backend, f"{v[idx['srv_addr']]}:{port}" if port.isdigit() else v[idx["srv_addr"]])
+        alive = v[idx["srv_op_state"]] != "0" and not int(v[idx["srv_admin_state"]]) & ADMIN_MAINT_MASK
+        verdict: bool | None = alive
+        if alive and "srv_check_state" in idx:
+            check_running = int(v[idx["srv_check_state"]]) & _CHECK_RUNNING == _CHECK_RUNNING
+            if check_running and v[idx["srv_check_result"]] == _CHECK_UNKNOWN:
+                verdict = None
+        if verdict is None:
+            pending.add(at)
+        else:
+            (up if verdict else down).add(at)
+        by_key[f"{backend}/{name}"] = verdict
+    return LiveStates(frozenset(down - up), frozenset(up), frozenset(pending - up - down), by_key)
+
+
+@dataclass(frozen=True)
+class LiveView:
+    """What the latest config, the current worker and the operator say, per (backend, endpoint)."""
+
+    present: frozenset[At]  # where the latest config routes to
+    down: frozenset[At]  # where the current worker has servers and none is alive
     operator: frozenset[str]  # "backend/server" marked dead by an operator
     operator_at: frozenset[At]  # where those servers live in the latest config
 
 
-def live_view(latest_model: Config, live_states: Sequence[ServerState], operator_dead: Iterable[str]) -> LiveView:
-    return live_view_of(latest_model.servers(), live_states, operator_dead)
-
-
-def live_view_of(
-    latest_servers: Sequence[Server], live_states: Sequence[ServerState], operator_dead: Iterable[str]
+def live_view(
+    latest: ConfigDigest, live: LiveStates, operator_dead: Iterable[str], previous_down: frozenset[At] = frozenset()
 ) -> LiveView:
+    """Combine the evidence. `previous_down`: the last view's `down`; an endpoint stays down
+    while the current worker has no verdict on it yet (right after a reload)."""
     operator = frozenset(operator_dead)
-    present = {(s.backend, s.endpoint) for s in latest_servers}
-    seen: set[At] = set()
-    alive: set[At] = set()
-    for st in live_states:
-        at = (st.backend, endpoint(st.address, st.port))
-        seen.add(at)
-        if st.alive:
-            alive.add(at)
-    # A server configured by host name shows its resolved address in the live state: carry
-    # its verdict over to the address as written, by name. Only for names, because during a
-    # make-before-break the live states come from the worker that still runs the older
-    # config, where the same name may sit at another address.
-    by_key = {st.key: st for st in live_states}
-    for s in latest_servers:
-        st = by_key.get(s.key)
-        if st is not None and not _is_ip(s.address):
-            seen.add((s.backend, s.endpoint))
-            if st.alive:
-                alive.add((s.backend, s.endpoint))
-    operator_at = {(s.backend, s.endpoint) for s in latest_servers if s.key in operator}
-    return LiveView(frozenset(present), frozenset(seen - alive), operator, frozenset(operator_at))
+    down = set(live.down) | (previous_down & live.pending)
+    for s in latest.named_hosts:
+        # The live state shows the resolved address: carry the verdict over by name. Only
+        # for host names: during a make-before-break the live states come from the worker
+        # that runs the older config, where the same name may sit at another address.
+        verdict = live.alive_by_key.get(s.key)
+        at = (s.backend, s.endpoint)
+        if verdict is False or (verdict is None and at in previous_down):
+            down.add(at)
+    for s in latest.named_hosts:
+        if live.alive_by_key.get(s.key):
+            down.discard((s.backend, s.endpoint))
+    operator_at = frozenset((s.backend, s.endpoint) for k in operator if (s := latest.by_key.get(k)) is not None)
+    return LiveView(latest.present, frozenset(down), operator, operator_at)
 
 
-def dead_in(servers: Iterable[Server], view: LiveView) -> frozenset[str]:
+def dead_in(digest: ConfigDigest, view: LiveView) -> frozenset[str]:
     """The servers of one generation that are known to be dead, as "backend/server".
 
     A server its own config disables is never routed to by that worker, so it is left out.
     """
-    dead: set[str] = set()
-    for s in servers:
-        if s.disabled:
-            continue
-        at = (s.backend, s.endpoint)
-        if at not in view.present or at in view.down or s.key in view.operator or at in view.operator_at:
-            dead.add(s.key)
+    ats = digest.present
+    bad = (ats - view.present) | (ats & view.down) | (ats & view.operator_at)
+    dead = {key for at in bad for key in digest.at_keys[at]}
+    dead.update(k for k in view.operator if k in digest.by_key and not digest.by_key[k].disabled)
     return frozenset(dead)
 
 
@@ -140,24 +238,20 @@ def known_dead_servers(
 ) -> frozenset[str]:
     """Servers of `generation_model` that are dead, by three rules:
 
-    (a) the latest config dropped them, or has nothing at their address and port in their
-        backend any more (a server moved elsewhere is dead at the old address);
+    (a) the latest config dropped them, disabled them, or has nothing at their address and
+        port in their backend any more (a server moved elsewhere is dead at the old address);
     (b) the current worker reports every server at their backend and address DOWN or MAINT;
     (c) an operator marked them (or the latest config's server of that name) dead.
     A server UP again in the current worker, or re-added at the same address, is not dead.
     """
-    return dead_in(generation_model.servers(), live_view(latest_model, live_states, operator_dead))
+    view = live_view(ConfigDigest.of(latest_model), summarize_states(live_states), operator_dead)
+    return dead_in(ConfigDigest.of(generation_model), view)
 
 
-def steer_map_entries(
-    model: Config,
-    dead: frozenset[str],
-    no_backup: NoBackup,
-    unusable: frozenset[str] = frozenset(),
-    servers: Sequence[Server] | None = None,
-    guarded: frozenset[str] | None = None,
+def steer_entries(
+    digest: ConfigDigest, dead: frozenset[str], no_backup: NoBackup, unusable: frozenset[str] = frozenset()
 ) -> dict[str, str]:
-    """The steer-map entries a worker running `model` needs, given its known-dead servers.
+    """The steer-map entries a worker running `digest.model` needs, given its known-dead servers.
 
     Only backends that have the guard and a dead primary they could still route to get
     entries. Their requests are spread over the primaries still alive; with none alive they
@@ -166,16 +260,9 @@ def steer_map_entries(
     `unusable`: servers the worker itself sees DOWN or in maintenance, which a `use-server`
     rule would skip, so they are no use as targets and need no steering away from.
     """
-    if guarded is None:
-        guarded = guarded_backends(model)
-    if servers is None:
-        servers = model.servers()
-    by_backend: dict[str, list[Server]] = {}
-    for s in servers:
-        if s.backend in guarded:
-            by_backend.setdefault(s.backend, []).append(s)
     entries: dict[str, str] = {}
-    for backend, members in by_backend.items():
+    for backend in sorted({key.partition("/")[0] for key in dead} & digest.guarded):
+        members = digest.by_backend.get(backend, ())
         routable = [s for s in members if not s.disabled and s.key not in unusable and s.weight != 0]
         primaries = [s for s in routable if not s.backup]
         if not any(s.key in dead for s in primaries):
@@ -183,9 +270,7 @@ def steer_map_entries(
         targets = [s.name for s in primaries if s.key not in dead]
         if not targets:
             backups = [s.name for s in routable if s.backup and s.key not in dead]
-            section = model.backend(backend)
-            all_backups = section is not None and _has_option(section.body, "allbackups")
-            targets = backups if all_backups else backups[:1]
+            targets = backups if backend in digest.all_backups else backups[:1]
         if not targets:
             if no_backup == "fail-fast":
                 entries[count_key(backend)] = FAIL_FAST
@@ -194,6 +279,13 @@ def steer_map_entries(
             entries[slot_key(backend, i)] = name
         entries[count_key(backend)] = str(len(targets))
     return entries
+
+
+def steer_map_entries(
+    model: Config, dead: frozenset[str], no_backup: NoBackup, unusable: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    """steer_entries() for a model not digested yet."""
+    return steer_entries(ConfigDigest.of(model), dead, no_backup, unusable)
 
 
 def _has_option(body: Iterable, name: str) -> bool:
@@ -406,20 +498,6 @@ _GONE = "Can't find the target PID"
 
 
 @dataclass
-class _Model:
-    """What a generation's config says, worked out once (10,000 servers take a while to list)."""
-
-    model: Config
-    servers: list[Server]
-    guarded: frozenset[str]
-    limit: int
-
-    @classmethod
-    def of(cls, model: Config) -> _Model:
-        return cls(model, model.servers(), guarded_backends(model), line_limit(model))
-
-
-@dataclass
 class _Worker:
     pid: int
     generation: int | None
@@ -432,6 +510,14 @@ class _Worker:
     failures: int = 0
     retry_at: float = 0.0  # monotonic
     swept: frozenset[str] = frozenset()  # dead set for which stuck sessions were last ended
+
+
+@dataclass
+class _Live:
+    pid: int
+    at: float  # monotonic
+    states: LiveStates
+    unusable: dict[str, frozenset[str]]  # per backend: not alive in that worker's own view
 
 
 class DisplacedWorkers:
@@ -450,8 +536,13 @@ class DisplacedWorkers:
         self.state = state
         self.cli = cli
         self.map_path = str(settings.haproxy.steer_map)
+        self.poll_s = settings.old_workers.poll_interval_ms / 1000
         self._workers: dict[int, _Worker] = {}
-        self._models: dict[int, _Model] = {}  # id(Config) -> its digest
+        self._digests: dict[int, ConfigDigest] = {}  # id(Config) -> its digest
+        self._digests_by_text: dict[str, ConfigDigest] = {}  # sha256 of the rendered model -> its digest
+        self._dead_cache: dict[tuple, frozenset[str]] = {}
+        self._live: _Live | None = None
+        self._down: frozenset[At] = frozenset()  # the last view's down endpoints
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._next: Config | None = None  # set between before_reload and after_reload
@@ -464,11 +555,10 @@ class DisplacedWorkers:
 
     async def run(self) -> None:
         """Poll, steer and reconcile until cancelled."""
-        interval = self.settings.old_workers.poll_interval_ms / 1000
         errors = 0
         while True:
             try:
-                await self.sync()
+                await self.sync(fresh=True)
                 errors = 0
             except CLIError as exc:
                 # The master socket resets connections while the master re-executes on a
@@ -479,12 +569,15 @@ class DisplacedWorkers:
                 # A bug here must not stop the protection of later reloads.
                 log.exception("old workers: unexpected error")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
             self._wake.clear()
 
     async def before_reload(self, next_model: Config) -> None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
-        the servers `next_model` drops, before the reload is sent."""
+        the servers `next_model` drops, before the reload is sent.
+
+        Pass the very Config object that will become the new Generation's model: digests are
+        cached by identity (and by content, at the price of rendering it)."""
         current = self.state.current
         self._next = next_model
         self._leaving_pid = current.worker_pid if current is not None else None
@@ -506,8 +599,10 @@ class DisplacedWorkers:
 
     async def refresh(self) -> None:
         """Recompute and push now (a runtime change altered the current config)."""
-        self._models.clear()
-        await self.sync()
+        self._digests.clear()
+        self._digests_by_text.clear()
+        self._dead_cache.clear()
+        await self.sync(fresh=True)
 
     def mark_dead(self, key: str) -> None:
         self.state.operator_dead.add(_check_key(key))
@@ -519,14 +614,13 @@ class DisplacedWorkers:
 
     # ------------------------------------------------------------ one round
 
-    async def sync(self) -> None:
+    async def sync(self, fresh: bool = False) -> None:
+        """One round: list the workers, recompute, push what changed. `fresh`: ask the current
+        worker for its server states even if the last answer is younger than a poll."""
         async with self._lock:
             procs = await self.cli.show_proc()
             self._track(procs)
             now = time.monotonic()
-            if now >= self._stats_at:
-                self._stats_at = now + self.STATS_INTERVAL_S
-                await self._update_stats()
             if now >= self._reconcile_at:
                 # Re-read every map and every worker's own server states: repairs drift
                 # (an operator's `clear map`, a lost answer) within one interval.
@@ -535,7 +629,10 @@ class DisplacedWorkers:
                     worker.known = None
                     worker.unusable = {}
                     worker.swept = frozenset()
-            await self._steer(procs)
+            await self._steer(procs, fresh)
+            if now >= self._stats_at:
+                self._stats_at = now + self.STATS_INTERVAL_S
+                await self._update_stats()
 
     def _track(self, procs: ProcList) -> None:
         generations = worker_generations(procs, self.state.generations)
@@ -548,10 +645,18 @@ class DisplacedWorkers:
             if pid not in targets:
                 del self._workers[pid]
         for pid in targets:
-            worker = self._workers.setdefault(pid, _Worker(pid, generations.get(pid)))
+            worker = self._workers.get(pid)
+            if worker is None:
+                worker = self._workers[pid] = _Worker(pid, generations.get(pid))
+                if self._live is not None and self._live.pid == pid:
+                    # Its own view as last seen while it was current; health checks stop
+                    # in an old worker, so that view barely changes (reconcile refreshes it).
+                    worker.unusable = dict(self._live.unusable)
             if worker.generation is None:
                 worker.generation = generations.get(pid)
             worker.current = current is not None and pid == current.pid
+            if worker.current and self._live is not None and self._live.pid == pid:
+                worker.unusable = dict(self._live.unusable)
         for pid in list(self.state.old_workers):
             if pid not in old_pids:
                 del self.state.old_workers[pid]
@@ -576,24 +681,51 @@ class DisplacedWorkers:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                 worker.rss_bytes = psutil.Process(pid).memory_info().rss
 
-    def _digest(self, model: Config) -> _Model:
-        digest = self._models.get(id(model))
-        if digest is None or digest.model is not model:
-            digest = self._models[id(model)] = _Model.of(model)
+    def _digest(self, model: Config) -> ConfigDigest:
+        digest = self._digests.get(id(model))
+        if digest is not None and digest.model is model:
+            return digest
+        text = sha256_text(model.render())
+        digest = self._digests_by_text.get(text)
+        if digest is None:
+            digest = self._digests_by_text[text] = ConfigDigest.of(model)
+        self._digests[id(model)] = digest
         return digest
 
-    async def _steer(self, procs: ProcList) -> None:
+    def _forget_digests(self, latest: Config) -> None:
+        """Drop digests of configs no generation runs any more."""
+        alive = {id(g.model) for g in self.state.generations.values()} | {id(latest)}
+        for key in [k for k in self._digests if k not in alive]:
+            del self._digests[key]
+        kept = {id(d) for d in self._digests.values()}
+        for text in [t for t, d in self._digests_by_text.items() if id(d) not in kept]:
+            del self._digests_by_text[text]
+        if len(self._dead_cache) > 4 * max(1, len(self._workers)):
+            self._dead_cache.clear()
+
+    async def _live_states(self, current_pid: int, fresh: bool) -> _Live:
+        live = self._live
+        if fresh or live is None or time.monotonic() - live.at > self.poll_s:
+            answer = await self.cli.on(current_pid, "show servers state")
+            states = parse_live_states(answer)
+            unusable: dict[str, set[str]] = {}
+            for key, verdict in states.alive_by_key.items():
+                if verdict is False:
+                    unusable.setdefault(key.partition("/")[0], set()).add(key)
+            backends = {key.partition("/")[0] for key in states.alive_by_key}
+            per_backend = {b: frozenset(unusable.get(b, ())) for b in backends}
+            live = self._live = _Live(current_pid, time.monotonic(), states, per_backend)
+        return live
+
+    async def _steer(self, procs: ProcList, fresh: bool) -> None:
         latest = self._next if self._next is not None else (self.state.current.model if self.state.current else None)
         if latest is None:
             self.state.dead_servers = set()
             return
-        # Forget digests of configs no generation runs any more.
-        live_models = {id(g.model) for g in self.state.generations.values()} | {id(latest)}
-        for key in [k for k in self._models if k not in live_models]:
-            del self._models[key]
+        self._forget_digests(latest)
         leaving = self._leaving_pid if self._next is not None else None
         # Which workers get a dead set, and which of those a map that can act on it.
-        judged: list[tuple[_Worker, _Model]] = []
+        judged: list[tuple[_Worker, ConfigDigest]] = []
         for worker in self._workers.values():
             generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
             worker.dead = frozenset()
@@ -606,17 +738,25 @@ class DisplacedWorkers:
                 worker.desired = {} if digest.guarded else None
                 continue
             judged.append((worker, digest))
-        live: list[ServerState] = []
+        if not judged:
+            self.state.dead_servers = set()
+            await self._push_all()
+            return
         current = procs.current_worker
-        if judged and current is not None:
-            live = parse_servers_state(await self.cli.on(current.pid, "show servers state"))
-        view = live_view_of(self._digest(latest).servers, live, self.state.operator_dead)
-        dead_by_generation: dict[int | None, frozenset[str]] = {}
-        steering: list[tuple[_Worker, _Model]] = []
+        states = LiveStates(frozenset(), frozenset(), frozenset(), {})
+        if current is not None:
+            states = (await self._live_states(current.pid, fresh)).states
+        latest_digest = self._digest(latest)
+        view = live_view(latest_digest, states, self.state.operator_dead, self._down)
+        self._down = view.down
+        view_key = (id(latest_digest), view.down, view.operator, view.operator_at)
+        steering: list[tuple[_Worker, ConfigDigest]] = []
         for worker, digest in judged:
-            if worker.generation not in dead_by_generation:
-                dead_by_generation[worker.generation] = dead_in(digest.servers, view)
-            worker.dead = dead_by_generation[worker.generation]
+            cache_key = (id(digest), *view_key)
+            dead = self._dead_cache.get(cache_key)
+            if dead is None:
+                dead = self._dead_cache[cache_key] = dead_in(digest, view)
+            worker.dead = dead
             if digest.guarded:
                 steering.append((worker, digest))
             else:
@@ -625,15 +765,9 @@ class DisplacedWorkers:
         self.state.dead_servers = set().union(*(w.dead for w, _ in judged))
         await self._read_unusable([w for w, _ in steering])
         for worker, digest in steering:
-            unusable = frozenset().union(*worker.unusable.values())
-            worker.desired = steer_map_entries(
-                digest.model,
-                worker.dead,
-                self.settings.old_workers.no_backup,
-                unusable,
-                digest.servers,
-                digest.guarded,
-            )
+            affected = {key.partition("/")[0] for key in worker.dead}
+            unusable = frozenset().union(*(worker.unusable.get(b, frozenset()) for b in affected))
+            worker.desired = steer_entries(digest, worker.dead, self.settings.old_workers.no_backup, unusable)
         await self._push_all()
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()

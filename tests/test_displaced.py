@@ -10,17 +10,23 @@ import pytest
 
 from supervisor.displaced import (
     FAIL_FAST,
+    ConfigDigest,
     Phase,
+    dead_in,
     diff_map,
     known_dead_servers,
     line_limit,
+    live_view,
     map_commands,
     map_entries,
+    parse_live_states,
     phase_lines,
     split_show_info,
+    steer_entries,
     steer_map_entries,
     steered_servers,
     stuck_sessions,
+    summarize_states,
     worker_generations,
 )
 from supervisor.haproxy.api import Proc, ProcList, ServerState
@@ -363,3 +369,45 @@ SHOW_SESS = (Path(__file__).parent / "captured" / "show_sess_2.6.12.txt").read_t
 def test_stuck_sessions_are_those_still_reaching_a_dead_server():
     assert stuck_sessions(SHOW_SESS, frozenset({"app/r1", "q/s1"})) == ["0x561656a409b0"]
     assert stuck_sessions(SHOW_SESS, frozenset({"app/r3"})) == []
+
+
+# ---------------------------------------------------------------- live states
+
+# Captured from HAProxy 2.6.12 just after a worker started: `up` passed its first check
+# (check result 3), `dead` (a closed port) has not been checked yet (result 0, check state
+# 6 = configured|enabled) and `nocheck` has no check (state 0) at the same address.
+SERVERS_STATE = (Path(__file__).parent / "captured" / "servers_state_2.6.12.txt").read_text()
+
+
+def test_parse_live_states_treats_unchecked_servers_as_no_evidence():
+    live = parse_live_states(SERVERS_STATE.replace("2 app 3 nocheck", "#"))
+    assert live.up == {("app", "127.0.0.1:35137")}
+    assert live.pending == {("app", "127.0.0.1:43157")} and live.down == frozenset()
+    assert live.alive_by_key == {"app/up": True, "app/dead": None}
+    # a server without check at the same address is evidence that it is alive
+    assert ("app", "127.0.0.1:43157") in parse_live_states(SERVERS_STATE).up
+
+
+def test_parse_live_states_down_and_maint():
+    down = SERVERS_STATE.replace("2 app 1 up 127.0.0.1 2 0", "2 app 1 up 127.0.0.1 0 0")
+    assert parse_live_states(down).down == {("app", "127.0.0.1:35137")}
+    maint = SERVERS_STATE.replace("2 app 1 up 127.0.0.1 2 0", "2 app 1 up 127.0.0.1 2 1")
+    assert parse_live_states(maint).alive_by_key["app/up"] is False
+
+
+def test_a_dead_endpoint_stays_dead_until_the_new_worker_has_checked_it():
+    text = "backend app\n  server up 127.0.0.1:35137 check\n  server dead 127.0.0.1:43157 check\n"
+    cfg = ConfigDigest.of(model(text))
+    fresh = parse_live_states(SERVERS_STATE.replace("2 app 3 nocheck", "#"))
+    was_down = frozenset({("app", "127.0.0.1:43157")})
+    assert dead_in(cfg, live_view(cfg, fresh, (), was_down)) == {"app/dead"}
+    assert dead_in(cfg, live_view(cfg, fresh, ())) == frozenset()  # never seen down: no evidence
+
+
+def test_digest_based_decisions_match_the_plain_ones():
+    old, new = model(OLD), model(NEW)
+    live = live_of(NEW, down={"wide/wide_r2"})
+    view = live_view(ConfigDigest.of(new), summarize_states(live), {"echo/fallback"})
+    assert dead_in(ConfigDigest.of(old), view) == known_dead_servers(old, new, live, {"echo/fallback"})
+    dead = dead_in(ConfigDigest.of(old), view)
+    assert steer_entries(ConfigDigest.of(old), dead, "fail-fast") == steer_map_entries(old, dead, "fail-fast")

@@ -112,10 +112,14 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
     """Put the guard's rules first among the request rules of every backend and listen that
     has primary servers, and its `use-server` first among the `use-server` rules."""
     result = config.copy()
+    # One pass over the servers and the defaults: per-section lookups are quadratic in the
+    # number of sections, and rendered configs can have thousands of backends.
+    with_primaries = {s.backend for s in result.servers() if not s.backup}
+    index = result.defaults_index()
     for section in result.backends():
-        if not wants_guard(result, section) or is_guarded(section):
+        if section.name not in with_primaries or is_guarded(section):
             continue
-        mode = result.mode_of(section)
+        mode = result.mode_of(section, index)
         indent = next((line.indent for line in section.body if line.words), "") or "    "
         newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
         if section.header is not None and not section.header.raw.endswith("\n"):

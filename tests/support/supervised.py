@@ -67,9 +67,9 @@ class Supervised:
         assert current is not None and current.worker_pid is not None
         return current.worker_pid
 
-    def register(self, effective_text: str, rendered_sha: str, effective_sha: str, pid: int) -> Generation:
+    def register(self, model: Config, rendered_sha: str, effective_sha: str, pid: int) -> Generation:
         number = (self.state.current_generation or 0) + 1
-        generation = Generation(number, Config.parse(effective_text), effective_sha, rendered_sha, utcnow(), pid)
+        generation = Generation(number, model, effective_sha, rendered_sha, utcnow(), pid)
         self.state.generations[number] = generation
         self.state.current_generation = number
         self.state.last_good_sha256 = effective_sha
@@ -99,7 +99,8 @@ class Supervised:
             if new_pid is None:
                 await asyncio.sleep(0.01)
         self.reload_seconds.append(time.monotonic() - started)
-        self.register(effective.text, effective.rendered_sha256, effective.sha256, new_pid)
+        # The same object before_reload saw: its digest is reused.
+        self.register(next_model, effective.rendered_sha256, effective.sha256, new_pid)
         await self.displaced.after_reload(True)
         return new_pid
 
@@ -146,7 +147,7 @@ async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervi
         assert pid is not None
         state.master_pid = master.proc.pid if master.proc else None
         state.master_up = True
-        sup.register(effective.text, effective.rendered_sha256, effective.sha256, pid)
+        sup.register(Config.parse(effective.text), effective.rendered_sha256, effective.sha256, pid)
         sup.start_displaced()
         try:
             yield sup
