@@ -102,12 +102,6 @@ def _rank(line: Line) -> int | None:
     return _RULE_RANK.get(line.keyword)
 
 
-def wants_guard(config: Config, section: Section) -> bool:
-    """Backends and listens that route to servers other than backups (tracking ones included:
-    a `track` server is routed to like any other, only its health comes from elsewhere)."""
-    return any(not s.backup for s in config.servers(section))
-
-
 def inject_guard(config: Config, map_path: str | Path) -> Config:
     """Put the guard's rules first among the request rules of every backend and listen that
     has primary servers, and its `use-server` first among the `use-server` rules."""
