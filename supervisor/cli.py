@@ -25,6 +25,13 @@ def _parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("--config", required=True, metavar="FILE", help="settings YAML")
+    text = "show a running daemon's status (GET /status) as a table, or as JSON"
+    p = sub.add_parser("status", help=text, description=text)
+    p.add_argument("--url", metavar="URL", help="http://host:port or unix:/path (default: from --config, "
+                   "else http://127.0.0.1:9180)")
+    p.add_argument("--config", metavar="FILE", help="settings YAML: the URL comes from status.listen")
+    p.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="give up after this long")
     return parser
 
 
@@ -40,7 +47,12 @@ def cmd_render(settings: Settings) -> int:
 
 def cmd_check(settings: Settings) -> int:
     effective = build_effective(settings, read_rendered(settings.haproxy.config))
-    prepare_runtime_dir(settings)
+    try:
+        prepare_runtime_dir(settings)
+    except OSError as exc:
+        print(f"haproxy-supervisor: {settings.haproxy.runtime_dir}: cannot prepare runtime_dir: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
     ok, message = asyncio.run(validate(settings.haproxy.binary, effective.text, settings.haproxy.runtime_dir))
     if ok:
         print(f"{settings.haproxy.config}: effective config is valid")
@@ -51,6 +63,10 @@ def cmd_check(settings: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "status":
+        from .statusclient import cmd_status
+
+        return cmd_status(args.url, args.config, args.json, args.timeout)
     try:
         settings = _load(args.config)
         if args.command == "render":

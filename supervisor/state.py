@@ -117,6 +117,7 @@ class State:
 
     supervisor_pid: int = field(default_factory=os.getpid)
     started_monotonic: float = field(default_factory=time.monotonic)
+    started_at: datetime = field(default_factory=utcnow)  # wall clock, for status's pure uptime
     haproxy_binary: str = "haproxy"
     haproxy_version: str | None = None
     master_pid: int | None = None

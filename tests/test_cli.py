@@ -102,3 +102,14 @@ def test_missing_rendered_config_exit_1(tmp_path):
     result = run_cli("render", "--config", str(settings))
     assert result.returncode == 1
     assert "nothere.cfg" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_check_with_unwritable_runtime_dir_exit_1(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    settings = tmp_path / "s.yaml"
+    (tmp_path / "r.cfg").write_text("backend b\n  server s 127.0.0.1:1\n")
+    settings.write_text("haproxy:\n  config: r.cfg\n  runtime_dir: file/run\n")
+    result = run_cli("check", "--config", str(settings))
+    assert result.returncode == 1
+    assert "cannot prepare runtime_dir" in result.stderr and "Traceback" not in result.stderr

@@ -325,32 +325,26 @@ class Config:
                 last = section
         return last
 
-    def defaults_index(self) -> dict[int, Section | None]:
-        """id(proxy) -> what defaults_for(proxy) returns, for every section, in one pass.
-
-        defaults_for() walks the sections before the proxy, which makes a loop over all
-        proxies quadratic: seconds for a config of thousands of backends.
-        """
-        index: dict[int, Section | None] = {}
-        last: Section | None = None
-        named: dict[str, Section] = {}
-        for section in self.sections:
-            wanted = section.from_defaults
-            index[id(section)] = named.get(wanted) if wanted is not None else last
-            if section.kind == "defaults":
-                last = section
-                if section.name:
-                    named[section.name] = section
-        return index
-
     def servers(self, backend: Section | None = None) -> list[Server]:
         """Every server of every backend (or of one), in config order, templates expanded."""
         if backend is not None:
             return list(self._servers_of(backend, self.defaults_for(backend)))
-        index = self.defaults_index()
-        result: list[Server] = []
-        for section in self.backends():
-            result.extend(self._servers_of(section, index[id(section)]))
+        return [server for _, servers in self.servers_by_backend() for server in servers]
+
+    def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
+        """Each backend/listen section with its servers, resolving defaults in one pass."""
+        result: list[tuple[Section, list[Server]]] = []
+        last_defaults: Section | None = None
+        named: dict[str, Section] = {}
+        for section in self.sections:
+            if section.kind == "defaults":
+                last_defaults = section
+                if section.name:
+                    named[section.name] = section
+            elif section.kind in BACKEND_KINDS:
+                wanted = section.from_defaults
+                defaults = named.get(wanted) if wanted is not None else last_defaults
+                result.append((section, list(self._servers_of(section, defaults))))
         return result
 
     def server_map(self) -> dict[str, Server]:
@@ -403,11 +397,9 @@ class Config:
             line_index=index,
         )
 
-    def mode_of(self, proxy: Section, index: dict[int, Section | None] | None = None) -> str:
-        """`http` or `tcp` (HAProxy's default), from the proxy or its defaults (looked up in
-        `index`, from defaults_index(), when given)."""
-        defaults = index[id(proxy)] if index is not None else self.defaults_for(proxy)
-        for source in (proxy, defaults):
+    def mode_of(self, proxy: Section) -> str:
+        """`http` or `tcp` (HAProxy's default), from the proxy or its defaults."""
+        for source in (proxy, self.defaults_for(proxy)):
             if source is None:
                 continue
             for line in reversed(source.body):

@@ -32,9 +32,9 @@ def inject_observe(config: Config, error_limit: int) -> Config:
     """Add `observe layer4 ... on-error mark-down` to every server line that wants it."""
     result = config.copy()
     suffix = " " + observe_directive(error_limit)
-    for section in result.backends():
+    for section, servers in result.servers_by_backend():
         # A server-template line declares many servers with the same flags: edit it once.
-        lines_to_edit = sorted({s.line_index for s in result.servers(section) if wants_observe(s)})
+        lines_to_edit = sorted({s.line_index for s in servers if wants_observe(s)})
         for index in lines_to_edit:
             section.body[index] = section.body[index].with_appended(suffix)
     return result
@@ -106,14 +106,11 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
     """Put the guard's rules first among the request rules of every backend and listen that
     has primary servers, and its `use-server` first among the `use-server` rules."""
     result = config.copy()
-    # One pass over the servers and the defaults: per-section lookups are quadratic in the
-    # number of sections, and rendered configs can have thousands of backends.
-    with_primaries = {s.backend for s in result.servers() if not s.backup}
-    index = result.defaults_index()
-    for section in result.backends():
-        if section.name not in with_primaries or is_guarded(section):
+    modes = proxy_modes(result)
+    for section, servers in result.servers_by_backend():
+        if all(s.backup for s in servers) or is_guarded(section):
             continue
-        mode = result.mode_of(section, index)
+        mode = modes[id(section)]
         indent = next((line.indent for line in section.body if line.words), "") or "    "
         newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
         if section.header is not None and not section.header.raw.endswith("\n"):
@@ -143,6 +140,26 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
         body[use_at:use_at] = use_server
         body[at:at] = rules
     return result
+
+
+def proxy_modes(config: Config) -> dict[int, str]:
+    """id(section) -> Config.mode_of(section) for every section, in one pass: mode_of looks
+    the defaults up from the top each time, quadratic over thousands of backends."""
+    modes: dict[int, str] = {}
+    last: str | None = None  # mode set by the last defaults section
+    named: dict[str, str | None] = {}
+    for section in config.sections:
+        own = next(
+            (line.words[1] for line in reversed(section.body) if line.keyword == "mode" and len(line.words) > 1), None
+        )
+        wanted = section.from_defaults
+        inherited = named.get(wanted) if wanted is not None else last
+        modes[id(section)] = own or inherited or "tcp"
+        if section.kind == "defaults":
+            last = own
+            if section.name:
+                named[section.name] = own
+    return modes
 
 
 def _above_comments(body: list[Line], index: int) -> int:

@@ -1,0 +1,1 @@
+"""Benchmarks: each module has a `main()` that prints its figures. `python -m bench` runs all."""

@@ -1,0 +1,65 @@
+"""Parse + render (and inject) a rendered config of 10,000 servers.
+
+Target (issue 2): parse plus render under 200 ms on the 2-core CI machine.
+Reports the median and p90 of repeated runs, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.inject import effective_config
+from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
+
+
+def synthetic_config(servers: int, per_backend: int = 10) -> str:
+    """A Ray-Serve-shaped config: one backend per app, `check` primaries and a backup each."""
+    lines = [
+        "global\n    close-spread-time 60s\n",
+        "defaults\n    mode http\n    timeout connect 1s\n    timeout client 30s\n    timeout server 30s\n",
+        "frontend http_frontend\n    bind 127.0.0.1:18080\n",
+    ]
+    apps = servers // per_backend
+    for app in range(apps):
+        lines.append(f"    use_backend app{app} if {{ path_beg /app{app}/ }}\n")
+    for app in range(apps):
+        lines.append(f"\nbackend app{app}\n    balance leastconn\n")
+        for r in range(per_backend):
+            port = 20000 + (app * per_backend + r) % 40000
+            lines.append(f"    server app{app}_r{r} 127.0.{app % 250}.{r + 1}:{port} check inter 2s  # replica {r}\n")
+        lines.append(f"    server fallback 127.0.0.1:{19000 + app % 1000} backup\n")
+    return "".join(lines)
+
+
+def timed(fn, repeat: int) -> list[float]:
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+def report(label: str, samples: list[float]) -> None:
+    ordered = sorted(samples)
+    p90 = ordered[int(len(ordered) * 0.9) - 1]
+    print(f"{label:<44} median {statistics.median(samples):7.1f} ms   p90 {p90:7.1f} ms   n={len(samples)}")
+
+
+def main() -> None:
+    text = synthetic_config(10_000)
+    servers = len(Config.parse(text).servers())
+    print(f"config: {servers} servers, {len(text.splitlines())} lines, {len(text) // 1024} KiB")
+    report("parse + render (10k servers)", timed(lambda: Config.parse(text).render(), 15))
+    report("parse + servers() (10k servers)", timed(lambda: Config.parse(text).servers(), 15))
+    full = Settings(observe=ObserveSettings(enabled=True), old_workers=OldWorkerSettings(guard=True))
+    report(
+        "parse + all injections + render (10k)",
+        timed(lambda: effective_config(Config.parse(text), full).render(), 15),
+    )
+
+
+if __name__ == "__main__":
+    main()

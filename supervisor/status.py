@@ -1,0 +1,758 @@
+"""The status HTTP app: /status, /metrics, /healthz, /readyz, the page, and the operator's actions.
+
+It reads State and never changes it; operator actions (reload, mark a server dead) go
+through the `actions` object the daemon passes in. What is shown is computed by pure
+functions (`status_document`, `render_page`, `StateCollector`), so they are unit-tested
+without a server.
+
+Who may act: over TCP, `POST`/`DELETE` need `Authorization: Bearer <token>` with the
+token from `status.token_file` (none configured: 403). On a unix socket there is no
+token: the socket file is created 0660, so its owner and group decide who may connect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import html
+import logging
+import os
+import socket
+import stat
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from . import __version__
+from .haproxy.api import validate_name
+from .settings import Settings, listen_address
+from .state import DurationHistogram, OldWorker, ReloadRecord, State, rfc3339, utcnow
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024
+UNIX_SOCKET_MODE = 0o660
+# The classic text format: every Prometheus version parses it (1.0.0 needs Prometheus 3).
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PAGE_REFRESH_S = 5
+# A drain can make thousands of servers dead at once; the page lists the first ones, /status all.
+PAGE_CHIP_LIMIT = 40
+# Reload results that mean "the config HAProxy runs is what was asked for".
+RELOAD_SUCCESS = frozenset({"ok", "runtime_applied", "skipped_unchanged"})
+RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied")
+
+
+class StatusActions(Protocol):
+    """What the daemon lets an operator do through HTTP."""
+
+    async def reload_now(self) -> ReloadRecord | None:
+        """Reload (forced, even if unchanged). The record of what happened, or None if only queued."""
+        ...
+
+    async def mark_dead(self, backend: str, server: str) -> None: ...
+
+    async def unmark_dead(self, backend: str, server: str) -> None: ...
+
+    def has_server(self, backend: str, server: str) -> bool:
+        """True if the server exists in the current config or in a config an old worker runs."""
+        ...
+
+
+class StatusServerError(Exception):
+    """The status listener could not be set up. One line naming the address and the problem."""
+
+
+# ---------------------------------------------------------------- /status
+
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _reload_json(record: ReloadRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    return {
+        "at": rfc3339(record.at),
+        "result": record.result,
+        "duration_ms": round(record.duration_ms, 3),
+        "error": record.error,
+    }
+
+
+def _old_worker_json(worker: OldWorker, now: datetime) -> dict[str, Any]:
+    return {
+        "pid": worker.pid,
+        "generation": worker.generation,
+        "age_s": _seconds(worker.age_s(now)),
+        "rss_bytes": worker.rss_bytes,
+        "connections": worker.connections,
+        "steered": sorted(worker.steered),
+        "push": {"state": worker.push.state, "at": rfc3339(worker.push.at), "error": worker.push.error},
+    }
+
+
+def _oldest_first(workers: Iterable[OldWorker], now: datetime) -> list[OldWorker]:
+    return sorted(workers, key=lambda w: (-(w.age_s(now) or 0.0), w.pid))
+
+
+def status_document(state: State, settings: Settings, now: datetime) -> dict[str, Any]:
+    """The /status JSON. Its keys are exactly those documented in README.md ("Status over HTTP")."""
+    current = state.current
+    reloads = state.reloads
+    # The daemon resolves the binary into State; until it has, the configured name is the truth.
+    binary = state.haproxy_binary if state.haproxy_binary != "haproxy" else settings.haproxy.binary
+    return {
+        "supervisor": {
+            "pid": state.supervisor_pid,
+            "version": __version__,
+            "uptime_s": _seconds(max(0.0, (now - state.started_at).total_seconds())),
+            "ready": state.ready,
+        },
+        "haproxy": {
+            "version": state.haproxy_version,
+            "master_pid": state.master_pid,
+            "binary": binary,
+            "up": state.master_up,
+        },
+        "worker": {
+            "pid": current.worker_pid if current else None,
+            "generation": current.number if current else None,
+            "config_sha256": current.effective_sha256 if current else None,
+            "started_at": rfc3339(current.started_at) if current else None,
+        },
+        "old_workers": [_old_worker_json(w, now) for w in _oldest_first(state.old_workers.values(), now)],
+        "reloads": {
+            **{result: getattr(reloads, result) for result in RELOAD_RESULTS},
+            "last": _reload_json(reloads.last),
+            "recent": [_reload_json(r) for r in reversed(reloads.history)],
+        },
+        "config": {
+            "rendered_path": state.rendered_path or str(settings.haproxy.config),
+            "rendered_sha256": state.rendered_sha256,
+            "effective_path": state.effective_path or str(settings.haproxy.effective_config),
+            "last_good_sha256": state.last_good_sha256,
+        },
+        "observe": {"enabled": settings.observe.enabled, "error_limit": settings.observe.error_limit},
+        "dead_servers": sorted(state.dead_servers),
+        "operator_dead": sorted(state.operator_dead),
+    }
+
+
+def not_ready_reason(state: State) -> str | None:
+    """Why /readyz says 503, or None when ready."""
+    if state.ready:
+        return None
+    if not state.master_up:
+        return "HAProxy master is not running"
+    current = state.current
+    if current is None or current.worker_pid is None:
+        return "no current worker yet"
+    return "the current worker does not run the last good config"
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+def _histogram_buckets(histogram: DurationHistogram) -> list[tuple[str, float]]:
+    counts = histogram.counts or [0] * len(histogram.bounds)
+    buckets = [(repr(float(bound)), float(count)) for bound, count in zip(histogram.bounds, counts, strict=True)]
+    buckets.append(("+Inf", float(histogram.count)))
+    return buckets
+
+
+class StateCollector(Collector):
+    """Builds every haproxy_supervisor_* metric from State at scrape time; no global registry."""
+
+    def __init__(self, state: State, clock: Callable[[], datetime] = utcnow) -> None:
+        self.state = state
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        state, now = self.state, self.clock()
+        reloads = state.reloads
+        workers = list(state.old_workers.values())
+
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_up", "1 while the HAProxy master runs (what /healthz reports), else 0.",
+            value=1 if state.master_up else 0,
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_ready", "1 while a current worker runs the last good config (/readyz), else 0.",
+            value=1 if state.ready else 0,
+        )
+        family = CounterMetricFamily(
+            "haproxy_supervisor_reloads", "Config changes handled, by result.", labels=["result"],
+        )
+        for result in RELOAD_RESULTS:
+            family.add_metric([result], getattr(reloads, result))
+        yield family
+        yield CounterMetricFamily(
+            "haproxy_supervisor_runtime_applies",
+            "Changes applied through the Runtime API without a reload.",
+            value=reloads.runtime_applied,
+        )
+        generation = GaugeMetricFamily(
+            "haproxy_supervisor_config_generation", "Generation number of the config the current worker runs.",
+        )
+        if state.current_generation is not None:
+            generation.add_metric([], state.current_generation)
+        yield generation
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_old_workers", "Old (soft-stopped, draining) HAProxy workers alive.", value=len(workers),
+        )
+        ages = [age for w in workers if (age := w.age_s(now)) is not None]
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_old_worker_oldest_age_seconds",
+            "Age of the oldest old worker; 0 when there is none.",
+            value=max(ages, default=0.0),
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_old_worker_connections",
+            "Connections held by old workers, summed (unknown counts left out).",
+            value=sum(w.connections or 0 for w in workers),
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_old_worker_rss_bytes",
+            "Resident memory of old workers, summed (unknown sizes left out).",
+            value=sum(w.rss_bytes or 0 for w in workers),
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_steered_servers",
+            "Distinct backend/server pairs that at least one old worker is steered away from.",
+            value=len({key for w in workers for key in w.steered}),
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_dead_servers", "Servers known dead, for any reason (operator included).",
+            value=len(state.dead_servers),
+        )
+        yield HistogramMetricFamily(
+            "haproxy_supervisor_push_duration_seconds",
+            "Time to push the known-dead set to old workers through the master CLI.",
+            buckets=_histogram_buckets(state.push_duration),
+            sum_value=state.push_duration.sum,
+        )
+        yield CounterMetricFamily(
+            "haproxy_supervisor_push_failures", "Pushes to old workers that failed.", value=state.push_failures,
+        )
+        yield CounterMetricFamily(
+            "haproxy_supervisor_master_restarts", "Times the HAProxy master was restarted after it died.",
+            value=state.master_restarts,
+        )
+
+
+def metrics_registry(state: State, clock: Callable[[], datetime] = utcnow) -> CollectorRegistry:
+    """A private registry: the State collector plus this process's own process_* metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StateCollector(state, clock))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+# ---------------------------------------------------------------- the page
+
+
+def _esc(value: Any) -> str:
+    return html.escape("—" if value is None else str(value), quote=True)
+
+
+def format_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    total = max(0, int(seconds))  # a clock step must not show "-3s"
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m {total % 60:02d}s"
+    if total < 86400:
+        return f"{total // 3600}h {total % 3600 // 60:02d}m"
+    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
+
+
+def format_bytes(value: int | None) -> str:
+    if value is None:
+        return "?"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_duration_ms(value: float) -> str:
+    return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.1f} s"
+
+
+def _badge(text: str, tone: str) -> str:
+    return f'<span class="badge {tone}">{_esc(text)}</span>'
+
+
+def _chips(keys: list[str], tone: str = "", limit: int = PAGE_CHIP_LIMIT) -> str:
+    if not keys:
+        return '<span class="muted">none</span>'
+    shown = " ".join(f'<span class="chip {tone}">{_esc(key)}</span>' for key in keys[:limit])
+    if len(keys) > limit:
+        shown += f' <span class="muted">and {len(keys) - limit} more (see /status)</span>'
+    return shown
+
+
+def _when(value: str | None, now: datetime, with_date: bool = True) -> str:
+    """A time from the document as `2025-01-02 03:04:05` and how long ago; the exact value on hover."""
+    if value is None:
+        return '<span class="muted">—</span>'
+    moment = datetime.fromisoformat(value)
+    shown = moment.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
+    ago = format_age(max(0.0, (now - moment).total_seconds()))
+    return f'<span class="when" title="{_esc(value)}">{_esc(shown)} <span class="muted">{_esc(ago)} ago</span></span>'
+
+
+_RESULT_TONE = {
+    "ok": "good", "runtime_applied": "good", "skipped_unchanged": "neutral", "failed": "bad", "invalid": "bad",
+}
+_PUSH_TONE = {"ok": "good", "pending": "warn", "failed": "bad"}
+_OPERATOR_TAG = ' <span class="tag">operator</span>'
+
+_PAGE_CSS = """
+:root { color-scheme: light; }
+* { box-sizing: border-box; }
+body { margin: 0; background: #f3f5f8; color: #1d2330;
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; }
+header { background: #1d2330; color: #fff; padding: 14px 24px; display: flex; align-items: center;
+  gap: 10px; flex-wrap: wrap; }
+header h1 { font-size: 18px; margin: 0 8px 0 0; font-weight: 600; }
+header .facts { color: #b9c2d3; font-size: 13px; margin-left: 8px; }
+main { padding: 18px 24px; display: grid; gap: 16px; max-width: 1280px; }
+.row { display: grid; grid-template-columns: minmax(300px, 2fr) 3fr; gap: 16px; }
+@media (max-width: 800px) { .row { grid-template-columns: 1fr; } }
+section { background: #fff; border: 1px solid #dde2ea; border-radius: 8px; padding: 14px 16px; min-width: 0; }
+h2 { font-size: 15px; margin: 0 0 10px; font-weight: 600; }
+h2 .count { color: #6b7587; font-weight: 400; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #edf0f4; vertical-align: baseline; }
+tr:last-child td { border-bottom: 0; }
+th { font-size: 12px; text-transform: uppercase; letter-spacing: .04em; color: #6b7587; font-weight: 600;
+  white-space: nowrap; }
+td.num, .num { font-variant-numeric: tabular-nums; white-space: nowrap; }
+.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 13px; }
+.when { white-space: nowrap; font-variant-numeric: tabular-nums; }
+.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; margin: 0; }
+.kv dt { color: #6b7587; } .kv dd { margin: 0; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600;
+  white-space: nowrap; }
+.good { background: #dff5e3; color: #17692c; } .bad { background: #fde2e1; color: #a61b1b; }
+.warn { background: #fff1cc; color: #7a5200; } .neutral { background: #e8ebf0; color: #444d5c; }
+.chip { display: inline-block; margin: 1px 2px; padding: 0 6px; border-radius: 4px; background: #eef1f6;
+  font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; white-space: nowrap; }
+.chip.bad { background: #fde2e1; color: #a61b1b; }
+.chip .tag { font-family: system-ui, sans-serif; font-size: 11px; opacity: .75; }
+.counters { display: flex; gap: 10px; flex-wrap: wrap; margin-bottom: 10px; }
+.counters div { min-width: 110px; padding: 6px 10px; border-radius: 6px; background: #f6f7f9; }
+.counters b { display: block; font-size: 20px; font-variant-numeric: tabular-nums; }
+.counters span { color: #6b7587; font-size: 12px; }
+.counters .bad { background: #fde2e1; } .counters .bad b { color: #a61b1b; }
+.muted { color: #8a93a3; } .err { color: #a61b1b; overflow-wrap: anywhere; }
+footer { padding: 0 24px 18px; color: #6b7587; font-size: 12px; }
+footer a { color: #3b5bdb; }
+"""
+
+
+def _current_worker_html(worker: dict[str, Any], now: datetime) -> str:
+    sha = worker["config_sha256"]
+    return (
+        '<dl class="kv">'
+        f'<dt>PID</dt><dd class="num" id="current-pid">{_esc(worker["pid"])}</dd>'
+        f'<dt>Generation</dt><dd class="num">{_esc(worker["generation"])}</dd>'
+        f'<dt>Started</dt><dd>{_when(worker["started_at"], now)}</dd>'
+        f'<dt>Config</dt><dd class="mono" title="sha256 {_esc(sha)}">{_esc(sha[:16] if sha else None)}</dd>'
+        "</dl>"
+    )
+
+
+def _old_workers_html(workers: list[dict[str, Any]], now: datetime) -> str:
+    if not workers:
+        return '<p class="muted">No old workers: nothing is draining.</p>'
+    rows = []
+    for w in workers:
+        push = w["push"]
+        push_cell = _badge(push["state"], _PUSH_TONE.get(push["state"], "neutral"))
+        if push["at"]:
+            push_cell += f' <span class="muted" title="{_esc(push["at"])}">'
+            push_cell += f'{_esc(format_age((now - datetime.fromisoformat(push["at"])).total_seconds()))} ago</span>'
+        if push["error"]:
+            push_cell += f'<div class="err">{_esc(push["error"])}</div>'
+        rows.append(
+            f'<tr class="old-worker" data-pid="{_esc(w["pid"])}">'
+            f'<td class="num pid">{_esc(w["pid"])}</td><td class="num">{_esc(w["generation"])}</td>'
+            f'<td class="num" title="{_esc(w["age_s"])} s">{_esc(format_age(w["age_s"]))}</td>'
+            f'<td class="num">{_esc(format_bytes(w["rss_bytes"]))}</td>'
+            f'<td class="num">{_esc(w["connections"] if w["connections"] is not None else "?")}</td>'
+            f"<td class=\"steered\">{_chips(w['steered'], 'bad')}</td><td>{push_cell}</td></tr>"
+        )
+    return (
+        "<table><thead><tr><th>PID</th><th>Gen</th><th>Age</th><th>RSS</th><th>Conns</th>"
+        "<th>Steered away from</th><th>Push to worker</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+    )
+
+
+def _reloads_html(reloads: dict[str, Any], now: datetime) -> str:
+    counters = "".join(
+        f'<div class="{"bad" if result in ("failed", "invalid") and reloads[result] else ""}">'
+        f'<b>{_esc(reloads[result])}</b><span>{_esc(result.replace("_", " "))}</span></div>'
+        for result in RELOAD_RESULTS
+    )
+    if not reloads["recent"]:
+        return f'<div class="counters">{counters}</div><p class="muted">No reloads yet.</p>'
+    rows = "".join(
+        f'<tr class="reload"><td>{_when(r["at"], now)}</td>'
+        f'<td>{_badge(r["result"].replace("_", " "), _RESULT_TONE.get(r["result"], "neutral"))}</td>'
+        f'<td class="num">{_esc(format_duration_ms(r["duration_ms"]))}</td>'
+        f'<td class="err">{_esc(r["error"] or "")}</td></tr>'
+        for r in reloads["recent"]
+    )
+    return (
+        f'<div class="counters">{counters}</div>'
+        "<table><thead><tr><th>When (UTC)</th><th>Result</th><th>Took</th><th>Error</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+    )
+
+
+def render_page(doc: dict[str, Any], now: datetime) -> str:
+    """The self-contained HTML page for GET /, from the /status document. Every value is escaped."""
+    sup, hap = doc["supervisor"], doc["haproxy"]
+    master = _badge("master up", "good") if hap["up"] else _badge("master down", "bad")
+    ready = _badge("ready", "good") if sup["ready"] else _badge("not ready", "bad")
+    facts = (
+        f'supervisor {_esc(sup["version"])} · pid {_esc(sup["pid"])} · up {_esc(format_age(sup["uptime_s"]))}'
+        f' · HAProxy {_esc(hap["version"])} · master pid {_esc(hap["master_pid"])}'
+    )
+    operator_dead = set(doc["operator_dead"])
+    dead_servers = doc["dead_servers"]
+    dead = (
+        " ".join(
+            f'<span class="chip bad">{_esc(key)}'
+            f'{_OPERATOR_TAG if key in operator_dead else ""}</span>'
+            for key in dead_servers[:PAGE_CHIP_LIMIT]
+        )
+        or '<span class="muted">none</span>'
+    )
+    if len(dead_servers) > PAGE_CHIP_LIMIT:
+        dead += f' <span class="muted">and {len(dead_servers) - PAGE_CHIP_LIMIT} more (see /status)</span>'
+    old = doc["old_workers"]
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="refresh" content="{PAGE_REFRESH_S}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>haproxy-supervisor · {_esc(len(old))} old worker(s)</title>
+<style>{_PAGE_CSS}</style></head>
+<body>
+<header><h1>haproxy-supervisor</h1>{master} {ready}<span class="facts">{facts}</span></header>
+<main>
+<div class="row">
+<section id="current"><h2>Current worker</h2>{_current_worker_html(doc["worker"], now)}</section>
+<section id="dead"><h2>Dead servers <span class="count">({_esc(len(doc["dead_servers"]))})</span></h2>
+<p>{dead}</p><p class="muted">Old workers are steered away from these. Mark or clear one with
+<span class="mono">POST</span> / <span class="mono">DELETE /servers/&lt;backend&gt;/&lt;server&gt;/dead</span>.</p>
+</section>
+</div>
+<section id="old-workers"><h2>Old workers <span class="count">({_esc(len(old))})</span></h2>
+{_old_workers_html(old, now)}</section>
+<section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"], now)}</section>
+</main>
+<footer>Generated {_esc(rfc3339(now))} · refreshes every {PAGE_REFRESH_S} s ·
+<a href="/status">/status</a> · <a href="/metrics">/metrics</a></footer>
+</body></html>
+"""
+
+
+# ---------------------------------------------------------------- the app
+
+
+class _Refused(Exception):
+    """An answer of `{"error": message}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def load_token(token_file: Path | None) -> tuple[bytes | None, str]:
+    """The bearer token, or None with the reason POST/DELETE over TCP are refused."""
+    if token_file is None:
+        return None, "no status.token_file is configured: POST and DELETE are refused over TCP"
+    try:
+        token = token_file.read_bytes().strip()
+        mode = token_file.stat().st_mode
+    except OSError as exc:
+        log.error("status.token_file %s: cannot read: %s; POST and DELETE over TCP will answer 403",
+                  token_file, exc.strerror or exc)
+        return None, f"status.token_file {token_file} could not be read at start"
+    if not token:
+        log.error("status.token_file %s is empty; POST and DELETE over TCP will answer 403", token_file)
+        return None, f"status.token_file {token_file} is empty"
+    if mode & stat.S_IROTH:
+        log.warning("status.token_file %s is readable by every user; chmod 0600 or 0640 it", token_file)
+    return token, ""
+
+
+def _on_unix_socket(request: web.Request) -> bool:
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def _peer(request: web.Request) -> str:
+    return "unix socket" if _on_unix_socket(request) else str(request.remote)
+
+
+def _error_json(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    try:
+        return await handler(request)
+    except _Refused as refused:
+        return _error_json(refused.status, refused.message, refused.headers)
+    except web.HTTPRequestEntityTooLarge:
+        return _error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    except web.HTTPNotFound:
+        return _error_json(404, f"no such endpoint: {request.method} {request.path}")
+    except web.HTTPMethodNotAllowed as exc:
+        allow = ", ".join(sorted(exc.allowed_methods))
+        return _error_json(405, f"{request.method} not allowed on {request.path} (allowed: {allow})", {"Allow": allow})
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_json(exc.status, exc.reason)
+    except Exception as exc:
+        log.exception("status: %s %s failed", request.method, request.path)
+        return _error_json(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+@web.middleware
+async def _bounded_body(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    # Handlers ignore bodies, and aiohttp enforces client_max_size only while reading one:
+    # read it here so an oversized body is answered 413 on every route.
+    if request.can_read_body:
+        await request.read()
+    return await handler(request)
+
+
+class _Endpoints:
+    def __init__(
+        self, state: State, settings: Settings, actions: StatusActions, clock: Callable[[], datetime]
+    ) -> None:
+        self.state = state
+        self.settings = settings
+        self.actions = actions
+        self.clock = clock
+        self.token, self.token_problem = load_token(settings.status.token_file)
+        self.registry = metrics_registry(state, clock)
+
+    # -- reads
+
+    async def status(self, request: web.Request) -> web.Response:
+        # Compact: a big drain (50 old workers x 10,000 steered servers) is 8 MB and ~50 ms of
+        # this event loop; indenting would double both. `jq` or `status --json` pretty-print.
+        return web.json_response(status_document(self.state, self.settings, self.clock()))
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        if not self.state.master_up:
+            return _error_json(503, "HAProxy master is not running")
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        reason = not_ready_reason(self.state)
+        if reason is not None:
+            return _error_json(503, reason)
+        return web.json_response({"status": "ready"})
+
+    async def page(self, request: web.Request) -> web.Response:
+        now = self.clock()
+        body = render_page(status_document(self.state, self.settings, now), now)
+        return web.Response(
+            text=body,
+            content_type="text/html",
+            headers={
+                "Cache-Control": "no-store",
+                # The page needs nothing from anywhere: no scripts, no fetches, inline style only.
+                "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'",
+            },
+        )
+
+    # -- actions
+
+    def authorize(self, request: web.Request) -> None:
+        if _on_unix_socket(request):
+            return  # the socket file's mode already decided who could connect
+        if self.token is None:
+            raise _Refused(403, self.token_problem)
+        header = request.headers.get("Authorization")
+        if not header:
+            raise _Refused(403, "this endpoint needs Authorization: Bearer <token> (status.token_file)")
+        scheme, _, presented = header.partition(" ")
+        # aiohttp decodes headers with surrogateescape; encode the same way to get the bytes sent.
+        presented_bytes = presented.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented_bytes, self.token):
+            log.warning("status: %s %s from %s: wrong bearer token", request.method, request.path, _peer(request))
+            raise _Refused(401, "wrong bearer token", {"WWW-Authenticate": 'Bearer realm="haproxy-supervisor"'})
+
+    def server_from(self, request: web.Request) -> tuple[str, str]:
+        backend, server = request.match_info["backend"], request.match_info["server"]
+        try:
+            validate_name("backend", backend)
+            validate_name("server", server)
+        except ValueError as exc:
+            raise _Refused(400, str(exc)) from None
+        return backend, server
+
+    async def reload(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        log.info("status: reload requested by an operator (%s)", _peer(request))
+        record = await self.actions.reload_now()
+        if record is None:
+            return web.json_response({"reload": "queued"}, status=202)
+        body = {"reload": _reload_json(record)}
+        if record.result in RELOAD_SUCCESS:
+            return web.json_response(body)
+        return web.json_response({"error": f"reload {record.result}: {record.error or 'see the log'}", **body},
+                                 status=500)
+
+    async def mark_dead(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        backend, server = self.server_from(request)
+        if not self.actions.has_server(backend, server):
+            raise _Refused(404, f"no server {backend}/{server} in any config HAProxy runs")
+        log.info("status: %s/%s marked dead by an operator (%s)", backend, server, _peer(request))
+        await self.actions.mark_dead(backend, server)
+        return web.json_response({"server": f"{backend}/{server}", "operator_dead": True})
+
+    async def unmark_dead(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        backend, server = self.server_from(request)
+        key = f"{backend}/{server}"
+        # A server that left every config may still be marked; it must stay possible to clear it.
+        if not self.actions.has_server(backend, server) and key not in self.state.operator_dead:
+            raise _Refused(404, f"no server {key} in any config HAProxy runs")
+        log.info("status: %s no longer marked dead by an operator (%s)", key, _peer(request))
+        await self.actions.unmark_dead(backend, server)
+        return web.json_response({"server": key, "operator_dead": False})
+
+
+def build_app(
+    state: State, settings: Settings, actions: StatusActions, clock: Callable[[], datetime] = utcnow
+) -> web.Application:
+    """The status app. The token file is read here, once; an unreadable one is logged."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors, _bounded_body])
+    endpoints = _Endpoints(state, settings, actions, clock)
+    if endpoints.token is None and not settings.status.listen.startswith("unix:"):
+        log.info("status: %s", endpoints.token_problem)
+    app.router.add_get("/", endpoints.page)
+    app.router.add_get("/status", endpoints.status)
+    app.router.add_get("/metrics", endpoints.metrics)
+    app.router.add_get("/healthz", endpoints.healthz)
+    app.router.add_get("/readyz", endpoints.readyz)
+    app.router.add_post("/reload", endpoints.reload)
+    app.router.add_post("/servers/{backend}/{server}/dead", endpoints.mark_dead)
+    app.router.add_delete("/servers/{backend}/{server}/dead", endpoints.unmark_dead)
+    return app
+
+
+# ---------------------------------------------------------------- listening
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StatusServerError(f"status.listen unix:{path}: exists and is not a socket; not removing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # left by a daemon that died
+        return
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+        raise StatusServerError(f"status.listen unix:{path}: exists and cannot be probed: {problem}") from None
+    finally:
+        probe.close()
+    raise StatusServerError(f"status.listen unix:{path}: another process is listening on it")
+
+
+def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
+    """A listening-ready unix socket whose file never has a wider mode than `mode`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # bind() creates the file as 0777 & ~umask. Narrowing the umask around it leaves no
+        # moment when another user could connect; nothing else runs in this process meanwhile.
+        previous = os.umask(0o777 & ~mode)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(previous)
+        os.chmod(path, mode)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_status_server(app: web.Application, listen: str) -> web.AppRunner:
+    """Serve `app` on `host:port` or `unix:/path`. Stop it with `await runner.cleanup()`."""
+    address = listen_address(listen)
+    # Scrapes every few seconds would flood an access log; operator actions are logged by the handlers.
+    # An action in flight (a reload) may delay a stop by at most `shutdown_timeout`.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    sock: socket.socket | None = None
+    if isinstance(address, str):
+        path = Path(address)
+        try:
+            sock = bind_unix_socket(path)
+        except OSError as exc:
+            raise StatusServerError(f"status.listen {listen}: {exc.strerror or exc}") from None
+        inode = path.stat().st_ino
+
+        async def remove_socket_file(_: web.Application) -> None:
+            # Only our own file: a newer daemon may already listen on the same path.
+            with contextlib.suppress(OSError):
+                if path.stat().st_ino == inode:
+                    path.unlink()
+
+        app.on_cleanup.append(remove_socket_file)
+    await runner.setup()
+    try:
+        if sock is not None:
+            site: web.BaseSite = web.SockSite(runner, sock)
+        else:
+            host, port = address
+            site = web.TCPSite(runner, host, port)
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise StatusServerError(f"status.listen {listen}: {exc.strerror or exc}") from None
+    except BaseException:
+        await runner.cleanup()
+        raise
+    log.info("status: listening on %s", listen)
+    return runner

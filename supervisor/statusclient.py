@@ -1,0 +1,166 @@
+"""`haproxy-supervisor status`: fetch GET /status from a running daemon and print it.
+
+The URL is `--url` (http://host:port or unix:/path), else derived from `status.listen`
+of `--config`, else http://127.0.0.1:9180. Unreachable daemon: exit 1, one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from .settings import SettingsError, listen_address, load_settings
+from .status import format_age, format_bytes, format_duration_ms
+
+DEFAULT_URL = "http://127.0.0.1:9180"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class StatusFetchError(Exception):
+    """The daemon could not be asked. One line."""
+
+
+def url_from_listen(listen: str) -> str:
+    """The URL a local client uses for a `status.listen` value."""
+    address = listen_address(listen)
+    if isinstance(address, str):
+        return f"unix:{address}"
+    host, port = address
+    # A wildcard listener is reached on loopback.
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def status_target(url: str) -> tuple[str, str | None]:
+    """(HTTP URL of /status, unix socket path or None) for a --url value."""
+    if url.startswith("unix:"):
+        path = url[len("unix:") :]
+        if path.startswith("//"):  # unix:///run/x.sock
+            path = path[2:]
+        if not path:
+            raise StatusFetchError(f"{url}: a unix: URL needs a socket path, e.g. unix:/run/x/status.sock")
+        return "http://localhost/status", path
+    parsed = URL(url)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise StatusFetchError(f"{url}: not an http://host:port or unix:/path URL")
+    if not parsed.path.endswith("/status"):
+        parsed = parsed.with_path(parsed.path.rstrip("/") + "/status")
+    return str(parsed), None
+
+
+async def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    target, socket_path = status_target(url)
+    connector = aiohttp.UnixConnector(path=socket_path) if socket_path else None
+    try:
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(target) as response,
+        ):
+            text = await response.text()
+            if response.status != 200:
+                raise StatusFetchError(f"{url} answered HTTP {response.status}: {text.strip()[:200]}")
+            document = json.loads(text)
+    except TimeoutError:
+        raise StatusFetchError(f"cannot reach the daemon at {url}: no answer within {timeout:g}s") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise StatusFetchError(f"cannot reach the daemon at {url}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise StatusFetchError(f"{url} did not answer JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise StatusFetchError(f"{url} did not answer a JSON object")
+    return document
+
+
+def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return (indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))).rstrip()
+
+    return [line(headers), *(line(r) for r in rows)]
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _first(keys: list[str], limit: int = 10) -> str:
+    """Up to `limit` keys; a drain can make thousands dead and --json has them all."""
+    if not keys:
+        return "-"
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def format_status(doc: dict[str, Any], recent: int = 5) -> str:
+    """The /status document as a readable report."""
+    sup, hap, worker, reloads = doc["supervisor"], doc["haproxy"], doc["worker"], doc["reloads"]
+    out = [
+        f"supervisor  {sup['version']}  pid {sup['pid']}  up {format_age(sup['uptime_s'])}  "
+        f"{'ready' if sup['ready'] else 'NOT READY'}",
+        f"haproxy     {_text(hap['version'])}  master pid {_text(hap['master_pid'])}  "
+        f"{'up' if hap['up'] else 'MASTER DOWN'}  binary {hap['binary']}",
+        f"worker      pid {_text(worker['pid'])}  generation {_text(worker['generation'])}  "
+        f"started {_text(worker['started_at'])}  config {(worker['config_sha256'] or '-')[:12]}",
+        "",
+    ]
+    old = doc["old_workers"]
+    out.append(f"old workers ({len(old)})")
+    if old:
+        rows = [
+            [
+                str(w["pid"]), _text(w["generation"]), format_age(w["age_s"]), format_bytes(w["rss_bytes"]),
+                _text(w["connections"]), w["push"]["state"], _first(w["steered"]),
+            ]
+            for w in old
+        ]
+        out += _table(["PID", "GEN", "AGE", "RSS", "CONNS", "PUSH", "STEERED AWAY FROM"], rows)
+        out += [f"  push to {w['pid']} failed: {w['push']['error']}" for w in old if w["push"]["error"]]
+    else:
+        out.append("  none")
+    out.append("")
+    counts = "  ".join(f"{key} {reloads[key]}" for key in ("ok", "failed", "invalid", "skipped_unchanged",
+                                                            "runtime_applied"))
+    out.append(f"reloads     {counts}")
+    if reloads["recent"]:
+        rows = [
+            [r["at"], r["result"], format_duration_ms(r["duration_ms"]), (r["error"] or "").replace("\n", " ")[:80]]
+            for r in reloads["recent"][:recent]
+        ]
+        out += _table(["AT", "RESULT", "DURATION", "ERROR"], rows)
+    out.append("")
+    operator = set(doc.get("operator_dead", []))
+    dead = [f"{key} (operator)" if key in operator else key for key in doc["dead_servers"]]
+    out.append(f"dead servers ({len(dead)}): {_first(dead, 50) if dead else 'none'}")
+    return "\n".join(out) + "\n"
+
+
+def cmd_status(url: str | None, config: str | None, as_json: bool, timeout: float) -> int:
+    try:
+        if url is None and config is not None:
+            url = url_from_listen(load_settings(config).status.listen)
+        url = url or DEFAULT_URL
+        document = asyncio.run(fetch_status(url, timeout))
+    except SettingsError as exc:
+        print(f"haproxy-supervisor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except StatusFetchError as exc:
+        print(f"haproxy-supervisor: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_FAILED
+    if as_json:
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        try:
+            sys.stdout.write(format_status(document))
+        except (KeyError, TypeError, AttributeError) as exc:
+            print(f"haproxy-supervisor: {url}: unexpected /status document (missing {exc}); try --json",
+                  file=sys.stderr)
+            return EXIT_FAILED
+    return EXIT_OK

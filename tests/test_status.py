@@ -1,0 +1,355 @@
+"""Pure parts of status: the /status document, metrics from State, the page, the CLI's table."""
+
+from __future__ import annotations
+
+import re
+import stat
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor import __version__
+from supervisor.settings import Settings
+from supervisor.state import State
+from supervisor.status import (
+    StatusServerError,
+    bind_unix_socket,
+    format_age,
+    format_bytes,
+    load_token,
+    metrics_registry,
+    not_ready_reason,
+    render_page,
+    status_document,
+)
+from supervisor.statusclient import StatusFetchError, format_status, status_target, url_from_listen
+from tests.support.status_state import CURRENT_PID, HOSTILE_ERROR, MASTER_PID, OLD_PIDS, running_state
+
+NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+README = Path(__file__).resolve().parents[1] / "README.md"
+RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+def key_paths(value: Any, prefix: str = "") -> set[str]:
+    """Dotted leaf paths of a JSON document; a list of objects contributes `name[].leaf`."""
+    if isinstance(value, dict):
+        paths: set[str] = set()
+        for key, item in value.items():
+            paths |= key_paths(item, f"{prefix}.{key}" if prefix else key)
+        return paths
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return set().union(*(key_paths(item, f"{prefix}[]") for item in value))
+    return {prefix}
+
+
+def readme_schema_keys() -> set[str]:
+    text = README.read_text()
+    section = text.split("### The /status document", 1)[1].split("\n### ", 1)[0]
+    return set(re.findall(r"^\| `([a-z_.\[\]0-9]+)` \|", section, flags=re.M))
+
+
+def test_status_document_has_exactly_the_documented_keys():
+    documented = readme_schema_keys()
+    assert len(documented) > 30  # the table was found and read
+    assert key_paths(status_document(running_state(NOW), Settings(), NOW)) == documented
+
+
+def test_status_document_of_a_fresh_daemon_keeps_the_same_shape():
+    document = status_document(State(started_at=NOW), Settings(), NOW)
+    assert document["worker"] == {"pid": None, "generation": None, "config_sha256": None, "started_at": None}
+    assert document["old_workers"] == []
+    assert document["reloads"]["last"] is None and document["reloads"]["recent"] == []
+    assert set(document) == {
+        "supervisor", "haproxy", "worker", "old_workers", "reloads", "config", "observe", "dead_servers",
+        "operator_dead",
+    }
+    # Paths and binary fall back to the settings until the daemon has filled State in.
+    assert document["config"]["rendered_path"] == "/etc/haproxy/rendered/haproxy.cfg"
+    assert document["config"]["effective_path"] == "/run/haproxy-supervisor/haproxy.cfg"
+    assert document["haproxy"]["binary"] == "haproxy"
+    assert document["supervisor"]["ready"] is False and document["haproxy"]["up"] is False
+
+
+def test_status_document_values():
+    state = running_state(NOW)
+    doc = status_document(state, Settings(), NOW)
+    assert doc["supervisor"] == {"pid": state.supervisor_pid, "version": __version__, "uptime_s": 3723.0,
+                                 "ready": True}
+    assert doc["haproxy"] == {"version": "2.6.12-1+deb12u1", "master_pid": MASTER_PID,
+                              "binary": "/usr/sbin/haproxy", "up": True}
+    assert doc["worker"] == {
+        "pid": CURRENT_PID, "generation": 3, "config_sha256": state.generations[3].effective_sha256,
+        "started_at": "2025-01-02T03:03:45.000Z",
+    }
+    oldest, newer = doc["old_workers"]
+    assert [oldest["pid"], newer["pid"]] == list(OLD_PIDS)  # oldest first
+    assert oldest["age_s"] == 2400.0 and newer["age_s"] == 180.0
+    assert newer["steered"] == ["echo/echo_r1", "highscale/highscale_r2"]
+    assert newer["push"] == {"state": "failed", "at": "2025-01-02T03:04:03.000Z",
+                             "error": "master CLI /run/x/master.sock: timed out"}
+    assert oldest["push"]["error"] is None
+    reloads = doc["reloads"]
+    assert {k: reloads[k] for k in ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied")} == {
+        "ok": 3, "failed": 1, "invalid": 1, "skipped_unchanged": 1, "runtime_applied": 1,
+    }
+    assert reloads["last"] == {"at": "2025-01-02T03:03:45.000Z", "result": "ok", "duration_ms": 190.0, "error": None}
+    assert [r["result"] for r in reloads["recent"]] == [
+        "ok", "failed", "skipped_unchanged", "runtime_applied", "ok", "invalid", "ok",
+    ]
+    assert doc["dead_servers"] == ["app/app1", "echo/echo_r1", "highscale/highscale_r2"]
+    assert doc["operator_dead"] == ["highscale/highscale_r2"]
+    assert doc["observe"] == {"enabled": False, "error_limit": 3}  # from the settings, env gates applied
+
+
+def test_every_time_in_the_document_is_rfc3339_utc():
+    doc = status_document(running_state(NOW), Settings(), NOW)
+    times = [doc["worker"]["started_at"], doc["reloads"]["last"]["at"]]
+    times += [r["at"] for r in doc["reloads"]["recent"]] + [w["push"]["at"] for w in doc["old_workers"]]
+    assert len(times) == 11
+    for value in times:
+        assert RFC3339_UTC.match(value), value
+        assert datetime.fromisoformat(value).tzinfo == UTC
+
+
+def test_not_ready_reasons():
+    state = running_state(NOW)
+    assert not_ready_reason(state) is None
+    state.last_good_sha256 = "0" * 64
+    assert not_ready_reason(state) == "the current worker does not run the last good config"
+    state.generations[3].worker_pid = None
+    assert not_ready_reason(state) == "no current worker yet"
+    state.master_up = False
+    assert not_ready_reason(state) == "HAProxy master is not running"
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def scrape(state: State) -> dict[str, Any]:
+    text = generate_latest(metrics_registry(state, lambda: NOW)).decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample(families: dict[str, Any], name: str, labels: dict[str, str] | None = None) -> float:
+    family_name = re.sub(r"(_total|_bucket|_sum|_count)$", "", name)
+    for s in families[family_name].samples:
+        if s.name == name and s.labels == (labels or {}):
+            return s.value
+    raise AssertionError(f"no sample {name}{labels or ''}")
+
+
+def test_metrics_from_a_running_state():
+    families = scrape(running_state(NOW))
+    assert sample(families, "haproxy_supervisor_up") == 1
+    assert sample(families, "haproxy_supervisor_ready") == 1
+    for result, count in {"ok": 3, "failed": 1, "invalid": 1, "skipped_unchanged": 1, "runtime_applied": 1}.items():
+        assert sample(families, "haproxy_supervisor_reloads_total", {"result": result}) == count
+    assert sample(families, "haproxy_supervisor_runtime_applies_total") == 1
+    assert sample(families, "haproxy_supervisor_config_generation") == 3
+    assert sample(families, "haproxy_supervisor_old_workers") == 2
+    assert sample(families, "haproxy_supervisor_old_worker_oldest_age_seconds") == 2400
+    assert sample(families, "haproxy_supervisor_old_worker_connections") == 15
+    assert sample(families, "haproxy_supervisor_old_worker_rss_bytes") == 89 * 1024 * 1024
+    assert sample(families, "haproxy_supervisor_steered_servers") == 3
+    assert sample(families, "haproxy_supervisor_dead_servers") == 3
+    assert sample(families, "haproxy_supervisor_push_failures_total") == 2
+    assert sample(families, "haproxy_supervisor_master_restarts_total") == 1
+    assert families["haproxy_supervisor_push_duration_seconds"].type == "histogram"
+    assert families["haproxy_supervisor_reloads"].type == "counter"
+    assert families["haproxy_supervisor_old_workers"].type == "gauge"
+    # The daemon's own process metrics come along from the same private registry.
+    assert sample(families, "process_resident_memory_bytes") > 0
+
+
+def test_push_duration_histogram_is_cumulative():
+    families = scrape(running_state(NOW))  # observed 0.003, 0.02, 0.02, 0.2, 3.0
+    bucket = "haproxy_supervisor_push_duration_seconds_bucket"
+    assert sample(families, bucket, {"le": "0.005"}) == 1
+    assert sample(families, bucket, {"le": "0.025"}) == 3
+    assert sample(families, bucket, {"le": "0.25"}) == 4
+    assert sample(families, bucket, {"le": "2.5"}) == 4
+    assert sample(families, bucket, {"le": "5.0"}) == 5
+    assert sample(families, bucket, {"le": "+Inf"}) == 5
+    assert sample(families, "haproxy_supervisor_push_duration_seconds_count") == 5
+    assert sample(families, "haproxy_supervisor_push_duration_seconds_sum") == pytest.approx(3.243)
+
+
+def test_metrics_of_a_fresh_daemon():
+    families = scrape(State())
+    assert sample(families, "haproxy_supervisor_up") == 0
+    assert sample(families, "haproxy_supervisor_old_workers") == 0
+    assert sample(families, "haproxy_supervisor_old_worker_oldest_age_seconds") == 0
+    assert sample(families, "haproxy_supervisor_push_duration_seconds_bucket", {"le": "+Inf"}) == 0
+    # No generation yet: the family is described but has no sample (rather than a made-up 0).
+    assert families["haproxy_supervisor_config_generation"].samples == []
+
+
+def test_metrics_registries_are_private():
+    # Two daemons' states in one process (as in tests) must not share or clash.
+    first, second = running_state(NOW), State()
+    assert sample(scrape(first), "haproxy_supervisor_old_workers") == 2
+    assert sample(scrape(second), "haproxy_supervisor_old_workers") == 0
+
+
+# ---------------------------------------------------------------- the page
+
+
+def test_page_shows_workers_steering_and_reloads():
+    page = render_page(status_document(running_state(NOW), Settings(), NOW), NOW)
+    assert '<meta http-equiv="refresh" content="5">' in page
+    for pid in (CURRENT_PID, *OLD_PIDS):
+        assert f">{pid}<" in page
+    for key in ("app/app1", "echo/echo_r1", "highscale/highscale_r2"):
+        assert f">{key}<" in page
+    assert "40m 00s" in page and "3m 00s" in page
+    assert 'highscale/highscale_r2 <span class="tag">operator</span>' in page
+    assert page.count('<tr class="reload">') == 7
+
+
+def test_page_escapes_everything():
+    page = render_page(status_document(running_state(NOW), Settings(), NOW), NOW)
+    assert "<script" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "&#x27;" in page  # the quotes around it too
+    assert HOSTILE_ERROR not in page
+
+
+def test_page_has_no_external_assets():
+    page = render_page(status_document(running_state(NOW), Settings(), NOW), NOW)
+    assert not re.search(r"<(script|link|img|iframe)\b", page)
+    assert not re.search(r"(src|href)=\"(https?:)?//", page)
+
+
+def test_page_lists_the_first_dead_servers_of_a_big_drain():
+    state = running_state(NOW)
+    many = [f"be/srv{i:05d}" for i in range(5000)]
+    state.old_workers[OLD_PIDS[0]].steered = many
+    state.dead_servers = set(many)
+    page = render_page(status_document(state, Settings(), NOW), NOW)
+    assert page.count("be/srv") == 2 * 40
+    assert page.count("and 4960 more (see /status)") == 2
+    table = format_status(status_document(state, Settings(), NOW))
+    assert "be/srv00009 (+4990 more)" in table and "be/srv00049 (+4950 more)" in table
+
+
+def test_page_of_a_fresh_daemon():
+    page = render_page(status_document(State(started_at=NOW), Settings(), NOW), NOW)
+    assert "No old workers" in page and "No reloads yet" in page and "master down" in page
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (None, "?"), (-3.5, "0s"), (0, "0s"), (59.9, "59s"), (60, "1m 00s"), (3599, "59m 59s"), (3600, "1h 00m"),
+        (90061, "1d 01h"),
+    ],
+)
+def test_format_age(seconds, text):
+    assert format_age(seconds) == text
+
+
+def test_format_bytes():
+    assert [format_bytes(v) for v in (None, 512, 2048, 41 * 1024**2, 3 * 1024**3)] == [
+        "?", "512 B", "2.0 KiB", "41.0 MiB", "3.0 GiB",
+    ]
+
+
+# ---------------------------------------------------------------- the CLI's side
+
+
+def test_format_status_table():
+    text = format_status(status_document(running_state(NOW), Settings(), NOW))
+    lines = text.splitlines()
+    assert lines[0].startswith(f"supervisor  {__version__}  pid ") and lines[0].endswith("ready")
+    assert f"master pid {MASTER_PID}" in lines[1]
+    assert f"pid {CURRENT_PID}  generation 3" in lines[2]
+    header = next(i for i, line in enumerate(lines) if line.startswith("  PID "))
+    assert lines[header - 1] == "old workers (2)"
+    oldest, newer = lines[header + 1].split(), lines[header + 2]
+    assert oldest[:4] == [str(OLD_PIDS[0]), "1", "40m", "00s"]
+    assert newer.split()[7:] == ["failed", "echo/echo_r1,", "highscale/highscale_r2"]
+    assert f"  push to {OLD_PIDS[1]} failed: master CLI /run/x/master.sock: timed out" in lines
+    assert any(line.split()[1:3] == ["failed", "30.0"] for line in lines)
+    assert "reloads     ok 3  failed 1  invalid 1  skipped_unchanged 1  runtime_applied 1" in lines
+    assert lines[-1] == "dead servers (3): app/app1, echo/echo_r1, highscale/highscale_r2 (operator)"
+
+
+def test_format_status_of_a_fresh_daemon():
+    text = format_status(status_document(State(started_at=NOW), Settings(), NOW))
+    assert "NOT READY" in text and "MASTER DOWN" in text and "old workers (0)\n  none" in text
+
+
+@pytest.mark.parametrize(
+    ("listen", "url"),
+    [
+        ("127.0.0.1:9180", "http://127.0.0.1:9180"),
+        ("0.0.0.0:9181", "http://127.0.0.1:9181"),
+        ("[::]:9182", "http://[::1]:9182"),
+        ("[::1]:9183", "http://[::1]:9183"),
+        ("unix:/run/hs/status.sock", "unix:/run/hs/status.sock"),
+    ],
+)
+def test_url_from_listen(listen, url):
+    assert url_from_listen(listen) == url
+
+
+def test_status_target():
+    assert status_target("http://127.0.0.1:9180") == ("http://127.0.0.1:9180/status", None)
+    assert status_target("http://127.0.0.1:9180/") == ("http://127.0.0.1:9180/status", None)
+    assert status_target("http://h:1/status") == ("http://h:1/status", None)
+    assert status_target("unix:/run/x.sock") == ("http://localhost/status", "/run/x.sock")
+    assert status_target("unix:///run/x.sock") == ("http://localhost/status", "/run/x.sock")
+    for bad in ("unix:", "ftp://h/", "127.0.0.1:9180"):
+        with pytest.raises(StatusFetchError):
+            status_target(bad)
+
+
+# ---------------------------------------------------------------- token and socket
+
+
+def test_load_token(tmp_path, caplog):
+    assert load_token(None) == (None, "no status.token_file is configured: POST and DELETE are refused over TCP")
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    token_file.chmod(0o600)
+    assert load_token(token_file) == (b"s3cret", "")
+    token_file.write_text("  \n")
+    assert load_token(token_file)[0] is None
+    missing = tmp_path / "missing"
+    token, reason = load_token(missing)
+    assert token is None and str(missing) in reason
+    assert f"status.token_file {missing}: cannot read" in caplog.text
+    token_file.write_text("s3cret")
+    token_file.chmod(0o644)
+    assert load_token(token_file)[0] == b"s3cret"
+    assert "readable by every user" in caplog.text
+
+
+def test_unix_socket_mode_and_stale_file(rundir):
+    path = rundir / "status.sock"
+    sock = bind_unix_socket(path)
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        sock.listen()
+        with pytest.raises(StatusServerError, match="another process is listening"):
+            bind_unix_socket(path)
+    finally:
+        sock.close()
+    # Closed without unlinking, like a daemon that was killed: the stale file is replaced.
+    assert path.exists()
+    again = bind_unix_socket(path)
+    again.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o660
+
+
+def test_unix_socket_refuses_to_replace_a_regular_file(rundir):
+    path = rundir / "status.sock"
+    path.write_text("not a socket")
+    with pytest.raises(StatusServerError, match="not a socket"):
+        bind_unix_socket(path)
+    assert path.read_text() == "not a socket"
+
