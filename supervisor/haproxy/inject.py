@@ -7,9 +7,10 @@ the rendered one.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from ..settings import Settings
+from ..settings import Settings, SettingsError
 from .config import PROXY_KINDS, Config, Line, Section, Server, parse_line, quote_word
 
 
@@ -86,6 +87,148 @@ def inject_server_state(config: Config, path: Path) -> Config:
     return result
 
 
+# ---------------------------------------------------------------- displaced-worker guard
+
+GUARD_MARKER = "# haproxy-supervisor guard"
+# Map keys: `<backend>_n` holds how many targets a steered backend has (0: fail fast), and
+# `<backend>_<i>` for i < n holds the i-th target server. A backend name cannot end in
+# `_<digits>` or `_n` and also be another backend's key, because a key splits uniquely at
+# its last `_`: the suffix is `n` or digits and never contains `_`.
+COUNT_SUFFIX = "n"
+# Variables live in the txn scope; the prefix keeps them away from the rendered config's own.
+_VARS = ("txn.hsv_n", "txn.hsv_slot", "txn.hsv_srv")
+# The map path goes inside a converter argument, where `,`, `)`, blanks and quotes would break it.
+_SAFE_MAP_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
+
+
+def guard_rules(mode: str, map_path: str) -> list[str]:
+    """The request rules (without indentation) that let a map steer one backend.
+
+    With the map empty the backend routes as its config says. With `<be>_n` = N > 0, each
+    request picks a random slot below N and the `use-server` rule sends it to the server the
+    slot maps to, ahead of the backend's own `use-server` rules and its balancing; with
+    N = 0 the request is answered with a 503 (HTTP) or its connection closed (TCP) at once.
+    The target variable is unset first: a `listen` section that switches to another guarded
+    backend would otherwise carry its target over.
+    """
+    if not _SAFE_MAP_PATH.match(map_path):
+        raise SettingsError(
+            f"steer map path {map_path!r}: only letters, digits and _ . / - can go into a map() argument"
+        )
+    rule = "http-request" if mode == "http" else "tcp-request content"
+    refuse = "return status 503" if mode == "http" else "reject"
+    n, slot, srv = _VARS
+    steered = f"{{ var({n}) -m int gt 0 }}"
+    return [
+        f"{rule} unset-var({srv})",
+        f"{rule} set-var({n}) be_name,concat(_{COUNT_SUFFIX}),map({map_path},-1)",
+        f"{rule} {refuse} if {{ var({n}) -m int 0 }}",
+        f"{rule} set-var({slot}) rand,mod({n}) if {steered}",
+        f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({map_path}) if {steered}",
+    ]
+
+
+def guard_use_server() -> str:
+    return f"use-server %[var({_VARS[2]})] if {{ var({_VARS[2]}) -m found }}"
+
+
+def guard_block(mode: str, map_path: str) -> list[str]:
+    """The whole block as it reads when nothing else sits between its rules and its `use-server`."""
+    return [GUARD_MARKER, *guard_rules(mode, map_path), guard_use_server()]
+
+
+# The order HAProxy evaluates a proxy's request rules in. It warns about a rule written
+# after one of a later rank ("will still be processed before"), so the guard's lines go
+# where they are both first of their rank and free of that warning.
+_RULE_RANK = {"tcp-request": 0, "http-request": 1, "redirect": 2, "use_backend": 3, "use-server": 4}
+
+
+def _rank(line: Line) -> int | None:
+    if line.keyword == "tcp-request":
+        return 0 if len(line.words) > 1 and line.words[1] == "content" else None
+    return _RULE_RANK.get(line.keyword)
+
+
+def inject_guard(config: Config, map_path: str | Path) -> Config:
+    """Put the guard's rules first among the request rules of every backend and listen that
+    has primary servers, and its `use-server` first among the `use-server` rules."""
+    result = config.copy()
+    modes = proxy_modes(result)
+    for section, servers in result.servers_by_backend():
+        if all(s.backup for s in servers) or is_guarded(section):
+            continue
+        mode = modes[id(section)]
+        indent = next((line.indent for line in section.body if line.words), "") or "    "
+        newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
+        if section.header is not None and not section.header.raw.endswith("\n"):
+            # A header on the file's last line, without a newline: give it one before the block.
+            section.header = parse_line(section.header.raw + newline)
+
+        def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
+            return [parse_line(f"{indent}{text}{newline}") for text in texts]
+
+        body = section.body
+        own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
+        ranks = [_rank(line) for line in body]
+        ranked = [i for i, r in enumerate(ranks) if r is not None]
+        at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
+        first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
+        rules = lines([GUARD_MARKER, *guard_rules(mode, str(map_path))])
+        if first_use_server is None:
+            later = [i for i in ranked if i >= at]
+            use_at = (later[-1] + 1) if later else at
+        else:
+            use_at = first_use_server
+        at, use_at = _above_comments(body, at), _above_comments(body, use_at)
+        use_server = lines([guard_use_server()])
+        if use_at != at:
+            use_server = lines([GUARD_MARKER]) + use_server
+        # Insert the later position first so that the earlier index stays valid.
+        body[use_at:use_at] = use_server
+        body[at:at] = rules
+    return result
+
+
+def proxy_modes(config: Config) -> dict[int, str]:
+    """id(section) -> Config.mode_of(section) for every section, in one pass: mode_of looks
+    the defaults up from the top each time, quadratic over thousands of backends."""
+    modes: dict[int, str] = {}
+    last: str | None = None  # mode set by the last defaults section
+    named: dict[str, str | None] = {}
+    for section in config.sections:
+        own = next(
+            (line.words[1] for line in reversed(section.body) if line.keyword == "mode" and len(line.words) > 1), None
+        )
+        wanted = section.from_defaults
+        inherited = named.get(wanted) if wanted is not None else last
+        modes[id(section)] = own or inherited or "tcp"
+        if section.kind == "defaults":
+            last = own
+            if section.name:
+                named[section.name] = own
+    return modes
+
+
+def _above_comments(body: list[Line], index: int) -> int:
+    """Move an insertion point above the comment lines that introduce the line it precedes."""
+    while index > 0 and not body[index - 1].words and body[index - 1].raw.strip().startswith("#"):
+        index -= 1
+    return index
+
+
+def is_guarded(section: Section) -> bool:
+    return any(_is_marker(line) for line in section.body)
+
+
+def _is_marker(line: Line) -> bool:
+    return line.raw.strip() == GUARD_MARKER
+
+
+def guarded_backends(config: Config) -> frozenset[str]:
+    """Names of the backends whose guard block a steer map can drive."""
+    return frozenset(s.name for s in config.backends() if is_guarded(s))
+
+
 def effective_config(rendered: Config, settings: Settings) -> Config:
     """The rendered config after every injection that the settings switch on."""
     config = rendered
@@ -93,4 +236,6 @@ def effective_config(rendered: Config, settings: Settings) -> Config:
         config = inject_observe(config, settings.observe.error_limit)
     if settings.reload.preserve_server_state:
         config = inject_server_state(config, settings.haproxy.server_state_file)
+    if settings.old_workers.guard:
+        config = inject_guard(config, settings.haproxy.steer_map)
     return config

@@ -198,6 +198,9 @@ class HAProxyMaster:
             except (ConnectionRefusedError, FileNotFoundError):
                 pass
             except ConnectionResetError:
+                # A reload is answered by the reset of the re-executing master.
+                if line.strip() == "reload":
+                    return ""
                 if not read_only:
                     raise
             if time.monotonic() > deadline:
@@ -246,6 +249,9 @@ class KeepAliveClient:
         self.port = port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        # Set when a response said `connection: close` (an old worker winding its connections
+        # down over close-spread-time): the answer was good, but no request may follow it.
+        self.closing = False
 
     async def connect(self) -> KeepAliveClient:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -265,6 +271,8 @@ class KeepAliveClient:
                 key, _, value = line.partition(b":")
                 if key.strip().lower() == b"content-length":
                     length = int(value)
+                if key.strip().lower() == b"connection" and value.strip().lower() == b"close":
+                    self.closing = True
             body = await asyncio.wait_for(self.reader.readexactly(length), timeout) if length else b""
             return status, body.decode().strip(), time.monotonic() - started
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):

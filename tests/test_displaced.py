@@ -1,0 +1,413 @@
+"""Pure decisions about displaced workers: known-dead servers, steer-map entries, map diffs, parsers."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from supervisor.displaced import (
+    FAIL_FAST,
+    ConfigDigest,
+    Phase,
+    dead_in,
+    diff_map,
+    known_dead_servers,
+    line_limit,
+    live_view,
+    map_commands,
+    map_entries,
+    parse_live_states,
+    phase_lines,
+    split_show_info,
+    steer_entries,
+    steer_map_entries,
+    steered_servers,
+    stuck_sessions,
+    summarize_states,
+    worker_generations,
+)
+from supervisor.haproxy.api import Proc, ProcList, ServerState
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.inject import inject_guard
+from supervisor.state import Generation
+
+MAP = "/run/hs/steer.map"
+
+OLD = """\
+defaults
+    mode http
+backend echo
+    server echo_r1 10.0.0.1:8001 check
+    server fallback 10.0.9.9:8000 check backup
+backend highscale
+    server hs_r1 10.0.0.1:8002 check
+    server hs_r2 10.0.0.1:8003 check
+    server fallback 10.0.9.9:8000 check backup
+backend wide
+    server wide_r1 10.0.0.1:8004 check
+    server wide_r2 10.0.0.2:8004 check
+    server wide_r3 10.0.0.3:8004 check
+    server fallback 10.0.9.9:8000 check backup
+backend nobackup
+    server nb_r1 10.0.0.1:8005 check
+    server nb_r2 10.0.0.2:8005 check
+backend parked
+    server p1 10.0.0.1:8006 disabled
+    server p2 10.0.0.2:8006
+"""
+
+# node 10.0.0.1 drained: its replicas moved to 10.0.0.4
+NEW = """\
+defaults
+    mode http
+backend echo
+    server echo_r9 10.0.0.4:8001 check
+    server fallback 10.0.9.9:8000 check backup
+backend highscale
+    server hs_r8 10.0.0.4:8002 check
+    server hs_r9 10.0.0.4:8003 check
+    server fallback 10.0.9.9:8000 check backup
+backend wide
+    server wide_r9 10.0.0.4:8004 check
+    server wide_r2 10.0.0.2:8004 check
+    server wide_r3 10.0.0.3:8004 check
+    server fallback 10.0.9.9:8000 check backup
+backend nobackup
+    server nb_r9 10.0.0.4:8005 check
+    server nb_r2 10.0.0.2:8005 check
+backend parked
+    server p2 10.0.0.2:8006
+"""
+
+
+def model(text: str) -> Config:
+    return inject_guard(Config.parse(text), MAP)
+
+
+def state(key: str, address: str, op: int = 2, admin: int = 0, weight: int = 1) -> ServerState:
+    backend, _, name = key.partition("/")
+    host, _, port = address.partition(":")
+    return ServerState(backend, name, host, int(port), op, admin, weight)
+
+
+def live_of(text: str, down: set[str] = frozenset(), maint: set[str] = frozenset()) -> list[ServerState]:
+    return [
+        state(s.key, s.endpoint, op=0 if s.key in down else 2, admin=1 if s.key in maint else 0)
+        for s in Config.parse(text).servers()
+    ]
+
+
+# ---------------------------------------------------------------- known-dead rules
+
+
+def test_a_servers_dropped_or_moved_by_the_latest_config_are_dead():
+    dead = known_dead_servers(model(OLD), model(NEW), live_of(NEW), set())
+    assert dead == {"echo/echo_r1", "highscale/hs_r1", "highscale/hs_r2", "wide/wide_r1", "nobackup/nb_r1"}
+    # p1 is disabled in the old worker's own config: never routed to, never counted
+
+
+def test_a_same_name_at_another_port_is_dead_and_a_new_name_at_the_same_address_is_not():
+    old = model("backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n")
+    new = model("backend b\n  server s1 10.0.0.1:81\n  server other 10.0.0.2:80\n")
+    assert known_dead_servers(old, new, [], set()) == {"b/s1"}
+
+
+def test_a_backend_the_latest_config_dropped_has_only_dead_servers():
+    old = model("backend gone\n  server s1 10.0.0.1:80\n  server bk 10.0.0.9:80 backup\n")
+    assert known_dead_servers(old, model("backend other\n  server x 10.0.0.1:80\n"), [], set()) == {
+        "gone/s1",
+        "gone/bk",
+    }
+
+
+def test_b_down_or_maint_in_the_current_worker_matched_by_backend_and_address():
+    live = live_of(NEW, down={"wide/wide_r2"}, maint={"nobackup/nb_r2"})
+    dead = known_dead_servers(model(NEW), model(NEW), live, set())
+    assert dead == {"wide/wide_r2", "nobackup/nb_r2"}
+    # same address in another backend says nothing about this one
+    other = [state("elsewhere/x", "10.0.0.3:8004", op=0), *live_of(NEW)]
+    assert known_dead_servers(model(NEW), model(NEW), other, set()) == frozenset()
+
+
+def test_b_matches_an_old_generation_by_address_whatever_the_name():
+    live = [*live_of(NEW), state("wide/renamed", "10.0.0.3:8004", op=0)]
+    live = [s for s in live if s.key != "wide/wide_r3"]
+    assert "wide/wide_r3" in known_dead_servers(model(OLD), model(NEW), live, set())
+
+
+def test_b_one_live_server_at_the_address_keeps_it_alive():
+    live = [*live_of(NEW), state("wide/dup", "10.0.0.2:8004", op=0)]
+    assert "wide/wide_r2" not in known_dead_servers(model(NEW), model(NEW), live, set())
+
+
+def test_b_a_server_up_again_stops_being_dead():
+    down = known_dead_servers(model(NEW), model(NEW), live_of(NEW, down={"wide/wide_r2"}), set())
+    up = known_dead_servers(model(NEW), model(NEW), live_of(NEW), set())
+    assert "wide/wide_r2" in down and "wide/wide_r2" not in up
+
+
+def test_a_a_server_readded_at_the_same_address_stops_being_dead():
+    readded = NEW.replace("server wide_r9 10.0.0.4:8004 check", "server wide_r7 10.0.0.1:8004 check")
+    assert "wide/wide_r1" not in known_dead_servers(model(OLD), model(readded), live_of(readded), set())
+
+
+def test_c_operator_marks_by_name_and_through_the_latest_config_by_address():
+    assert known_dead_servers(model(NEW), model(NEW), live_of(NEW), {"wide/wide_r3"}) == {"wide/wide_r3"}
+    # an old generation calls the same process by another name
+    old = model("backend wide\n  server old_name 10.0.0.3:8004\n")
+    assert known_dead_servers(old, model(NEW), live_of(NEW), {"wide/wide_r3"}) == {"wide/old_name"}
+
+
+def test_host_names_take_the_verdict_of_the_same_named_live_server():
+    cfg = model("backend b\n  server s1 node-a.internal:80\n  server s2 node-b.internal:80\n")
+    live = [state("b/s1", "10.1.1.1:80", op=0), state("b/s2", "10.1.1.2:80")]
+    assert known_dead_servers(cfg, cfg, live, set()) == {"b/s1"}
+
+
+# ---------------------------------------------------------------- steer entries
+
+
+def test_entries_spread_over_live_primaries_or_go_to_the_backup():
+    old = model(OLD)
+    dead = known_dead_servers(old, model(NEW), live_of(NEW), set())
+    entries = steer_map_entries(old, dead, "fail-fast")
+    assert entries == {
+        "echo_0": "fallback",
+        "echo_n": "1",
+        "highscale_0": "fallback",
+        "highscale_n": "1",
+        "wide_0": "wide_r2",
+        "wide_1": "wide_r3",
+        "wide_n": "2",
+        "nobackup_0": "nb_r2",
+        "nobackup_n": "1",
+    }
+    assert steered_servers(dead, entries) == sorted(dead)
+
+
+def test_no_primary_and_no_backup_fails_fast_or_is_left_alone():
+    cfg = model("backend b\n  server s1 10.0.0.1:80\n")
+    assert steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast") == {"b_n": FAIL_FAST}
+    assert steer_map_entries(cfg, frozenset({"b/s1"}), "keep") == {}
+
+
+def test_a_dead_backup_is_no_target():
+    cfg = model("backend b\n  server s1 10.0.0.1:80\n  server bk 10.0.0.9:80 backup\n")
+    assert steer_map_entries(cfg, frozenset({"b/s1", "b/bk"}), "fail-fast") == {"b_n": FAIL_FAST}
+
+
+def test_first_backup_unless_allbackups():
+    text = "backend b\n  server s1 10.0.0.1:80\n  server bk1 10.0.0.8:80 backup\n  server bk2 10.0.0.9:80 backup\n"
+    dead = frozenset({"b/s1"})
+    assert steer_map_entries(model(text), dead, "fail-fast") == {"b_0": "bk1", "b_n": "1"}
+    both = text.replace("backend b\n", "backend b\n  option allbackups\n")
+    assert steer_map_entries(model(both), dead, "fail-fast") == {"b_0": "bk1", "b_1": "bk2", "b_n": "2"}
+
+
+def test_nothing_for_backends_without_dead_primaries_or_without_the_guard():
+    cfg = model(OLD)
+    assert steer_map_entries(cfg, frozenset({"echo/fallback"}), "fail-fast") == {}
+    unguarded = Config.parse(OLD)
+    assert steer_map_entries(unguarded, frozenset({"echo/echo_r1"}), "fail-fast") == {}
+
+
+def test_servers_the_worker_itself_skips_are_no_targets_and_need_no_steering():
+    cfg = model(OLD)
+    dead = frozenset({"wide/wide_r1"})
+    # wide_r2 is DOWN in the old worker itself: a use-server to it would be skipped
+    assert steer_map_entries(cfg, dead, "fail-fast", unusable=frozenset({"wide/wide_r2"})) == {
+        "wide_0": "wide_r3",
+        "wide_n": "1",
+    }
+    # the dead server is already DOWN there: its own balancing avoids it
+    assert steer_map_entries(cfg, dead, "fail-fast", unusable=frozenset({"wide/wide_r1"})) == {}
+
+
+def test_weight_zero_servers_are_no_targets():
+    cfg = model("backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80 weight 0\n  server s3 10.0.0.3:80\n")
+    assert steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast") == {"b_0": "s3", "b_n": "1"}
+
+
+def test_tracking_servers_are_steered_like_any_primary():
+    cfg = model(
+        "backend b\n  server s1 10.0.0.1:80 check\n  server s2 10.0.0.2:80 check\n"
+        "backend via\n  server s1 10.0.0.1:80 track b/s1\n  server s2 10.0.0.2:80 track b/s2\n"
+    )
+    assert steer_map_entries(cfg, frozenset({"b/s1", "via/s1"}), "fail-fast") == {
+        "b_0": "s2",
+        "b_n": "1",
+        "via_0": "s2",
+        "via_n": "1",
+    }
+
+
+# ---------------------------------------------------------------- map diff
+
+
+def apply(current: dict[str, str], phases: list[Phase], rng: random.Random) -> dict[str, str]:
+    """Apply phases op by op, each phase's ops in a random order, checking that a count key
+    never promises a slot that is not there."""
+    result = dict(current)
+    for phase in phases:
+        ops = [("add", k, v) for k, v in phase.adds] + [("set", k, v) for k, v in phase.sets]
+        ops += [("del", k, None) for k in phase.dels]
+        rng.shuffle(ops)
+        for op, key, value in ops:
+            if op == "add":
+                assert key not in result
+                result[key] = value
+            elif op == "set":
+                assert key in result
+                result[key] = value
+            else:
+                assert key in result
+                del result[key]
+            for k, v in result.items():
+                if k.endswith("_n") and v.isdigit():
+                    backend = k[: -len("_n")]
+                    assert all(f"{backend}_{i}" in result for i in range(int(v))), (op, key, result)
+    return result
+
+
+def entries_for(rng: random.Random) -> dict[str, str]:
+    entries: dict[str, str] = {}
+    for backend in rng.sample(["a", "b", "c", "d_1", "e"], rng.randint(0, 5)):
+        n = rng.randint(0, 4)
+        for i in range(n):
+            entries[f"{backend}_{i}"] = rng.choice(["s1", "s2", "s3", "bk"])
+        entries[f"{backend}_n"] = str(n)
+    return entries
+
+
+def test_diff_reaches_the_desired_map_and_never_exposes_a_half_state():
+    rng = random.Random(4)
+    for _ in range(500):
+        current, desired = entries_for(rng), entries_for(rng)
+        assert apply(current, diff_map(current, desired), rng) == desired
+        assert diff_map(desired, desired) == []
+
+
+def test_diff_phases_order():
+    phases = diff_map({"a_0": "s1", "a_1": "s2", "a_n": "2", "gone_0": "x", "gone_n": "1"}, {"a_0": "s3", "a_n": "1"})
+    assert phases == [
+        Phase(sets=(("a_0", "s3"),)),
+        Phase(sets=(("a_n", "1"),), dels=("gone_n",)),
+        Phase(dels=("a_1", "gone_0")),
+    ]
+
+
+def test_map_commands_are_prefixed_and_idempotent():
+    commands = map_commands(42, MAP, {"a_0": "s1", "a_n": "1", "x": "y"}, {"a_0": "s2", "a_n": "1", "b_n": "0"})
+    assert commands == [
+        f"@!42 set map {MAP} a_0 s2",
+        f"@!42 add map {MAP} b_n 0",
+        f"@!42 del map {MAP} x",
+    ]
+    assert map_commands(42, MAP, {"a_n": "0"}, {"a_n": "0"}) == []
+
+
+@pytest.mark.parametrize("bad", [{"a b_0": "s"}, {"a_0": "s1;@!1 reload"}, {"a_0": "s\nx"}, {"a_0": ""}])
+def test_names_are_validated(bad):
+    with pytest.raises(ValueError, match="invalid"):
+        map_commands(1, MAP, {}, bad)
+
+
+def test_phase_lines_use_payloads_within_the_limit():
+    adds = tuple((f"backend{i:05d}_{j}", f"server{j}") for i in range(300) for j in range(3))
+    sets = tuple((f"x{i}_n", "2") for i in range(400))
+    lines = phase_lines(7, MAP, Phase(adds=adds, sets=sets), limit=4000)
+    assert all(len(line.encode()) <= 4000 for line in lines)
+    payloads = [line for line in lines if "<<" in line]
+    singles = [line for line in lines if "<<" not in line]
+    assert all(line.startswith(f"@!7 add map {MAP} <<\n") and line.endswith("\n") for line in payloads)
+    got = [tuple(entry.split(" ")) for line in payloads for entry in line.split("\n")[1:] if entry]
+    assert got == list(adds)
+    commands = [c for line in singles for c in line.split(";")]
+    assert commands == [f"@!7 set map {MAP} x{i}_n 2" for i in range(400)]
+
+
+def test_map_entries_from_show_map():
+    answer = "0x55d1 a_0 s1\n0x55d2 a_n 1\n0x55d3 b_0 s1\n0x55d4 b_0 s2\n0x55d5 c_0 s1\n0x55d6 c_0 s1\n\n"
+    assert map_entries(answer) == {"a_0": "s1", "a_n": "1", "b_0": "", "c_0": "s1"}
+    assert map_entries("\n") == {}
+
+
+def test_line_limit_follows_tune_bufsize():
+    assert line_limit(Config.parse("global\n  tune.bufsize 8192\n")) == 8192 - 384
+    assert line_limit(Config.parse("global\n  maxconn 10\n")) == 16000
+    assert line_limit(Config.parse("global\n  tune.bufsize 65536\n")) == 16000
+
+
+# ---------------------------------------------------------------- processes and parsers
+
+
+def test_worker_generations_from_show_proc_and_state():
+    procs = ProcList(
+        Proc(1, "master", 0, "1s", "2.6"), 0, (Proc(30, "worker", 0, "1s", "2.6"),),
+        (Proc(20, "worker", 1, "9s", "2.6"), Proc(10, "worker", 2, "20s", "2.6")),
+    )
+    now = datetime.now(UTC)
+    generations = {n: Generation(n, Config.parse(""), "e", "r", now, pid) for n, pid in ((2, 20), (3, 30))}
+    assert worker_generations(procs, generations) == {30: 3, 20: 2, 10: None}
+
+
+def test_split_show_info_of_several_workers():
+    text = "Name: HAProxy\nVersion: 2.6.12\nPid: 11\nCurrConns: 3\n\nName: HAProxy\nPid: 12\nCurrConns: 0\n"
+    info = split_show_info(text)
+    assert info[11]["CurrConns"] == "3" and info[12]["CurrConns"] == "0"
+
+
+# Captured from HAProxy 2.6.12 (`@!<old pid> show sess`): a stream connecting to a vanished
+# server (scb state 5 = CON), one queued in a backend (2 = QUE, no server yet), one established
+# (8 = EST), and the CLI's own stream.
+SHOW_SESS = (Path(__file__).parent / "captured" / "show_sess_2.6.12.txt").read_text()
+
+
+def test_stuck_sessions_are_those_still_reaching_a_dead_server():
+    assert stuck_sessions(SHOW_SESS, frozenset({"app/r1", "q/s1"})) == ["0x561656a409b0"]
+    assert stuck_sessions(SHOW_SESS, frozenset({"app/r3"})) == []
+
+
+# ---------------------------------------------------------------- live states
+
+# Captured from HAProxy 2.6.12 just after a worker started: `up` passed its first check
+# (check result 3), `dead` (a closed port) has not been checked yet (result 0, check state
+# 6 = configured|enabled) and `nocheck` has no check (state 0) at the same address.
+SERVERS_STATE = (Path(__file__).parent / "captured" / "servers_state_2.6.12.txt").read_text()
+
+
+def test_parse_live_states_treats_unchecked_servers_as_no_evidence():
+    live = parse_live_states(SERVERS_STATE.replace("2 app 3 nocheck", "#"))
+    assert live.up == {("app", "127.0.0.1:35137")}
+    assert live.pending == {("app", "127.0.0.1:43157")} and live.down == frozenset()
+    assert live.alive_by_key == {"app/up": True, "app/dead": None}
+    # a server without check at the same address is evidence that it is alive
+    assert ("app", "127.0.0.1:43157") in parse_live_states(SERVERS_STATE).up
+
+
+def test_parse_live_states_down_and_maint():
+    down = SERVERS_STATE.replace("2 app 1 up 127.0.0.1 2 0", "2 app 1 up 127.0.0.1 0 0")
+    assert parse_live_states(down).down == {("app", "127.0.0.1:35137")}
+    maint = SERVERS_STATE.replace("2 app 1 up 127.0.0.1 2 0", "2 app 1 up 127.0.0.1 2 1")
+    assert parse_live_states(maint).alive_by_key["app/up"] is False
+
+
+def test_a_dead_endpoint_stays_dead_until_the_new_worker_has_checked_it():
+    text = "backend app\n  server up 127.0.0.1:35137 check\n  server dead 127.0.0.1:43157 check\n"
+    cfg = ConfigDigest.of(model(text))
+    fresh = parse_live_states(SERVERS_STATE.replace("2 app 3 nocheck", "#"))
+    was_down = frozenset({("app", "127.0.0.1:43157")})
+    assert dead_in(cfg, live_view(cfg, fresh, (), was_down)) == {"app/dead"}
+    assert dead_in(cfg, live_view(cfg, fresh, ())) == frozenset()  # never seen down: no evidence
+
+
+def test_digest_based_decisions_match_the_plain_ones():
+    old, new = model(OLD), model(NEW)
+    live = live_of(NEW, down={"wide/wide_r2"})
+    view = live_view(ConfigDigest.of(new), summarize_states(live), {"echo/fallback"})
+    assert dead_in(ConfigDigest.of(old), view) == known_dead_servers(old, new, live, {"echo/fallback"})
+    dead = dead_in(ConfigDigest.of(old), view)
+    assert steer_entries(ConfigDigest.of(old), dead, "fail-fast") == steer_map_entries(old, dead, "fail-fast")

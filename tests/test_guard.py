@@ -1,0 +1,149 @@
+"""The displaced-worker guard injection: where its lines go, and `haproxy -c` on every corpus config."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.inject import (
+    GUARD_MARKER,
+    effective_config,
+    guard_block,
+    guarded_backends,
+    inject_guard,
+    proxy_modes,
+)
+from supervisor.settings import (
+    HAProxySettings,
+    ObserveSettings,
+    OldWorkerSettings,
+    ReloadSettings,
+    Settings,
+    SettingsError,
+)
+from tests.conftest import CORPUS, corpus_files
+
+MAP = "/run/hs/steer.map"
+
+
+def guarded(text: str) -> str:
+    return inject_guard(Config.parse(text), MAP).render()
+
+
+def body_of(text: str, backend: str) -> list[str]:
+    section = Config.parse(text).backend(backend)
+    assert section is not None
+    return [line.raw.rstrip("\n") for line in section.body]
+
+
+def test_block_shape_http_and_tcp():
+    http = guard_block("http", MAP)
+    assert http[0] == GUARD_MARKER
+    assert http[-1] == "use-server %[var(txn.hsv_srv)] if { var(txn.hsv_srv) -m found }"
+    assert all(line.startswith("http-request ") for line in http[1:-1])
+    assert f"http-request set-var(txn.hsv_n) be_name,concat(_n),map({MAP},-1)" in http
+    assert "http-request return status 503 if { var(txn.hsv_n) -m int 0 }" in http
+    tcp = guard_block("tcp", MAP)
+    assert all(line.startswith("tcp-request content ") for line in tcp[1:-1])
+    assert "tcp-request content reject if { var(txn.hsv_n) -m int 0 }" in tcp
+
+
+def test_guard_goes_first_in_plain_backend():
+    out = guarded("defaults\n  mode http\nbackend b\n  balance roundrobin\n  server s1 127.0.0.1:1\n")
+    body = body_of(out, "b")
+    assert body[:7] == ["  " + line for line in guard_block("http", MAP)]
+    assert body[7:] == ["  balance roundrobin", "  server s1 127.0.0.1:1"]
+
+
+def test_guard_precedes_own_rules_and_own_use_server():
+    text = (CORPUS / "rayserve.cfg").read_text()
+    body = [line.strip() for line in body_of(guarded(text), "highscale_via_router")]
+    own_set_var = body.index("http-request set-var(txn.k) rand(16)")
+    own_use_server = body.index("use-server highscale_r1 if { var(txn.key) -m str highscale_via_router_0 }")
+    ours = body.index(guard_block("http", MAP)[-1])
+    assert body.index(GUARD_MARKER) < body.index(guard_block("http", MAP)[1]) < own_set_var
+    # our use-server comes after every request rule (no HAProxy warning) and before the backend's own
+    assert own_set_var < ours < own_use_server
+
+
+def test_tcp_backend_gets_tcp_rules_and_comments_stay_with_their_line():
+    text = (CORPUS / "handwritten_tcp.cfg").read_text()
+    body = [line.strip() for line in body_of(guarded(text), "be_tcp")]
+    assert "tcp-request content reject if { var(txn.hsv_n) -m int 0 }" in body
+    assert not any(line.startswith("http-request") for line in body)
+    comment = body.index("# pin a connection to a server by a variable (TCP needs tcp-request content)")
+    assert body[comment + 1] == "tcp-request content set-var(txn.k) rand(4)"
+
+
+def test_which_backends_are_guarded():
+    text = (CORPUS / "rayserve.cfg").read_text()
+    model = inject_guard(Config.parse(text), MAP)
+    names = guarded_backends(model)
+    # backends with primaries, tracking ones included; none for the server-less default backend
+    assert {"echo", "echo_via_router", "highscale", "highscale_via_router", "wide", "grpc_echo"} <= names
+    assert "default_backend" not in names
+    assert "grpc_fallback_backend" in names  # its only server is a primary
+    # injecting twice changes nothing
+    assert inject_guard(model, MAP).render() == model.render()
+
+
+def test_backup_only_backend_is_not_guarded():
+    out = guarded("backend b\n  server s 127.0.0.1:1 backup\n")
+    assert GUARD_MARKER not in out
+
+
+def test_rest_of_config_is_untouched():
+    text = (CORPUS / "rayserve.cfg").read_text()
+    out = guarded(text)
+    block = set(guard_block("http", MAP))
+    kept = [line for line in out.splitlines() if line.strip() not in block]
+    assert kept == text.splitlines()
+
+
+def test_unsafe_map_path_is_refused_with_one_line():
+    with pytest.raises(SettingsError, match="steer map path"):
+        inject_guard(Config.parse("backend b\n  server s 127.0.0.1:1\n"), "/run/my dir,x/steer.map")
+
+
+def test_effective_config_applies_guard_only_when_on():
+    text = (CORPUS / "rayserve.cfg").read_text()
+    # Server-state lines are another injection; switched off here to see the guard alone.
+    no_state = ReloadSettings(preserve_server_state=False)
+    on = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/hs")), reload=no_state)
+    off = Settings(old_workers=OldWorkerSettings(guard=False), reload=no_state)
+    assert effective_config(Config.parse(text), off).render() == text
+    assert effective_config(Config.parse(text), on).render() == guarded(text)
+
+
+def _settings(runtime: Path, observe: bool) -> Settings:
+    return Settings(
+        haproxy=HAProxySettings(runtime_dir=runtime),
+        observe=ObserveSettings(enabled=observe),
+        old_workers=OldWorkerSettings(guard=True),
+    )
+
+
+@pytest.mark.parametrize("observe", [False, True], ids=["guard", "guard+observe"])
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_guarded_corpus_passes_haproxy_check_without_warnings(haproxy, tmp_path, path, observe):
+    from supervisor.effective import prepare_runtime_dir
+
+    settings = _settings(tmp_path / "run", observe)
+    prepare_runtime_dir(settings)
+    out = tmp_path / path.name
+    out.write_text(effective_config(Config.parse(path.read_text()), settings).render())
+    assert GUARD_MARKER in out.read_text()
+    result = subprocess.run([haproxy, "-c", "-f", str(out)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_proxy_modes_in_one_pass_agree_with_mode_of(path):
+    config = Config.parse(path.read_text())
+    modes = proxy_modes(config)
+    proxies = [s for s in config.sections if s.kind in ("backend", "listen", "frontend")]
+    assert proxies and all(modes[id(s)] == config.mode_of(s) for s in proxies)
