@@ -37,7 +37,11 @@ class Component(Protocol):
 
 
 class DisplacedComponent(ReloadHooks, Component, Protocol):
-    """The displaced-worker component (displaced.py, built separately)."""
+    """The displaced-worker component (displaced.py)."""
+
+    def mark_dead(self, key: str) -> None: ...
+
+    def unmark_dead(self, key: str) -> None: ...
 
 
 class DaemonActions:
@@ -57,10 +61,11 @@ class DaemonActions:
         return displaced
 
     async def mark_dead(self, backend: str, server: str) -> None:
-        await self._displaced().mark_dead(f"{backend}/{server}")
+        # Recorded at once; the displaced-worker loop wakes and pushes within milliseconds.
+        self._displaced().mark_dead(f"{backend}/{server}")
 
     async def unmark_dead(self, backend: str, server: str) -> None:
-        await self._displaced().unmark_dead(f"{backend}/{server}")
+        self._displaced().unmark_dead(f"{backend}/{server}")
 
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in the config an old worker still runs."""
@@ -230,9 +235,10 @@ async def haproxy_version(binary: str) -> str | None:
 
 def default_extensions() -> Extensions:
     """Every component the project ships, as `haproxy-supervisor run` uses them."""
+    from .displaced import DisplacedWorkers
     from .status import StatusServer
 
-    return Extensions(status=StatusServer)
+    return Extensions(displaced=DisplacedWorkers, status=StatusServer)
 
 
 def run_daemon(settings: Settings, extensions: Extensions | None = None) -> int:

@@ -14,12 +14,15 @@ worker wait out the connect timeouts on the vanished servers and fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
+from tests.support.daemon import DaemonSupervised, daemons
 from tests.support.harness import KeepAliveClient, VanishedNode, backends, free_port
 from tests.support.supervised import Supervised, supervised
 
@@ -112,8 +115,22 @@ async def _send(generation: int, app: str, client: KeepAliveClient, rounds: int)
     return answers
 
 
+@contextlib.asynccontextmanager
+async def the_daemon(settings: Settings, rendered_text: str) -> AsyncIterator[DaemonSupervised]:
+    """`haproxy-supervisor run` as a subprocess, with the settings that matter here."""
+    with daemons(settings.haproxy.runtime_dir) as make:
+        daemon = make(rendered_text, {
+            "old_workers": {"guard": settings.old_workers.guard, "poll_interval_ms": 100},
+            "reload": {"runtime_apply": True},
+        })
+        daemon.start()
+        await daemon.wait_generation(1)
+        yield DaemonSupervised(daemon)
+
+
 async def drain_under_old_workers(
-    rundir: Path, guard: bool, generations: int, check, clients_per_app: int = 3, rounds: int = 3
+    rundir: Path, guard: bool, generations: int, check, clients_per_app: int = 3, rounds: int = 3,
+    supervise=supervised,
 ) -> None:
     """Run the incident with `generations` old workers alive at once; hand the outcome to `check`."""
     front = free_port()
@@ -126,7 +143,7 @@ async def drain_under_old_workers(
         held: dict[tuple[int, str], list[KeepAliveClient]] = {}
         keepers: list[KeepAliveClient] = []
         vanished: list[VanishedNode] = []
-        async with supervised(settings, rendered(front, ports, intermediate(1))) as sup:
+        async with supervise(settings, rendered(front, ports, intermediate(1))) as sup:
             try:
                 old_pids = []
                 for generation in range(1, generations + 1):
@@ -164,6 +181,7 @@ async def drain_under_old_workers(
                     status, body, seconds = await fresh_client.get(f"/{app}")
                     fresh.append(Answer(0, app, status, body, seconds))
                 await fresh_client.close()
+                await sup.refresh_state()
                 check(Outcome(answers, fresh, old_pids, sup))
             finally:
                 for client in [*keepers, *(c for cs in held.values() for c in cs)]:
@@ -227,3 +245,15 @@ async def test_incident_control_without_guard_requests_hang_on_the_drained_node(
 
 async def test_incident_with_five_generations_of_old_workers(rundir):
     await drain_under_old_workers(rundir, guard=True, generations=5, check=_check_protected, clients_per_app=2)
+
+
+async def test_incident_through_the_daemon(rundir):
+    """The same incident with `haproxy-supervisor run` doing everything: watching the rendered
+    config, reloading, steering; the checks read its /status and /metrics."""
+    await drain_under_old_workers(rundir, guard=True, generations=2, check=_check_protected, supervise=the_daemon)
+
+
+async def test_incident_control_through_the_daemon_without_guard(rundir):
+    await drain_under_old_workers(
+        rundir, guard=False, generations=1, check=_check_unprotected, rounds=1, supervise=the_daemon
+    )

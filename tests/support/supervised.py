@@ -104,6 +104,10 @@ class Supervised:
         await self.displaced.after_reload(True)
         return new_pid
 
+    async def refresh_state(self) -> State:
+        """The state checks read (the daemon-backed twin fetches it over HTTP)."""
+        return self.state
+
     async def until(self, predicate, timeout: float = 10.0, what: str = "condition"):
         """Poll `predicate` (sync or async) without blocking the event loop."""
         deadline = time.monotonic() + timeout
