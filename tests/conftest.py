@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.daemon import daemons
 from tests.support.harness import haproxy_binary, short_tmpdir
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -22,6 +23,13 @@ def rundir() -> Iterator[Path]:
     path = short_tmpdir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make(rundir: Path):
+    """make(rendered, settings) -> a daemon (not started) in its own directory; all stopped after."""
+    with daemons(rundir) as factory:
+        yield factory
 
 
 def corpus_files() -> list[Path]:

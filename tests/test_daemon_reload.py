@@ -11,20 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import RENDERED, RequestLoop, daemons, http_get
+from tests.support.daemon import RequestLoop, http_get
+from tests.support.daemon import tagged_config as config
 from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
-
-
-@pytest.fixture
-def make(rundir: Path):
-    with daemons(rundir) as factory:
-        yield factory
-
-
-def config(front: int, backend: str, tag: str) -> str:
-    return RENDERED.format(front=front, backend=backend, tag=tag)
 
 
 def sha(path: Path) -> str:

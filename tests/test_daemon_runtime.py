@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
 from supervisor.haproxy.api import parse_servers_state
-from tests.support.daemon import daemons
 from tests.support.harness import free_port
 from tests.test_runtime_e2e import HEAD, Load, LogReceiver, pods, rolling_body, rolling_deployment, steady_load
 from tests.test_runtime_e2e import initial_assignment as first_assignment
@@ -20,12 +18,6 @@ from tests.test_runtime_e2e import initial_assignment as first_assignment
 pytestmark = pytest.mark.haproxy
 
 STEPS = 50  # each step parks one template line (2 slots) and fills another: 200 slot changes
-
-
-@pytest.fixture
-def make(rundir: Path):
-    with daemons(rundir) as factory:
-        yield factory
 
 
 async def test_daemon_rolls_slots_at_runtime_without_503_or_reload(make, rundir):

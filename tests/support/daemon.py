@@ -45,6 +45,11 @@ backend app
 """
 
 
+def tagged_config(front: int, backend: str, tag: str) -> str:
+    """RENDERED with a frontend port, one backend server and the tag it stamps on responses."""
+    return RENDERED.format(front=front, backend=backend, tag=tag)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Rename into place, the way editors and controllers write."""
     tmp = path.with_name(f".{path.name}.tmp")
