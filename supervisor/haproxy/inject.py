@@ -79,9 +79,13 @@ def inject_server_state(config: Config, path: Path) -> Config:
         for line in section.body
     )
     if not already_loads:
+        # One pass: a backend inherits from some defaults once any defaults section preceded it
+        # (or it names one with `from`); only those that do not need the line of their own.
+        seen_defaults = False
         for section in result.sections:
+            seen_defaults = seen_defaults or section.kind == "defaults"
             if section.kind == "defaults" or (
-                section.kind in ("backend", "listen") and result.defaults_for(section) is None
+                section.kind in ("backend", "listen") and not seen_defaults and section.from_defaults is None
             ):
                 _append_line(section, "load-server-state-from-file global")
     return result
