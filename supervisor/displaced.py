@@ -700,7 +700,7 @@ class _Worker:
     # Per backend, the servers it sees DOWN or MAINT itself; a backend missing: ask it.
     unusable: dict[str, frozenset[str]] = field(default_factory=dict)
     unusable_version: int = 0
-    pushes: int = 0  # counts pushes: a read-back is only trusted if none happened meanwhile
+    pushes: int = 0  # moves at the start and the end of a push: a read-back overlapping one is not trusted
     verify: bool = True  # its map should be read back (after a push, or for a reconcile)
     verified_at: float = 0.0  # monotonic
     failures: int = 0
@@ -1177,9 +1177,11 @@ class DisplacedWorkers:
                 known.update(phase.sets)
                 for key in phase.dels:
                     known.pop(key, None)
-        # Every command answered cleanly: steered. The poll loop reads it back to verify.
+        # Every command answered cleanly: steered. The poll loop reads it back to verify. The
+        # count moves again, so that a read-back that overlapped this push is not trusted.
         steered_at[worker.pid] = time.monotonic()
         worker.known, worker.dirty, worker.verify = known, set(), True
+        worker.pushes += 1
 
     async def _replace(self, worker: _Worker, desired: dict[str, str], limit: int) -> None:
         """Swap the whole map at once: a new version filled by payloads, then committed."""
