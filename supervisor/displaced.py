@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import re
@@ -31,7 +32,6 @@ from typing import Literal
 
 import psutil
 
-from .effective import sha256_text
 from .haproxy.api import (
     ADMIN_MAINT_MASK,
     DEFAULT_LINE_LIMIT,
@@ -45,8 +45,8 @@ from .haproxy.api import (
     parse_show_map,
     validate_name,
 )
-from .haproxy.config import Config, Server
-from .haproxy.inject import COUNT_SUFFIX, guarded_backends
+from .haproxy.config import Config, Section, Server
+from .haproxy.inject import COUNT_SUFFIX, is_guarded
 from .settings import Settings
 from .state import Generation, OldWorker, PushState, State, utcnow
 
@@ -70,53 +70,127 @@ def _is_ip(address: str) -> bool:
     return True
 
 
-At = tuple[str, str]  # (backend, endpoint)
+# Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank),
+# because strings cache their hash and sets of 10,000 of them are compared on every drain.
+At = str
+
+
+def at(backend: str, address: str) -> At:
+    return f"{backend} {address}"
+
+
+@dataclass(frozen=True, eq=False)
+class SectionDigest:
+    """One backend or listen section's servers, as the decisions need them."""
+
+    name: str
+    servers: tuple[Server, ...]
+    by_name: dict[str, Server]
+    at_keys: dict[At, tuple[str, ...]]  # servers that are not disabled, per (backend, endpoint)
+    present: frozenset[At]  # the same, as a set: where this section routes to
+    named_hosts: tuple[Server, ...]  # servers given by host name, whose live address differs
+    guarded: bool
+    all_backups: bool  # `option allbackups`
+
+    @classmethod
+    def of(cls, servers: list[Server], section: Section) -> SectionDigest:
+        at_keys: dict[At, list[str]] = {}
+        for s in servers:
+            if not s.disabled:
+                at_keys.setdefault(at(s.backend, s.endpoint), []).append(s.key)
+        return cls(
+            name=section.name,
+            servers=tuple(servers),
+            by_name={s.name: s for s in servers},
+            at_keys={where: tuple(keys) for where, keys in at_keys.items()},
+            present=frozenset(at_keys),
+            named_hosts=tuple(s for s in servers if s.port is not None and not _is_ip(s.address)),
+            guarded=is_guarded(section),
+            all_backups=_has_option(section.body, "allbackups"),
+        )
+
+
+class SectionCache:
+    """Section digests by the section's text (and its defaults'): consecutive rendered configs
+    differ in a few backends, so a 10,000-server config is digested in milliseconds, and
+    generations share their unchanged sections (memory, and identity for quick comparisons)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str], SectionDigest] = {}
+
+    def sections_of(self, model: Config) -> dict[str, SectionDigest]:
+        result: dict[str, SectionDigest] = {}
+        for section, defaults in backends_with_defaults(model):
+            key = (defaults.render() if defaults is not None else "", section.render())
+            digest = self.entries.get(key)
+            if digest is None:
+                # A two-section config resolves `default-server` lines exactly as the whole one.
+                servers = Config([defaults, section] if defaults is not None else [section]).servers()
+                digest = self.entries[key] = SectionDigest.of(servers, section)
+            result[section.name] = digest
+        return result
+
+    def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
+        used = {id(sd) for d in digests for sd in d.sections.values()}
+        self.entries = {k: v for k, v in self.entries.items() if id(v) in used}
+
+
+def backends_with_defaults(model: Config) -> list[tuple[Section, Section | None]]:
+    """Each backend/listen with the defaults section it inherits from, in one pass."""
+    result: list[tuple[Section, Section | None]] = []
+    last: Section | None = None
+    named: dict[str, Section] = {}
+    for section in model.sections:
+        if section.kind == "defaults":
+            last = section
+            if section.name:
+                named[section.name] = section
+        elif section.kind in ("backend", "listen"):
+            wanted = section.from_defaults
+            result.append((section, named.get(wanted) if wanted is not None else last))
+    return result
 
 
 @dataclass(frozen=True, eq=False)
 class ConfigDigest:
     """What the displaced-worker decisions need from one config, worked out once.
 
-    Listing 10,000 servers takes tens of milliseconds; every old worker of a generation and
-    every poll reuses this instead. Servers are matched by backend and address (endpoint):
-    a replica that moves gets a new address, and one re-added at the same address is the
-    same process again, whatever the names.
+    Servers are matched by backend and address (endpoint): a replica that moves gets a new
+    address, and one re-added at the same address is the same process again, whatever the
+    names.
     """
 
     model: Config
-    servers: tuple[Server, ...]
-    by_backend: dict[str, tuple[Server, ...]]
-    by_key: dict[str, Server]
-    at_keys: dict[At, tuple[str, ...]]  # servers that are not disabled, per (backend, endpoint)
-    present: frozenset[At]  # the same, as a set: where this config routes to
-    named_hosts: tuple[Server, ...]  # servers given by host name, whose live address differs
+    sections: dict[str, SectionDigest]
+    section_set: frozenset[SectionDigest]  # the same, for set differences between configs
+    present: frozenset[At]  # where this config routes to
+    named_hosts: tuple[Server, ...]
     guarded: frozenset[str]
     all_backups: frozenset[str]  # backends with `option allbackups`
     limit: int  # longest CLI line its processes accept
 
     @classmethod
-    def of(cls, model: Config) -> ConfigDigest:
-        servers = tuple(model.servers())
-        by_backend: dict[str, list[Server]] = {}
-        at_keys: dict[At, list[str]] = {}
-        for s in servers:
-            by_backend.setdefault(s.backend, []).append(s)
-            if not s.disabled:
-                at_keys.setdefault((s.backend, s.endpoint), []).append(s.key)
+    def of(cls, model: Config, cache: SectionCache | None = None) -> ConfigDigest:
+        sections = (cache or SectionCache()).sections_of(model)
         return cls(
             model=model,
-            servers=servers,
-            by_backend={b: tuple(members) for b, members in by_backend.items()},
-            by_key={s.key: s for s in servers},
-            at_keys={at: tuple(keys) for at, keys in at_keys.items()},
-            present=frozenset(at_keys),
-            named_hosts=tuple(s for s in servers if s.port is not None and not _is_ip(s.address)),
-            guarded=guarded_backends(model),
-            all_backups=frozenset(
-                section.name for section in model.backends() if _has_option(section.body, "allbackups")
-            ),
+            sections=sections,
+            section_set=frozenset(sections.values()),
+            present=frozenset().union(*(sd.present for sd in sections.values())),
+            named_hosts=tuple(s for sd in sections.values() for s in sd.named_hosts),
+            guarded=frozenset(name for name, sd in sections.items() if sd.guarded),
+            all_backups=frozenset(name for name, sd in sections.items() if sd.all_backups),
             limit=line_limit(model),
         )
+
+    def server(self, key: str) -> Server | None:
+        backend, _, name = key.partition("/")
+        section = self.sections.get(backend)
+        return section.by_name.get(name) if section is not None else None
+
+    def servers_of(self, backend: str) -> tuple[Server, ...]:
+        section = self.sections.get(backend)
+        return section.servers if section is not None else ()
 
 
 # Check state flags (CHK_ST_CONFIGURED | CHK_ST_ENABLED) and the "no result yet" check result.
@@ -132,10 +206,12 @@ class LiveStates:
     reports every server UP until its first check) is evidence of nothing.
     """
 
-    down: frozenset[At]  # some server there is DOWN or MAINT ...
-    up: frozenset[At]  # ... and some server there is alive (alive wins)
+    down: frozenset[At]  # servers there are DOWN or MAINT, none is alive
+    up: frozenset[At]  # unused by the decisions; kept by summarize_states for readers
     pending: frozenset[At]  # only servers whose check has not run yet
-    alive_by_key: dict[str, bool | None]  # for servers configured by host name
+    # Verdicts by "backend/server": every server that is not plainly alive, and those
+    # configured by host name (their live address differs from the configured one).
+    alive_by_key: dict[str, bool | None]
 
 
 def summarize_states(states: Iterable[ServerState]) -> LiveStates:
@@ -144,53 +220,83 @@ def summarize_states(states: Iterable[ServerState]) -> LiveStates:
     up: set[At] = set()
     by_key: dict[str, bool | None] = {}
     for st in states:
-        at = (st.backend, endpoint(st.address, st.port))
-        (up if st.alive else down).add(at)
+        where = at(st.backend, endpoint(st.address, st.port))
+        (up if st.alive else down).add(where)
         by_key[st.key] = st.alive
     return LiveStates(frozenset(down - up), frozenset(up), frozenset(), by_key)
 
 
+_LIVE_COLUMNS = (
+    "be_name",
+    "srv_name",
+    "srv_addr",
+    "srv_port",
+    "srv_op_state",
+    "srv_admin_state",
+    "srv_check_state",
+    "srv_check_result",
+)
+
+
+def _states_pattern(header: str) -> tuple[re.Pattern[str], list[str]]:
+    """A regex matching one state line of this header's columns, capturing the ones we use."""
+    columns = header[2:].split()
+    parts = [r"(\S+)" if c in _LIVE_COLUMNS else r"\S+" for c in columns]
+    return re.compile(r"^" + r"[ \t]+".join(parts) + r"[ \t]*$", re.M), [c for c in columns if c in _LIVE_COLUMNS]
+
+
+# check-state values (as written) whose CONFIGURED and ENABLED bits are both set
+_RUNNING_CHECK_STATES = frozenset(str(v) for v in range(256) if v & _CHECK_RUNNING == _CHECK_RUNNING)
+
+
 def parse_live_states(text: str) -> LiveStates:
-    """`show servers state` straight to LiveStates: a 10,000-server answer on every poll
-    must not cost what building a ServerState per line costs."""
-    down: set[At] = set()
-    up: set[At] = set()
-    pending: set[At] = set()
+    """`show servers state` straight to LiveStates. A 10,000-server answer comes on every
+    poll: one regex pass (in C) over the whole text, then a loop that does next to nothing
+    for the usual line (alive, checked or unchecked)."""
+    down: set[tuple[str, str, str]] = set()
+    up: set[tuple[str, str, str]] = set()
+    pending: set[tuple[str, str, str]] = set()
     by_key: dict[str, bool | None] = {}
-    idx: dict[str, int] = {}
-    width = 0
-    for line in text.splitlines():
-        if line.startswith("# be_id"):
-            columns = line[2:].split()
-            idx = {name: i for i, name in enumerate(columns)}
-            width = len(columns)
-            continue
-        if not idx or not line or line[0] == "#":
-            continue
-        v = line.split()
-        if len(v) < width:
-            continue
-        backend, name, port = v[idx["be_name"]], v[idx["srv_name"]], v[idx["srv_port"]]
-        at = (backend, f"{v[idx['srv_addr']]}:{port}" if port.isdigit() else v[idx["srv_addr"]])
-        alive = v[idx["srv_op_state"]] != "0" and not int(v[idx["srv_admin_state"]]) & ADMIN_MAINT_MASK
-        verdict: bool | None = alive
-        if alive and "srv_check_state" in idx:
-            check_running = int(v[idx["srv_check_state"]]) & _CHECK_RUNNING == _CHECK_RUNNING
-            if check_running and v[idx["srv_check_result"]] == _CHECK_UNKNOWN:
+    start = text.find("# be_id")
+    while start != -1:
+        end = text.find("\n", start)
+        header = text[start : end if end != -1 else len(text)]
+        pattern, captured = _states_pattern(header)
+        following = text.find("# be_id", start + 1)
+        block = text[end + 1 : following if following != -1 else len(text)] if end != -1 else ""
+        col = {name: i for i, name in enumerate(captured)}
+        i_be, i_name, i_addr = col["be_name"], col["srv_name"], col["srv_addr"]
+        i_port, i_op, i_admin = col.get("srv_port"), col["srv_op_state"], col["srv_admin_state"]
+        i_cstate, i_cres, i_fqdn = col.get("srv_check_state"), col.get("srv_check_result"), col.get("srv_fqdn")
+        for v in pattern.findall(block):
+            where = (v[i_be], v[i_addr], v[i_port] if i_port is not None else "")
+            admin = v[i_admin]
+            verdict: bool | None
+            if v[i_op] == "0" or (admin != "0" and int(admin) & ADMIN_MAINT_MASK):
+                verdict = False
+                down.add(where)
+            elif i_cstate is not None and v[i_cres] == _CHECK_UNKNOWN and v[i_cstate] in _RUNNING_CHECK_STATES:
                 verdict = None
-        if verdict is None:
-            pending.add(at)
-        else:
-            (up if verdict else down).add(at)
-        by_key[f"{backend}/{name}"] = verdict
-    return LiveStates(frozenset(down - up), frozenset(up), frozenset(pending - up - down), by_key)
+                pending.add(where)
+            else:
+                up.add(where)
+                if i_fqdn is None or v[i_fqdn] == "-":
+                    continue  # the usual case: nothing more to note
+                verdict = True
+            by_key[f"{v[i_be]}/{v[i_name]}"] = verdict
+        start = following
+
+    def ats(raw: set[tuple[str, str, str]]) -> frozenset[At]:
+        return frozenset(f"{b} {a}:{p}" if p.isdigit() else f"{b} {a}" for b, a, p in raw)
+
+    return LiveStates(ats(down - up), frozenset(), ats(pending - up - down), by_key)
 
 
 @dataclass(frozen=True)
 class LiveView:
     """What the latest config, the current worker and the operator say, per (backend, endpoint)."""
 
-    present: frozenset[At]  # where the latest config routes to
+    latest: ConfigDigest  # where the latest config routes to
     down: frozenset[At]  # where the current worker has servers and none is alive
     operator: frozenset[str]  # "backend/server" marked dead by an operator
     operator_at: frozenset[At]  # where those servers live in the latest config
@@ -208,25 +314,39 @@ def live_view(
         # for host names: during a make-before-break the live states come from the worker
         # that runs the older config, where the same name may sit at another address.
         verdict = live.alive_by_key.get(s.key)
-        at = (s.backend, s.endpoint)
-        if verdict is False or (verdict is None and at in previous_down):
-            down.add(at)
+        where = at(s.backend, s.endpoint)
+        if verdict is False or (verdict is None and where in previous_down):
+            down.add(where)
     for s in latest.named_hosts:
         if live.alive_by_key.get(s.key):
-            down.discard((s.backend, s.endpoint))
-    operator_at = frozenset((s.backend, s.endpoint) for k in operator if (s := latest.by_key.get(k)) is not None)
-    return LiveView(latest.present, frozenset(down), operator, operator_at)
+            down.discard(at(s.backend, s.endpoint))
+    operator_at = frozenset(at(s.backend, s.endpoint) for k in operator if (s := latest.server(k)) is not None)
+    return LiveView(latest, frozenset(down), operator, operator_at)
 
 
 def dead_in(digest: ConfigDigest, view: LiveView) -> frozenset[str]:
     """The servers of one generation that are known to be dead, as "backend/server".
 
     A server its own config disables is never routed to by that worker, so it is left out.
+    Sections identical to the latest config's route to the same endpoints: only the others
+    are compared endpoint by endpoint, which keeps this fast for dozens of generations.
     """
-    ats = digest.present
-    bad = (ats - view.present) | (ats & view.down) | (ats & view.operator_at)
-    dead = {key for at in bad for key in digest.at_keys[at]}
-    dead.update(k for k in view.operator if k in digest.by_key and not digest.by_key[k].disabled)
+    latest = view.latest.sections
+    dead: set[str] = set()
+    for section in digest.section_set - view.latest.section_set:
+        other = latest.get(section.name)
+        present = other.present if other is not None else frozenset()
+        for where, keys in section.at_keys.items():
+            if where not in present:
+                dead.update(keys)
+    for where in view.down | view.operator_at:
+        section = digest.sections.get(where.partition(" ")[0])
+        if section is not None:
+            dead.update(section.at_keys.get(where, ()))
+    for key in view.operator:
+        server = digest.server(key)
+        if server is not None and not server.disabled:
+            dead.add(key)
     return frozenset(dead)
 
 
@@ -261,23 +381,38 @@ def steer_entries(
     rule would skip, so they are no use as targets and need no steering away from.
     """
     entries: dict[str, str] = {}
-    for backend in sorted({key.partition("/")[0] for key in dead} & digest.guarded):
-        members = digest.by_backend.get(backend, ())
-        routable = [s for s in members if not s.disabled and s.key not in unusable and s.weight != 0]
-        primaries = [s for s in routable if not s.backup]
-        if not any(s.key in dead for s in primaries):
-            continue
-        targets = [s.name for s in primaries if s.key not in dead]
-        if not targets:
-            backups = [s.name for s in routable if s.backup and s.key not in dead]
-            targets = backups if backend in digest.all_backups else backups[:1]
-        if not targets:
-            if no_backup == "fail-fast":
-                entries[count_key(backend)] = FAIL_FAST
-            continue
-        for i, name in enumerate(targets):
-            entries[slot_key(backend, i)] = name
-        entries[count_key(backend)] = str(len(targets))
+    for backend, keys in sorted(by_backend_of(dead).items()):
+        entries.update(backend_entries(digest, backend, keys, no_backup, unusable))
+    return entries
+
+
+def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
+    """"backend/server" keys grouped by backend."""
+    groups: dict[str, set[str]] = {}
+    for key in keys:
+        groups.setdefault(key.partition("/")[0], set()).add(key)
+    return {backend: frozenset(members) for backend, members in groups.items()}
+
+
+def backend_entries(
+    digest: ConfigDigest, backend: str, dead: frozenset[str], no_backup: NoBackup, unusable: frozenset[str]
+) -> dict[str, str]:
+    """steer_entries() for one backend; `dead` and `unusable` may hold other backends' keys too."""
+    if backend not in digest.guarded:
+        return {}
+    members = digest.servers_of(backend)
+    routable = [s for s in members if not s.disabled and s.key not in unusable and s.weight != 0]
+    primaries = [s for s in routable if not s.backup]
+    if not any(s.key in dead for s in primaries):
+        return {}
+    targets = [s.name for s in primaries if s.key not in dead]
+    if not targets:
+        backups = [s.name for s in routable if s.backup and s.key not in dead]
+        targets = backups if backend in digest.all_backups else backups[:1]
+    if not targets:
+        return {count_key(backend): FAIL_FAST} if no_backup == "fail-fast" else {}
+    entries = {slot_key(backend, i): name for i, name in enumerate(targets)}
+    entries[count_key(backend)] = str(len(targets))
     return entries
 
 
@@ -325,15 +460,27 @@ class Phase:
         return bool(self.adds or self.sets or self.dels)
 
 
-def diff_map(current: Mapping[str, str], desired: Mapping[str, str]) -> list[Phase]:
+# Names repeat across workers and pushes: validate each once.
+_valid = functools.lru_cache(maxsize=1 << 16)(validate_name)
+
+
+def diff_map(
+    current: Mapping[str, str], desired: Mapping[str, str], keys: Iterable[str] | None = None
+) -> list[Phase]:
     """Ordered phases that turn `current` into `desired` without exposing a half state.
 
     A count key promises that its slots exist, so slots are written first, counts second,
     and slots no longer counted are removed last. Keys are validated for the CLI.
+    `keys`: only these keys can differ (the backends that changed since the last push); a
+    map of 10,000 entries need not be walked for a change to ten of them.
     """
+    if keys is not None:
+        wanted = set(keys)
+        current = {k: current[k] for k in wanted if k in current}
+        desired = {k: desired[k] for k in wanted if k in desired}
     for key, value in desired.items():
-        validate_name("map key", key)
-        validate_name("server", value)
+        _valid("map key", key)
+        _valid("server", value)
 
     def split(keys: Iterable[str]) -> tuple[list[str], list[str]]:
         keys = sorted(keys)
@@ -349,12 +496,34 @@ def diff_map(current: Mapping[str, str], desired: Mapping[str, str]) -> list[Pha
 
     slot_adds, slot_sets = changes(slots_wanted)
     count_adds, count_sets = changes(counts_wanted)
+    # A backend steered for the first time needs only adds: its slots then its count, in one
+    # payload, which HAProxy applies in order. That saves the push a round trip, as long as
+    # the group is small enough never to be split over two lines (see phase_lines).
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for key, value in slot_adds:
+        groups.setdefault(backend_of_key(key), []).append((key, value))
+    late_counts: list[tuple[str, str]] = []
+    for key, value in count_adds:
+        group = groups.setdefault(backend_of_key(key), [])
+        if sum(len(k) + len(v) + 2 for k, v in group) + len(key) + len(value) + 2 <= GROUP_BYTES:
+            group.append((key, value))
+        else:
+            late_counts.append((key, value))
     phases = [
-        Phase(adds=slot_adds, sets=slot_sets),
-        Phase(adds=count_adds, sets=count_sets, dels=tuple(validate_name("map key", k) for k in counts_had)),
-        Phase(dels=tuple(validate_name("map key", k) for k in slots_had)),
+        Phase(adds=tuple(entry for group in groups.values() for entry in group), sets=slot_sets),
+        Phase(adds=tuple(late_counts), sets=count_sets, dels=tuple(_valid("map key", k) for k in counts_had)),
+        Phase(dels=tuple(_valid("map key", k) for k in slots_had)),
     ]
     return [p for p in phases if p]
+
+
+# A backend's entries up to this many payload bytes travel together in one line.
+GROUP_BYTES = 4000
+
+
+def backend_of_key(key: str) -> str:
+    """The backend a map key belongs to: keys split uniquely at their last `_`."""
+    return key.rpartition("_")[0]
 
 
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
@@ -385,12 +554,15 @@ def map_commands(pid: int, map_path: str, current: Mapping[str, str], desired: M
     return [cmd for phase in diff_map(current, desired) for cmd in phase_commands(pid, map_path, phase)]
 
 
-def phase_lines(pid: int, map_path: str, phase: Phase, limit: int = DEFAULT_LINE_LIMIT) -> list[str]:
+def phase_lines(
+    pid: int, map_path: str, phase: Phase, limit: int = DEFAULT_LINE_LIMIT, version: int | None = None
+) -> list[str]:
     """Lines for the master CLI: sets and deletes joined with `;`, adds as `add map` payloads.
 
     A payload (`add map <file> <<` then one `key value` per line) costs a few bytes per
     entry where a command costs ~60, and HAProxy parses it in one go: it is what makes
     pushing thousands of entries to dozens of workers fast. Each line fits in `limit`.
+    `version`: add to that version of the map (from `prepare map`), to be committed.
     """
     path = _map_path(map_path)
     individual = [
@@ -398,16 +570,26 @@ def phase_lines(pid: int, map_path: str, phase: Phase, limit: int = DEFAULT_LINE
         *(on_process(pid, f"del map {path} {k}") for k in phase.dels),
     ]
     lines = batch_lines(individual, limit) if individual else []
-    head = on_process(pid, f"add map {path} <<\n")
+    at_version = f"@{int(version)} " if version is not None else ""
+    head = on_process(pid, f"add map {at_version}{path} <<\n")
     chunk: list[str] = []
     size = len(head)
+    # Entries of one backend stay in one line when they fit in one: a new backend's count
+    # follows its slots in the same payload, and lines run in parallel.
+    groups: dict[str, list[str]] = {}
     for key, value in phase.adds:
-        entry = f"{key} {value}\n"
-        if chunk and size + len(entry) > limit:
+        groups.setdefault(backend_of_key(key), []).append(f"{key} {value}\n")
+    for group in groups.values():
+        group_size = sum(len(e) for e in group)
+        if chunk and size + group_size > limit and len(head) + group_size <= limit:
             lines.append(head + "".join(chunk))
             chunk, size = [], len(head)
-        chunk.append(entry)
-        size += len(entry)
+        for entry in group:
+            if chunk and size + len(entry) > limit:
+                lines.append(head + "".join(chunk))
+                chunk, size = [], len(head)
+            chunk.append(entry)
+            size += len(entry)
     if chunk:
         # The line ends with the payload; the client's final newline is the empty line that ends it.
         lines.append(head + "".join(chunk))
@@ -502,11 +684,25 @@ class _Worker:
     pid: int
     generation: int | None
     current: bool = False  # the current worker: its map stays empty unless it is about to become old
-    known: dict[str, str] | None = None  # its map as last read back or pushed; None: read it first
+    # Its map as we know it: read back, or pushed with clean answers. None: read it first.
+    known: dict[str, str] | None = None
+    # What it needs; None: leave its map alone (its config is unknown or has no guard).
+    desired: dict[str, str] | None = None
+    # The keys that may differ between known and desired; None: any. Empty: in sync.
+    dirty: set[str] | None = None
+    dead: frozenset[str] = frozenset()
+    dead_groups: dict[str, frozenset[str]] = field(default_factory=dict)
+    # Per backend with dead servers: (dead, unusable, entries) the entries were computed from.
+    parts: dict[str, tuple[frozenset[str], frozenset[str], dict[str, str]]] = field(default_factory=dict)
+    parts_digest: ConfigDigest | None = None  # the digest `parts` were computed with
+    # (dead set, unusable_version, digest) the parts were computed from; objects, compared by identity
+    parts_from: tuple[frozenset[str], int, ConfigDigest] | None = None
     # Per backend, the servers it sees DOWN or MAINT itself; a backend missing: ask it.
     unusable: dict[str, frozenset[str]] = field(default_factory=dict)
-    dead: frozenset[str] = frozenset()
-    desired: dict[str, str] | None = None  # None: leave its map alone (its config is unknown)
+    unusable_version: int = 0
+    pushes: int = 0  # moves at the start and the end of a push: a read-back overlapping one is not trusted
+    verify: bool = True  # its map should be read back (after a push, or for a reconcile)
+    verified_at: float = 0.0  # monotonic
     failures: int = 0
     retry_at: float = 0.0  # monotonic
     swept: frozenset[str] = frozenset()  # dead set for which stuck sessions were last ended
@@ -521,11 +717,19 @@ class _Live:
 
 
 class DisplacedWorkers:
-    """Keeps every old worker steered away from the servers known to be dead."""
+    """Keeps every old worker steered away from the servers known to be dead.
+
+    Steering is in the critical path of a reload (make-before-break) and of a node's
+    death, so it does the least work it can there: entries are recomputed per backend
+    whose dead set changed, only changed keys are pushed, and a push counts once HAProxy
+    answered every command cleanly. Reading maps back (after a push, and to repair drift)
+    happens in the poll loop, a few workers per poll, outside the lock that reloads take.
+    """
 
     STATS_INTERVAL_S = 1.0
     RECONCILE_INTERVAL_S = 5.0
     MAX_BACKOFF_S = 5.0
+    WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
 
     def __init__(
         self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
@@ -539,8 +743,11 @@ class DisplacedWorkers:
         self.poll_s = settings.old_workers.poll_interval_ms / 1000
         self._workers: dict[int, _Worker] = {}
         self._digests: dict[int, ConfigDigest] = {}  # id(Config) -> its digest
-        self._digests_by_text: dict[str, ConfigDigest] = {}  # sha256 of the rendered model -> its digest
-        self._dead_cache: dict[tuple, frozenset[str]] = {}
+        self._sections = SectionCache()
+        self._entries_memo: dict[tuple, dict[str, str]] = {}
+        # view key -> digest -> (dead set, the same grouped by backend); the last two views
+        # (during a reload the next config's view and the current one take turns).
+        self._dead_cache: dict[tuple, dict[ConfigDigest, tuple[frozenset[str], dict[str, frozenset[str]]]]] = {}
         self._live: _Live | None = None
         self._down: frozenset[At] = frozenset()  # the last view's down endpoints
         self._lock = asyncio.Lock()
@@ -548,23 +755,31 @@ class DisplacedWorkers:
         self._next: Config | None = None  # set between before_reload and after_reload
         self._leaving_pid: int | None = None  # the worker about to become old
         self._stats_at = 0.0
-        self._reconcile_at = time.monotonic() + self.RECONCILE_INTERVAL_S
-        self.last_push: dict[str, float] = {}  # timings of the last push round, for benchmarks
+        self._changes = 0
+        self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
 
     # ------------------------------------------------------------ the contract
 
     async def run(self) -> None:
-        """Poll, steer and reconcile until cancelled."""
-        errors = 0
+        """Poll, steer, verify and reconcile until cancelled."""
+        failing_since: float | None = None
         while True:
             try:
                 await self.sync(fresh=True)
-                errors = 0
+                await self._verify_some()
+                await self._read_unusable()
+                now = time.monotonic()
+                if now >= self._stats_at:
+                    self._stats_at = now + self.STATS_INTERVAL_S
+                    await self._update_stats()
+                failing_since = None
             except CLIError as exc:
                 # The master socket resets connections while the master re-executes on a
-                # reload: one miss is routine, a run of them is worth a warning.
-                errors += 1
-                log.log(logging.WARNING if errors >= 3 else logging.DEBUG, "old workers: %s", exc)
+                # reload (seconds with a big config): only a lasting failure is worth a warning.
+                now = time.monotonic()
+                failing_since = failing_since or now
+                level = logging.WARNING if now - failing_since > self.WARN_AFTER_S else logging.DEBUG
+                log.log(level, "old workers: %s", exc)
             except Exception:
                 # A bug here must not stop the protection of later reloads.
                 log.exception("old workers: unexpected error")
@@ -577,7 +792,7 @@ class DisplacedWorkers:
         the servers `next_model` drops, before the reload is sent.
 
         Pass the very Config object that will become the new Generation's model: digests are
-        cached by identity (and by content, at the price of rendering it)."""
+        cached by identity (and by section content)."""
         current = self.state.current
         self._next = next_model
         self._leaving_pid = current.worker_pid if current is not None else None
@@ -593,14 +808,16 @@ class DisplacedWorkers:
         self._next = None
         self._leaving_pid = None
         try:
-            await self.sync()
+            # The server states read before the reload still hold: the new worker reports
+            # every server UP until its checks have run, and the next poll reads it anyway.
+            await self.sync(reuse_live=True)
         except CLIError as exc:
             log.warning("steering after %s reload failed: %s", "the" if ok else "a failed", exc)
 
     async def refresh(self) -> None:
         """Recompute and push now (a runtime change altered the current config)."""
         self._digests.clear()
-        self._digests_by_text.clear()
+        self._sections = SectionCache()
         self._dead_cache.clear()
         await self.sync(fresh=True)
 
@@ -614,25 +831,14 @@ class DisplacedWorkers:
 
     # ------------------------------------------------------------ one round
 
-    async def sync(self, fresh: bool = False) -> None:
+    async def sync(self, fresh: bool = False, reuse_live: bool = False) -> None:
         """One round: list the workers, recompute, push what changed. `fresh`: ask the current
-        worker for its server states even if the last answer is younger than a poll."""
+        worker for its server states even if the last answer is younger than a poll;
+        `reuse_live`: use the last answer whatever its age."""
         async with self._lock:
             procs = await self.cli.show_proc()
             self._track(procs)
-            now = time.monotonic()
-            if now >= self._reconcile_at:
-                # Re-read every map and every worker's own server states: repairs drift
-                # (an operator's `clear map`, a lost answer) within one interval.
-                self._reconcile_at = now + self.RECONCILE_INTERVAL_S
-                for worker in self._workers.values():
-                    worker.known = None
-                    worker.unusable = {}
-                    worker.swept = frozenset()
-            await self._steer(procs, fresh)
-            if now >= self._stats_at:
-                self._stats_at = now + self.STATS_INTERVAL_S
-                await self._update_stats()
+            await self._steer(procs, fresh, reuse_live)
 
     def _track(self, procs: ProcList) -> None:
         generations = worker_generations(procs, self.state.generations)
@@ -683,41 +889,51 @@ class DisplacedWorkers:
 
     def _digest(self, model: Config) -> ConfigDigest:
         digest = self._digests.get(id(model))
-        if digest is not None and digest.model is model:
-            return digest
-        text = sha256_text(model.render())
-        digest = self._digests_by_text.get(text)
-        if digest is None:
-            digest = self._digests_by_text[text] = ConfigDigest.of(model)
-        self._digests[id(model)] = digest
+        if digest is None or digest.model is not model:
+            digest = self._digests[id(model)] = ConfigDigest.of(model, self._sections)
         return digest
 
     def _forget_digests(self, latest: Config) -> None:
         """Drop digests of configs no generation runs any more."""
         alive = {id(g.model) for g in self.state.generations.values()} | {id(latest)}
-        for key in [k for k in self._digests if k not in alive]:
+        stale = [k for k in self._digests if k not in alive]
+        for key in stale:
             del self._digests[key]
-        kept = {id(d) for d in self._digests.values()}
-        for text in [t for t, d in self._digests_by_text.items() if id(d) not in kept]:
-            del self._digests_by_text[text]
-        if len(self._dead_cache) > 4 * max(1, len(self._workers)):
-            self._dead_cache.clear()
+        if stale:
+            self._sections.keep_only(self._digests.values())
+            self._entries_memo.clear()
 
-    async def _live_states(self, current_pid: int, fresh: bool) -> _Live:
+    async def _live_states(self, current_pid: int, fresh: bool, reuse: bool = False) -> _Live:
         live = self._live
-        if fresh or live is None or time.monotonic() - live.at > self.poll_s:
+        if reuse and live is not None:
+            return live
+        if self._next is not None:
+            fresh = False  # a reload is under way: do not make it wait on a full answer
+        # Around a reload the last poll's answer will do, even from the worker that was current
+        # until a moment ago: a new worker reports every server UP until its checks have run.
+        if fresh or live is None or time.monotonic() - live.at > 2 * self.poll_s:
             answer = await self.cli.on(current_pid, "show servers state")
             states = parse_live_states(answer)
             unusable: dict[str, set[str]] = {}
             for key, verdict in states.alive_by_key.items():
                 if verdict is False:
                     unusable.setdefault(key.partition("/")[0], set()).add(key)
-            backends = {key.partition("/")[0] for key in states.alive_by_key}
-            per_backend = {b: frozenset(unusable.get(b, ())) for b in backends}
+            # Backends missing from the dict are asked again; every backend of its config
+            # has an (often empty) answer here.
+            per_backend = {b: frozenset(unusable.get(b, ())) for b in self._backends_of(current_pid)}
+            per_backend.update({b: frozenset(keys) for b, keys in unusable.items()})
             live = self._live = _Live(current_pid, time.monotonic(), states, per_backend)
+            worker = self._workers.get(current_pid)
+            if worker is not None and worker.unusable != per_backend:
+                worker.unusable, worker.unusable_version = dict(per_backend), worker.unusable_version + 1
         return live
 
-    async def _steer(self, procs: ProcList, fresh: bool) -> None:
+    def _backends_of(self, pid: int) -> list[str]:
+        worker = self._workers.get(pid)
+        generation = self.state.generations.get(worker.generation) if worker and worker.generation else None
+        return list(self._digest(generation.model).sections) if generation is not None else []
+
+    async def _steer(self, procs: ProcList, fresh: bool, reuse_live: bool = False) -> None:
         latest = self._next if self._next is not None else (self.state.current.model if self.state.current else None)
         if latest is None:
             self.state.dead_servers = set()
@@ -728,88 +944,191 @@ class DisplacedWorkers:
         judged: list[tuple[_Worker, ConfigDigest]] = []
         for worker in self._workers.values():
             generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
-            worker.dead = frozenset()
             if generation is None:
-                worker.desired = None
+                worker.dead = frozenset()
+                self._want(worker, None)
                 self._record(worker, "failed", "the config this worker runs is unknown: it cannot be steered")
                 continue
             digest = self._digest(generation.model)
             if worker.current and worker.pid != leaving:
-                worker.desired = {} if digest.guarded else None
+                worker.dead, worker.parts = frozenset(), {}
+                self._want(worker, {} if digest.guarded else None)
                 continue
             judged.append((worker, digest))
-        if not judged:
-            self.state.dead_servers = set()
-            await self._push_all()
-            return
-        current = procs.current_worker
-        states = LiveStates(frozenset(), frozenset(), frozenset(), {})
-        if current is not None:
-            states = (await self._live_states(current.pid, fresh)).states
-        latest_digest = self._digest(latest)
-        view = live_view(latest_digest, states, self.state.operator_dead, self._down)
-        self._down = view.down
-        view_key = (id(latest_digest), view.down, view.operator, view.operator_at)
-        steering: list[tuple[_Worker, ConfigDigest]] = []
-        for worker, digest in judged:
-            cache_key = (id(digest), *view_key)
-            dead = self._dead_cache.get(cache_key)
-            if dead is None:
-                dead = self._dead_cache[cache_key] = dead_in(digest, view)
-            worker.dead = dead
-            if digest.guarded:
-                steering.append((worker, digest))
-            else:
-                worker.desired = None
-                self._record(worker, "failed", "its config has no guard: it cannot be steered")
+        if judged:
+            current = procs.current_worker
+            states = LiveStates(frozenset(), frozenset(), frozenset(), {})
+            if current is not None:
+                states = (await self._live_states(current.pid, fresh, reuse_live)).states
+            latest_digest = self._digest(latest)
+            view = live_view(latest_digest, states, self.state.operator_dead, self._down)
+            self._down = view.down
+            view_key = (latest_digest, view.down, view.operator, view.operator_at)
+            cache = self._dead_cache.pop(view_key, None) or {}
+            self._dead_cache[view_key] = cache  # most recent last
+            while len(self._dead_cache) > 2:
+                del self._dead_cache[next(iter(self._dead_cache))]
+            steering: list[tuple[_Worker, ConfigDigest]] = []
+            for worker, digest in judged:
+                if digest not in cache:
+                    dead = dead_in(digest, view)
+                    cache[digest] = (dead, by_backend_of(dead))
+                worker.dead, worker.dead_groups = cache[digest]
+                if digest.guarded:
+                    steering.append((worker, digest))
+                else:
+                    self._want(worker, None)
+                    self._record(worker, "failed", "its config has no guard: it cannot be steered")
+            for worker, digest in steering:
+                self._update_desired(worker, digest)
         self.state.dead_servers = set().union(*(w.dead for w, _ in judged))
-        await self._read_unusable([w for w, _ in steering])
-        for worker, digest in steering:
-            affected = {key.partition("/")[0] for key in worker.dead}
-            unusable = frozenset().union(*(worker.unusable.get(b, frozenset()) for b in affected))
-            worker.desired = steer_entries(digest, worker.dead, self.settings.old_workers.no_backup, unusable)
         await self._push_all()
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
 
-    async def _read_unusable(self, workers: list[_Worker]) -> None:
-        """Ask each worker, for the backends that have dead servers, which servers it already
-        skips itself (DOWN or MAINT in its own view): no use as targets."""
+    def _update_desired(self, worker: _Worker, digest: ConfigDigest) -> None:
+        """Recompute the entries of the backends whose dead or unusable servers changed."""
+        last = worker.parts_from
+        if (
+            worker.desired is not None
+            and last is not None
+            and last[0] is worker.dead
+            and last[1] == worker.unusable_version
+            and last[2] is digest
+        ):
+            return  # nothing it depends on changed: the usual poll
+        worker.parts_from = (worker.dead, worker.unusable_version, digest)
+        groups = worker.dead_groups
+        fresh = worker.desired is None or worker.parts_digest is not digest
+        old_parts = {} if fresh else worker.parts
+        parts = dict(old_parts)
+        changed: list[str] = []
+        for backend in groups.keys() | old_parts.keys():
+            dead = groups.get(backend, frozenset())
+            unusable = worker.unusable.get(backend, frozenset()) if dead else frozenset()
+            previous = old_parts.get(backend)
+            if previous is not None and previous[0] == dead and previous[1] == unusable:
+                continue
+            changed.append(backend)
+            if dead:
+                parts[backend] = (dead, unusable, self._entries(digest, backend, dead, unusable))
+            else:
+                del parts[backend]
+        worker.parts, worker.parts_digest = parts, digest
+        if fresh:
+            desired: dict[str, str] = {}
+            for _, _, entries in parts.values():
+                desired.update(entries)
+            self._want(worker, desired)
+            return
+        # Edit in place, noting the keys that moved: a map of thousands of entries is neither
+        # copied nor compared whole for a change to a few backends.
+        desired = worker.desired
+        assert desired is not None
+        moved: set[str] = set()
+        for backend in changed:
+            before = old_parts[backend][2] if backend in old_parts else {}
+            after = parts[backend][2] if backend in parts else {}
+            for key in before.keys() - after.keys():
+                desired.pop(key, None)
+                moved.add(key)
+            for key, value in after.items():
+                if desired.get(key) != value:
+                    desired[key] = value
+                    moved.add(key)
+        if moved and worker.dirty is not None:
+            worker.dirty |= moved
+
+    def _entries(
+        self, digest: ConfigDigest, backend: str, dead: frozenset[str], unusable: frozenset[str]
+    ) -> dict[str, str]:
+        """backend_entries(), shared by the generations whose section is the same object: a
+        drain changes the same backends in every old worker."""
+        section = digest.sections.get(backend)
+        key = (section, backend in digest.all_backups, backend in digest.guarded, dead, unusable)
+        entries = self._entries_memo.get(key)
+        if entries is None:
+            if len(self._entries_memo) > 200_000:
+                self._entries_memo.clear()
+            no_backup = self.settings.old_workers.no_backup
+            entries = self._entries_memo[key] = backend_entries(digest, backend, dead, no_backup, unusable)
+        return entries
+
+    @staticmethod
+    def _want(worker: _Worker, desired: dict[str, str] | None) -> None:
+        """Replace what a worker's map should hold (None: leave the map alone)."""
+        if desired is None or worker.desired is None or desired != worker.desired:
+            worker.desired, worker.dirty = desired, None
+
+    async def _read_unusable(self, budget: int = 4) -> None:
+        """Ask old workers, for the backends that have dead servers, which servers they already
+        skip themselves (DOWN or MAINT in their own view): no use as targets.
+
+        Not in the critical path: a worker is steered first with what is known (usually its
+        view from its time as the current worker), and corrected when the answer differs.
+        """
+
+        async def some(worker: _Worker, backends: list[str]) -> dict[str, frozenset[str]]:
+            commands = [on_process(worker.pid, f"show servers state {validate_name('backend', b)}") for b in backends]
+            states = parse_servers_state("\n".join(await self.cli.execute_many(commands)))
+            return {b: frozenset(s.key for s in states if s.backend == b and not s.alive) for b in backends}
+
+        async def every(worker: _Worker, backends: list[str]) -> dict[str, frozenset[str]]:
+            # Many backends: one answer for all of them parses faster than one per backend.
+            live = parse_live_states(await self.cli.on(worker.pid, "show servers state"))
+            groups = by_backend_of(k for k, verdict in live.alive_by_key.items() if verdict is False)
+            return {b: groups.get(b, frozenset()) for b in backends}
 
         async def one(worker: _Worker, backends: list[str]) -> None:
-            commands = [on_process(worker.pid, f"show servers state {validate_name('backend', b)}") for b in backends]
-            try:
-                answers = await self.cli.execute_many(commands)
-            except CLIError:
-                return
-            states = parse_servers_state("\n".join(answers))
-            for backend in backends:
-                worker.unusable[backend] = frozenset(s.key for s in states if s.backend == backend and not s.alive)
+            with contextlib.suppress(CLIError):
+                got = await (some if len(backends) <= 20 else every)(worker, backends)
+                if any(worker.unusable.get(b, frozenset()) != v for b, v in got.items()):
+                    worker.unusable = {**worker.unusable, **got}
+                    worker.unusable_version += 1
+                    self._wake.set()
+                else:
+                    worker.unusable.update(got)
 
+        wanted = [
+            (worker, sorted(worker.dead_groups.keys() - worker.unusable.keys()))
+            for worker in self._workers.values()
+            if worker.desired is not None and not worker.current
+        ]
+        wanted = [(w, b) for w, b in wanted if b][:budget]
         async with asyncio.TaskGroup() as group:
-            for worker in workers:
-                wanted = sorted({key.partition("/")[0] for key in worker.dead} - set(worker.unusable))
-                if wanted:
-                    group.create_task(one(worker, wanted))
+            for worker, backends in wanted:
+                group.create_task(one(worker, backends))
+
+    @staticmethod
+    def _in_sync(worker: _Worker) -> bool:
+        if worker.known is None or worker.desired is None:
+            return False
+        if worker.dirty is None and worker.known == worker.desired:
+            worker.dirty = set()
+        return worker.dirty == set()
 
     async def _push_all(self) -> None:
         now = time.monotonic()
-        todo = [w for w in self._workers.values() if w.desired is not None and w.known != w.desired]
-        todo = [w for w in todo if w.retry_at <= now]
+        todo: list[_Worker] = []
         for worker in self._workers.values():
-            if worker.desired is not None and worker.known == worker.desired:
+            if worker.desired is None:
+                continue
+            if self._in_sync(worker):
                 self._record(worker, "ok")  # e.g. steered before the reload made it old
-        for worker in todo:
-            self._record(worker, "pending")
+            elif worker.retry_at <= now:
+                todo.append(worker)
+                self._record(worker, "pending")
         if not todo:
             return
         started = time.monotonic()
         steered_at: dict[int, float] = {}
+        self._changes = 0
 
         async def one(worker: _Worker) -> None:
             try:
                 await self._push(worker, steered_at)
             except (CLIError, PushError, ValueError) as exc:
+                worker.known = None  # somewhere in between: read it back before the next try
                 self._failed(worker, str(exc))
             else:
                 worker.failures = 0
@@ -820,39 +1139,114 @@ class DisplacedWorkers:
             for worker in todo:
                 group.create_task(one(worker))
         finished = time.monotonic()
-        pushed = list(steered_at.values())
-        if pushed:
+        if steered_at:
             self.state.push_duration.observe(finished - started)
             self.last_push = {
-                "workers": len(pushed),
-                "steered_s": max(pushed) - started,
-                "verified_s": finished - started,
+                "workers": len(steered_at),
+                "changes": self._changes,
+                "steered_s": max(steered_at.values()) - started,
             }
 
+    # Above this many `set map`/`del map` commands for one worker, the whole map is replaced
+    # instead (prepare/commit): each such command is a CLI round of its own in HAProxy,
+    # while a replacement ships every entry in a few payloads and switches atomically.
+    REPLACE_ABOVE = 64
+
     async def _push(self, worker: _Worker, steered_at: dict[int, float]) -> None:
-        assert worker.desired is not None
+        desired = worker.desired
+        assert desired is not None
         generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
         limit = self._digest(generation.model).limit if generation is not None else DEFAULT_LINE_LIMIT
         if worker.known is None:
-            worker.known = await self._read_map(worker.pid)
-            if worker.known == worker.desired:
+            worker.known, worker.dirty = await self._read_map(worker.pid), None
+            worker.verified_at = time.monotonic()
+            if self._in_sync(worker):
                 return
-        phases = diff_map(worker.known, worker.desired)
-        # From here on the map is in between; read it back before trusting it again.
-        worker.known = None
-        for phase in phases:
-            lines = phase_lines(worker.pid, self.map_path, phase, limit)
-            answers = await asyncio.gather(*(self.cli.execute(line) for line in lines))
-            errors = [a.strip() for a in answers if a.strip()]
-            if errors:
-                raise PushError(f"worker {worker.pid}: {errors[0].splitlines()[0]}")
+        known = worker.known
+        phases = diff_map(known, desired, worker.dirty)
+        singles = sum(len(p.sets) + len(p.dels) for p in phases)
+        worker.known, worker.pushes = None, worker.pushes + 1  # in between until the answers are in
+        if singles > self.REPLACE_ABOVE:
+            await self._replace(worker, desired, limit)
+            known = dict(desired)
+        else:
+            for phase in phases:
+                self._changes += len(phase.adds) + len(phase.sets) + len(phase.dels)
+                await self._send(worker.pid, phase_lines(worker.pid, self.map_path, phase, limit))
+                known.update(phase.adds)
+                known.update(phase.sets)
+                for key in phase.dels:
+                    known.pop(key, None)
+        # Every command answered cleanly: steered. The poll loop reads it back to verify. The
+        # count moves again, so that a read-back that overlapped this push is not trusted.
         steered_at[worker.pid] = time.monotonic()
-        got = await self._read_map(worker.pid)
-        worker.known = got
-        if got != worker.desired:
-            missing = sorted(set(worker.desired.items()) - set(got.items()))[:3]
-            extra = sorted(set(got.items()) - set(worker.desired.items()))[:3]
-            raise PushError(f"worker {worker.pid}: map read back differs: missing {missing}, unexpected {extra}")
+        worker.known, worker.dirty, worker.verify = known, set(), True
+        worker.pushes += 1
+
+    async def _replace(self, worker: _Worker, desired: dict[str, str], limit: int) -> None:
+        """Swap the whole map at once: a new version filled by payloads, then committed."""
+        answer = await self.cli.on(worker.pid, f"prepare map {self.map_path}")
+        m = re.search(r"New version created: (\d+)", answer)
+        if m is None:
+            raise PushError(f"worker {worker.pid}: prepare map: {answer.strip()[:200]}")
+        version = int(m[1])
+        self._changes += len(desired)
+        phase = Phase(adds=tuple((_valid("map key", k), _valid("server", v)) for k, v in desired.items()))
+        await self._send(worker.pid, phase_lines(worker.pid, self.map_path, phase, limit, version=version))
+        await self._send(worker.pid, [on_process(worker.pid, f"commit map @{version} {self.map_path}")])
+
+    async def _send(self, pid: int, lines: list[str]) -> None:
+        answers = await asyncio.gather(*(self.cli.execute(line) for line in lines))
+        errors = [a.strip() for a in answers if a.strip()]
+        if errors:
+            raise PushError(f"worker {pid}: {errors[0].splitlines()[0]}")
+
+    async def _verify_some(self) -> None:
+        """Read back the maps that were just pushed, then the ones verified longest ago: each map
+        is checked at least every RECONCILE_INTERVAL_S, a bounded number per poll."""
+        now = time.monotonic()
+        reconcile = self.RECONCILE_INTERVAL_S
+        due = [
+            w
+            for w in self._workers.values()
+            if w.desired is not None and w.known is not None and (w.verify or now - w.verified_at >= reconcile)
+        ]
+        if not due:
+            return
+        due.sort(key=lambda w: (not w.verify, w.verified_at))
+        per_poll = max(4, -(-len(self._workers) * self.poll_s // self.RECONCILE_INTERVAL_S))
+        batch = due[: int(per_poll)]
+
+        async def one(worker: _Worker) -> tuple[_Worker, int, dict[str, str] | Exception]:
+            pushes = worker.pushes
+            try:
+                return worker, pushes, await self._read_map(worker.pid)
+            except (CLIError, PushError) as exc:
+                return worker, pushes, exc
+
+        results = await asyncio.gather(*(one(w) for w in batch))
+        async with self._lock:
+            for worker, pushes, got in results:
+                if self._workers.get(worker.pid) is not worker or worker.pushes != pushes or worker.known is None:
+                    continue  # pushed again (or gone) meanwhile: this read proves nothing
+                after_push = worker.verify
+                worker.verify, worker.verified_at = False, time.monotonic()
+                if isinstance(got, Exception):
+                    self._failed(worker, str(got))
+                    continue
+                if not after_push:
+                    # A reconcile also sweeps stuck streams again, and re-reads the worker's own
+                    # server states where they can have changed: only `observe` marks servers
+                    # down in an old worker (no checks run there, admin commands are refused).
+                    worker.swept = frozenset()
+                    if self.settings.observe.enabled:
+                        worker.unusable, worker.unusable_version = {}, worker.unusable_version + 1
+                if got != worker.known:
+                    missing = sorted(set(worker.known.items()) - set(got.items()))[:3]
+                    extra = sorted(set(got.items()) - set(worker.known.items()))[:3]
+                    worker.known, worker.dirty = got, None
+                    self._failed(worker, f"worker {worker.pid}: map differs: missing {missing}, unexpected {extra}")
+                    self._wake.set()
 
     async def _read_map(self, pid: int) -> dict[str, str]:
         answer = await self.cli.on(pid, f"show map {self.map_path}")
@@ -861,11 +1255,9 @@ class DisplacedWorkers:
         return map_entries(answer)
 
     def _failed(self, worker: _Worker, error: str) -> None:
-        worker.known = None
         worker.failures += 1
         worker.retry_at = time.monotonic() + min(self.MAX_BACKOFF_S, 0.1 * 2**worker.failures)
-        gone = _GONE in error
-        if not gone:
+        if _GONE not in error:
             self.state.push_failures += 1
             log.warning("steering old worker %d failed (attempt %d): %s", worker.pid, worker.failures, error)
         self._record(worker, "failed", error)
@@ -874,17 +1266,16 @@ class DisplacedWorkers:
         record = self.state.old_workers.get(worker.pid)
         if record is None:
             return  # the worker about to become old: not listed as old yet
-        if result == "ok" and record.push.state == "ok":
-            record.steered = steered_servers(worker.dead, worker.desired or {})
-            return  # keep the time of the push that made it so
-        record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)
         if result == "ok":
             record.steered = steered_servers(worker.dead, worker.desired or {})
+            if record.push.state == "ok":
+                return  # keep the time of the push that made it so
+        record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)
 
     async def _sweep(self) -> None:
         """End the streams of old workers that still wait on a dead server."""
         for worker in self._workers.values():
-            if not worker.dead or worker.swept == worker.dead or worker.known != worker.desired:
+            if not worker.dead or worker.swept == worker.dead or not self._in_sync(worker):
                 continue
             try:
                 answer = await self.cli.on(worker.pid, "show sess")

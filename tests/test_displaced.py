@@ -12,6 +12,8 @@ from supervisor.displaced import (
     FAIL_FAST,
     ConfigDigest,
     Phase,
+    SectionCache,
+    backend_of_key,
     dead_in,
     diff_map,
     known_dead_servers,
@@ -29,7 +31,7 @@ from supervisor.displaced import (
     summarize_states,
     worker_generations,
 )
-from supervisor.haproxy.api import Proc, ProcList, ServerState
+from supervisor.haproxy.api import Proc, ProcList, ServerState, parse_servers_state
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import inject_guard
 from supervisor.state import Generation
@@ -248,27 +250,33 @@ def test_tracking_servers_are_steered_like_any_primary():
 
 
 def apply(current: dict[str, str], phases: list[Phase], rng: random.Random) -> dict[str, str]:
-    """Apply phases op by op, each phase's ops in a random order, checking that a count key
-    never promises a slot that is not there."""
+    """Apply phases the way the lines of phase_lines() reach HAProxy: phases one after the
+    other; within one, sets and deletes in any order (separate commands, parallel lines),
+    and one backend's adds in order (one payload) at any point among them. After every
+    step, no count key may promise a slot that is not there."""
     result = dict(current)
     for phase in phases:
-        ops = [("add", k, v) for k, v in phase.adds] + [("set", k, v) for k, v in phase.sets]
-        ops += [("del", k, None) for k in phase.dels]
-        rng.shuffle(ops)
-        for op, key, value in ops:
-            if op == "add":
-                assert key not in result
-                result[key] = value
-            elif op == "set":
-                assert key in result
-                result[key] = value
-            else:
-                assert key in result
-                del result[key]
-            for k, v in result.items():
-                if k.endswith("_n") and v.isdigit():
-                    backend = k[: -len("_n")]
-                    assert all(f"{backend}_{i}" in result for i in range(int(v))), (op, key, result)
+        groups: dict[str, list[tuple[str, str, str | None]]] = {}
+        for k, v in phase.adds:
+            groups.setdefault(backend_of_key(k), []).append(("add", k, v))
+        steps = [[("set", k, v)] for k, v in phase.sets] + [[("del", k, None)] for k in phase.dels]
+        steps += list(groups.values())
+        rng.shuffle(steps)
+        for step in steps:
+            for op, key, value in step:
+                if op == "add":
+                    assert key not in result
+                    result[key] = value
+                elif op == "set":
+                    assert key in result
+                    result[key] = value
+                else:
+                    assert key in result
+                    del result[key]
+                for k, v in result.items():
+                    if k.endswith("_n") and v.isdigit():
+                        backend = k[: -len("_n")]
+                        assert all(f"{backend}_{i}" in result for i in range(int(v))), (op, key, result)
     return result
 
 
@@ -297,6 +305,15 @@ def test_diff_phases_order():
         Phase(sets=(("a_n", "1"),), dels=("gone_n",)),
         Phase(dels=("a_1", "gone_0")),
     ]
+    # a newly steered backend: its slots and then its count, in the first phase
+    assert diff_map({}, {"b_n": "2", "b_1": "s2", "b_0": "s1"}) == [
+        Phase(adds=(("b_0", "s1"), ("b_1", "s2"), ("b_n", "2")))
+    ]
+    # a count that grows goes after the slots it needs
+    assert diff_map({"b_0": "s1", "b_n": "1"}, {"b_0": "s1", "b_1": "s2", "b_n": "2"}) == [
+        Phase(adds=(("b_1", "s2"),)),
+        Phase(sets=(("b_n", "2"),)),
+    ]
 
 
 def test_map_commands_are_prefixed_and_idempotent():
@@ -313,6 +330,21 @@ def test_map_commands_are_prefixed_and_idempotent():
 def test_names_are_validated(bad):
     with pytest.raises(ValueError, match="invalid"):
         map_commands(1, MAP, {}, bad)
+
+
+def test_phase_lines_keep_a_backend_in_one_line():
+    adds = tuple((f"be{b:03d}_{i}", f"server{i}") for b in range(60) for i in range(8))
+    adds += tuple((f"be{b:03d}_n", "8") for b in range(60))
+    phases = diff_map({}, dict(adds))
+    lines = phase_lines(3, MAP, phases[0], limit=1000)
+    assert len(phases) == 1 and len(lines) > 5
+    for line in lines:
+        entries = [e.split(" ")[0] for e in line.split("\n")[1:] if e]
+        backends = {backend_of_key(k) for k in entries}
+        for backend in backends:
+            assert f"{backend}_n" in entries and entries.index(f"{backend}_n") == max(
+                i for i, k in enumerate(entries) if backend_of_key(k) == backend
+            )
 
 
 def test_phase_lines_use_payloads_within_the_limit():
@@ -381,25 +413,40 @@ SERVERS_STATE = (Path(__file__).parent / "captured" / "servers_state_2.6.12.txt"
 
 def test_parse_live_states_treats_unchecked_servers_as_no_evidence():
     live = parse_live_states(SERVERS_STATE.replace("2 app 3 nocheck", "#"))
-    assert live.up == {("app", "127.0.0.1:35137")}
-    assert live.pending == {("app", "127.0.0.1:43157")} and live.down == frozenset()
-    assert live.alive_by_key == {"app/up": True, "app/dead": None}
+    assert live.pending == {"app 127.0.0.1:43157"} and live.down == frozenset()
+    assert live.alive_by_key == {"app/dead": None}  # plainly alive servers are not listed
     # a server without check at the same address is evidence that it is alive
-    assert ("app", "127.0.0.1:43157") in parse_live_states(SERVERS_STATE).up
+    assert parse_live_states(SERVERS_STATE).pending == frozenset()
 
 
 def test_parse_live_states_down_and_maint():
     down = SERVERS_STATE.replace("2 app 1 up 127.0.0.1 2 0", "2 app 1 up 127.0.0.1 0 0")
-    assert parse_live_states(down).down == {("app", "127.0.0.1:35137")}
+    assert parse_live_states(down).down == {"app 127.0.0.1:35137"}
     maint = SERVERS_STATE.replace("2 app 1 up 127.0.0.1 2 0", "2 app 1 up 127.0.0.1 2 1")
     assert parse_live_states(maint).alive_by_key["app/up"] is False
+    drain = SERVERS_STATE.replace("2 app 1 up 127.0.0.1 2 0", "2 app 1 up 127.0.0.1 2 8")
+    assert "app/up" not in parse_live_states(drain).alive_by_key  # draining is alive
+
+
+def test_parse_live_states_agrees_with_the_plain_parser_on_op_and_admin_states():
+    rows = [("0", "0"), ("2", "0"), ("2", "1"), ("1", "0"), ("3", "4"), ("2", "8"), ("2", "32"), ("0", "8")]
+    lines = SERVERS_STATE.splitlines()[:2]
+    for i, (op, admin) in enumerate(rows):
+        lines.append(f"2 b{i % 3} {i} s{i} 10.0.0.{i} {op} {admin} 1 1 0 6 3 4 6 0 0 0 - 80 - 0 0 - - 0")
+    text = "\n".join(lines) + "\n"
+    fast = parse_live_states(text)
+    plain = summarize_states(parse_servers_state(text))
+    assert fast.down == plain.down and fast.pending == plain.pending == frozenset()
+    assert {k for k, v in fast.alive_by_key.items() if v is False} == {
+        k for k, v in plain.alive_by_key.items() if v is False
+    }
 
 
 def test_a_dead_endpoint_stays_dead_until_the_new_worker_has_checked_it():
     text = "backend app\n  server up 127.0.0.1:35137 check\n  server dead 127.0.0.1:43157 check\n"
     cfg = ConfigDigest.of(model(text))
     fresh = parse_live_states(SERVERS_STATE.replace("2 app 3 nocheck", "#"))
-    was_down = frozenset({("app", "127.0.0.1:43157")})
+    was_down = frozenset({"app 127.0.0.1:43157"})
     assert dead_in(cfg, live_view(cfg, fresh, (), was_down)) == {"app/dead"}
     assert dead_in(cfg, live_view(cfg, fresh, ())) == frozenset()  # never seen down: no evidence
 
@@ -411,3 +458,51 @@ def test_digest_based_decisions_match_the_plain_ones():
     assert dead_in(ConfigDigest.of(old), view) == known_dead_servers(old, new, live, {"echo/fallback"})
     dead = dead_in(ConfigDigest.of(old), view)
     assert steer_entries(ConfigDigest.of(old), dead, "fail-fast") == steer_map_entries(old, dead, "fail-fast")
+
+
+def test_a_backend_too_big_for_one_line_gets_its_count_in_a_later_phase():
+    desired = {f"big_{i}": f"a_rather_long_server_name_{i:04d}" for i in range(300)}
+    desired["big_n"] = "300"
+    phases = diff_map({}, desired)
+    assert [len(p.adds) for p in phases] == [300, 1] and phases[1].adds == (("big_n", "300"),)
+    assert apply({}, phases, random.Random(1)) == desired
+
+
+# ---------------------------------------------------------------- digests
+
+
+def test_section_cache_shares_unchanged_sections_between_configs():
+    cache = SectionCache()
+    old, new = ConfigDigest.of(model(OLD), cache), ConfigDigest.of(model(NEW), cache)
+    again = ConfigDigest.of(model(OLD), cache)
+    assert all(again.sections[name] is section for name, section in old.sections.items())
+    changed = {s.name for s in old.section_set - new.section_set}
+    assert changed == {"echo", "highscale", "wide", "nobackup", "parked"}
+    same = NEW.replace("backend parked\n    server p2 10.0.0.2:8006\n", "backend parked\n    server p2 10.0.0.2:8006\n")
+    assert ConfigDigest.of(model(same), cache).sections["echo"] is new.sections["echo"]
+
+
+def test_dead_sets_are_the_same_with_shared_and_separate_digests():
+    rng = random.Random(7)
+    base = [(f"b{b}", [f"10.0.{b}.{i}:80" for i in range(4)]) for b in range(12)]
+
+    def text(drop: set[tuple[int, int]]) -> str:
+        out = "defaults\n    mode http\n"
+        for b, (name, addresses) in enumerate(base):
+            out += f"backend {name}\n"
+            for i, address in enumerate(addresses):
+                if (b, i) not in drop:
+                    out += f"    server s{i} {address}\n"
+            out += "    server bk 10.9.9.9:80 backup\n"
+        return out
+
+    cache = SectionCache()
+    for _ in range(30):
+        gen_drop = {(rng.randrange(12), rng.randrange(4)) for _ in range(rng.randrange(4))}
+        new_drop = gen_drop | {(rng.randrange(12), rng.randrange(4)) for _ in range(rng.randrange(6))}
+        g, n = model(text(gen_drop)), model(text(new_drop))
+        operator = {f"b{rng.randrange(12)}/s{rng.randrange(4)}"}
+        live = summarize_states([])
+        shared = dead_in(ConfigDigest.of(g, cache), live_view(ConfigDigest.of(n, cache), live, operator))
+        assert shared == known_dead_servers(g, n, [], operator)
+        assert len(shared) >= len(new_drop - gen_drop)

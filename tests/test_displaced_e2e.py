@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.effective import build_effective
+from supervisor.haproxy.api import parse_servers_state
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, backends, free_port
@@ -234,8 +235,10 @@ async def test_daemon_restart_rebuilds_from_the_maps_and_reconcile_repairs_drift
         # Someone empties the map by hand: the next reconcile puts it back.
         await sup.cli.on(env.old_pid, f"clear map {sup.settings.haproxy.steer_map}")
         assert await sup.map_of(env.old_pid) == {}
-        await sup.until(lambda: sup.map_of(env.old_pid), timeout=5, what="map repaired")
-        assert await sup.map_of(env.old_pid) == steered
+        async def repaired() -> bool:
+            return await sup.map_of(env.old_pid) == steered
+
+        await sup.until(repaired, timeout=5, what="map repaired")
 
 
 async def test_old_workers_are_tracked_and_dropped_when_they_exit(rundir):
@@ -300,3 +303,73 @@ async def test_streams_stuck_on_a_dead_server_are_ended(rundir, sweep):
         else:
             assert seconds >= connect_ms / 1000, seconds
 
+
+
+async def test_a_target_the_old_worker_itself_sees_down_is_not_used(rundir):
+    """r2 was DOWN when the reload froze the old worker: a `use-server` to it would be skipped
+    there (and fall back to balancing, onto the dead r1), so the old worker is sent to the
+    backup instead, though r2 is UP again in the current worker."""
+    settings = Settings(
+        haproxy=HAProxySettings(runtime_dir=rundir), old_workers=OldWorkerSettings(poll_interval_ms=100)
+    )
+    front = free_port()
+    with backends("r1", "r2", "fallback") as started:
+        ports = {name: b.port for name, b in started.items()}
+        started["r2"].stop()
+        text = TEMPLATE.format(front=front, connect_ms=500, retries=1, servers=server_lines(ports, ["r1", "r2"]))
+        async with supervised(settings, text) as sup:
+            clients = [await KeepAliveClient(front).connect() for _ in range(3)]
+            try:
+                first = sup.current_pid
+
+                async def r2_down() -> bool:
+                    answer = await sup.cli.on(first, "show servers state app")
+                    return any(s.name == "r2" and s.down for s in parse_servers_state(answer))
+
+                await sup.until(r2_down, what="r2 DOWN in the first worker")
+                await asyncio.sleep(0.3)  # a poll reads the first worker's view
+                for client in clients:
+                    assert (await client.get())[:2] == (200, "r1")
+                await sup.reload(text.replace("backend app\n", "backend app\n    # generation 2\n"))
+                started["r2"].start()
+                node = vanish(Env(sup, front, ports, started, first, clients, 500, 1), "r1")
+                try:
+                    await sup.until(lambda: "app/r1" in sup.state.old_workers[first].steered, what="r1 steered")
+                    assert await sup.map_of(first) == {"app_0": "fallback", "app_n": "1"}
+                    got = await answers(clients, rounds=2)
+                    assert got and all(a[:2] == (200, "fallback") and a[2] < 0.25 for a in got), got
+                finally:
+                    node.close()
+            finally:
+                for client in clients:
+                    await client.close()
+
+
+async def test_many_changed_targets_replace_the_whole_map_at_once(rundir):
+    """Past REPLACE_ABOVE changed entries, a worker's map is swapped with prepare/commit."""
+    backends_count = 80
+
+    def many(ports: dict[str, int]) -> str:
+        head = server_lines(ports, ["r1", "r2"])
+        extra = "".join(f"\nbackend b{i}\n{server_lines(ports, ['r1', 'r2'])}" for i in range(backends_count))
+        return head + extra
+
+    async with old_worker(rundir, many, clients=2) as env:
+        sup = env.sup
+        for i in range(backends_count):
+            sup.displaced.mark_dead(f"b{i}/r1")
+        first = {**{f"b{i}_0": "r2" for i in range(backends_count)}, **{f"b{i}_n": "1" for i in range(backends_count)}}
+
+        async def map_is(expected: dict[str, str]) -> bool:
+            return await sup.map_of(env.old_pid) == expected
+
+        await sup.until(lambda: map_is(first), what="first steering")
+        for i in range(backends_count):
+            sup.displaced.unmark_dead(f"b{i}/r1")
+            sup.displaced.mark_dead(f"b{i}/r2")
+        second = {**{f"b{i}_0": "r1" for i in range(backends_count)}, **{f"b{i}_n": "1" for i in range(backends_count)}}
+        await sup.until(lambda: map_is(second), what="second steering")
+        # 80 targets changed: the whole map (160 entries) went in one committed version
+        assert sup.displaced.last_push["changes"] == 2 * backends_count
+        assert sup.state.old_workers[env.old_pid].push.state == "ok"
+        assert sup.state.push_failures == 0

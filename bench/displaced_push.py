@@ -1,0 +1,304 @@
+"""How fast every old worker is steered off a drained node, against the real HAProxy.
+
+For W old workers (held alive by an idle connection each) and a rendered config of S
+servers (backends of 10 primaries and a backup, no health checks, addresses on closed
+loopback ports), each round drains one "node": 1% of the servers, one per backend, move
+to new addresses in a new rendered config. The round runs what the reloader does around
+a reload, with DisplacedWorkers.run() polling beside it:
+
+    build the effective config -> before_reload (steer every worker, make-before-break)
+    -> reload on the master CLI -> confirm with `show proc` -> after_reload
+
+and measures, from the moment the new rendered text is in hand:
+    overhead  everything but HAProxy's reload (build + parse + before + after): the target,
+              under 100 ms p99 for 50 old workers and 10,000 servers
+    steered   until every old worker (and the one about to become old) holds its entries
+    reload    HAProxy's own reload, `reload` sent -> new worker in `show proc`
+    after     reload confirmed -> every old worker confirmed steered
+A second measure needs no reload: an operator marks the next node's servers dead;
+`marked` is the time until every old worker is steered and verified.
+
+    python -m bench.displaced_push                  # the full matrix (a few minutes)
+    python -m bench.displaced_push --quick          # small sizes, a few rounds
+    python -m bench.displaced_push --workers 50 --servers 10000 --rounds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from supervisor.displaced import DisplacedWorkers
+from supervisor.effective import build_effective, prepare_runtime_dir, write_atomically
+from supervisor.haproxy.api import CLIError, MasterCLI
+from supervisor.haproxy.config import Config
+from supervisor.settings import HAProxySettings, Settings
+from supervisor.state import Generation, State, utcnow
+from tests.support.harness import free_port, haproxy_binary, kill_tree, short_tmpdir
+
+PER_BACKEND = 10
+
+
+def rendered(servers: int, front: int, moved: dict[int, int]) -> str:
+    """`moved`: backend -> the round that moved its first replica (to a new address)."""
+    backends = max(1, servers // PER_BACKEND)
+    out = [
+        "global\n    hard-stop-after 600s\n    close-spread-time 600s\n    maxconn 2000\n",
+        "defaults\n    mode http\n    timeout connect 1s\n    timeout client 600s\n    timeout server 600s\n",
+        # The idle connections that keep each old worker alive: TCP streams still waiting
+        # for their first bytes survive soft-stop.
+        f"frontend hold\n    mode tcp\n    bind 127.0.0.1:{front}\n    tcp-request inspect-delay 600s\n"
+        "    tcp-request content accept if { req.len gt 0 }\n    default_backend app0\n",
+    ]
+    for b in range(backends):
+        out.append(f"backend app{b}\n    balance roundrobin\n")
+        for r in range(min(PER_BACKEND, servers)):
+            port = 20000 + (b * PER_BACKEND + r) % 40000
+            if r == 0 and b in moved:
+                out.append(f"    server app{b}_m{moved[b]} 127.0.2.{moved[b] % 250 + 1}:{port}\n")
+            else:
+                out.append(f"    server app{b}_r{r} 127.0.1.{b % 250 + 1}:{port}\n")
+        out.append(f"    server fallback 127.0.0.1:{19000 + b % 1000} backup\n")
+    return "".join(out)
+
+
+def drained_backends(servers: int, round_no: int) -> list[int]:
+    """The backends whose first replica lives on the node drained in this round: 1% of the servers."""
+    backends = max(1, servers // PER_BACKEND)
+    per_node = max(1, servers // 100)
+    start = (round_no * per_node) % backends
+    return [(start + i) % backends for i in range(min(per_node, backends))]
+
+
+@dataclass
+class Figures:
+    overhead: list[float] = field(default_factory=list)
+    build: list[float] = field(default_factory=list)
+    steered: list[float] = field(default_factory=list)
+    reload: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+    marked: list[float] = field(default_factory=list)
+    entries: list[int] = field(default_factory=list)
+    rss_mb: float = 0.0
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest rank: with fewer than 100 samples the p99 is the maximum."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, int(-(-q * len(ordered) // 1)) - 1))]
+
+
+class Master:
+    """`haproxy -W -S` with its output in a file: at soft-stop every old worker writes a line
+    per proxy, and with thousands of backends an undrained pipe blocks the whole process."""
+
+    def __init__(self, config: Path, runtime: Path) -> None:
+        self.socket = runtime / "master.sock"
+        self.log = (runtime / "haproxy.log").open("wb")
+        self.proc = subprocess.Popen(
+            [haproxy_binary(), "-W", "-S", str(self.socket), "-f", str(config)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    async def first_worker(self, cli: MasterCLI) -> int:
+        for _ in range(3000):
+            with contextlib.suppress(CLIError, FileNotFoundError):
+                if self.socket.exists():
+                    current = (await cli.show_proc()).current_worker
+                    if current is not None:
+                        return current.pid
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"haproxy exited with {self.proc.returncode}: see {self.log.name}")
+            await asyncio.sleep(0.01)
+        raise TimeoutError("no first worker")
+
+    def stop(self) -> None:
+        kill_tree(self.proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self.log.close()
+
+
+class Bench:
+    def __init__(self, workers: int, servers: int, freeze_gc: bool = False) -> None:
+        self.freeze_gc = freeze_gc
+        self.workers = workers
+        self.servers = servers
+        self.rundir = short_tmpdir("hsb-")
+        self.settings = Settings(haproxy=HAProxySettings(runtime_dir=self.rundir))
+        self.front = free_port()
+        self.moved: dict[int, int] = {}
+        self.holders: list[tuple[int, socket.socket]] = []  # (worker pid, its idle connection)
+        self.state = State()
+        self.master: Master | None = None
+
+    def hold(self, pid: int) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.front))
+        self.holders.append((pid, sock))
+
+    def register(self, model: Config, effective_sha: str, pid: int) -> None:
+        number = (self.state.current_generation or 0) + 1
+        self.state.generations[number] = Generation(number, model, effective_sha, "", utcnow(), pid)
+        self.state.current_generation = number
+
+    async def reload(self, cli: MasterCLI, displaced: DisplacedWorkers, text: str, figures: Figures | None) -> None:
+        started = time.perf_counter()
+        effective = build_effective(self.settings, text)
+        model = Config.parse(effective.text)
+        built = time.perf_counter()
+        before_pid = self.state.current.worker_pid if self.state.current else None
+        await displaced.before_reload(model)
+        steered = time.perf_counter()
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        reload_start = time.perf_counter()
+        with contextlib.suppress(CLIError):
+            await cli.reload()
+        new_pid = None
+        while new_pid is None:
+            with contextlib.suppress(CLIError):
+                current = (await cli.show_proc()).current_worker
+                if current is not None and current.pid != before_pid:
+                    new_pid = current.pid
+            if new_pid is None:
+                await asyncio.sleep(0.005)
+        confirmed = time.perf_counter()
+        self.register(model, effective.sha256, new_pid)
+        await displaced.after_reload(True)
+        done = time.perf_counter()
+        if self.freeze_gc:
+            # The configs of live generations stay for minutes: move them out of the
+            # collector's way, so that a full collection never lands in the middle of a reload.
+            gc.collect()
+            gc.freeze()
+        if figures is not None:
+            reload_s = confirmed - reload_start
+            figures.reload.append(reload_s)
+            figures.overhead.append(done - started - reload_s)
+            figures.build.append(built - started)
+            figures.steered.append(steered - started)
+            figures.after.append(done - confirmed)
+            figures.entries.append(int(displaced.last_push.get("changes", 0)))
+
+    async def release_oldest(self) -> None:
+        pid, sock = self.holders.pop(0)
+        sock.close()
+        for _ in range(1000):  # the old worker exits once its last connection is gone
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return
+            await asyncio.sleep(0.01)
+
+    def all_steered(self) -> bool:
+        return all(w.push.state == "ok" for w in self.state.old_workers.values())
+
+    async def run(self, rounds: int) -> Figures:
+        figures = Figures()
+        prepare_runtime_dir(self.settings)
+        text = rendered(self.servers, self.front, self.moved)
+        effective = build_effective(self.settings, text)
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        self.master = Master(self.settings.haproxy.effective_config, self.rundir)
+        try:
+            cli = MasterCLI(self.master.socket, timeout=30)
+            displaced = DisplacedWorkers(self.settings, self.state, cli)
+            pid = await self.master.first_worker(cli)
+            self.register(Config.parse(effective.text), effective.sha256, pid)
+            poller = asyncio.create_task(displaced.run())
+            try:
+                # W old workers, each kept alive by one idle connection.
+                for i in range(self.workers):
+                    self.hold(self.state.current.worker_pid)
+                    await self.reload(cli, displaced, text.replace("maxconn 2000", f"maxconn {2001 + i}"), None)
+                for round_no in range(rounds):
+                    for b in drained_backends(self.servers, round_no):
+                        self.moved[b] = round_no + 1
+                    self.hold(self.state.current.worker_pid)
+                    await self.reload(cli, displaced, rendered(self.servers, self.front, self.moved), figures)
+                    assert self.all_steered(), [(w.pid, w.push) for w in self.state.old_workers.values()]
+                    await self.release_oldest()
+                    # Without a reload: the operator marks the next node dead.
+                    doomed = [f"app{b}/app{b}_r1" for b in drained_backends(self.servers, round_no + 1)]
+                    started = time.perf_counter()
+                    for key in doomed:
+                        displaced.mark_dead(key)
+                    await displaced.sync()
+                    figures.marked.append(time.perf_counter() - started)
+                    assert self.all_steered()
+                    for key in doomed:
+                        displaced.unmark_dead(key)
+                    await displaced.sync()
+                    # Generations whose worker is gone are forgotten, as the daemon does.
+                    alive = {w.pid for w in self.state.old_workers.values()} | {self.state.current.worker_pid}
+                    for number in [n for n, g in self.state.generations.items() if g.worker_pid not in alive]:
+                        del self.state.generations[number]
+                pids = [*self.state.old_workers, self.state.current.worker_pid]
+                figures.rss_mb = sum(psutil.Process(p).memory_info().rss for p in pids) / 2**20
+            finally:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
+        finally:
+            for _, sock in self.holders:
+                sock.close()
+            self.master.stop()
+            shutil.rmtree(self.rundir, ignore_errors=True)
+        return figures
+
+
+def report(workers: int, servers: int, f: Figures) -> None:
+    def ms(samples: list[float]) -> str:
+        return f"{percentile(samples, 0.5) * 1000:7.1f} {percentile(samples, 0.99) * 1000:7.1f}"
+
+    print(
+        f"{workers:>4} {servers:>6} {len(f.overhead):>3}  {ms(f.overhead)}  {ms(f.build)}  {ms(f.steered)}"
+        f"  {ms(f.reload)}  {ms(f.after)}  {ms(f.marked)}  {f.rss_mb:8.0f}",
+        flush=True,
+    )
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # runs the finally blocks that stop HAProxy
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    parser = argparse.ArgumentParser(prog="python -m bench.displaced_push", description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", default="1,10,50", help="old-worker counts, comma-separated")
+    parser.add_argument("--servers", default="10,1000,10000", help="server counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=20, help="drains measured per combination")
+    parser.add_argument("--quick", action="store_true", help="1 and 10 workers, 10 and 1000 servers, 5 rounds")
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="gc.freeze() after each reload, as a daemon can: keeps collector pauses out of the figures",
+    )
+    args = parser.parse_args(argv or [])
+    if args.quick:
+        args.workers, args.servers, args.rounds = "1,10", "10,1000", 5
+    print(f"displaced push: {args.rounds} drains per line, milliseconds as p50 p99 (p99 = max below 100 samples)")
+    print(
+        "   W      S   n  overhead p50/p99    build p50/p99  steered p50/p99   reload p50/p99"
+        "    after p50/p99   marked p50/p99  RSS MB"
+    )
+    for servers in (int(s) for s in args.servers.split(",")):
+        for workers in (int(w) for w in args.workers.split(",")):
+            figures = asyncio.run(Bench(workers, servers, args.freeze_gc).run(args.rounds))
+            report(workers, servers, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
