@@ -596,6 +596,21 @@ def phase_lines(
     return lines
 
 
+def answer_problem(line: str, answer: str) -> str | None:
+    """What is wrong with the master CLI's answer to one of our map-changing lines, or None.
+
+    Each command that succeeds answers an empty line and nothing else. Fewer empty lines
+    than commands means the master dropped the connection part-way (while re-executing on
+    a reload, for one): those commands may not have run, so it is not a success.
+    """
+    if answer.strip():
+        return answer.strip().splitlines()[0]
+    commands = line.split("\n", 1)[0].count(";") + 1
+    if answer.count("\n") < commands:
+        return f"no answer to {commands - answer.count(chr(10))} of {commands} commands (connection dropped)"
+    return None
+
+
 def map_entries(show_map_answer: str) -> dict[str, str]:
     """A map's content from `show map <file>`. A key held twice with different values reads
     as "" so that a diff rewrites it (`set map` sets every entry of a key)."""
@@ -837,6 +852,10 @@ class DisplacedWorkers:
         `reuse_live`: use the last answer whatever its age."""
         async with self._lock:
             procs = await self.cli.show_proc()
+            if procs.master is None and not procs.workers:
+                # An empty answer: the master dropped the connection (a reload under way).
+                # Taken literally it would mean every worker is gone.
+                raise CLIError("show proc: no answer")
             self._track(procs)
             await self._steer(procs, fresh, reuse_live)
 
@@ -913,6 +932,8 @@ class DisplacedWorkers:
         # until a moment ago: a new worker reports every server UP until its checks have run.
         if fresh or live is None or time.monotonic() - live.at > 2 * self.poll_s:
             answer = await self.cli.on(current_pid, "show servers state")
+            if "# be_id" not in answer:
+                raise CLIError(f"show servers state: no answer from worker {current_pid}")
             states = parse_live_states(answer)
             unusable: dict[str, set[str]] = {}
             for key, verdict in states.alive_by_key.items():
@@ -1070,12 +1091,18 @@ class DisplacedWorkers:
 
         async def some(worker: _Worker, backends: list[str]) -> dict[str, frozenset[str]]:
             commands = [on_process(worker.pid, f"show servers state {validate_name('backend', b)}") for b in backends]
-            states = parse_servers_state("\n".join(await self.cli.execute_many(commands)))
+            answers = await self.cli.execute_many(commands)
+            if any("# be_id" not in a for a in answers):
+                raise CLIError(f"show servers state: no answer from worker {worker.pid}")
+            states = parse_servers_state("\n".join(answers))
             return {b: frozenset(s.key for s in states if s.backend == b and not s.alive) for b in backends}
 
         async def every(worker: _Worker, backends: list[str]) -> dict[str, frozenset[str]]:
             # Many backends: one answer for all of them parses faster than one per backend.
-            live = parse_live_states(await self.cli.on(worker.pid, "show servers state"))
+            answer = await self.cli.on(worker.pid, "show servers state")
+            if "# be_id" not in answer:
+                raise CLIError(f"show servers state: no answer from worker {worker.pid}")
+            live = parse_live_states(answer)
             groups = by_backend_of(k for k, verdict in live.alive_by_key.items() if verdict is False)
             return {b: groups.get(b, frozenset()) for b in backends}
 
@@ -1197,9 +1224,10 @@ class DisplacedWorkers:
 
     async def _send(self, pid: int, lines: list[str]) -> None:
         answers = await asyncio.gather(*(self.cli.execute(line) for line in lines))
-        errors = [a.strip() for a in answers if a.strip()]
-        if errors:
-            raise PushError(f"worker {pid}: {errors[0].splitlines()[0]}")
+        for line, answer in zip(lines, answers, strict=True):
+            problem = answer_problem(line, answer)
+            if problem:
+                raise PushError(f"worker {pid}: {problem}")
 
     async def _verify_some(self) -> None:
         """Read back the maps that were just pushed, then the ones verified longest ago: each map
@@ -1250,6 +1278,10 @@ class DisplacedWorkers:
 
     async def _read_map(self, pid: int) -> dict[str, str]:
         answer = await self.cli.on(pid, f"show map {self.map_path}")
+        if not answer:
+            # Not even the blank line of an empty map: the master dropped the connection
+            # (it does while it re-executes on a reload). Not "an empty map".
+            raise PushError(f"worker {pid}: show map: no answer")
         if answer.startswith(_GONE) or "Unknown map" in answer:
             raise PushError(f"worker {pid}: {answer.strip().splitlines()[0]}")
         return map_entries(answer)

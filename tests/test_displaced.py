@@ -13,6 +13,7 @@ from supervisor.displaced import (
     ConfigDigest,
     Phase,
     SectionCache,
+    answer_problem,
     backend_of_key,
     dead_in,
     diff_map,
@@ -506,3 +507,12 @@ def test_dead_sets_are_the_same_with_shared_and_separate_digests():
         shared = dead_in(ConfigDigest.of(g, cache), live_view(ConfigDigest.of(n, cache), live, operator))
         assert shared == known_dead_servers(g, n, [], operator)
         assert len(shared) >= len(new_drop - gen_drop)
+
+
+def test_answer_problem_needs_one_empty_line_per_command():
+    three = "@!1 set map /m a 1;@!1 set map /m b 2;@!1 del map /m c"
+    assert answer_problem(three, "\n\n\n") is None
+    assert answer_problem(three, "\nentry not found.\n\n\n") == "entry not found."
+    assert "connection dropped" in answer_problem(three, "\n")
+    assert "connection dropped" in answer_problem("@!1 add map /m <<\nk v\nk2 v\n", "")
+    assert answer_problem("@!1 add map /m <<\nk v;x\n", "\n") is None  # payload bytes are not commands
