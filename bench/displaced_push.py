@@ -157,7 +157,7 @@ class Bench:
     async def reload(self, cli: MasterCLI, displaced: DisplacedWorkers, text: str, figures: Figures | None) -> None:
         started = time.perf_counter()
         effective = build_effective(self.settings, text)
-        model = Config.parse(effective.text)
+        model = effective.effective_model  # what the reloader uses
         built = time.perf_counter()
         before_pid = self.state.current.worker_pid if self.state.current else None
         await displaced.before_reload(model)
@@ -215,7 +215,7 @@ class Bench:
             cli = MasterCLI(self.master.socket, timeout=30)
             displaced = DisplacedWorkers(self.settings, self.state, cli)
             pid = await self.master.first_worker(cli)
-            self.register(Config.parse(effective.text), effective.sha256, pid)
+            self.register(effective.effective_model, effective.sha256, pid)
             poller = asyncio.create_task(displaced.run())
             try:
                 # W old workers, each kept alive by one idle connection.

@@ -28,6 +28,9 @@ class Effective:
     rendered_sha256: str
     model: Config  # the parsed rendered config, before injections
     text: str  # the effective config
+    # The effective config as a model: the same thing Config.parse(text) gives (injections edit
+    # whole lines through parse_line), kept so a 10,000-server config is not parsed twice more.
+    effective_model: Config
 
     @property
     def sha256(self) -> str:
@@ -49,8 +52,8 @@ def read_rendered(path: Path) -> str:
 
 def build_effective(settings: Settings, rendered_text: str) -> Effective:
     model = Config.parse(rendered_text)
-    text = effective_config(model, settings).render()
-    return Effective(rendered_text, sha256_text(rendered_text), model, text)
+    effective = effective_config(model, settings)
+    return Effective(rendered_text, sha256_text(rendered_text), model, effective.render(), effective)
 
 
 def prepare_runtime_dir(settings: Settings) -> None:

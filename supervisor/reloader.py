@@ -451,7 +451,7 @@ class Reloader:
             record = self._record("invalid", started, message)
             self.notifier.status(summary_line(self.state))
             return record
-        model = Config.parse(effective.text)
+        model = effective.effective_model
         if (
             self.runtime_apply is not None
             and current is not None

@@ -89,3 +89,21 @@ def test_injected_corpus_passes_haproxy_check(haproxy, tmp_path, path):
     out.write_text(inject_observe(Config.parse(path.read_text()), 3).render())
     result = subprocess.run([haproxy, "-c", "-f", str(out)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_effective_model_is_what_parsing_the_effective_text_gives(path, tmp_path):
+    """The reloader keeps the injected model instead of re-parsing: it must be the same config."""
+    from supervisor.effective import build_effective
+    from supervisor.settings import HAProxySettings
+
+    settings = Settings(
+        haproxy=HAProxySettings(runtime_dir=tmp_path), observe=ObserveSettings(enabled=True),
+    )
+    effective = build_effective(settings, path.read_text())
+    reparsed = Config.parse(effective.text)
+    assert effective.effective_model.render() == effective.text
+    assert [(s.kind, s.name, [line.words for line in s.lines()]) for s in effective.effective_model.sections] == [
+        (s.kind, s.name, [line.words for line in s.lines()]) for s in reparsed.sections
+    ]
+    assert effective.effective_model.server_map() == reparsed.server_map()

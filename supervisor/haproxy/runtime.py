@@ -503,7 +503,7 @@ class RuntimeApplier:
 
     async def __call__(self, current: _Generation, new_model: Config, effective: _Effective | None = None) -> bool:
         # Compare effective with effective: the generation's model is the effective config.
-        new = Config.parse(effective.text) if effective is not None else new_model
+        new = effective.effective_model if effective is not None else new_model
         if current.worker_pid is None:
             return False
         changes = plan_runtime_apply(current.model, new)
