@@ -120,7 +120,7 @@ class SectionCache:
 
     def sections_of(self, model: Config) -> dict[str, SectionDigest]:
         result: dict[str, SectionDigest] = {}
-        for section, defaults in backends_with_defaults(model):
+        for section, defaults in model.backends_with_defaults():
             key = (defaults.render() if defaults is not None else "", section.render())
             digest = self.entries.get(key)
             if digest is None:
@@ -133,22 +133,6 @@ class SectionCache:
     def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
         used = {id(sd) for d in digests for sd in d.sections.values()}
         self.entries = {k: v for k, v in self.entries.items() if id(v) in used}
-
-
-def backends_with_defaults(model: Config) -> list[tuple[Section, Section | None]]:
-    """Each backend/listen with the defaults section it inherits from, in one pass."""
-    result: list[tuple[Section, Section | None]] = []
-    last: Section | None = None
-    named: dict[str, Section] = {}
-    for section in model.sections:
-        if section.kind == "defaults":
-            last = section
-            if section.name:
-                named[section.name] = section
-        elif section.kind in ("backend", "listen"):
-            wanted = section.from_defaults
-            result.append((section, named.get(wanted) if wanted is not None else last))
-    return result
 
 
 @dataclass(frozen=True, eq=False)

@@ -340,9 +340,9 @@ class Config:
             return list(self._servers_of(backend, self.defaults_for(backend)))
         return [server for _, servers in self.servers_by_backend() for server in servers]
 
-    def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
-        """Each backend/listen section with its servers, resolving defaults in one pass."""
-        result: list[tuple[Section, list[Server]]] = []
+    def backends_with_defaults(self) -> list[tuple[Section, Section | None]]:
+        """Each backend/listen with the defaults section it inherits from, in one pass."""
+        result: list[tuple[Section, Section | None]] = []
         last_defaults: Section | None = None
         named: dict[str, Section] = {}
         for section in self.sections:
@@ -352,9 +352,15 @@ class Config:
                     named[section.name] = section
             elif section.kind in BACKEND_KINDS:
                 wanted = section.from_defaults
-                defaults = named.get(wanted) if wanted is not None else last_defaults
-                result.append((section, list(self._servers_of(section, defaults))))
+                result.append((section, named.get(wanted) if wanted is not None else last_defaults))
         return result
+
+    def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
+        """Each backend/listen section with its servers, resolving defaults in one pass."""
+        return [
+            (section, list(self._servers_of(section, defaults)))
+            for section, defaults in self.backends_with_defaults()
+        ]
 
     def server_map(self) -> dict[str, Server]:
         """Servers keyed by "backend/name"."""
