@@ -11,6 +11,7 @@ import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from .haproxy.config import Config
@@ -32,8 +33,9 @@ class Effective:
     # whole lines through parse_line), kept so a 10,000-server config is not parsed twice more.
     effective_model: Config
 
-    @property
+    @cached_property
     def sha256(self) -> str:
+        # Read several times per reload; hashing a 10,000-server config once is enough.
         return sha256_text(self.text)
 
 
