@@ -90,11 +90,7 @@ class Daemon:
     def __init__(self, settings: Settings, extensions: Extensions | None = None) -> None:
         self.settings = settings
         self.extensions = extensions or Extensions()
-        self.state = State(
-            haproxy_binary=settings.haproxy.binary,
-            observe_enabled=settings.observe.enabled,
-            observe_error_limit=settings.observe.error_limit,
-        )
+        self.state = State(haproxy_binary=settings.haproxy.binary)
         self.notifier = Notifier()
         self.cli = MasterCLI(settings.haproxy.master_socket_path)
         self.master: MasterProcess | None = None

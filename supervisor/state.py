@@ -131,8 +131,6 @@ class State:
     rendered_sha256: str | None = None
     effective_path: str | None = None
     last_good_sha256: str | None = None
-    observe_enabled: bool = False
-    observe_error_limit: int = 3
     operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
     push_failures: int = 0

@@ -38,7 +38,6 @@ def running_state(now: datetime | None = None) -> State:
         master_up=True,
         rendered_path="/etc/haproxy/rendered/haproxy.cfg",
         effective_path="/run/haproxy-supervisor/haproxy.cfg",
-        observe_enabled=True,
     )
     state.generations = {
         1: _generation(1, "handwritten_basic.cfg", now - timedelta(minutes=40), OLD_PIDS[0]),
