@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import shutil
 import signal
 import socket
@@ -42,6 +41,7 @@ import psutil
 
 from supervisor.displaced import DisplacedWorkers
 from supervisor.effective import build_effective, prepare_runtime_dir, write_atomically
+from supervisor.gcpolicy import settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
@@ -133,8 +133,8 @@ class Master:
 
 
 class Bench:
-    def __init__(self, workers: int, servers: int, freeze_gc: bool = False) -> None:
-        self.freeze_gc = freeze_gc
+    def __init__(self, workers: int, servers: int, gc_policy: bool = True) -> None:
+        self.gc_policy = gc_policy
         self.workers = workers
         self.servers = servers
         self.rundir = short_tmpdir("hsb-")
@@ -178,11 +178,8 @@ class Bench:
         self.register(model, effective.sha256, new_pid)
         await displaced.after_reload(True)
         done = time.perf_counter()
-        if self.freeze_gc:
-            # The configs of live generations stay for minutes: move them out of the
-            # collector's way, so that a full collection never lands in the middle of a reload.
-            gc.collect()
-            gc.freeze()
+        if self.gc_policy:
+            settle_after_reload()  # what the reloader does after every reload
         if figures is not None:
             reload_s = confirmed - reload_start
             figures.reload.append(reload_s)
@@ -281,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20, help="drains measured per combination")
     parser.add_argument("--quick", action="store_true", help="1 and 10 workers, 10 and 1000 servers, 5 rounds")
     parser.add_argument(
-        "--freeze-gc",
+        "--no-gc-policy",
         action="store_true",
-        help="gc.freeze() after each reload, as a daemon can: keeps collector pauses out of the figures",
+        help="the control: skip the daemon's settle_after_reload() (gc.freeze) after each reload",
     )
     args = parser.parse_args(argv or [])
     if args.quick:
@@ -295,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for servers in (int(s) for s in args.servers.split(",")):
         for workers in (int(w) for w in args.workers.split(",")):
-            figures = asyncio.run(Bench(workers, servers, args.freeze_gc).run(args.rounds))
+            figures = asyncio.run(Bench(workers, servers, not args.no_gc_policy).run(args.rounds))
             report(workers, servers, figures)
     return 0
 

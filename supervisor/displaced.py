@@ -429,6 +429,12 @@ def steered_servers(dead: frozenset[str], entries: Mapping[str, str]) -> list[st
     return sorted(key for key in dead if key.partition("/")[0] in backends)
 
 
+def steered_by_parts(parts: Mapping[str, tuple[frozenset[str], frozenset[str], Mapping[str, str]]]) -> list[str]:
+    """steered_servers() from a worker's per-backend parts (dead, unusable, entries): only the
+    backends that have dead servers are looked at, not a map of thousands of entries."""
+    return sorted(key for backend, (dead, _, entries) in parts.items() if count_key(backend) in entries for key in dead)
+
+
 # ---------------------------------------------------------------- map diff
 
 
@@ -705,6 +711,15 @@ class _Worker:
     failures: int = 0
     retry_at: float = 0.0  # monotonic
     swept: frozenset[str] = frozenset()  # dead set for which stuck sessions were last ended
+    # steered_by_parts(parts), and the parts dict it was computed from (a new dict on every change)
+    steered: tuple[object, list[str]] = (None, [])
+
+    def steered_servers(self) -> list[str]:
+        if self.desired is None:
+            return []
+        if self.steered[0] is not self.parts:
+            self.steered = (self.parts, steered_by_parts(self.parts))
+        return self.steered[1]
 
 
 @dataclass
@@ -1283,7 +1298,7 @@ class DisplacedWorkers:
         if record is None:
             return  # the worker about to become old: not listed as old yet
         if result == "ok":
-            record.steered = steered_servers(worker.dead, worker.desired or {})
+            record.steered = worker.steered_servers()
             if record.push.state == "ok":
                 return  # keep the time of the push that made it so
         record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)

@@ -35,6 +35,7 @@ from .effective import (
     validate,
     write_atomically,
 )
+from .gcpolicy import settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
 from .haproxy.config import Config
@@ -524,6 +525,8 @@ class Reloader:
             record = self._reload_failed(before, error or "reload failed", started)
         await self._call_hook("after_reload", verdict == "ok")
         self.notifier.ready(summary_line(self.state, self._old_count()))
+        if verdict == "ok":
+            settle_after_reload()  # after the old workers are steered, never before
         return record
 
     async def _confirm(self, before: ProcList, deadline: float) -> tuple[Verdict, ProcList | None, str | None]:

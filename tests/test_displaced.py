@@ -15,6 +15,7 @@ from supervisor.displaced import (
     SectionCache,
     answer_problem,
     backend_of_key,
+    by_backend_of,
     dead_in,
     diff_map,
     known_dead_servers,
@@ -27,6 +28,7 @@ from supervisor.displaced import (
     split_show_info,
     steer_entries,
     steer_map_entries,
+    steered_by_parts,
     steered_servers,
     stuck_sessions,
     summarize_states,
@@ -189,6 +191,18 @@ def test_entries_spread_over_live_primaries_or_go_to_the_backup():
         "nobackup_n": "1",
     }
     assert steered_servers(dead, entries) == sorted(dead)
+
+
+def test_steered_by_parts_agrees_with_the_whole_map():
+    old = model(OLD)
+    dead = known_dead_servers(old, model(NEW), live_of(NEW), set()) | {"keeponly/k1"}
+    parts = {
+        backend: (keys, frozenset(), steer_map_entries(old, keys, "keep"))
+        for backend, keys in by_backend_of(dead).items()
+    }
+    entries = {k: v for _, _, e in parts.values() for k, v in e.items()}
+    assert steered_by_parts(parts) == steered_servers(dead, entries)
+    assert "keeponly/k1" not in steered_by_parts(parts)  # dead, but nothing steers its backend
 
 
 def test_no_primary_and_no_backup_fails_fast_or_is_left_alone():
