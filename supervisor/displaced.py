@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Literal
 
 import psutil
@@ -53,6 +54,7 @@ from .state import Generation, OldWorker, PushState, State, utcnow
 log = logging.getLogger("supervisor.displaced")
 
 NoBackup = Literal["fail-fast", "keep"]
+_NO_ENTRIES: Mapping[str, str] = MappingProxyType({})  # a backend with nothing steered: one shared object
 FAIL_FAST = "0"  # the value of `<backend>_n` that makes the guard refuse the request
 
 # ================================================================= pure decisions
@@ -459,6 +461,16 @@ def diff_map(
 ) -> list[Phase]:
     """Ordered phases that turn `current` into `desired` without exposing a half state.
 
+    The non-empty ones of diff_phases(): see there.
+    """
+    return [p for p in diff_phases(current, desired, keys) if p]
+
+
+def diff_phases(
+    current: Mapping[str, str], desired: Mapping[str, str], keys: Iterable[str] | None = None
+) -> tuple[Phase, Phase, Phase]:
+    """The three phases, in order, that turn `current` into `desired` (some may be empty).
+
     A count key promises that its slots exist, so slots are written first, counts second,
     and slots no longer counted are removed last. Keys are validated for the CLI.
     `keys`: only these keys can differ (the backends that changed since the last push); a
@@ -499,12 +511,11 @@ def diff_map(
             group.append((key, value))
         else:
             late_counts.append((key, value))
-    phases = [
+    return (
         Phase(adds=tuple(entry for group in groups.values() for entry in group), sets=slot_sets),
         Phase(adds=tuple(late_counts), sets=count_sets, dels=tuple(_valid("map key", k) for k in counts_had)),
         Phase(dels=tuple(_valid("map key", k) for k in slots_had)),
-    ]
-    return [p for p in phases if p]
+    )
 
 
 # A backend's entries up to this many payload bytes travel together in one line.
@@ -562,19 +573,42 @@ def phase_lines(
     lines = batch_lines(individual, limit) if individual else []
     at_version = f"@{int(version)} " if version is not None else ""
     head = on_process(pid, f"add map {at_version}{path} <<\n")
-    chunk: list[str] = []
-    size = len(head)
-    # Entries of one backend stay in one line when they fit in one: a new backend's count
-    # follows its slots in the same payload, and lines run in parallel.
     groups: dict[str, list[str]] = {}
     for key, value in phase.adds:
         groups.setdefault(backend_of_key(key), []).append(f"{key} {value}\n")
-    for group in groups.values():
-        group_size = sum(len(e) for e in group)
-        if chunk and size + group_size > limit and len(head) + group_size <= limit:
+    if groups:
+        payloads, late = payload_lines(head, ("".join(group) for group in groups.values()), limit)
+        lines += payloads
+        if late:
+            lines += payload_lines(head, late, limit)[0]  # callers that need them later use delta_lines
+    return lines
+
+
+def payload_lines(head: str, groups: Iterable[str], limit: int) -> tuple[list[str], list[str]]:
+    """`head` (an `add map ... <<` command and its newline) followed by `key value` lines, as
+    few lines as fit in `limit`, and the entries held back for later.
+
+    Each group (one backend's entries, its count last when it is new) stays in one line when
+    it fits in one, so the count arrives with its slots. A group too long for one line is
+    split, and its count is held back: lines run in parallel, so it may only be sent once
+    the lines with its slots were answered.
+    """
+    lines: list[str] = []
+    late: list[str] = []
+    chunk: list[str] = []
+    size = len(head)
+    for group in groups:
+        if chunk and size + len(group) > limit and len(head) + len(group) <= limit:
             lines.append(head + "".join(chunk))
             chunk, size = [], len(head)
-        for entry in group:
+        if size + len(group) <= limit:
+            chunk.append(group)
+            size += len(group)
+            continue
+        entries = group.splitlines(keepends=True)
+        if is_count_key(entries[-1].partition(" ")[0]):
+            late.append(entries.pop())
+        for entry in entries:
             if chunk and size + len(entry) > limit:
                 lines.append(head + "".join(chunk))
                 chunk, size = [], len(head)
@@ -583,7 +617,90 @@ def phase_lines(
     if chunk:
         # The line ends with the payload; the client's final newline is the empty line that ends it.
         lines.append(head + "".join(chunk))
-    return lines
+    return lines, late
+
+
+@dataclass(frozen=True, eq=False)
+class BackendDelta:
+    """The map changes that turn one backend's entries `before` into `after`, in the three
+    ranks of diff_phases(), with each rank's adds already rendered as payload text.
+
+    A drain changes the same backends in every old worker whose config shares the section,
+    so a delta is worked out once and reused for dozens of workers: what is left per worker
+    is joining texts, not a walk over its entries."""
+
+    phases: tuple[Phase, Phase, Phase]
+    payloads: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]  # each rank's adds: "key value\n" per backend
+
+    @classmethod
+    def of(cls, before: Mapping[str, str], after: Mapping[str, str]) -> BackendDelta:
+        phases = diff_phases(before, after)
+        return cls(phases, (_payload(phases[0]), _payload(phases[1]), _payload(phases[2])))
+
+    @classmethod
+    def between(
+        cls, current: Mapping[str, str], desired: Mapping[str, str], keys: Iterable[str] | None
+    ) -> BackendDelta:
+        """The delta of whole maps (any number of backends), when there are no per-backend parts to go by."""
+        phases = diff_phases(current, desired, keys)
+        return cls(phases, (_payload(phases[0]), _payload(phases[1]), _payload(phases[2])))
+
+    @property
+    def changes(self) -> int:
+        return sum(len(p.adds) + len(p.sets) + len(p.dels) for p in self.phases)
+
+    @property
+    def singles(self) -> int:
+        """Changes that need a command each (`set map`, `del map`): no payload for those."""
+        return sum(len(p.sets) + len(p.dels) for p in self.phases)
+
+
+def delta_lines(
+    pid: int, map_path: str, deltas: Sequence[BackendDelta], limit: int = DEFAULT_LINE_LIMIT
+) -> list[list[str]]:
+    """The CLI lines of several backends' deltas for one worker: one list per non-empty rank,
+    to be sent rank after rank (the lines of one rank may go in parallel)."""
+    path = _map_path(map_path)
+    head = on_process(pid, f"add map {path} <<\n")
+    ranks: list[list[str]] = []
+    for rank in range(3):
+        individual = [
+            command
+            for delta in deltas
+            for command in (
+                *(on_process(pid, f"set map {path} {k} {v}") for k, v in delta.phases[rank].sets),
+                *(on_process(pid, f"del map {path} {k}") for k in delta.phases[rank].dels),
+            )
+        ]
+        lines = batch_lines(individual, limit) if individual else []
+        late: list[str] = []
+        groups = [group for delta in deltas for group in delta.payloads[rank]]
+        if groups:
+            payloads, late = payload_lines(head, groups, limit)
+            lines += payloads
+        if lines:
+            ranks.append(lines)
+        if late:
+            ranks.append(payload_lines(head, late, limit)[0])
+    return ranks
+
+
+def _payload(phase: Phase) -> tuple[str, ...]:
+    """A phase's adds as payload text, one string per backend, in order."""
+    groups: dict[str, list[str]] = {}
+    for key, value in phase.adds:
+        groups.setdefault(backend_of_key(key), []).append(f"{key} {value}\n")
+    return tuple("".join(group) for group in groups.values())
+
+
+def apply_deltas(known: dict[str, str], deltas: Iterable[BackendDelta]) -> None:
+    """Record in `known` what the deltas' lines did, once HAProxy answered every one cleanly."""
+    for delta in deltas:
+        for phase in delta.phases:
+            known.update(phase.adds)
+            known.update(phase.sets)
+            for key in phase.dels:
+                known.pop(key, None)
 
 
 def answer_problem(line: str, answer: str) -> str | None:
@@ -695,6 +812,9 @@ class _Worker:
     desired: dict[str, str] | None = None
     # The keys that may differ between known and desired; None: any. Empty: in sync.
     dirty: set[str] | None = None
+    # While `dirty` is not None: per backend changed since then, its entries at that time and
+    # now (shared objects), from which the push is assembled; None: diff the maps instead.
+    transitions: dict[str, tuple[Mapping[str, str], Mapping[str, str]]] | None = None
     dead: frozenset[str] = frozenset()
     dead_groups: dict[str, frozenset[str]] = field(default_factory=dict)
     # Per backend with dead servers: (dead, unusable, entries) the entries were computed from.
@@ -759,6 +879,8 @@ class DisplacedWorkers:
         self._digests: dict[int, ConfigDigest] = {}  # id(Config) -> its digest
         self._sections = SectionCache()
         self._entries_memo: dict[tuple, dict[str, str]] = {}
+        # (id(before), id(after)) -> (before, after, their delta); the objects are kept so ids stay theirs
+        self._deltas: dict[tuple[int, int], tuple[Mapping[str, str], Mapping[str, str], BackendDelta]] = {}
         # view key -> digest -> (dead set, the same grouped by backend); the last two views
         # (during a reload the next config's view and the current one take turns).
         self._dead_cache: dict[tuple, dict[ConfigDigest, tuple[frozenset[str], dict[str, frozenset[str]]]]] = {}
@@ -920,6 +1042,7 @@ class DisplacedWorkers:
         if stale:
             self._sections.keep_only(self._digests.values())
             self._entries_memo.clear()
+            self._deltas.clear()
 
     async def _live_states(self, current_pid: int, fresh: bool, reuse: bool = False) -> _Live:
         live = self._live
@@ -1047,8 +1170,8 @@ class DisplacedWorkers:
         assert desired is not None
         moved: set[str] = set()
         for backend in changed:
-            before = old_parts[backend][2] if backend in old_parts else {}
-            after = parts[backend][2] if backend in parts else {}
+            before = old_parts[backend][2] if backend in old_parts else _NO_ENTRIES
+            after = parts[backend][2] if backend in parts else _NO_ENTRIES
             for key in before.keys() - after.keys():
                 desired.pop(key, None)
                 moved.add(key)
@@ -1056,6 +1179,9 @@ class DisplacedWorkers:
                 if desired.get(key) != value:
                     desired[key] = value
                     moved.add(key)
+            if worker.transitions is not None:
+                first = worker.transitions.get(backend, (before, after))[0]
+                worker.transitions[backend] = (first, after)
         if moved and worker.dirty is not None:
             worker.dirty |= moved
 
@@ -1078,7 +1204,7 @@ class DisplacedWorkers:
     def _want(worker: _Worker, desired: dict[str, str] | None) -> None:
         """Replace what a worker's map should hold (None: leave the map alone)."""
         if desired is None or worker.desired is None or desired != worker.desired:
-            worker.desired, worker.dirty = desired, None
+            worker.desired, worker.dirty, worker.transitions = desired, None, None
 
     async def _read_unusable(self, budget: int = 4) -> None:
         """Ask old workers, for the backends that have dead servers, which servers they already
@@ -1130,7 +1256,7 @@ class DisplacedWorkers:
         if worker.known is None or worker.desired is None:
             return False
         if worker.dirty is None and worker.known == worker.desired:
-            worker.dirty = set()
+            worker.dirty, worker.transitions = set(), {}
         return worker.dirty == set()
 
     async def _push_all(self) -> None:
@@ -1184,30 +1310,41 @@ class DisplacedWorkers:
         generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
         limit = self._digest(generation.model).limit if generation is not None else DEFAULT_LINE_LIMIT
         if worker.known is None:
-            worker.known, worker.dirty = await self._read_map(worker.pid), None
+            worker.known, worker.dirty, worker.transitions = await self._read_map(worker.pid), None, None
             worker.verified_at = time.monotonic()
             if self._in_sync(worker):
                 return
         known = worker.known
-        phases = diff_map(known, desired, worker.dirty)
-        singles = sum(len(p.sets) + len(p.dels) for p in phases)
+        if worker.transitions is not None:
+            # The usual case: the map held what we pushed last, and a few backends changed since.
+            deltas = [self._delta(before, after) for before, after in worker.transitions.values()]
+        else:
+            deltas = [BackendDelta.between(known, desired, worker.dirty)]
         worker.known, worker.pushes = None, worker.pushes + 1  # in between until the answers are in
-        if singles > self.REPLACE_ABOVE:
+        if sum(d.singles for d in deltas) > self.REPLACE_ABOVE:
             await self._replace(worker, desired, limit)
             known = dict(desired)
         else:
-            for phase in phases:
-                self._changes += len(phase.adds) + len(phase.sets) + len(phase.dels)
-                await self._send(worker.pid, phase_lines(worker.pid, self.map_path, phase, limit))
-                known.update(phase.adds)
-                known.update(phase.sets)
-                for key in phase.dels:
-                    known.pop(key, None)
+            self._changes += sum(d.changes for d in deltas)
+            for lines in delta_lines(worker.pid, self.map_path, deltas, limit):
+                await self._send(worker.pid, lines)
+            apply_deltas(known, deltas)
         # Every command answered cleanly: steered. The poll loop reads it back to verify. The
         # count moves again, so that a read-back that overlapped this push is not trusted.
         steered_at[worker.pid] = time.monotonic()
-        worker.known, worker.dirty, worker.verify = known, set(), True
+        worker.known, worker.dirty, worker.transitions, worker.verify = known, set(), {}, True
         worker.pushes += 1
+
+    def _delta(self, before: Mapping[str, str], after: Mapping[str, str]) -> BackendDelta:
+        """BackendDelta.of(), once per pair of entry objects (shared by the workers whose
+        sections are the same, see _entries)."""
+        key = (id(before), id(after))
+        memo = self._deltas.get(key)
+        if memo is None or memo[0] is not before or memo[1] is not after:
+            if len(self._deltas) > 100_000:
+                self._deltas.clear()
+            memo = self._deltas[key] = (before, after, BackendDelta.of(before, after))
+        return memo[2]
 
     async def _replace(self, worker: _Worker, desired: dict[str, str], limit: int) -> None:
         """Swap the whole map at once: a new version filled by payloads, then committed."""
@@ -1271,7 +1408,7 @@ class DisplacedWorkers:
                 if got != worker.known:
                     missing = sorted(set(worker.known.items()) - set(got.items()))[:3]
                     extra = sorted(set(got.items()) - set(worker.known.items()))[:3]
-                    worker.known, worker.dirty = got, None
+                    worker.known, worker.dirty, worker.transitions = got, None, None
                     self._failed(worker, f"worker {worker.pid}: map differs: missing {missing}, unexpected {extra}")
                     self._wake.set()
 

@@ -10,13 +10,16 @@ import pytest
 
 from supervisor.displaced import (
     FAIL_FAST,
+    BackendDelta,
     ConfigDigest,
     Phase,
     SectionCache,
     answer_problem,
+    apply_deltas,
     backend_of_key,
     by_backend_of,
     dead_in,
+    delta_lines,
     diff_map,
     known_dead_servers,
     line_limit,
@@ -374,6 +377,75 @@ def test_phase_lines_use_payloads_within_the_limit():
     assert got == list(adds)
     commands = [c for line in singles for c in line.split(";")]
     assert commands == [f"@!7 set map {MAP} x{i}_n 2" for i in range(400)]
+
+
+def run_lines(current: dict[str, str], ranks: list[list[str]], pid: int, rng: random.Random) -> dict[str, str]:
+    """Play CLI lines the way HAProxy takes them: ranks in order, a rank's lines in any order
+    (parallel connections), each line's commands or payload entries in order. After every
+    step, no count key may promise a slot that is not there."""
+    result = dict(current)
+
+    def check() -> None:
+        for k, v in result.items():
+            if k.endswith("_n") and v.isdigit():
+                assert all(f"{k[:-2]}_{i}" in result for i in range(int(v))), result
+
+    for lines in ranks:
+        for line in rng.sample(lines, len(lines)):
+            head, _, payload = line.partition("\n")
+            if head.endswith("<<"):
+                assert head == f"@!{pid} add map {MAP} <<"
+                for entry in payload.splitlines():
+                    key, value = entry.split(" ")
+                    assert key not in result
+                    result[key] = value
+                    check()
+                continue
+            for command in head.split(";"):
+                words = command.split(" ")
+                assert words[:4] in ([f"@!{pid}", "set", "map", MAP], [f"@!{pid}", "del", "map", MAP])
+                if words[1] == "set":
+                    assert words[4] in result
+                    result[words[4]] = words[5]
+                else:
+                    del result[words[4]]
+                check()
+    return result
+
+
+def test_delta_lines_merge_backends_and_reach_the_desired_map():
+    rng = random.Random(7)
+    for _ in range(300):
+        backends = [f"be{i}" for i in range(rng.randint(1, 12))]
+        before: dict[str, dict[str, str]] = {}
+        after: dict[str, dict[str, str]] = {}
+        for b in backends:
+            for side in (before, after):
+                n = rng.choice([None, 0, 1, 2, 5, 40])
+                slots = {f"{b}_{i}": f"srv{rng.randint(0, 9)}" for i in range(n or 0)}
+                side[b] = {} if n is None else {**slots, f"{b}_n": str(n)}
+        deltas = [BackendDelta.of(before[b], after[b]) for b in backends]
+        limit = rng.choice([300, 1000, 16000])
+        ranks = delta_lines(9, MAP, deltas, limit)
+        assert all(len(line.encode()) <= limit for lines in ranks for line in lines)
+        current = {k: v for b in backends for k, v in before[b].items()}
+        desired = {k: v for b in backends for k, v in after[b].items()}
+        assert run_lines(current, ranks, 9, rng) == desired
+        known = dict(current)
+        apply_deltas(known, deltas)
+        assert known == desired
+        whole = diff_map(current, desired)
+        assert sum(d.changes for d in deltas) == sum(len(p.adds) + len(p.sets) + len(p.dels) for p in whole)
+        # the same maps diffed whole, as a worker without per-backend parts is pushed
+        whole_lines = delta_lines(9, MAP, [BackendDelta.between(current, desired, None)], limit)
+        assert run_lines(current, whole_lines, 9, rng) == desired
+
+
+def test_a_newly_steered_backend_travels_in_one_payload_line():
+    entries = {"app_0": "r2", "app_1": "r3", "app_n": "2"}
+    ranks = delta_lines(5, MAP, [BackendDelta.of({}, entries)])
+    assert ranks == [[f"@!5 add map {MAP} <<\napp_0 r2\napp_1 r3\napp_n 2\n"]]
+    assert delta_lines(5, MAP, [BackendDelta.of(entries, entries)]) == []
 
 
 def test_map_entries_from_show_map():
