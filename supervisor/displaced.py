@@ -23,9 +23,10 @@ import contextlib
 import functools
 import ipaddress
 import logging
+import operator
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -122,8 +123,14 @@ class SectionCache:
 
     def sections_of(self, model: Config) -> dict[str, SectionDigest]:
         result: dict[str, SectionDigest] = {}
+        defaults_text: dict[int, str] = {}  # a defaults section serves hundreds of backends: render it once
         for section, defaults in model.backends_with_defaults():
-            key = (defaults.render() if defaults is not None else "", section.render())
+            if defaults is None:
+                inherited = ""
+            elif (inherited := defaults_text.get(id(defaults))) is None:
+                inherited = defaults_text[id(defaults)] = defaults.render()
+            header = section.header.raw if section.header is not None else ""
+            key = (inherited, header + "".join([line.raw for line in section.body]))
             digest = self.entries.get(key)
             if digest is None:
                 # A two-section config resolves `default-server` lines exactly as the whole one.
@@ -314,26 +321,48 @@ def dead_in(digest: ConfigDigest, view: LiveView) -> frozenset[str]:
     """The servers of one generation that are known to be dead, as "backend/server".
 
     A server its own config disables is never routed to by that worker, so it is left out.
+    """
+    groups = dead_groups_in(digest, view)
+    return frozenset().union(*groups.values())
+
+
+def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:
+    """Rule (a) for one backend: servers of `section` with nothing left at their address in the
+    latest config's section of the same name (None: the latest config has no such backend)."""
+    present = latest.present if latest is not None else frozenset()
+    return frozenset(key for where, keys in section.at_keys.items() if where not in present for key in keys)
+
+
+def dead_groups_in(
+    digest: ConfigDigest,
+    view: LiveView,
+    dropped: Callable[[SectionDigest, SectionDigest | None], frozenset[str]] = dropped_in_section,
+) -> dict[str, frozenset[str]]:
+    """dead_in() grouped by backend, backends without dead servers left out.
+
     Sections identical to the latest config's route to the same endpoints: only the others
-    are compared endpoint by endpoint, which keeps this fast for dozens of generations.
+    are compared, through `dropped` (which the shell memoizes per pair of sections: a new
+    config changes a few sections, and dozens of generations share the rest).
     """
     latest = view.latest.sections
-    dead: set[str] = set()
+    groups: dict[str, frozenset[str]] = {}
     for section in digest.section_set - view.latest.section_set:
-        other = latest.get(section.name)
-        present = other.present if other is not None else frozenset()
-        for where, keys in section.at_keys.items():
-            if where not in present:
-                dead.update(keys)
+        keys = dropped(section, latest.get(section.name))
+        if keys:
+            groups[section.name] = keys
+    extra: dict[str, set[str]] = {}
     for where in view.down | view.operator_at:
-        section = digest.sections.get(where.partition(" ")[0])
-        if section is not None:
-            dead.update(section.at_keys.get(where, ()))
+        name = where.partition(" ")[0]
+        section = digest.sections.get(name)
+        if section is not None and where in section.at_keys:
+            extra.setdefault(name, set()).update(section.at_keys[where])
     for key in view.operator:
         server = digest.server(key)
         if server is not None and not server.disabled:
-            dead.add(key)
-    return frozenset(dead)
+            extra.setdefault(server.backend, set()).add(key)
+    for name, keys in extra.items():
+        groups[name] = groups.get(name, frozenset()) | keys
+    return groups
 
 
 def known_dead_servers(
@@ -879,6 +908,9 @@ class DisplacedWorkers:
         self._digests: dict[int, ConfigDigest] = {}  # id(Config) -> its digest
         self._sections = SectionCache()
         self._entries_memo: dict[tuple, dict[str, str]] = {}
+        # (id(section), id(latest's section)) -> (section, latest's section, servers dropped)
+        self._dropped_memo: dict[tuple[int, int], tuple[SectionDigest, SectionDigest | None, frozenset[str]]] = {}
+        self._dead_sets: tuple[frozenset[str], ...] = ()  # the dead sets state.dead_servers was made of
         # (id(before), id(after)) -> (before, after, their delta); the objects are kept so ids stay theirs
         self._deltas: dict[tuple[int, int], tuple[Mapping[str, str], Mapping[str, str], BackendDelta]] = {}
         # view key -> digest -> (dead set, the same grouped by backend); the last two views
@@ -1043,6 +1075,7 @@ class DisplacedWorkers:
             self._sections.keep_only(self._digests.values())
             self._entries_memo.clear()
             self._deltas.clear()
+            self._dropped_memo.clear()
 
     async def _live_states(self, current_pid: int, fresh: bool, reuse: bool = False) -> _Live:
         live = self._live
@@ -1079,7 +1112,7 @@ class DisplacedWorkers:
     async def _steer(self, procs: ProcList, fresh: bool, reuse_live: bool = False) -> None:
         latest = self._next if self._next is not None else (self.state.current.model if self.state.current else None)
         if latest is None:
-            self.state.dead_servers = set()
+            self.state.dead_servers, self._dead_sets = set(), ()
             return
         self._forget_digests(latest)
         leaving = self._leaving_pid if self._next is not None else None
@@ -1114,8 +1147,8 @@ class DisplacedWorkers:
             steering: list[tuple[_Worker, ConfigDigest]] = []
             for worker, digest in judged:
                 if digest not in cache:
-                    dead = dead_in(digest, view)
-                    cache[digest] = (dead, by_backend_of(dead))
+                    groups = dead_groups_in(digest, view, self._dropped)
+                    cache[digest] = (frozenset().union(*groups.values()), groups)
                 worker.dead, worker.dead_groups = cache[digest]
                 if digest.guarded:
                     steering.append((worker, digest))
@@ -1124,10 +1157,23 @@ class DisplacedWorkers:
                     self._record(worker, "failed", "its config has no guard: it cannot be steered")
             for worker, digest in steering:
                 self._update_desired(worker, digest)
-        self.state.dead_servers = set().union(*(w.dead for w, _ in judged))
         await self._push_all()
+        dead_sets = tuple(w.dead for w, _ in judged)  # bookkeeping for the status API, after the push
+        if len(dead_sets) != len(self._dead_sets) or any(map(operator.is_not, dead_sets, self._dead_sets)):
+            self._dead_sets = dead_sets
+            self.state.dead_servers = set().union(*dead_sets)
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
+
+    def _dropped(self, section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:
+        """dropped_in_section(), once per pair of section digests."""
+        key = (id(section), id(latest))
+        memo = self._dropped_memo.get(key)
+        if memo is None or memo[0] is not section or memo[1] is not latest:
+            if len(self._dropped_memo) > 500_000:
+                self._dropped_memo.clear()
+            memo = self._dropped_memo[key] = (section, latest, dropped_in_section(section, latest))
+        return memo[2]
 
     def _update_desired(self, worker: _Worker, digest: ConfigDigest) -> None:
         """Recompute the entries of the backends whose dead or unusable servers changed."""
@@ -1175,10 +1221,8 @@ class DisplacedWorkers:
             for key in before.keys() - after.keys():
                 desired.pop(key, None)
                 moved.add(key)
-            for key, value in after.items():
-                if desired.get(key) != value:
-                    desired[key] = value
-                    moved.add(key)
+            desired.update(after)
+            moved.update(after)  # unchanged keys too: `dirty` holds the keys that *may* differ
             if worker.transitions is not None:
                 first = worker.transitions.get(backend, (before, after))[0]
                 worker.transitions[backend] = (first, after)

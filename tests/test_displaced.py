@@ -18,9 +18,11 @@ from supervisor.displaced import (
     apply_deltas,
     backend_of_key,
     by_backend_of,
+    dead_groups_in,
     dead_in,
     delta_lines,
     diff_map,
+    dropped_in_section,
     known_dead_servers,
     line_limit,
     live_view,
@@ -115,6 +117,29 @@ def test_a_servers_dropped_or_moved_by_the_latest_config_are_dead():
     dead = known_dead_servers(model(OLD), model(NEW), live_of(NEW), set())
     assert dead == {"echo/echo_r1", "highscale/hs_r1", "highscale/hs_r2", "wide/wide_r1", "nobackup/nb_r1"}
     # p1 is disabled in the old worker's own config: never routed to, never counted
+
+
+def test_dead_groups_compare_only_the_sections_that_differ_from_the_latest():
+    cache = SectionCache()
+    old, new = ConfigDigest.of(model(OLD), cache), ConfigDigest.of(model(NEW), cache)
+    view = live_view(new, summarize_states(live_of(NEW)), {"wide/wide_r2"})
+    asked: list[str] = []
+
+    def dropped(section, latest):
+        asked.append(section.name)
+        return dropped_in_section(section, latest)
+
+    groups = dead_groups_in(old, view, dropped)
+    assert sorted(asked) == ["echo", "highscale", "nobackup", "parked", "wide"]
+    assert groups == {
+        "echo": {"echo/echo_r1"},
+        "highscale": {"highscale/hs_r1", "highscale/hs_r2"},
+        "wide": {"wide/wide_r1", "wide/wide_r2"},  # wide_r2 by the operator
+        "nobackup": {"nobackup/nb_r1"},
+    }
+    asked.clear()
+    # the latest config against itself: every section is shared, nothing to compare
+    assert dead_groups_in(new, view, dropped) == {"wide": {"wide/wide_r2"}} and asked == []
 
 
 def test_a_same_name_at_another_port_is_dead_and_a_new_name_at_the_same_address_is_not():
