@@ -333,23 +333,65 @@ def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> 
     return frozenset(key for where, keys in section.at_keys.items() if where not in present for key in keys)
 
 
+Dropped = Callable[[SectionDigest, SectionDigest | None], frozenset[str]]
+
+
+def dropped_groups(
+    digest: ConfigDigest, latest: ConfigDigest, dropped: Dropped = dropped_in_section
+) -> dict[str, frozenset[str]]:
+    """Rule (a) for a whole config, per backend (backends with nothing dropped left out).
+
+    Sections identical to the latest config's route to the same endpoints: only the others
+    are compared, through `dropped` (which the shell memoizes per pair of sections).
+    """
+    groups: dict[str, frozenset[str]] = {}
+    for section in digest.section_set - latest.section_set:
+        keys = dropped(section, latest.sections.get(section.name))
+        if keys:
+            groups[section.name] = keys
+    return groups
+
+
+def changed_backends(old_latest: ConfigDigest, new_latest: ConfigDigest) -> frozenset[str]:
+    """Names of the backends whose section differs between two configs (or is in one only)."""
+    return frozenset(s.name for s in old_latest.section_set ^ new_latest.section_set)
+
+
+def dropped_groups_since(
+    previous: Mapping[str, frozenset[str]],
+    digest: ConfigDigest,
+    new_latest: ConfigDigest,
+    changed: frozenset[str],
+    dropped: Dropped = dropped_in_section,
+) -> dict[str, frozenset[str]]:
+    """dropped_groups(digest, new_latest) from `previous`, what it was against an older latest
+    config: only the `changed` backends (changed_backends() of the two) are compared again.
+    A new config changes a few backends; dozens of generations need not walk all of theirs."""
+    groups = dict(previous)
+    for name in changed:
+        groups.pop(name, None)
+        section = digest.sections.get(name)
+        latest = new_latest.sections.get(name)
+        if section is not None and section is not latest:
+            keys = dropped(section, latest)
+            if keys:
+                groups[name] = keys
+    return groups
+
+
 def dead_groups_in(
     digest: ConfigDigest,
     view: LiveView,
-    dropped: Callable[[SectionDigest, SectionDigest | None], frozenset[str]] = dropped_in_section,
+    dropped: Dropped = dropped_in_section,
+    dropped_already: Mapping[str, frozenset[str]] | None = None,
 ) -> dict[str, frozenset[str]]:
     """dead_in() grouped by backend, backends without dead servers left out.
 
-    Sections identical to the latest config's route to the same endpoints: only the others
-    are compared, through `dropped` (which the shell memoizes per pair of sections: a new
-    config changes a few sections, and dozens of generations share the rest).
+    `dropped_already`: dropped_groups(digest, view.latest) when the caller has it.
     """
-    latest = view.latest.sections
-    groups: dict[str, frozenset[str]] = {}
-    for section in digest.section_set - view.latest.section_set:
-        keys = dropped(section, latest.get(section.name))
-        if keys:
-            groups[section.name] = keys
+    if dropped_already is None:
+        dropped_already = dropped_groups(digest, view.latest, dropped)
+    groups = dict(dropped_already)
     extra: dict[str, set[str]] = {}
     for where in view.down | view.operator_at:
         name = where.partition(" ")[0]
@@ -910,7 +952,11 @@ class DisplacedWorkers:
         self._entries_memo: dict[tuple, dict[str, str]] = {}
         # (id(section), id(latest's section)) -> (section, latest's section, servers dropped)
         self._dropped_memo: dict[tuple[int, int], tuple[SectionDigest, SectionDigest | None, frozenset[str]]] = {}
+        self._steered_stale: set[int] = set()  # pids whose `steered` list is to be made anew
         self._dead_sets: tuple[frozenset[str], ...] = ()  # the dead sets state.dead_servers was made of
+        # generation digest -> (the latest config's digest, dropped_groups() against it)
+        self._dropped_by_digest: dict[ConfigDigest, tuple[ConfigDigest, Mapping[str, frozenset[str]]]] = {}
+        self._changed: tuple[ConfigDigest, ConfigDigest, frozenset[str]] | None = None
         # (id(before), id(after)) -> (before, after, their delta); the objects are kept so ids stay theirs
         self._deltas: dict[tuple[int, int], tuple[Mapping[str, str], Mapping[str, str], BackendDelta]] = {}
         # view key -> digest -> (dead set, the same grouped by backend); the last two views
@@ -987,6 +1033,9 @@ class DisplacedWorkers:
         self._digests.clear()
         self._sections = SectionCache()
         self._dead_cache.clear()
+        self._dropped_by_digest.clear()
+        self._dropped_memo.clear()
+        self._changed = None
         await self.sync(fresh=True)
 
     def mark_dead(self, key: str) -> None:
@@ -1076,6 +1125,11 @@ class DisplacedWorkers:
             self._entries_memo.clear()
             self._deltas.clear()
             self._dropped_memo.clear()
+            self._changed = None
+            alive = set(self._digests.values())
+            self._dropped_by_digest = {
+                d: v for d, v in self._dropped_by_digest.items() if d in alive and v[0] in alive
+            }
 
     async def _live_states(self, current_pid: int, fresh: bool, reuse: bool = False) -> _Live:
         live = self._live
@@ -1147,7 +1201,7 @@ class DisplacedWorkers:
             steering: list[tuple[_Worker, ConfigDigest]] = []
             for worker, digest in judged:
                 if digest not in cache:
-                    groups = dead_groups_in(digest, view, self._dropped)
+                    groups = dead_groups_in(digest, view, self._dropped, self._dropped_groups(digest, latest_digest))
                     cache[digest] = (frozenset().union(*groups.values()), groups)
                 worker.dead, worker.dead_groups = cache[digest]
                 if digest.guarded:
@@ -1158,12 +1212,28 @@ class DisplacedWorkers:
             for worker, digest in steering:
                 self._update_desired(worker, digest)
         await self._push_all()
+        self._list_steered()
         dead_sets = tuple(w.dead for w, _ in judged)  # bookkeeping for the status API, after the push
         if len(dead_sets) != len(self._dead_sets) or any(map(operator.is_not, dead_sets, self._dead_sets)):
             self._dead_sets = dead_sets
             self.state.dead_servers = set().union(*dead_sets)
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
+
+    def _dropped_groups(self, digest: ConfigDigest, latest: ConfigDigest) -> Mapping[str, frozenset[str]]:
+        """dropped_groups(digest, latest), updated from the last latest config it was worked out for."""
+        previous = self._dropped_by_digest.get(digest)
+        if previous is not None and previous[0] is latest:
+            return previous[1]
+        if previous is None:
+            groups = dropped_groups(digest, latest, self._dropped)
+        else:
+            pair = (previous[0], latest)
+            if self._changed is None or self._changed[0] is not pair[0] or self._changed[1] is not pair[1]:
+                self._changed = (*pair, changed_backends(*pair))
+            groups = dropped_groups_since(previous[1], digest, latest, self._changed[2], self._dropped)
+        self._dropped_by_digest[digest] = (latest, groups)
+        return groups
 
     def _dropped(self, section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:
         """dropped_in_section(), once per pair of section digests."""
@@ -1341,6 +1411,7 @@ class DisplacedWorkers:
                 "workers": len(steered_at),
                 "changes": self._changes,
                 "steered_s": max(steered_at.values()) - started,
+                "steered_at": max(steered_at.values()),  # time.monotonic() when the last one was answered
             }
 
     # Above this many `set map`/`del map` commands for one worker, the whole map is replaced
@@ -1479,10 +1550,18 @@ class DisplacedWorkers:
         if record is None:
             return  # the worker about to become old: not listed as old yet
         if result == "ok":
-            record.steered = worker.steered_servers()
+            self._steered_stale.add(worker.pid)  # listed once the pushes are out (_list_steered)
             if record.push.state == "ok":
                 return  # keep the time of the push that made it so
         record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)
+
+    def _list_steered(self) -> None:
+        """Status bookkeeping, after the pushes: which dead servers each old worker is kept from."""
+        for pid in self._steered_stale:
+            worker, record = self._workers.get(pid), self.state.old_workers.get(pid)
+            if worker is not None and record is not None and record.push.state == "ok":
+                record.steered = worker.steered_servers()
+        self._steered_stale.clear()
 
     async def _sweep(self) -> None:
         """End the streams of old workers that still wait on a dead server."""

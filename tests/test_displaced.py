@@ -18,10 +18,13 @@ from supervisor.displaced import (
     apply_deltas,
     backend_of_key,
     by_backend_of,
+    changed_backends,
     dead_groups_in,
     dead_in,
     delta_lines,
     diff_map,
+    dropped_groups,
+    dropped_groups_since,
     dropped_in_section,
     known_dead_servers,
     line_limit,
@@ -140,6 +143,30 @@ def test_dead_groups_compare_only_the_sections_that_differ_from_the_latest():
     asked.clear()
     # the latest config against itself: every section is shared, nothing to compare
     assert dead_groups_in(new, view, dropped) == {"wide": {"wide/wide_r2"}} and asked == []
+
+
+def test_dropped_groups_since_an_older_latest_equal_the_whole_comparison():
+    rng = random.Random(11)
+    cache = SectionCache()
+
+    def config() -> ConfigDigest:
+        text = "defaults\n    mode http\n"
+        for b in rng.sample(range(8), rng.randint(1, 8)):
+            text += f"backend be{b}\n" + "".join(
+                f"    server s{r} 10.0.{rng.randint(0, 2)}.{r}:80\n" for r in range(rng.randint(1, 3))
+            )
+        return ConfigDigest.of(model(text), cache)
+
+    generations = [config() for _ in range(6)]
+    latest = config()
+    known = {g: dropped_groups(g, latest) for g in generations}
+    for _ in range(40):
+        new_latest = rng.choice([config(), latest, generations[0]])
+        changed = changed_backends(latest, new_latest)
+        for g in generations:
+            known[g] = dropped_groups_since(known[g], g, new_latest, changed)
+            assert known[g] == dropped_groups(g, new_latest)
+        latest = new_latest
 
 
 def test_a_same_name_at_another_port_is_dead_and_a_new_name_at_the_same_address_is_not():
