@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from supervisor.haproxy.config import Config, parse_line, split_address, template_names
 from tests.conftest import corpus_files
+from tests.support import reference_build as reference
 
 
 @pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
@@ -117,3 +120,42 @@ def test_opaque_sections_survive_copy_and_edit():
     assert config.render() == text  # the original is untouched
     assert "server s 127.0.0.1:1 check weight 5\n" in copy.render()
     assert copy.render().startswith("userlist u\n  user a insecure-password x\n")
+
+
+def _line_fields(config: Config) -> list[tuple[str, str, list[tuple[str, tuple[str, ...], int]]]]:
+    return [(s.kind, s.name, [(line.raw, line.words, line.code_end) for line in s.lines()]) for s in config.sections]
+
+
+def _variants(text: str) -> list[str]:
+    """The text as written, with CRLF endings, and without its final newline."""
+    return [text, text.replace("\n", "\r\n"), text.rstrip("\n")]
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_parse_gives_the_straightforward_parse_every_time(path):
+    """The second parse runs from the line cache: it must give what the first, and the plain tokenizer, give."""
+    for text in _variants(path.read_text()):
+        expected = _line_fields(reference.parse(text))
+        for _ in range(3):
+            config = Config.parse(text)
+            assert _line_fields(config) == expected
+            assert config.render() == text
+
+
+def test_tokenizer_agrees_with_the_straightforward_one_on_random_lines():
+    rng = random.Random(4)
+    alphabet = [" ", " ", "\t", "#", '"', "'", "\\", "a", "b", "server", "\r", "\n", "\xa0", "\x1f", ":", "80"]
+    for _ in range(5000):
+        raw = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 14)))
+        expected = reference.parse_line(raw)
+        assert parse_line(raw) == expected, repr(raw)
+        assert parse_line(raw) == expected, repr(raw)  # again, from the cache
+        text = raw + "\nbackend b\n" + raw
+        assert _line_fields(Config.parse(text)) == _line_fields(reference.parse(text)), repr(text)
+
+
+def test_an_edited_line_is_parsed_anew():
+    before = Config.parse("backend b\n  server s 127.0.0.1:1 check\n")
+    after = Config.parse("backend b\n  server s 127.0.0.1:1 backup\n")
+    assert before.servers()[0].check and not before.servers()[0].backup
+    assert after.servers()[0].backup and not after.servers()[0].check
