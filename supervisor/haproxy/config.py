@@ -83,6 +83,10 @@ def parse_line(raw: str) -> Line:
     escapes the next character (not inside single quotes); quotes group words
     and are removed. Environment variables are left unexpanded.
     """
+    return _LINES.get(raw)
+
+
+def _tokenize(raw: str) -> Line:
     body = raw.rstrip("\r\n")
     if "\\" not in body and '"' not in body and "'" not in body:
         code = body.split("#", 1)[0]
@@ -130,6 +134,37 @@ def parse_line(raw: str) -> Line:
     if in_word or quote:
         words.append("".join(current))
     return Line(raw, tuple(words), code_end)
+
+
+class _LineCache:
+    """Each line's text -> its Line, for the lines used since the last parse and the one before.
+
+    Consecutive rendered configs share almost all their lines, and a Line is immutable, so a
+    parse takes the previous parse's Line objects instead of splitting 15,000 lines again.
+    Every Config.parse starts a generation and drops the lines the last two did not use:
+    the cache holds about two configs' lines, most of them shared with the live models.
+    """
+
+    __slots__ = ("current", "previous")
+
+    def __init__(self) -> None:
+        self.current: dict[str, Line] = {}
+        self.previous: dict[str, Line] = {}
+
+    def new_generation(self) -> None:
+        self.previous, self.current = self.current, {}
+
+    def get(self, raw: str) -> Line:
+        line = self.current.get(raw)
+        if line is None:
+            line = self.previous.get(raw)
+            if line is None:
+                line = _tokenize(raw)
+            self.current[raw] = line
+        return line
+
+
+_LINES = _LineCache()
 
 
 def quote_word(word: str) -> str:
@@ -301,13 +336,26 @@ class Config:
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        sections = [Section(None)]
+        _LINES.new_generation()
+        # _LineCache.get, inlined: this loop runs once per line of a 15,000-line config.
+        current, previous = _LINES.current, _LINES.previous
+        section = Section(None)
+        sections = [section]
+        body = section.body
         for raw in text.splitlines(keepends=True):
-            line = parse_line(raw)
-            if line.keyword in SECTION_KEYWORDS:
-                sections.append(Section(line))
+            line = current.get(raw)
+            if line is None:
+                line = previous.get(raw)
+                if line is None:
+                    line = _tokenize(raw)
+                current[raw] = line
+            words = line.words
+            if words and words[0] in SECTION_KEYWORDS:
+                section = Section(line)
+                sections.append(section)
+                body = section.body
             else:
-                sections[-1].body.append(line)
+                body.append(line)
         return cls(sections)
 
     def render(self) -> str:
