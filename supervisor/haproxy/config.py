@@ -270,7 +270,9 @@ def split_address(spec: str) -> tuple[str, int | None]:
 
 
 @dataclass(frozen=True, slots=True)
-class _ServerFlags:
+class ServerFlags:
+    """The flags a server line gives its servers, `default-server` settings applied."""
+
     check: bool = False
     backup: bool = False
     disabled: bool = False
@@ -278,7 +280,9 @@ class _ServerFlags:
     track: str | None = None
     weight: int | None = None
 
-    def apply(self, params: tuple[str, ...]) -> _ServerFlags:
+    def apply(self, params: tuple[str, ...]) -> ServerFlags:
+        if not params:
+            return self  # most server lines of a big config: no object to make
         check, backup, disabled = self.check, self.backup, self.disabled
         observe, track, weight = self.observe, self.track, self.weight
         i = 0
@@ -306,7 +310,7 @@ class _ServerFlags:
             if p in _SERVER_KEYWORDS_WITH_ARG:
                 i += 1
             i += 1
-        return _ServerFlags(check, backup, disabled, observe, track, weight)
+        return ServerFlags(check, backup, disabled, observe, track, weight)
 
 
 def _leading_int(text: str) -> int:
@@ -320,12 +324,39 @@ def template_names(prefix: str, count: str) -> list[str]:
 
     HAProxy accepts junk counts (`x-y` reads as 0-0); they declare no server we can name.
     """
+    return [f"{prefix}{i}" for i in _template_numbers(count)]
+
+
+def _template_numbers(count: str) -> range:
     low, sep, high = count.partition("-")
     if sep:
         first, last = _leading_int(low), _leading_int(high)
     else:
         first, last = 1, _leading_int(low)
-    return [f"{prefix}{i}" for i in range(max(first, 1), last + 1)]
+    return range(max(first, 1), last + 1)
+
+
+def _server_lines(section: Section, defaults: Section | None) -> Iterator[tuple[int, Line, ServerFlags]]:
+    """Each `server` and `server-template` line of a backend that has its address: its index,
+    the line, and the flags in force before its own parameters (from `default-server` lines)."""
+    flags = _NO_FLAGS
+    if defaults is not None:
+        for line in defaults.body:
+            words = line.words
+            if words and words[0] == "default-server":
+                flags = flags.apply(words[1:])
+    for index, line in enumerate(section.body):
+        words = line.words
+        if not words:
+            continue
+        kw = words[0]
+        if kw == "default-server":
+            flags = flags.apply(words[1:])
+        elif (kw == "server" and len(words) >= 3) or (kw == "server-template" and len(words) >= 4):
+            yield index, line, flags
+
+
+_NO_FLAGS = ServerFlags()
 
 
 class Config:
@@ -359,7 +390,13 @@ class Config:
         return cls(sections)
 
     def render(self) -> str:
-        return "".join(section.render() for section in self.sections)
+        # One join over every line: a join per section costs more than the lines of 1,000 backends.
+        parts: list[str] = []
+        for section in self.sections:
+            if section.header is not None:
+                parts.append(section.header.raw)
+            parts.extend([line.raw for line in section.body])
+        return "".join(parts)
 
     def copy(self) -> Config:
         """A copy whose sections can be edited without touching this one (lines are immutable)."""
@@ -414,51 +451,32 @@ class Config:
         """Servers keyed by "backend/name"."""
         return {s.key: s for s in self.servers()}
 
-    def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
-        flags = _ServerFlags()
-        if defaults is not None:
-            for line in defaults.body:
-                if line.keyword == "default-server":
-                    flags = flags.apply(line.words[1:])
-        for index, line in enumerate(section.body):
-            kw = line.keyword
-            if kw == "default-server":
-                flags = flags.apply(line.words[1:])
-            elif kw == "server" and len(line.words) >= 3:
-                params = line.words[3:]
-                yield self._server(section, line.words[1], line.words[2], params, flags, False, index)
-            elif kw == "server-template" and len(line.words) >= 4:
-                params = line.words[4:]
-                for name in template_names(line.words[1], line.words[2]):
-                    yield self._server(section, name, line.words[3], params, flags, True, index)
+    def server_flags_by_backend(self) -> list[tuple[Section, list[tuple[int, ServerFlags]]]]:
+        """Each backend/listen section with, for each line that declares servers, the line's
+        index in the body and the flags all its servers get: what servers_by_backend() tells
+        about flags, without making a Server for each of 10,000 servers."""
+        result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
+        for section, defaults in self.backends_with_defaults():
+            lines: list[tuple[int, ServerFlags]] = []
+            for index, line, flags in _server_lines(section, defaults):
+                words = line.words
+                if words[0] == "server":
+                    lines.append((index, flags.apply(words[3:])))
+                elif _template_numbers(words[2]):
+                    lines.append((index, flags.apply(words[4:])))
+            result.append((section, lines))
+        return result
 
-    @staticmethod
-    def _server(
-        section: Section,
-        name: str,
-        address: str,
-        params: tuple[str, ...],
-        defaults: _ServerFlags,
-        template: bool,
-        index: int,
-    ) -> Server:
-        host, port = split_address(address)
-        f = defaults.apply(params)
-        return Server(
-            backend=section.name,
-            name=name,
-            address=host,
-            port=port,
-            params=params,
-            check=f.check,
-            backup=f.backup,
-            disabled=f.disabled,
-            observe=f.observe,
-            track=f.track,
-            weight=f.weight,
-            template=template,
-            line_index=index,
-        )
+    def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
+        backend = section.name
+        for index, line, flags in _server_lines(section, defaults):
+            words = line.words
+            if words[0] == "server":
+                yield _server(backend, words[1], words[2], words[3:], flags, False, index)
+            else:
+                params = words[4:]
+                for name in template_names(words[1], words[2]):
+                    yield _server(backend, name, words[3], params, flags, True, index)
 
     def mode_of(self, proxy: Section) -> str:
         """`http` or `tcp` (HAProxy's default), from the proxy or its defaults."""
@@ -477,3 +495,31 @@ class Config:
                     if line.keyword == keyword:
                         return line
         return None
+
+
+def _server(
+    backend: str,
+    name: str,
+    address: str,
+    params: tuple[str, ...],
+    defaults: ServerFlags,
+    template: bool,
+    index: int,
+) -> Server:
+    host, port = split_address(address)
+    f = defaults.apply(params)
+    return Server(
+        backend=backend,
+        name=name,
+        address=host,
+        port=port,
+        params=params,
+        check=f.check,
+        backup=f.backup,
+        disabled=f.disabled,
+        observe=f.observe,
+        track=f.track,
+        weight=f.weight,
+        template=template,
+        line_index=index,
+    )
