@@ -159,3 +159,43 @@ def test_an_edited_line_is_parsed_anew():
     after = Config.parse("backend b\n  server s 127.0.0.1:1 backup\n")
     assert before.servers()[0].check and not before.servers()[0].backup
     assert after.servers()[0].backup and not after.servers()[0].check
+
+
+def _flags_from_servers(config: Config) -> list[list[tuple[int, tuple[object, ...]]]]:
+    """servers_by_backend(), one entry per server line: what server_flags_by_backend() must say."""
+    result = []
+    for _, servers in config.servers_by_backend():
+        by_line = {s.line_index: (s.check, s.backup, s.disabled, s.observe, s.track, s.weight) for s in servers}
+        result.append(sorted(by_line.items()))
+    return result
+
+
+def _flags_by_line(config: Config) -> list[list[tuple[int, tuple[object, ...]]]]:
+    return [
+        [(i, (f.check, f.backup, f.disabled, f.observe, f.track, f.weight)) for i, f in lines]
+        for _, lines in config.server_flags_by_backend()
+    ]
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_server_flags_by_line_agree_with_the_servers(path):
+    config = Config.parse(path.read_text())
+    for _ in range(2):  # the second time from the cache
+        assert _flags_by_line(config) == _flags_from_servers(config)
+
+
+def test_same_backend_text_under_other_defaults_gets_their_flags():
+    """The flag cache is keyed by the body's text and the defaults' flags: one body, two defaults."""
+    text = (
+        "defaults plain\n  mode http\n"
+        "defaults backups\n  mode http\n  default-server backup\n"
+        "backend a from plain\n  server s 127.0.0.1:1 check\n"
+        "backend b from backups\n  server s 127.0.0.1:1 check\n"
+        "backend c from plain\n  server s 127.0.0.1:1 check\n"
+    )
+    for _ in range(2):
+        config = Config.parse(text)
+        assert [[f.backup for _, f in lines] for _, lines in config.server_flags_by_backend()] == [
+            [False], [True], [False]
+        ]
+        assert _flags_by_line(config) == _flags_from_servers(config)

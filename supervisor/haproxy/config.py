@@ -8,8 +8,10 @@ rendered one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 # Section keywords known to HAProxy 2.6 - 3.x. Anything inside a section we do not
 # model (peers, resolvers, ...) is kept as opaque lines.
@@ -35,6 +37,8 @@ SECTION_KEYWORDS = frozenset(
         "acme",
     }
 )
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
 BACKEND_KINDS = frozenset({"backend", "listen"})
 
@@ -83,7 +87,11 @@ def parse_line(raw: str) -> Line:
     escapes the next character (not inside single quotes); quotes group words
     and are removed. Environment variables are left unexpanded.
     """
-    return _LINES.get(raw)
+    line = _LINES.get(raw)
+    if line is None:
+        line = _tokenize(raw)
+        _LINES.put(raw, line)
+    return line
 
 
 def _tokenize(raw: str) -> Line:
@@ -136,35 +144,38 @@ def _tokenize(raw: str) -> Line:
     return Line(raw, tuple(words), code_end)
 
 
-class _LineCache:
-    """Each line's text -> its Line, for the lines used since the last parse and the one before.
+class _RecentlyUsed(Generic[_K, _V]):
+    """A dict of what the last two generations used, for results worth keeping from one
+    rendered config to the next: consecutive configs share almost all their lines and sections.
 
-    Consecutive rendered configs share almost all their lines, and a Line is immutable, so a
-    parse takes the previous parse's Line objects instead of splitting 15,000 lines again.
-    Every Config.parse starts a generation and drops the lines the last two did not use:
-    the cache holds about two configs' lines, most of them shared with the live models.
+    Every Config.parse starts a generation (a new rendered config, in the daemon); what the
+    last two did not use is dropped, so each cache holds about two configs' worth.
     """
 
     __slots__ = ("current", "previous")
 
     def __init__(self) -> None:
-        self.current: dict[str, Line] = {}
-        self.previous: dict[str, Line] = {}
+        self.current: dict[_K, _V] = {}
+        self.previous: dict[_K, _V] = {}
 
     def new_generation(self) -> None:
         self.previous, self.current = self.current, {}
 
-    def get(self, raw: str) -> Line:
-        line = self.current.get(raw)
-        if line is None:
-            line = self.previous.get(raw)
-            if line is None:
-                line = _tokenize(raw)
-            self.current[raw] = line
-        return line
+    def get(self, key: _K) -> _V | None:
+        value = self.current.get(key)
+        if value is None:
+            value = self.previous.get(key)
+            if value is not None:
+                self.current[key] = value
+        return value
+
+    def put(self, key: _K, value: _V) -> None:
+        self.current[key] = value
 
 
-_LINES = _LineCache()
+# A line's text -> its Line (immutable, so configs share them): a parse of the next rendered
+# config takes the previous one's Lines instead of splitting 15,000 lines again.
+_LINES: _RecentlyUsed[str, Line] = _RecentlyUsed()
 
 
 def quote_word(word: str) -> str:
@@ -269,6 +280,12 @@ def split_address(spec: str) -> tuple[str, int | None]:
     return family + host if family not in ("", "ipv4@", "ipv6@") else host, port
 
 
+# The words ServerFlags.apply acts on; every other word of a server line is passed over.
+_FLAG_WORDS = frozenset(
+    {"check", "no-check", "backup", "no-backup", "disabled", "enabled", "observe", "track", "weight"}
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ServerFlags:
     """The flags a server line gives its servers, `default-server` settings applied."""
@@ -283,12 +300,21 @@ class ServerFlags:
     def apply(self, params: tuple[str, ...]) -> ServerFlags:
         if not params:
             return self  # most server lines of a big config: no object to make
-        check, backup, disabled = self.check, self.backup, self.disabled
-        observe, track, weight = self.observe, self.track, self.weight
-        i = 0
-        while i < len(params):
-            p = params[i]
-            arg = params[i + 1] if i + 1 < len(params) else None
+        return _apply_params(self, params)
+
+
+# A server line's parameters repeat from server to server (`check inter 2s`), and a call
+# walks every word: remember the last few thousand results (pure, and bounded).
+@functools.lru_cache(maxsize=4096)
+def _apply_params(flags: ServerFlags, params: tuple[str, ...]) -> ServerFlags:
+    check, backup, disabled = flags.check, flags.backup, flags.disabled
+    observe, track, weight = flags.observe, flags.track, flags.weight
+    n = len(params)
+    i = 0
+    while i < n:
+        p = params[i]
+        if p in _FLAG_WORDS:
+            arg = params[i + 1] if i + 1 < n else None
             if p == "check":
                 check = True
             elif p == "no-check":
@@ -307,10 +333,10 @@ class ServerFlags:
                 track = arg
             elif p == "weight" and arg is not None and arg.isdigit():
                 weight = int(arg)
-            if p in _SERVER_KEYWORDS_WITH_ARG:
-                i += 1
+        if p in _SERVER_KEYWORDS_WITH_ARG:
             i += 1
-        return ServerFlags(check, backup, disabled, observe, track, weight)
+        i += 1
+    return ServerFlags(check, backup, disabled, observe, track, weight)
 
 
 def _leading_int(text: str) -> int:
@@ -336,16 +362,22 @@ def _template_numbers(count: str) -> range:
     return range(max(first, 1), last + 1)
 
 
-def _server_lines(section: Section, defaults: Section | None) -> Iterator[tuple[int, Line, ServerFlags]]:
-    """Each `server` and `server-template` line of a backend that has its address: its index,
-    the line, and the flags in force before its own parameters (from `default-server` lines)."""
+def _default_flags(defaults: Section | None) -> ServerFlags:
+    """The flags the `default-server` lines of a defaults section give every server."""
     flags = _NO_FLAGS
     if defaults is not None:
         for line in defaults.body:
             words = line.words
             if words and words[0] == "default-server":
                 flags = flags.apply(words[1:])
-    for index, line in enumerate(section.body):
+    return flags
+
+
+def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, Line, ServerFlags]]:
+    """Each `server` and `server-template` line of a backend's body that has its address: its
+    index, the line, and the flags in force before its own parameters, starting from `flags`
+    (its defaults') and applying the backend's own `default-server` lines."""
+    for index, line in enumerate(body):
         words = line.words
         if not words:
             continue
@@ -356,7 +388,21 @@ def _server_lines(section: Section, defaults: Section | None) -> Iterator[tuple[
             yield index, line, flags
 
 
+def _server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tuple[int, ServerFlags]]:
+    lines: list[tuple[int, ServerFlags]] = []
+    for index, line, flags in _server_lines(body, defaults_flags):
+        words = line.words
+        if words[0] == "server":
+            lines.append((index, flags.apply(words[3:])))
+        elif _template_numbers(words[2]):
+            lines.append((index, flags.apply(words[4:])))
+    return lines
+
+
 _NO_FLAGS = ServerFlags()
+# (the defaults' flags, a backend body's text) -> _server_line_flags of that body: nothing else
+# goes into it, so an edited line or `default-server` gives another key, never a stale entry.
+_SERVER_FLAGS: _RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = _RecentlyUsed()
 
 
 class Config:
@@ -368,7 +414,8 @@ class Config:
     @classmethod
     def parse(cls, text: str) -> Config:
         _LINES.new_generation()
-        # _LineCache.get, inlined: this loop runs once per line of a 15,000-line config.
+        _SERVER_FLAGS.new_generation()
+        # _LINES.get, inlined: this loop runs once per line of a 15,000-line config.
         current, previous = _LINES.current, _LINES.previous
         section = Section(None)
         sections = [section]
@@ -456,20 +503,22 @@ class Config:
         index in the body and the flags all its servers get: what servers_by_backend() tells
         about flags, without making a Server for each of 10,000 servers."""
         result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
+        defaults_flags: dict[int, ServerFlags] = {}  # by id: the sections live through this call
         for section, defaults in self.backends_with_defaults():
-            lines: list[tuple[int, ServerFlags]] = []
-            for index, line, flags in _server_lines(section, defaults):
-                words = line.words
-                if words[0] == "server":
-                    lines.append((index, flags.apply(words[3:])))
-                elif _template_numbers(words[2]):
-                    lines.append((index, flags.apply(words[4:])))
-            result.append((section, lines))
+            flags = defaults_flags.get(id(defaults))
+            if flags is None:
+                flags = defaults_flags[id(defaults)] = _default_flags(defaults)
+            key = (flags, "".join([line.raw for line in section.body]))
+            lines = _SERVER_FLAGS.get(key)
+            if lines is None:
+                lines = _server_line_flags(section.body, flags)
+                _SERVER_FLAGS.put(key, lines)
+            result.append((section, list(lines)))
         return result
 
     def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
         backend = section.name
-        for index, line, flags in _server_lines(section, defaults):
+        for index, line, flags in _server_lines(section.body, _default_flags(defaults)):
             words = line.words
             if words[0] == "server":
                 yield _server(backend, words[1], words[2], words[3:], flags, False, index)
