@@ -37,8 +37,6 @@ SECTION_KEYWORDS = frozenset(
         "acme",
     }
 )
-_K = TypeVar("_K")
-_V = TypeVar("_V")
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
 BACKEND_KINDS = frozenset({"backend", "listen"})
 
@@ -144,6 +142,10 @@ def _tokenize(raw: str) -> Line:
     return Line(raw, tuple(words), code_end)
 
 
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
 class _RecentlyUsed(Generic[_K, _V]):
     """A dict of what the last two generations used, for results worth keeping from one
     rendered config to the next: consecutive configs share almost all their lines and sections.
@@ -176,6 +178,14 @@ class _RecentlyUsed(Generic[_K, _V]):
 # A line's text -> its Line (immutable, so configs share them): a parse of the next rendered
 # config takes the previous one's Lines instead of splitting 15,000 lines again.
 _LINES: _RecentlyUsed[str, Line] = _RecentlyUsed()
+
+
+def clear_caches() -> None:
+    """Forget every line and server-flag result kept from earlier parses (a cold start: benchmarks)."""
+    for cache in (_LINES, _SERVER_FLAGS):
+        cache.new_generation()
+        cache.new_generation()
+    _apply_params.cache_clear()
 
 
 def quote_word(word: str) -> str:
