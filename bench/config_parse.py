@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from bench.displaced_push import rendered
+from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config, clear_caches
 from supervisor.haproxy.inject import effective_config
 from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
@@ -68,6 +70,16 @@ def main() -> None:
         "cold: parse + all injections + render (10k)",
         timed(lambda: effective_config(Config.parse(text), full).render(), 15, clear_caches),
     )
+    # The reloader's step on the displaced-push benchmark's config, with the default settings
+    # (guard and server state on, observe off): each run a new rendered config, one line changed.
+    shape = rendered(10_000, 18080, {1: 1})
+    versions = iter(range(1_000_000))
+
+    def build() -> None:
+        build_effective(Settings(), shape.replace("maxconn 2000", f"maxconn {2000 + next(versions)}"))
+
+    report("build_effective, a new config each run", timed(build, 15))
+    report("cold: build_effective", timed(build, 15, clear_caches))
 
 
 if __name__ == "__main__":
