@@ -199,3 +199,15 @@ def test_same_backend_text_under_other_defaults_gets_their_flags():
             [False], [True], [False]
         ]
         assert _flags_by_line(config) == _flags_from_servers(config)
+
+
+def test_caches_keep_only_what_the_last_two_parses_used():
+    """Memory stays bounded however many configs the daemon reads: entries of older parses go."""
+    from supervisor.haproxy import config as model
+
+    for i in range(5):
+        Config.parse(f"backend b{i}\n  server s 127.0.0.1:{i}\n").server_flags_by_backend()
+    lines = set(model._LINES.current) | set(model._LINES.previous)
+    assert lines == {"backend b3\n", "  server s 127.0.0.1:3\n", "backend b4\n", "  server s 127.0.0.1:4\n"}
+    bodies = {body for _, body in [*model._SERVER_FLAGS.current, *model._SERVER_FLAGS.previous]}
+    assert bodies == {"  server s 127.0.0.1:3\n", "  server s 127.0.0.1:4\n"}
