@@ -9,7 +9,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from supervisor.haproxy.config import Config
+from bench.displaced_push import rendered
+from supervisor.effective import build_effective
+from supervisor.haproxy.config import Config, clear_caches
 from supervisor.haproxy.inject import effective_config
 from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
 
@@ -33,9 +35,11 @@ def synthetic_config(servers: int, per_backend: int = 10) -> str:
     return "".join(lines)
 
 
-def timed(fn, repeat: int) -> list[float]:
+def timed(fn, repeat: int, before=None) -> list[float]:
     samples = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         started = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - started) * 1000)
@@ -59,6 +63,23 @@ def main() -> None:
         "parse + all injections + render (10k)",
         timed(lambda: effective_config(Config.parse(text), full).render(), 15),
     )
+    # Every run above after the first reuses the Lines and server flags of the one before, as
+    # the daemon does from one rendered config to the next; a cold start has none of them.
+    report("cold: parse + servers() (10k)", timed(lambda: Config.parse(text).servers(), 15, clear_caches))
+    report(
+        "cold: parse + all injections + render (10k)",
+        timed(lambda: effective_config(Config.parse(text), full).render(), 15, clear_caches),
+    )
+    # The reloader's step on the displaced-push benchmark's config, with the default settings
+    # (guard and server state on, observe off): each run a new rendered config, one line changed.
+    shape = rendered(10_000, 18080, {1: 1})
+    versions = iter(range(1_000_000))
+
+    def build() -> None:
+        build_effective(Settings(), shape.replace("maxconn 2000", f"maxconn {2000 + next(versions)}"))
+
+    report("build_effective, a new config each run", timed(build, 15))
+    report("cold: build_effective", timed(build, 15, clear_caches))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from supervisor.haproxy.config import Config, parse_line, split_address, template_names
 from tests.conftest import corpus_files
+from tests.support import reference_build as reference
 
 
 @pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
@@ -117,3 +120,94 @@ def test_opaque_sections_survive_copy_and_edit():
     assert config.render() == text  # the original is untouched
     assert "server s 127.0.0.1:1 check weight 5\n" in copy.render()
     assert copy.render().startswith("userlist u\n  user a insecure-password x\n")
+
+
+def _line_fields(config: Config) -> list[tuple[str, str, list[tuple[str, tuple[str, ...], int]]]]:
+    return [(s.kind, s.name, [(line.raw, line.words, line.code_end) for line in s.lines()]) for s in config.sections]
+
+
+def _variants(text: str) -> list[str]:
+    """The text as written, with CRLF endings, and without its final newline."""
+    return [text, text.replace("\n", "\r\n"), text.rstrip("\n")]
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_parse_gives_the_straightforward_parse_every_time(path):
+    """The second parse runs from the line cache: it must give what the first, and the plain tokenizer, give."""
+    for text in _variants(path.read_text()):
+        expected = _line_fields(reference.parse(text))
+        for _ in range(3):
+            config = Config.parse(text)
+            assert _line_fields(config) == expected
+            assert config.render() == text
+
+
+def test_tokenizer_agrees_with_the_straightforward_one_on_random_lines():
+    rng = random.Random(4)
+    alphabet = [" ", " ", "\t", "#", '"', "'", "\\", "a", "b", "server", "\r", "\n", "\xa0", "\x1f", ":", "80"]
+    for _ in range(5000):
+        raw = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 14)))
+        expected = reference.parse_line(raw)
+        assert parse_line(raw) == expected, repr(raw)
+        assert parse_line(raw) == expected, repr(raw)  # again, from the cache
+        text = raw + "\nbackend b\n" + raw
+        assert _line_fields(Config.parse(text)) == _line_fields(reference.parse(text)), repr(text)
+
+
+def test_an_edited_line_is_parsed_anew():
+    before = Config.parse("backend b\n  server s 127.0.0.1:1 check\n")
+    after = Config.parse("backend b\n  server s 127.0.0.1:1 backup\n")
+    assert before.servers()[0].check and not before.servers()[0].backup
+    assert after.servers()[0].backup and not after.servers()[0].check
+
+
+def _flags_from_servers(config: Config) -> list[list[tuple[int, tuple[object, ...]]]]:
+    """servers_by_backend(), one entry per server line: what server_flags_by_backend() must say."""
+    result = []
+    for _, servers in config.servers_by_backend():
+        by_line = {s.line_index: (s.check, s.backup, s.disabled, s.observe, s.track, s.weight) for s in servers}
+        result.append(sorted(by_line.items()))
+    return result
+
+
+def _flags_by_line(config: Config) -> list[list[tuple[int, tuple[object, ...]]]]:
+    return [
+        [(i, (f.check, f.backup, f.disabled, f.observe, f.track, f.weight)) for i, f in lines]
+        for _, lines in config.server_flags_by_backend()
+    ]
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
+def test_server_flags_by_line_agree_with_the_servers(path):
+    config = Config.parse(path.read_text())
+    for _ in range(2):  # the second time from the cache
+        assert _flags_by_line(config) == _flags_from_servers(config)
+
+
+def test_same_backend_text_under_other_defaults_gets_their_flags():
+    """The flag cache is keyed by the body's text and the defaults' flags: one body, two defaults."""
+    text = (
+        "defaults plain\n  mode http\n"
+        "defaults backups\n  mode http\n  default-server backup\n"
+        "backend a from plain\n  server s 127.0.0.1:1 check\n"
+        "backend b from backups\n  server s 127.0.0.1:1 check\n"
+        "backend c from plain\n  server s 127.0.0.1:1 check\n"
+    )
+    for _ in range(2):
+        config = Config.parse(text)
+        assert [[f.backup for _, f in lines] for _, lines in config.server_flags_by_backend()] == [
+            [False], [True], [False]
+        ]
+        assert _flags_by_line(config) == _flags_from_servers(config)
+
+
+def test_caches_keep_only_what_the_last_two_parses_used():
+    """Memory stays bounded however many configs the daemon reads: entries of older parses go."""
+    from supervisor.haproxy import config as model
+
+    for i in range(5):
+        Config.parse(f"backend b{i}\n  server s 127.0.0.1:{i}\n").server_flags_by_backend()
+    lines = set(model._LINES.current) | set(model._LINES.previous)
+    assert lines == {"backend b3\n", "  server s 127.0.0.1:3\n", "backend b4\n", "  server s 127.0.0.1:4\n"}
+    bodies = {body for _, body in [*model._SERVER_FLAGS.current, *model._SERVER_FLAGS.previous]}
+    assert bodies == {"  server s 127.0.0.1:3\n", "  server s 127.0.0.1:4\n"}

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from bench.config_parse import synthetic_config
+from bench.displaced_push import rendered
+from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import effective_config, inject_observe, observe_directive
-from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
+from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import CORPUS, corpus_files
+from tests.support.reference_build import reference_effective
 
 DIRECTIVE = observe_directive(3)
 
@@ -107,3 +113,76 @@ def test_effective_model_is_what_parsing_the_effective_text_gives(path, tmp_path
         (s.kind, s.name, [line.words for line in s.lines()]) for s in reparsed.sections
     ]
     assert effective.effective_model.server_map() == reparsed.server_map()
+
+
+# observe, preserve_server_state, guard: every injection on and off.
+SWITCHES = list(itertools.product([False, True], repeat=3))
+
+
+def switched(runtime_dir: Path, observe: bool, state: bool, guard: bool) -> Settings:
+    return Settings(
+        haproxy=HAProxySettings(runtime_dir=runtime_dir),
+        observe=ObserveSettings(enabled=observe),
+        reload=ReloadSettings(preserve_server_state=state),
+        old_workers=OldWorkerSettings(guard=guard),
+    )
+
+
+def assert_builds_like_the_reference(settings: Settings, text: str) -> None:
+    expected_text, expected_model = reference_effective(text, settings)
+    effective = build_effective(settings, text)
+    assert effective.text == expected_text
+    assert effective.effective_model.render() == expected_text
+    assert effective.model.render() == text
+    assert line_fields(effective.effective_model) == line_fields(expected_model)
+
+
+def line_fields(config: Config) -> list[tuple[str, str, list[tuple[str, tuple[str, ...], int]]]]:
+    return [(s.kind, s.name, [(line.raw, line.words, line.code_end) for line in s.lines()]) for s in config.sections]
+
+
+BENCH_SHAPES = {"displaced_push": rendered(300, 18080, {1: 1, 7: 2}), "config_parse": synthetic_config(300)}
+
+
+def switches_id(switches: tuple[bool, bool, bool]) -> str:
+    return "-".join(name for name, on in zip(("observe", "state", "guard"), switches, strict=True) if on) or "none"
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=switches_id)
+@pytest.mark.parametrize("name", [p.name for p in corpus_files()] + list(BENCH_SHAPES))
+def test_effective_text_is_byte_identical_to_the_straightforward_build(name, switches, tmp_path):
+    """Every corpus file, as written, with CRLF endings and without a final newline; built twice
+    each, because the second build runs from the caches the first one filled."""
+    settings = switched(tmp_path, *switches)
+    text = BENCH_SHAPES[name] if name in BENCH_SHAPES else (CORPUS / name).read_text()
+    for variant in (text, text.replace("\n", "\r\n"), text.rstrip("\n")):
+        for _ in range(2):
+            assert_builds_like_the_reference(settings, variant)
+
+
+def test_an_edited_section_is_built_anew_not_from_a_stale_cache(tmp_path):
+    settings = switched(tmp_path, observe=True, state=True, guard=True)
+    base = (
+        "defaults\n  mode http\n  default-server inter 1s check\n"
+        "backend a\n  server a1 127.0.0.1:1\n  server fb 127.0.0.1:9 backup\n"
+        "backend b\n  server b1 127.0.0.1:2\n"
+    )
+    edits = [
+        base,
+        # a server line edited: `a` is left with its backup only, so it gets no guard
+        base.replace("server a1 127.0.0.1:1\n", "server a1 127.0.0.1:1 backup\n"),
+        base,
+        # a default-server line in the defaults edited: every server becomes a backup
+        base.replace("default-server inter 1s check", "default-server inter 1s check backup"),
+        # and one that takes `check` away: no server wants observe any more
+        base.replace("default-server inter 1s check", "default-server inter 1s"),
+        base,
+    ]
+    texts = []
+    for text in edits:
+        assert_builds_like_the_reference(settings, text)
+        texts.append(build_effective(settings, text).text)
+    guarded = [t.count("# haproxy-supervisor guard") for t in texts]
+    observed = [t.count("observe layer4") for t in texts]
+    assert guarded == [2, 1, 2, 0, 2, 2]
+    assert observed == [2, 1, 2, 0, 0, 2]

@@ -8,8 +8,10 @@ rendered one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 # Section keywords known to HAProxy 2.6 - 3.x. Anything inside a section we do not
 # model (peers, resolvers, ...) is kept as opaque lines.
@@ -83,6 +85,14 @@ def parse_line(raw: str) -> Line:
     escapes the next character (not inside single quotes); quotes group words
     and are removed. Environment variables are left unexpanded.
     """
+    line = _LINES.get(raw)
+    if line is None:
+        line = _tokenize(raw)
+        _LINES.put(raw, line)
+    return line
+
+
+def _tokenize(raw: str) -> Line:
     body = raw.rstrip("\r\n")
     if "\\" not in body and '"' not in body and "'" not in body:
         code = body.split("#", 1)[0]
@@ -130,6 +140,52 @@ def parse_line(raw: str) -> Line:
     if in_word or quote:
         words.append("".join(current))
     return Line(raw, tuple(words), code_end)
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class _RecentlyUsed(Generic[_K, _V]):
+    """A dict of what the last two generations used, for results worth keeping from one
+    rendered config to the next: consecutive configs share almost all their lines and sections.
+
+    Every Config.parse starts a generation (a new rendered config, in the daemon); what the
+    last two did not use is dropped, so each cache holds about two configs' worth.
+    """
+
+    __slots__ = ("current", "previous")
+
+    def __init__(self) -> None:
+        self.current: dict[_K, _V] = {}
+        self.previous: dict[_K, _V] = {}
+
+    def new_generation(self) -> None:
+        self.previous, self.current = self.current, {}
+
+    def get(self, key: _K) -> _V | None:
+        value = self.current.get(key)
+        if value is None:
+            value = self.previous.get(key)
+            if value is not None:
+                self.current[key] = value
+        return value
+
+    def put(self, key: _K, value: _V) -> None:
+        self.current[key] = value
+
+
+# A line's text -> its Line (immutable, so configs share them): a parse of the next rendered
+# config takes the previous one's Lines instead of splitting 15,000 lines again.
+_LINES: _RecentlyUsed[str, Line] = _RecentlyUsed()
+
+
+def clear_caches() -> None:
+    """Forget every line and server-flag result kept from earlier parses (a cold start: benchmarks)."""
+    for cache in (_LINES, _SERVER_FLAGS):
+        cache.new_generation()
+        cache.new_generation()
+    _apply_params.cache_clear()
 
 
 def quote_word(word: str) -> str:
@@ -234,8 +290,16 @@ def split_address(spec: str) -> tuple[str, int | None]:
     return family + host if family not in ("", "ipv4@", "ipv6@") else host, port
 
 
+# The words ServerFlags.apply acts on; every other word of a server line is passed over.
+_FLAG_WORDS = frozenset(
+    {"check", "no-check", "backup", "no-backup", "disabled", "enabled", "observe", "track", "weight"}
+)
+
+
 @dataclass(frozen=True, slots=True)
-class _ServerFlags:
+class ServerFlags:
+    """The flags a server line gives its servers, `default-server` settings applied."""
+
     check: bool = False
     backup: bool = False
     disabled: bool = False
@@ -243,13 +307,24 @@ class _ServerFlags:
     track: str | None = None
     weight: int | None = None
 
-    def apply(self, params: tuple[str, ...]) -> _ServerFlags:
-        check, backup, disabled = self.check, self.backup, self.disabled
-        observe, track, weight = self.observe, self.track, self.weight
-        i = 0
-        while i < len(params):
-            p = params[i]
-            arg = params[i + 1] if i + 1 < len(params) else None
+    def apply(self, params: tuple[str, ...]) -> ServerFlags:
+        if not params:
+            return self  # most server lines of a big config: no object to make
+        return _apply_params(self, params)
+
+
+# A server line's parameters repeat from server to server (`check inter 2s`), and a call
+# walks every word: remember the last few thousand results (pure, and bounded).
+@functools.lru_cache(maxsize=4096)
+def _apply_params(flags: ServerFlags, params: tuple[str, ...]) -> ServerFlags:
+    check, backup, disabled = flags.check, flags.backup, flags.disabled
+    observe, track, weight = flags.observe, flags.track, flags.weight
+    n = len(params)
+    i = 0
+    while i < n:
+        p = params[i]
+        if p in _FLAG_WORDS:
+            arg = params[i + 1] if i + 1 < n else None
             if p == "check":
                 check = True
             elif p == "no-check":
@@ -268,10 +343,10 @@ class _ServerFlags:
                 track = arg
             elif p == "weight" and arg is not None and arg.isdigit():
                 weight = int(arg)
-            if p in _SERVER_KEYWORDS_WITH_ARG:
-                i += 1
+        if p in _SERVER_KEYWORDS_WITH_ARG:
             i += 1
-        return _ServerFlags(check, backup, disabled, observe, track, weight)
+        i += 1
+    return ServerFlags(check, backup, disabled, observe, track, weight)
 
 
 def _leading_int(text: str) -> int:
@@ -285,12 +360,59 @@ def template_names(prefix: str, count: str) -> list[str]:
 
     HAProxy accepts junk counts (`x-y` reads as 0-0); they declare no server we can name.
     """
+    return [f"{prefix}{i}" for i in _template_numbers(count)]
+
+
+def _template_numbers(count: str) -> range:
     low, sep, high = count.partition("-")
     if sep:
         first, last = _leading_int(low), _leading_int(high)
     else:
         first, last = 1, _leading_int(low)
-    return [f"{prefix}{i}" for i in range(max(first, 1), last + 1)]
+    return range(max(first, 1), last + 1)
+
+
+def _default_flags(defaults: Section | None) -> ServerFlags:
+    """The flags the `default-server` lines of a defaults section give every server."""
+    flags = _NO_FLAGS
+    if defaults is not None:
+        for line in defaults.body:
+            words = line.words
+            if words and words[0] == "default-server":
+                flags = flags.apply(words[1:])
+    return flags
+
+
+def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, Line, ServerFlags]]:
+    """Each `server` and `server-template` line of a backend's body that has its address: its
+    index, the line, and the flags in force before its own parameters, starting from `flags`
+    (its defaults') and applying the backend's own `default-server` lines."""
+    for index, line in enumerate(body):
+        words = line.words
+        if not words:
+            continue
+        kw = words[0]
+        if kw == "default-server":
+            flags = flags.apply(words[1:])
+        elif (kw == "server" and len(words) >= 3) or (kw == "server-template" and len(words) >= 4):
+            yield index, line, flags
+
+
+def _server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tuple[int, ServerFlags]]:
+    lines: list[tuple[int, ServerFlags]] = []
+    for index, line, flags in _server_lines(body, defaults_flags):
+        words = line.words
+        if words[0] == "server":
+            lines.append((index, flags.apply(words[3:])))
+        elif _template_numbers(words[2]):
+            lines.append((index, flags.apply(words[4:])))
+    return lines
+
+
+_NO_FLAGS = ServerFlags()
+# (the defaults' flags, a backend body's text) -> _server_line_flags of that body: nothing else
+# goes into it, so an edited line or `default-server` gives another key, never a stale entry.
+_SERVER_FLAGS: _RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = _RecentlyUsed()
 
 
 class Config:
@@ -301,17 +423,37 @@ class Config:
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        sections = [Section(None)]
+        _LINES.new_generation()
+        _SERVER_FLAGS.new_generation()
+        # _LINES.get, inlined: this loop runs once per line of a 15,000-line config.
+        current, previous = _LINES.current, _LINES.previous
+        section = Section(None)
+        sections = [section]
+        body = section.body
         for raw in text.splitlines(keepends=True):
-            line = parse_line(raw)
-            if line.keyword in SECTION_KEYWORDS:
-                sections.append(Section(line))
+            line = current.get(raw)
+            if line is None:
+                line = previous.get(raw)
+                if line is None:
+                    line = _tokenize(raw)
+                current[raw] = line
+            words = line.words
+            if words and words[0] in SECTION_KEYWORDS:
+                section = Section(line)
+                sections.append(section)
+                body = section.body
             else:
-                sections[-1].body.append(line)
+                body.append(line)
         return cls(sections)
 
     def render(self) -> str:
-        return "".join(section.render() for section in self.sections)
+        # One join over every line: a join per section costs more than the lines of 1,000 backends.
+        parts: list[str] = []
+        for section in self.sections:
+            if section.header is not None:
+                parts.append(section.header.raw)
+            parts.extend([line.raw for line in section.body])
+        return "".join(parts)
 
     def copy(self) -> Config:
         """A copy whose sections can be edited without touching this one (lines are immutable)."""
@@ -366,51 +508,34 @@ class Config:
         """Servers keyed by "backend/name"."""
         return {s.key: s for s in self.servers()}
 
-    def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
-        flags = _ServerFlags()
-        if defaults is not None:
-            for line in defaults.body:
-                if line.keyword == "default-server":
-                    flags = flags.apply(line.words[1:])
-        for index, line in enumerate(section.body):
-            kw = line.keyword
-            if kw == "default-server":
-                flags = flags.apply(line.words[1:])
-            elif kw == "server" and len(line.words) >= 3:
-                params = line.words[3:]
-                yield self._server(section, line.words[1], line.words[2], params, flags, False, index)
-            elif kw == "server-template" and len(line.words) >= 4:
-                params = line.words[4:]
-                for name in template_names(line.words[1], line.words[2]):
-                    yield self._server(section, name, line.words[3], params, flags, True, index)
+    def server_flags_by_backend(self) -> list[tuple[Section, list[tuple[int, ServerFlags]]]]:
+        """Each backend/listen section with, for each line that declares servers, the line's
+        index in the body and the flags all its servers get: what servers_by_backend() tells
+        about flags, without making a Server for each of 10,000 servers."""
+        result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
+        defaults_flags: dict[int, ServerFlags] = {}  # by id: the sections live through this call
+        for section, defaults in self.backends_with_defaults():
+            flags = defaults_flags.get(id(defaults))
+            if flags is None:
+                flags = defaults_flags[id(defaults)] = _default_flags(defaults)
+            key = (flags, "".join([line.raw for line in section.body]))
+            lines = _SERVER_FLAGS.get(key)
+            if lines is None:
+                lines = _server_line_flags(section.body, flags)
+                _SERVER_FLAGS.put(key, lines)
+            result.append((section, list(lines)))
+        return result
 
-    @staticmethod
-    def _server(
-        section: Section,
-        name: str,
-        address: str,
-        params: tuple[str, ...],
-        defaults: _ServerFlags,
-        template: bool,
-        index: int,
-    ) -> Server:
-        host, port = split_address(address)
-        f = defaults.apply(params)
-        return Server(
-            backend=section.name,
-            name=name,
-            address=host,
-            port=port,
-            params=params,
-            check=f.check,
-            backup=f.backup,
-            disabled=f.disabled,
-            observe=f.observe,
-            track=f.track,
-            weight=f.weight,
-            template=template,
-            line_index=index,
-        )
+    def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
+        backend = section.name
+        for index, line, flags in _server_lines(section.body, _default_flags(defaults)):
+            words = line.words
+            if words[0] == "server":
+                yield _server(backend, words[1], words[2], words[3:], flags, False, index)
+            else:
+                params = words[4:]
+                for name in template_names(words[1], words[2]):
+                    yield _server(backend, name, words[3], params, flags, True, index)
 
     def mode_of(self, proxy: Section) -> str:
         """`http` or `tcp` (HAProxy's default), from the proxy or its defaults."""
@@ -429,3 +554,31 @@ class Config:
                     if line.keyword == keyword:
                         return line
         return None
+
+
+def _server(
+    backend: str,
+    name: str,
+    address: str,
+    params: tuple[str, ...],
+    defaults: ServerFlags,
+    template: bool,
+    index: int,
+) -> Server:
+    host, port = split_address(address)
+    f = defaults.apply(params)
+    return Server(
+        backend=backend,
+        name=name,
+        address=host,
+        port=port,
+        params=params,
+        check=f.check,
+        backup=f.backup,
+        disabled=f.disabled,
+        observe=f.observe,
+        track=f.track,
+        weight=f.weight,
+        template=template,
+        line_index=index,
+    )

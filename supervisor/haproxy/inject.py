@@ -11,14 +11,14 @@ import re
 from pathlib import Path
 
 from ..settings import Settings, SettingsError
-from .config import PROXY_KINDS, Config, Line, Section, Server, parse_line, quote_word
+from .config import PROXY_KINDS, Config, Line, Section, Server, ServerFlags, parse_line, quote_word
 
 
 def observe_directive(error_limit: int) -> str:
     return f"observe layer4 error-limit {error_limit} on-error mark-down"
 
 
-def wants_observe(server: Server) -> bool:
+def wants_observe(server: Server | ServerFlags) -> bool:
     """Primary servers with health checks, not already observed.
 
     `observe` without `check` silently does nothing, and on a `track` server
@@ -32,11 +32,11 @@ def inject_observe(config: Config, error_limit: int) -> Config:
     """Add `observe layer4 ... on-error mark-down` to every server line that wants it."""
     result = config.copy()
     suffix = " " + observe_directive(error_limit)
-    for section, servers in result.servers_by_backend():
-        # A server-template line declares many servers with the same flags: edit it once.
-        lines_to_edit = sorted({s.line_index for s in servers if wants_observe(s)})
-        for index in lines_to_edit:
-            section.body[index] = section.body[index].with_appended(suffix)
+    # Per line, not per server: a server-template line declares many servers with the same flags.
+    for section, server_lines in result.server_flags_by_backend():
+        for index, flags in server_lines:
+            if wants_observe(flags):
+                section.body[index] = section.body[index].with_appended(suffix)
     return result
 
 
@@ -158,8 +158,12 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
     has primary servers, and its `use-server` first among the `use-server` rules."""
     result = config.copy()
     modes = proxy_modes(result)
-    for section, servers in result.servers_by_backend():
-        if all(s.backup for s in servers) or is_guarded(section):
+    map_text = str(map_path)
+    # The guard's lines differ only by mode, indentation and line ending: parse them once
+    # for the 1,000 backends that share those (Lines are immutable, so they can be shared).
+    blocks: dict[tuple[str, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
+    for section, server_lines in result.server_flags_by_backend():
+        if all(flags.backup for _, flags in server_lines) or is_guarded(section):
             continue
         mode = modes[id(section)]
         indent = next((line.indent for line in section.body if line.words), "") or "    "
@@ -167,26 +171,37 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
             section.header = parse_line(section.header.raw + newline)
+        block = blocks.get((mode, indent, newline))
+        if block is None:
 
-        def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
-            return [parse_line(f"{indent}{text}{newline}") for text in texts]
+            def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
+                return [parse_line(f"{indent}{text}{newline}") for text in texts]
+
+            block = blocks[(mode, indent, newline)] = (
+                lines([GUARD_MARKER, *guard_rules(mode, map_text)]),
+                lines([guard_use_server()]),
+                lines([GUARD_MARKER, guard_use_server()]),
+            )
+        rules, use_server_alone, use_server_marked = block
 
         body = section.body
         own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
-        ranks = [_rank(line) for line in body]
-        ranked = [i for i, r in enumerate(ranks) if r is not None]
+        # Most lines are no request rule at all: look at their first word before ranking them.
+        ranks = {
+            i: rank
+            for i, line in enumerate(body)
+            if line.words and line.words[0] in _RULE_RANK and (rank := _rank(line)) is not None
+        }
+        ranked = list(ranks)
         at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
         first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
-        rules = lines([GUARD_MARKER, *guard_rules(mode, str(map_path))])
         if first_use_server is None:
             later = [i for i in ranked if i >= at]
             use_at = (later[-1] + 1) if later else at
         else:
             use_at = first_use_server
         at, use_at = _above_comments(body, at), _above_comments(body, use_at)
-        use_server = lines([guard_use_server()])
-        if use_at != at:
-            use_server = lines([GUARD_MARKER]) + use_server
+        use_server = use_server_alone if use_at == at else use_server_marked
         # Insert the later position first so that the earlier index stays valid.
         body[use_at:use_at] = use_server
         body[at:at] = rules
@@ -200,9 +215,12 @@ def proxy_modes(config: Config) -> dict[int, str]:
     last: str | None = None  # mode set by the last defaults section
     named: dict[str, str | None] = {}
     for section in config.sections:
-        own = next(
-            (line.words[1] for line in reversed(section.body) if line.keyword == "mode" and len(line.words) > 1), None
-        )
+        own: str | None = None
+        for line in reversed(section.body):
+            words = line.words
+            if len(words) > 1 and words[0] == "mode":
+                own = words[1]
+                break
         wanted = section.from_defaults
         inherited = named.get(wanted) if wanted is not None else last
         modes[id(section)] = own or inherited or "tcp"
@@ -221,7 +239,8 @@ def _above_comments(body: list[Line], index: int) -> int:
 
 
 def is_guarded(section: Section) -> bool:
-    return any(_is_marker(line) for line in section.body)
+    # The marker is a comment: a line with words cannot be it, and words are cheaper to look at.
+    return any(not line.words and _is_marker(line) for line in section.body)
 
 
 def _is_marker(line: Line) -> bool:
