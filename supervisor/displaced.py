@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import psutil
 
@@ -55,6 +55,7 @@ from .state import Generation, OldWorker, PushState, State, utcnow
 log = logging.getLogger("supervisor.displaced")
 
 NoBackup = Literal["fail-fast", "keep"]
+A, B, R = TypeVar("A"), TypeVar("B"), TypeVar("R")
 _NO_ENTRIES: Mapping[str, str] = MappingProxyType({})  # a backend with nothing steered: one shared object
 FAIL_FAST = "0"  # the value of `<backend>_n` that makes the guard refuse the request
 
@@ -872,6 +873,29 @@ class PushError(Exception):
 _GONE = "Can't find the target PID"
 
 
+class PairMemo(Generic[A, B, R]):
+    """f(a, b) remembered per pair of objects, by identity: the arguments are digests and entry
+    dicts shared across generations, compared by identity everywhere else too. The objects are
+    kept with the result, so an id is never taken over by another object while remembered."""
+
+    def __init__(self, compute: Callable[[A, B], R], max_size: int) -> None:
+        self.compute = compute
+        self.max_size = max_size
+        self.entries: dict[tuple[int, int], tuple[A, B, R]] = {}
+
+    def get(self, a: A, b: B) -> R:
+        key = (id(a), id(b))
+        memo = self.entries.get(key)
+        if memo is None or memo[0] is not a or memo[1] is not b:
+            if len(self.entries) > self.max_size:
+                self.entries.clear()
+            memo = self.entries[key] = (a, b, self.compute(a, b))
+        return memo[2]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
 @dataclass
 class _Worker:
     pid: int
@@ -950,15 +974,13 @@ class DisplacedWorkers:
         self._digests: dict[int, ConfigDigest] = {}  # id(Config) -> its digest
         self._sections = SectionCache()
         self._entries_memo: dict[tuple, dict[str, str]] = {}
-        # (id(section), id(latest's section)) -> (section, latest's section, servers dropped)
-        self._dropped_memo: dict[tuple[int, int], tuple[SectionDigest, SectionDigest | None, frozenset[str]]] = {}
+        self._dropped_memo = PairMemo(dropped_in_section, 500_000)  # once per pair of section digests
         self._steered_stale: set[int] = set()  # pids whose `steered` list is to be made anew
         self._dead_sets: tuple[frozenset[str], ...] = ()  # the dead sets state.dead_servers was made of
         # generation digest -> (the latest config's digest, dropped_groups() against it)
         self._dropped_by_digest: dict[ConfigDigest, tuple[ConfigDigest, Mapping[str, frozenset[str]]]] = {}
         self._changed: tuple[ConfigDigest, ConfigDigest, frozenset[str]] | None = None
-        # (id(before), id(after)) -> (before, after, their delta); the objects are kept so ids stay theirs
-        self._deltas: dict[tuple[int, int], tuple[Mapping[str, str], Mapping[str, str], BackendDelta]] = {}
+        self._deltas = PairMemo(BackendDelta.of, 100_000)
         # view key -> digest -> (dead set, the same grouped by backend); the last two views
         # (during a reload the next config's view and the current one take turns).
         self._dead_cache: dict[tuple, dict[ConfigDigest, tuple[frozenset[str], dict[str, frozenset[str]]]]] = {}
@@ -1201,7 +1223,7 @@ class DisplacedWorkers:
             steering: list[tuple[_Worker, ConfigDigest]] = []
             for worker, digest in judged:
                 if digest not in cache:
-                    groups = dead_groups_in(digest, view, self._dropped, self._dropped_groups(digest, latest_digest))
+                    groups = dead_groups_in(digest, view, dropped_already=self._dropped_groups(digest, latest_digest))
                     cache[digest] = (frozenset().union(*groups.values()), groups)
                 worker.dead, worker.dead_groups = cache[digest]
                 if digest.guarded:
@@ -1226,24 +1248,14 @@ class DisplacedWorkers:
         if previous is not None and previous[0] is latest:
             return previous[1]
         if previous is None:
-            groups = dropped_groups(digest, latest, self._dropped)
+            groups = dropped_groups(digest, latest, self._dropped_memo.get)
         else:
             pair = (previous[0], latest)
             if self._changed is None or self._changed[0] is not pair[0] or self._changed[1] is not pair[1]:
                 self._changed = (*pair, changed_backends(*pair))
-            groups = dropped_groups_since(previous[1], digest, latest, self._changed[2], self._dropped)
+            groups = dropped_groups_since(previous[1], digest, latest, self._changed[2], self._dropped_memo.get)
         self._dropped_by_digest[digest] = (latest, groups)
         return groups
-
-    def _dropped(self, section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:
-        """dropped_in_section(), once per pair of section digests."""
-        key = (id(section), id(latest))
-        memo = self._dropped_memo.get(key)
-        if memo is None or memo[0] is not section or memo[1] is not latest:
-            if len(self._dropped_memo) > 500_000:
-                self._dropped_memo.clear()
-            memo = self._dropped_memo[key] = (section, latest, dropped_in_section(section, latest))
-        return memo[2]
 
     def _update_desired(self, worker: _Worker, digest: ConfigDigest) -> None:
         """Recompute the entries of the backends whose dead or unusable servers changed."""
@@ -1453,13 +1465,7 @@ class DisplacedWorkers:
     def _delta(self, before: Mapping[str, str], after: Mapping[str, str]) -> BackendDelta:
         """BackendDelta.of(), once per pair of entry objects (shared by the workers whose
         sections are the same, see _entries)."""
-        key = (id(before), id(after))
-        memo = self._deltas.get(key)
-        if memo is None or memo[0] is not before or memo[1] is not after:
-            if len(self._deltas) > 100_000:
-                self._deltas.clear()
-            memo = self._deltas[key] = (before, after, BackendDelta.of(before, after))
-        return memo[2]
+        return self._deltas.get(before, after)
 
     async def _replace(self, worker: _Worker, desired: dict[str, str], limit: int) -> None:
         """Swap the whole map at once: a new version filled by payloads, then committed."""
