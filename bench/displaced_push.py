@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.displaced import DisplacedWorkers
-from supervisor.effective import build_effective, prepare_runtime_dir, write_atomically
+from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.gcpolicy import settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
@@ -168,7 +168,7 @@ class Bench:
         steered = time.monotonic()
         # When HAProxy answered the last push of the make-before-break (bookkeeping after it excluded).
         answered = displaced.last_push["steered_at"] if displaced.last_push is not push_record else steered
-        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        write_effective(self.settings.haproxy.effective_config, effective)
         reload_start = time.monotonic()
         with contextlib.suppress(CLIError):
             await cli.reload()
@@ -217,7 +217,7 @@ class Bench:
         prepare_runtime_dir(self.settings)
         text = rendered(self.servers, self.front, self.moved)
         effective = build_effective(self.settings, text)
-        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        write_effective(self.settings.haproxy.effective_config, effective)
         self.master = Master(self.settings.haproxy.effective_config, self.rundir)
         try:
             cli = MasterCLI(self.master.socket, timeout=30)

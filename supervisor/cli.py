@@ -8,7 +8,14 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .effective import RenderedConfigError, build_effective, prepare_runtime_dir, read_rendered, validate
+from .effective import (
+    RenderedConfigError,
+    build_effective,
+    prepare_runtime_dir,
+    read_rendered,
+    validate,
+    write_slot_table,
+)
 from .settings import Settings, SettingsError, load_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -49,6 +56,7 @@ def cmd_check(settings: Settings) -> int:
     effective = build_effective(settings, read_rendered(settings.haproxy.config))
     try:
         prepare_runtime_dir(settings)
+        write_slot_table(effective.slot_table)
     except OSError as exc:
         print(f"haproxy-supervisor: {settings.haproxy.runtime_dir}: cannot prepare runtime_dir: "
               f"{exc.strerror or exc}", file=sys.stderr)

@@ -12,8 +12,10 @@ the backend's requests as soon as the map holds entries for it. So this module:
 - keeps every old worker's map equal to what it needs, through the master CLI (`@!<pid>`),
   and reads it back to verify (DisplacedWorkers, the thin I/O shell at the end).
 
-Map layout (one map for all backends): `<backend>_n` = how many targets the backend has
-(`0`: answer 503 / close at once), `<backend>_<i>` = the i-th target server, i < n.
+Map layout (one steer map for all backends, next to each config's slot table, see
+haproxy/inject.py): `<backend>_n` = how many slots the backend's requests pick from (`0`:
+answer 503 / close at once), `<backend>_<i>` = the server for slot i instead of the slot
+table's. A drain that kills one primary of ten costs two entries per backend, not ten.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class SectionDigest:
     at_keys: dict[At, tuple[str, ...]]  # servers that are not disabled, per (backend, endpoint)
     present: frozenset[At]  # the same, as a set: where this section routes to
     named_hosts: tuple[Server, ...]  # servers given by host name, whose live address differs
+    slots: tuple[Server, ...]  # the primaries, slot i is slots[i]: inject.slot_table's order
     guarded: bool
     all_backups: bool  # `option allbackups`
 
@@ -109,6 +112,7 @@ class SectionDigest:
             at_keys={where: tuple(keys) for where, keys in at_keys.items()},
             present=frozenset(at_keys),
             named_hosts=tuple(s for s in servers if s.port is not None and not _is_ip(s.address)),
+            slots=tuple(s for s in servers if not s.backup),
             guarded=is_guarded(section),
             all_backups=_has_option(section.body, "allbackups"),
         )
@@ -432,11 +436,12 @@ def steer_entries(
     """The steer-map entries a worker running `digest.model` needs, given its known-dead servers.
 
     Only backends that have the guard and a dead primary they could still route to get
-    entries. Their requests are spread over the primaries still alive; with none alive they
-    all go to the first live backup (every live backup with `option allbackups`); with no
-    backup either, `fail-fast` makes the guard answer at once and `keep` leaves routing alone.
-    `unusable`: servers the worker itself sees DOWN or in maintenance, which a `use-server`
-    rule would skip, so they are no use as targets and need no steering away from.
+    entries. Their requests are spread evenly over the primaries still alive; with none
+    alive they all go to the first live backup (every live backup with `option allbackups`);
+    with no backup either, `fail-fast` makes the guard answer at once and `keep` leaves
+    routing alone. `unusable`: servers the worker itself sees DOWN or in maintenance, which
+    a `use-server` rule would skip, so they are no use as targets and need no steering away
+    from.
     """
     entries: dict[str, str] = {}
     for backend, keys in sorted(by_backend_of(dead).items()):
@@ -455,18 +460,36 @@ def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
 def backend_entries(
     digest: ConfigDigest, backend: str, dead: frozenset[str], no_backup: NoBackup, unusable: frozenset[str]
 ) -> dict[str, str]:
-    """steer_entries() for one backend; `dead` and `unusable` may hold other backends' keys too."""
+    """steer_entries() for one backend; `dead` and `unusable` may hold other backends' keys too.
+
+    The slot table lists every primary. With L of its S slots usable, the count is L, so a
+    request picks one of slots 0..L-1, each as likely; a slot below L whose server is not
+    usable is overridden with a usable server from a slot at L or above, each used once.
+    Every usable primary then gets 1/L of the requests, and a dead one costs one entry at
+    most. With no usable primary the count is the number of backup targets, each overriding
+    one slot.
+    """
     if backend not in digest.guarded:
         return {}
-    members = digest.servers_of(backend)
-    routable = [s for s in members if not s.disabled and s.key not in unusable and s.weight != 0]
-    primaries = [s for s in routable if not s.backup]
-    if not any(s.key in dead for s in primaries):
+    section = digest.sections[backend]
+
+    def routable(s: Server) -> bool:
+        return not s.disabled and s.weight != 0 and s.key not in unusable
+
+    if not any(s.key in dead and routable(s) for s in section.slots):
         return {}
-    targets = [s.name for s in primaries if s.key not in dead]
-    if not targets:
-        backups = [s.name for s in routable if s.backup and s.key not in dead]
-        targets = backups if backend in digest.all_backups else backups[:1]
+    usable = [routable(s) and s.key not in dead for s in section.slots]
+    live = usable.count(True)
+    if live:
+        holes = [i for i in range(live) if not usable[i]]
+        donors = [i for i in range(live, len(usable)) if usable[i]]
+        entries = {
+            slot_key(backend, hole): section.slots[donor].name for hole, donor in zip(holes, donors, strict=True)
+        }
+        entries[count_key(backend)] = str(live)
+        return entries
+    backups = [s.name for s in section.servers if s.backup and routable(s) and s.key not in dead]
+    targets = backups if backend in digest.all_backups else backups[:1]
     if not targets:
         return {count_key(backend): FAIL_FAST} if no_backup == "fail-fast" else {}
     entries = {slot_key(backend, i): name for i, name in enumerate(targets)}

@@ -10,12 +10,13 @@ import asyncio
 import hashlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from .haproxy.config import Config
-from .haproxy.inject import effective_config
+from .haproxy.inject import SLOT_TABLE_PREFIX, SlotTable, effective_config_and_table
 from .settings import Settings
 
 
@@ -32,6 +33,7 @@ class Effective:
     # The effective config as a model: the same thing Config.parse(text) gives (injections edit
     # whole lines through parse_line), kept so a 10,000-server config is not parsed twice more.
     effective_model: Config
+    slot_table: SlotTable | None = None  # the file the guard rules name; None with the guard off
 
     @cached_property
     def sha256(self) -> str:
@@ -54,8 +56,47 @@ def read_rendered(path: Path) -> str:
 
 def build_effective(settings: Settings, rendered_text: str) -> Effective:
     model = Config.parse(rendered_text)
-    effective = effective_config(model, settings)
-    return Effective(rendered_text, sha256_text(rendered_text), model, effective.render(), effective)
+    effective, table = effective_config_and_table(model, settings)
+    return Effective(rendered_text, sha256_text(rendered_text), model, effective.render(), effective, table)
+
+
+def write_slot_table(table: SlotTable | None) -> None:
+    """Put the slot table on disk before `haproxy -c` or a reload reads the config naming it.
+    Its name is its content's hash: a file already there holds the same text."""
+    if table is not None and not table.path.exists():
+        write_atomically(table.path, table.text)
+
+
+def write_effective(path: Path, effective: Effective) -> None:
+    """Write the effective config, after the slot table it names: a config on disk never
+    names a file that is not there."""
+    write_slot_table(effective.slot_table)
+    write_atomically(path, effective.text)
+
+
+# A slot table younger than this is left alone: a `check` may be validating the config naming it.
+SLOT_TABLE_GRACE_S = 60.0
+
+
+def remove_stale_slot_tables(directory: Path, keep: SlotTable | None, now: float | None = None) -> list[Path]:
+    """Delete the slot tables no config on disk needs any more.
+
+    Only the running config's table is read again (by a master restarted on it, or a
+    reload that falls back to it); old workers loaded theirs when they started.
+    """
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    for path in directory.glob(f"{SLOT_TABLE_PREFIX}*.map"):
+        if keep is not None and path == keep.path:
+            continue
+        try:
+            if now - path.stat().st_mtime < SLOT_TABLE_GRACE_S:
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def prepare_runtime_dir(settings: Settings) -> None:

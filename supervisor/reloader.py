@@ -31,9 +31,12 @@ from .effective import (
     RenderedConfigError,
     build_effective,
     read_rendered,
+    remove_stale_slot_tables,
     sha256_text,
     validate,
     write_atomically,
+    write_effective,
+    write_slot_table,
 )
 from .gcpolicy import settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
@@ -446,6 +449,7 @@ class Reloader:
         if unchanged and not force:
             log.info("reload skipped_unchanged sha256=%s reason=%s", effective.sha256[:12], reason)
             return self._record("skipped_unchanged", started)
+        write_slot_table(effective.slot_table)
         ok, message = await validate(self.settings.haproxy.binary, effective.text, self.settings.haproxy.runtime_dir)
         if not ok:
             log.error("reload invalid: %s", one_line(message))
@@ -471,7 +475,7 @@ class Reloader:
     async def _runtime_applied(
         self, current: Generation, model: Config, effective: Effective, inputs: str, started: float
     ) -> ReloadRecord:
-        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        write_effective(self.settings.haproxy.effective_config, effective)
         current.model = model
         current.effective_sha256 = effective.sha256
         current.rendered_sha256 = effective.rendered_sha256
@@ -479,6 +483,7 @@ class Reloader:
         self.state.last_good_sha256 = effective.sha256
         self.store.write_config(current.number, effective.text)
         self._persist()
+        self._remove_stale_slot_tables(effective)
         record = self._record("runtime_applied", started)
         log.info(
             "reload runtime_applied generation=%d worker=%s duration_ms=%d",
@@ -505,7 +510,7 @@ class Reloader:
             except Exception:  # a missing state file costs states, not the reload
                 log.exception("saving server state failed; the new worker starts from the config")
         self.notifier.reloading(f"reloading: {reason}")
-        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        write_effective(self.settings.haproxy.effective_config, effective)
         self.scheduler.reloaded(time.monotonic())
         error: str | None = None
         verdict: Verdict = "pending"
@@ -559,6 +564,7 @@ class Reloader:
         generation = self._new_generation(model, effective.sha256, effective.rendered_sha256, inputs, worker.pid)
         self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
         self.store.write_config(generation.number, effective.text)
+        self._remove_stale_slot_tables(effective)
         record = self._record("ok", started)
         log.info(
             "reload ok generation=%d worker=%d duration_ms=%d",
@@ -566,6 +572,15 @@ class Reloader:
         )
         self._observe(after)
         return record
+
+    def _remove_stale_slot_tables(self, running: Effective) -> None:
+        try:
+            removed = remove_stale_slot_tables(self.settings.haproxy.runtime_dir, running.slot_table)
+        except OSError as exc:  # a leftover file costs disk space, not the reload
+            log.warning("cannot remove old slot tables: %s", exc.strerror or exc)
+            return
+        if removed:
+            log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
 
     def _reload_failed(self, before: ProcList, error: str, started: float) -> ReloadRecord:
         if self.loaded is not None:
@@ -648,9 +663,10 @@ class Reloader:
     async def _first_start(self, effective: Effective, inputs: str, started: float) -> ReloadRecord | None:
         """No master yet: validate, write the effective config, and let the master start on it."""
         h = self.settings.haproxy
+        write_slot_table(effective.slot_table)
         ok, message = await validate(h.binary, effective.text, h.runtime_dir)
         if ok:
-            write_atomically(h.effective_config, effective.text)
+            write_effective(h.effective_config, effective)
             self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
             log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
             self.master.request_start()

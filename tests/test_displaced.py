@@ -44,10 +44,11 @@ from supervisor.displaced import (
 )
 from supervisor.haproxy.api import Proc, ProcList, ServerState, parse_servers_state
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_guard
+from supervisor.haproxy.inject import inject_guard, slot_table
 from supervisor.state import Generation
 
 MAP = "/run/hs/steer.map"
+TABLE = "/run/hs/slots-0.map"
 
 OLD = """\
 defaults
@@ -96,8 +97,16 @@ backend parked
 """
 
 
+def routes(config: Config, entries: dict[str, str], backend: str) -> list[str]:
+    """The server each slot a steered request can pick resolves to, as the guard's rules
+    resolve it: the steer map's entry for the slot, else the slot table's."""
+    table = dict(slot_table(config)).get(backend, [])
+    count = int(entries.get(f"{backend}_n", "-1"))
+    return [entries.get(f"{backend}_{i}", table[i] if i < len(table) else "<none>") for i in range(count)]
+
+
 def model(text: str) -> Config:
-    return inject_guard(Config.parse(text), MAP)
+    return inject_guard(Config.parse(text), MAP, TABLE)
 
 
 def state(key: str, address: str, op: int = 2, admin: int = 0, weight: int = 1) -> ServerState:
@@ -239,13 +248,57 @@ def test_entries_spread_over_live_primaries_or_go_to_the_backup():
         "echo_n": "1",
         "highscale_0": "fallback",
         "highscale_n": "1",
-        "wide_0": "wide_r2",
-        "wide_1": "wide_r3",
+        "wide_0": "wide_r3",  # slot 1 is wide_r2 in the slot table: one override is enough
         "wide_n": "2",
         "nobackup_0": "nb_r2",
         "nobackup_n": "1",
     }
     assert steered_servers(dead, entries) == sorted(dead)
+    assert routes(old, entries, "wide") == ["wide_r3", "wide_r2"]
+    assert routes(old, entries, "highscale") == ["fallback"]
+
+
+def test_a_dead_slot_at_the_end_needs_no_override():
+    cfg = model("backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n  server s3 10.0.0.3:80\n")
+    assert steer_map_entries(cfg, frozenset({"b/s3"}), "fail-fast") == {"b_n": "2"}
+    assert routes(cfg, steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast"), "b") == ["s3", "s2"]
+
+
+def test_every_usable_primary_gets_exactly_one_slot():
+    """Whatever is dead, down, disabled or weightless: the slots a request can pick resolve to
+    each usable primary exactly once (an even spread), else to the backup targets, else to
+    nothing; and the steer map holds one override at most per unusable primary."""
+    rng = random.Random(23)
+    for _ in range(300):
+        size = rng.randint(1, 12)
+        lines = []
+        for i in range(size):
+            extra = rng.choice(["", "", "", " disabled", " weight 0", " backup"])
+            lines.append(f"  server s{i} 10.0.0.{i + 1}:80{extra}\n")
+        allbackups = "  option allbackups\n" if rng.random() < 0.3 else ""
+        cfg = model(f"backend b\n{allbackups}{''.join(lines)}")
+        servers = cfg.servers()
+        if all(s.backup for s in servers):
+            continue
+        dead = frozenset(s.key for s in servers if rng.random() < 0.4)
+        unusable = frozenset(s.key for s in servers if rng.random() < 0.15)
+        entries = steer_map_entries(cfg, dead, "fail-fast", unusable)
+
+        def ok(s, dead=dead, unusable=unusable) -> bool:
+            return not s.disabled and s.weight != 0 and s.key not in unusable and s.key not in dead
+
+        primaries, backups = [s for s in servers if not s.backup], [s for s in servers if s.backup]
+        if not any(s.key in dead and not s.disabled and s.weight != 0 and s.key not in unusable for s in primaries):
+            assert entries == {}
+            continue
+        usable = sorted(s.name for s in primaries if ok(s))
+        live_backups = [s.name for s in backups if ok(s)]
+        expected = usable or (live_backups if allbackups else live_backups[:1])
+        assert sorted(routes(cfg, entries, "b")) == sorted(expected), (lines, dead, unusable, entries)
+        if not expected:
+            assert entries == {"b_n": FAIL_FAST}
+        elif usable:
+            assert len(entries) - 1 <= sum(1 for s in primaries if not ok(s))
 
 
 def test_steered_by_parts_agrees_with_the_whole_map():

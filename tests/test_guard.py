@@ -10,11 +10,15 @@ import pytest
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import (
     GUARD_MARKER,
+    SlotTable,
     effective_config,
+    effective_config_and_table,
     guard_block,
     guarded_backends,
     inject_guard,
     proxy_modes,
+    slot_table,
+    slot_table_text,
 )
 from supervisor.settings import (
     HAProxySettings,
@@ -27,10 +31,11 @@ from supervisor.settings import (
 from tests.conftest import CORPUS, corpus_files
 
 MAP = "/run/hs/steer.map"
+TABLE = "/run/hs/slots-0123456789abcdef.map"
 
 
-def guarded(text: str) -> str:
-    return inject_guard(Config.parse(text), MAP).render()
+def guarded(text: str, table: str | Path = TABLE) -> str:
+    return inject_guard(Config.parse(text), MAP, table).render()
 
 
 def body_of(text: str, backend: str) -> list[str]:
@@ -40,22 +45,28 @@ def body_of(text: str, backend: str) -> list[str]:
 
 
 def test_block_shape_http_and_tcp():
-    http = guard_block("http", MAP)
+    http = guard_block("http", MAP, TABLE)
     assert http[0] == GUARD_MARKER
     assert http[-1] == "use-server %[var(txn.hsv_srv)] if { var(txn.hsv_srv) -m found }"
     assert all(line.startswith("http-request ") for line in http[1:-1])
     assert f"http-request set-var(txn.hsv_n) be_name,concat(_n),map({MAP},-1)" in http
     assert "http-request return status 503 if { var(txn.hsv_n) -m int 0 }" in http
-    tcp = guard_block("tcp", MAP)
+    tcp = guard_block("tcp", MAP, TABLE)
     assert all(line.startswith("tcp-request content ") for line in tcp[1:-1])
     assert "tcp-request content reject if { var(txn.hsv_n) -m int 0 }" in tcp
+    # the slot table is consulted only for a slot the steer map does not override
+    assert http[-2] == (
+        f"http-request set-var(txn.hsv_srv) be_name,concat(_,txn.hsv_slot),map({TABLE}) "
+        "if { var(txn.hsv_n) -m int gt 0 } !{ var(txn.hsv_srv) -m found }"
+    )
 
 
 def test_guard_goes_first_in_plain_backend():
     out = guarded("defaults\n  mode http\nbackend b\n  balance roundrobin\n  server s1 127.0.0.1:1\n")
     body = body_of(out, "b")
-    assert body[:7] == ["  " + line for line in guard_block("http", MAP)]
-    assert body[7:] == ["  balance roundrobin", "  server s1 127.0.0.1:1"]
+    block = guard_block("http", MAP, TABLE)
+    assert body[: len(block)] == ["  " + line for line in block]
+    assert body[len(block) :] == ["  balance roundrobin", "  server s1 127.0.0.1:1"]
 
 
 def test_guard_precedes_own_rules_and_own_use_server():
@@ -63,8 +74,8 @@ def test_guard_precedes_own_rules_and_own_use_server():
     body = [line.strip() for line in body_of(guarded(text), "highscale_via_router")]
     own_set_var = body.index("http-request set-var(txn.k) rand(16)")
     own_use_server = body.index("use-server highscale_r1 if { var(txn.key) -m str highscale_via_router_0 }")
-    ours = body.index(guard_block("http", MAP)[-1])
-    assert body.index(GUARD_MARKER) < body.index(guard_block("http", MAP)[1]) < own_set_var
+    ours = body.index(guard_block("http", MAP, TABLE)[-1])
+    assert body.index(GUARD_MARKER) < body.index(guard_block("http", MAP, TABLE)[1]) < own_set_var
     # our use-server comes after every request rule (no HAProxy warning) and before the backend's own
     assert own_set_var < ours < own_use_server
 
@@ -80,14 +91,16 @@ def test_tcp_backend_gets_tcp_rules_and_comments_stay_with_their_line():
 
 def test_which_backends_are_guarded():
     text = (CORPUS / "rayserve.cfg").read_text()
-    model = inject_guard(Config.parse(text), MAP)
+    model = inject_guard(Config.parse(text), MAP, TABLE)
     names = guarded_backends(model)
     # backends with primaries, tracking ones included; none for the server-less default backend
     assert {"echo", "echo_via_router", "highscale", "highscale_via_router", "wide", "grpc_echo"} <= names
     assert "default_backend" not in names
     assert "grpc_fallback_backend" in names  # its only server is a primary
     # injecting twice changes nothing
-    assert inject_guard(model, MAP).render() == model.render()
+    assert inject_guard(model, MAP, TABLE).render() == model.render()
+    # the slot table covers exactly the guarded backends
+    assert {backend for backend, _ in slot_table(model)} == names
 
 
 def test_backup_only_backend_is_not_guarded():
@@ -98,14 +111,14 @@ def test_backup_only_backend_is_not_guarded():
 def test_rest_of_config_is_untouched():
     text = (CORPUS / "rayserve.cfg").read_text()
     out = guarded(text)
-    block = set(guard_block("http", MAP))
+    block = set(guard_block("http", MAP, TABLE))
     kept = [line for line in out.splitlines() if line.strip() not in block]
     assert kept == text.splitlines()
 
 
 def test_unsafe_map_path_is_refused_with_one_line():
-    with pytest.raises(SettingsError, match="steer map path"):
-        inject_guard(Config.parse("backend b\n  server s 127.0.0.1:1\n"), "/run/my dir,x/steer.map")
+    with pytest.raises(SettingsError, match=r"map path '/run/my dir,x/steer\.map'"):
+        inject_guard(Config.parse("backend b\n  server s 127.0.0.1:1\n"), "/run/my dir,x/steer.map", TABLE)
 
 
 def test_effective_config_applies_guard_only_when_on():
@@ -115,7 +128,33 @@ def test_effective_config_applies_guard_only_when_on():
     on = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/hs")), reload=no_state)
     off = Settings(old_workers=OldWorkerSettings(guard=False), reload=no_state)
     assert effective_config(Config.parse(text), off).render() == text
-    assert effective_config(Config.parse(text), on).render() == guarded(text)
+    table = SlotTable.of(Config.parse(text), Path("/run/hs"))
+    assert effective_config(Config.parse(text), on).render() == guarded(text, table.path)
+
+
+def test_slot_table_lists_every_primary_in_config_order():
+    text = (
+        "defaults\n  default-server check\n"
+        "backend b\n  server s1 127.0.0.1:1 disabled\n  server bk 127.0.0.1:9 backup\n"
+        "  server-template t 2-3 127.0.0.1:2\n  server s0 127.0.0.1:3 weight 0\n"
+        "backend only_backups\n  server bk 127.0.0.1:9 backup\n"
+    )
+    table = slot_table(Config.parse(text))
+    assert table == [("b", ["s1", "t2", "t3", "s0"])]
+    assert slot_table_text(table) == "b_0 s1\nb_1 t2\nb_2 t3\nb_3 s0\n"
+
+
+def test_slot_table_file_is_named_by_the_servers_that_exist():
+    base = "backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n"
+    run = Path("/run/hs")
+    path = SlotTable.of(Config.parse(base), run).path
+    assert path.parent == run and path.name.startswith("slots-") and path.suffix == ".map"
+    # what a runtime apply changes (address, weight, enabled) keeps the table, and its name
+    moved = base.replace("10.0.0.1:80", "10.0.0.9:81 weight 0 disabled")
+    assert SlotTable.of(Config.parse(moved), run) == SlotTable.of(Config.parse(base), run)
+    # another server set is another file: a config never names a table rewritten for another
+    added = base + "  server s3 10.0.0.3:80\n"
+    assert SlotTable.of(Config.parse(added), run).path != path
 
 
 def _settings(runtime: Path, observe: bool) -> Settings:
@@ -129,12 +168,14 @@ def _settings(runtime: Path, observe: bool) -> Settings:
 @pytest.mark.parametrize("observe", [False, True], ids=["guard", "guard+observe"])
 @pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
 def test_guarded_corpus_passes_haproxy_check_without_warnings(haproxy, tmp_path, path, observe):
-    from supervisor.effective import prepare_runtime_dir
+    from supervisor.effective import prepare_runtime_dir, write_slot_table
 
     settings = _settings(tmp_path / "run", observe)
     prepare_runtime_dir(settings)
     out = tmp_path / path.name
-    out.write_text(effective_config(Config.parse(path.read_text()), settings).render())
+    effective, table = effective_config_and_table(Config.parse(path.read_text()), settings)
+    write_slot_table(table)
+    out.write_text(effective.render())
     assert GUARD_MARKER in out.read_text()
     result = subprocess.run([haproxy, "-c", "-f", str(out)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 
 from supervisor.displaced import Phase, map_entries, phase_lines
-from supervisor.effective import prepare_runtime_dir
+from supervisor.effective import prepare_runtime_dir, write_slot_table
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_guard
+from supervisor.haproxy.inject import SlotTable, inject_guard
 from supervisor.settings import HAProxySettings, Settings
 from tests.support.harness import HAProxyMaster, KeepAliveClient, backends, free_port
 
@@ -77,7 +77,9 @@ async def test_guard_steers_http_and_tcp_in_an_old_worker_only(rundir):
     with backends("r1", "r2", "r3", "fallback") as b:
         text = RENDERED.format(web=web, raw=raw, **{n: b[n].address for n in b})
         cfg = rundir / "haproxy.cfg"
-        cfg.write_text(inject_guard(Config.parse(text), map_path).render())
+        table = SlotTable.of(Config.parse(text), rundir)  # app_0 r1, app_1 r2, app_2 r3; tapp_0 r1, tapp_1 r2
+        write_slot_table(table)
+        cfg.write_text(inject_guard(Config.parse(text), map_path, table.path).render())
         master = HAProxyMaster(cfg, rundir).start()
         clients: list[KeepAliveClient] = []
         try:
@@ -92,8 +94,12 @@ async def test_guard_steers_http_and_tcp_in_an_old_worker_only(rundir):
 
             # Empty map: the old worker routes by its config.
             assert (await http[0].get())[:2] == (200, "r1")
-            # Spread over the given targets.
-            await push(cli, old_pid, map_path, {"app_0": "r2", "app_1": "r3", "app_n": "2"})
+            # A count alone spreads over the slot table's servers (`balance first` would pick r1).
+            await push(cli, old_pid, map_path, {"app_n": "3"})
+            spread = Counter([(await http[0].get())[1] for _ in range(45)])
+            assert set(spread) == {"r1", "r2", "r3"} and min(spread.values()) >= 5, spread
+            # An override replaces one slot's server; the others still come from the table.
+            await push(cli, old_pid, map_path, {"app_0": "r3"}, {"app_n": "2"})
             spread = Counter([(await http[0].get())[1] for _ in range(30)])
             assert set(spread) == {"r2", "r3"} and min(spread.values()) >= 5, spread
             # All to the backup, which a `use-server` reaches in an old worker.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.effective import build_effective, prepare_runtime_dir, write_atomically
+from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.haproxy.api import MasterCLI, ServerState, parse_servers_state, parse_show_proc
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime import (
@@ -120,7 +120,7 @@ class Rig:
         new_model = Config.parse(effective.text)
         if not await self.applier(self.generation, new_model, effective):
             return False
-        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        write_effective(self.settings.haproxy.effective_config, effective)
         self.generation.model = new_model
         self.generation.effective_sha256 = effective.sha256
         self.generation.rendered_sha256 = effective.rendered_sha256
@@ -136,7 +136,7 @@ class Rig:
             path.write_text(self.master.command(f"@!{self.worker} show servers state"))
         elif self.settings.reload.preserve_server_state:
             assert await self.applier.save_server_state(self.generation, new_model, path)
-        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        write_effective(self.settings.haproxy.effective_config, effective)
         pid = self.master.reload()
         self.generation = Generation(
             self.generation.number + 1, new_model, effective.sha256, effective.rendered_sha256, utcnow(), pid

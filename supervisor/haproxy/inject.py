@@ -7,11 +7,23 @@ the rendered one.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..settings import Settings, SettingsError
-from .config import PROXY_KINDS, Config, Line, Section, Server, ServerFlags, parse_line, quote_word
+from .config import (
+    PROXY_KINDS,
+    Config,
+    Line,
+    Section,
+    Server,
+    ServerFlags,
+    parse_line,
+    quote_word,
+    template_names,
+)
 
 
 def observe_directive(error_limit: int) -> str:
@@ -94,41 +106,49 @@ def inject_server_state(config: Config, path: Path) -> Config:
 # ---------------------------------------------------------------- displaced-worker guard
 
 GUARD_MARKER = "# haproxy-supervisor guard"
-# Map keys: `<backend>_n` holds how many targets a steered backend has (0: fail fast), and
-# `<backend>_<i>` for i < n holds the i-th target server. A backend name cannot end in
-# `_<digits>` or `_n` and also be another backend's key, because a key splits uniquely at
-# its last `_`: the suffix is `n` or digits and never contains `_`.
+# Two maps drive the guard. The slot table (a file per config, written by the supervisor,
+# never changed at runtime) holds `<backend>_<i>` -> the backend's i-th primary server, in
+# config order. The steer map (empty on disk, filled in old workers only) holds
+# `<backend>_n`: how many slots a steered backend's requests pick from (0: fail fast), and
+# `<backend>_<i>` overrides for the slots whose table server must not be used. A backend
+# name cannot end in `_<digits>` or `_n` and also be another backend's key, because a key
+# splits uniquely at its last `_`: the suffix is `n` or digits and never contains `_`.
 COUNT_SUFFIX = "n"
+SLOT_TABLE_PREFIX = "slots-"
 # Variables live in the txn scope; the prefix keeps them away from the rendered config's own.
 _VARS = ("txn.hsv_n", "txn.hsv_slot", "txn.hsv_srv")
-# The map path goes inside a converter argument, where `,`, `)`, blanks and quotes would break it.
+# A map path goes inside a converter argument, where `,`, `)`, blanks and quotes would break it.
 _SAFE_MAP_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
 
 
-def guard_rules(mode: str, map_path: str) -> list[str]:
+def guard_rules(mode: str, map_path: str, slot_table_path: str) -> list[str]:
     """The request rules (without indentation) that let a map steer one backend.
 
-    With the map empty the backend routes as its config says. With `<be>_n` = N > 0, each
-    request picks a random slot below N and the `use-server` rule sends it to the server the
-    slot maps to, ahead of the backend's own `use-server` rules and its balancing; with
-    N = 0 the request is answered with a 503 (HTTP) or its connection closed (TCP) at once.
-    The target variable is unset first: a `listen` section that switches to another guarded
-    backend would otherwise carry its target over.
+    With the steer map empty the backend routes as its config says. With `<be>_n` = N > 0,
+    each request picks a random slot below N; the steer map's entry for that slot, if any,
+    else the slot table's, names the server the `use-server` rule sends it to, ahead of the
+    backend's own `use-server` rules and its balancing. With N = 0 the request is answered
+    with a 503 (HTTP) or its connection closed (TCP) at once. The target variable is unset
+    first: a `listen` section that switches to another guarded backend would otherwise
+    carry its target over.
     """
-    if not _SAFE_MAP_PATH.match(map_path):
-        raise SettingsError(
-            f"steer map path {map_path!r}: only letters, digits and _ . / - can go into a map() argument"
-        )
+    for path in (map_path, slot_table_path):
+        if not _SAFE_MAP_PATH.match(path):
+            raise SettingsError(
+                f"map path {path!r}: only letters, digits and _ . / - can go into a map() argument"
+            )
     rule = "http-request" if mode == "http" else "tcp-request content"
     refuse = "return status 503" if mode == "http" else "reject"
     n, slot, srv = _VARS
     steered = f"{{ var({n}) -m int gt 0 }}"
+    unset = f"!{{ var({srv}) -m found }}"
     return [
         f"{rule} unset-var({srv})",
         f"{rule} set-var({n}) be_name,concat(_{COUNT_SUFFIX}),map({map_path},-1)",
         f"{rule} {refuse} if {{ var({n}) -m int 0 }}",
         f"{rule} set-var({slot}) rand,mod({n}) if {steered}",
         f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({map_path}) if {steered}",
+        f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({slot_table_path}) if {steered} {unset}",
     ]
 
 
@@ -136,9 +156,9 @@ def guard_use_server() -> str:
     return f"use-server %[var({_VARS[2]})] if {{ var({_VARS[2]}) -m found }}"
 
 
-def guard_block(mode: str, map_path: str) -> list[str]:
+def guard_block(mode: str, map_path: str, slot_table_path: str) -> list[str]:
     """The whole block as it reads when nothing else sits between its rules and its `use-server`."""
-    return [GUARD_MARKER, *guard_rules(mode, map_path), guard_use_server()]
+    return [GUARD_MARKER, *guard_rules(mode, map_path, slot_table_path), guard_use_server()]
 
 
 # The order HAProxy evaluates a proxy's request rules in. It warns about a rule written
@@ -153,12 +173,15 @@ def _rank(line: Line) -> int | None:
     return _RULE_RANK.get(line.keyword)
 
 
-def inject_guard(config: Config, map_path: str | Path) -> Config:
+def inject_guard(config: Config, map_path: str | Path, slot_table_path: str | Path) -> Config:
     """Put the guard's rules first among the request rules of every backend and listen that
-    has primary servers, and its `use-server` first among the `use-server` rules."""
+    has primary servers, and its `use-server` first among the `use-server` rules.
+
+    `slot_table_path` names the file that holds slot_table_text(slot_table(config)).
+    """
     result = config.copy()
     modes = proxy_modes(result)
-    map_text = str(map_path)
+    map_text, table_text = str(map_path), str(slot_table_path)
     # The guard's lines differ only by mode, indentation and line ending: parse them once
     # for the 1,000 backends that share those (Lines are immutable, so they can be shared).
     blocks: dict[tuple[str, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
@@ -178,7 +201,7 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
                 return [parse_line(f"{indent}{text}{newline}") for text in texts]
 
             block = blocks[(mode, indent, newline)] = (
-                lines([GUARD_MARKER, *guard_rules(mode, map_text)]),
+                lines([GUARD_MARKER, *guard_rules(mode, map_text, table_text)]),
                 lines([guard_use_server()]),
                 lines([GUARD_MARKER, guard_use_server()]),
             )
@@ -252,13 +275,65 @@ def guarded_backends(config: Config) -> frozenset[str]:
     return frozenset(s.name for s in config.backends() if is_guarded(s))
 
 
+# ---------------------------------------------------------------- the slot table
+
+
+def slot_table(config: Config) -> list[tuple[str, list[str]]]:
+    """Each backend and listen with primary servers (the ones the guard goes into), with the
+    names of its primaries in config order: slot i of the backend is the i-th name.
+
+    Every primary has its slot, disabled, weight 0 and down ones included: the table then
+    depends only on which servers exist, so a runtime apply (which never adds or removes a
+    server) leaves a worker's table equal to the one its new config names. The steer map
+    overrides the slots that must not be used.
+    """
+    table: list[tuple[str, list[str]]] = []
+    for section, server_lines in config.server_flags_by_backend():
+        names: list[str] = []
+        for index, flags in server_lines:
+            if flags.backup:
+                continue
+            words = section.body[index].words
+            names.extend([words[1]] if words[0] == "server" else template_names(words[1], words[2]))
+        if names:
+            table.append((section.name, names))
+    return table
+
+
+def slot_table_text(table: list[tuple[str, list[str]]]) -> str:
+    """The slot table as an HAProxy map file: `<backend>_<i> <server>` per line."""
+    return "".join(f"{backend}_{i} {name}\n" for backend, names in table for i, name in enumerate(names))
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """A slot table file: content-addressed, so a config never names a table that another
+    config rewrote (a reload that failed, a master restarted on an older config)."""
+
+    path: Path
+    text: str
+
+    @classmethod
+    def of(cls, config: Config, directory: Path) -> SlotTable:
+        text = slot_table_text(slot_table(config))
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return cls(directory / f"{SLOT_TABLE_PREFIX}{digest}.map", text)
+
+
 def effective_config(rendered: Config, settings: Settings) -> Config:
     """The rendered config after every injection that the settings switch on."""
+    return effective_config_and_table(rendered, settings)[0]
+
+
+def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Config, SlotTable | None]:
+    """effective_config(), and the slot table file it names (None with the guard off)."""
     config = rendered
     if settings.observe.enabled:
         config = inject_observe(config, settings.observe.error_limit)
     if settings.reload.preserve_server_state:
         config = inject_server_state(config, settings.haproxy.server_state_file)
+    table = None
     if settings.old_workers.guard:
-        config = inject_guard(config, settings.haproxy.steer_map)
-    return config
+        table = SlotTable.of(rendered, settings.haproxy.runtime_dir)
+        config = inject_guard(config, settings.haproxy.steer_map, table.path)
+    return config, table

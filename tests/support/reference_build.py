@@ -9,6 +9,7 @@ guard_use_server: they belong to the guard, not to how fast it is built), nothin
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,18 @@ def inject_server_state(config: Config, path: Path) -> Config:
     return result
 
 
-def inject_guard(config: Config, map_path: str | Path) -> Config:
+def slot_table_path(config: Config, directory: Path) -> Path:
+    """Where the slot table of `config` goes: named by the hash of its text, which lists
+    every primary server of every backend, `<backend>_<i> <name>` in config order."""
+    rows = [
+        f"{section.name}_{i} {name}\n"
+        for section in backends(config)
+        for i, name in enumerate(s.name for s in config.servers(section) if not s.backup)
+    ]
+    return directory / f"slots-{hashlib.sha256(''.join(rows).encode()).hexdigest()[:16]}.map"
+
+
+def inject_guard(config: Config, map_path: str | Path, table_path: Path) -> Config:
     result = copy(config)
     modes = proxy_modes(result)
     for section in backends(result):
@@ -245,7 +257,7 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
         ranked = [i for i, r in enumerate(ranks) if r is not None]
         at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
         first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
-        rules = lines([GUARD_MARKER, *guard_rules(mode, str(map_path))])
+        rules = lines([GUARD_MARKER, *guard_rules(mode, str(map_path), str(table_path))])
         if first_use_server is None:
             later = [i for i in ranked if i >= at]
             use_at = (later[-1] + 1) if later else at
@@ -263,10 +275,11 @@ def inject_guard(config: Config, map_path: str | Path) -> Config:
 def reference_effective(text: str, settings: Settings) -> tuple[str, Config]:
     """(effective text, effective model) the straightforward way."""
     config = parse(text)
+    table_path = slot_table_path(config, settings.haproxy.runtime_dir)
     if settings.observe.enabled:
         config = inject_observe(config, settings.observe.error_limit)
     if settings.reload.preserve_server_state:
         config = inject_server_state(config, settings.haproxy.server_state_file)
     if settings.old_workers.guard:
-        config = inject_guard(config, settings.haproxy.steer_map)
+        config = inject_guard(config, settings.haproxy.steer_map, table_path)
     return "".join(line.raw for s in config.sections for line in s.lines()), config

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.displaced import DisplacedWorkers, map_entries
-from supervisor.effective import build_effective, prepare_runtime_dir, write_atomically
+from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import Settings
@@ -81,7 +81,7 @@ class Supervised:
         next_model = Config.parse(effective.text)
         before = self.current_pid
         await self.displaced.before_reload(next_model)
-        write_atomically(self.settings.haproxy.effective_config, effective.text)
+        write_effective(self.settings.haproxy.effective_config, effective)
         started = time.monotonic()
         with contextlib.suppress(CLIError):  # 2.6 may drop the connection as the master re-executes
             await self.cli.reload()
@@ -139,7 +139,7 @@ async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervi
     """Start HAProxy on `rendered` (plus injections) and run DisplacedWorkers beside it."""
     prepare_runtime_dir(settings)
     effective = build_effective(settings, rendered)
-    write_atomically(settings.haproxy.effective_config, effective.text)
+    write_effective(settings.haproxy.effective_config, effective)
     runtime = settings.haproxy.runtime_dir
     master = HAProxyMaster(settings.haproxy.effective_config, Path(runtime)).start()
     try:
