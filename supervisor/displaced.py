@@ -50,7 +50,7 @@ from .haproxy.api import (
     validate_name,
 )
 from .haproxy.config import Config, Section, Server
-from .haproxy.inject import COUNT_SUFFIX, is_guarded
+from .haproxy.inject import COUNT_SUFFIX, SLOT_TABLE_PREFIX, is_guarded
 from .settings import Settings
 from .state import Generation, OldWorker, PushState, State, utcnow
 
@@ -118,6 +118,9 @@ class SectionDigest:
         )
 
 
+_SLOT_TABLE_NAME = re.compile(re.escape(SLOT_TABLE_PREFIX) + r"[0-9a-f]+\.map")
+
+
 class SectionCache:
     """Section digests by the section's text (and its defaults'): consecutive rendered configs
     differ in a few backends, so a 10,000-server config is digested in milliseconds, and
@@ -135,7 +138,10 @@ class SectionCache:
             elif (inherited := defaults_text.get(id(defaults))) is None:
                 inherited = defaults_text[id(defaults)] = defaults.render()
             header = section.header.raw if section.header is not None else ""
-            key = (inherited, header + "".join([line.raw for line in section.body]))
+            text = header + "".join([line.raw for line in section.body])
+            # Every reload that moves a replica names a new slot table in every guarded
+            # section; the digest does not depend on the name, and must stay shared.
+            key = (inherited, _SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text)
             digest = self.entries.get(key)
             if digest is None:
                 # A two-section config resolves `default-server` lines exactly as the whole one.
@@ -813,6 +819,12 @@ def answer_problem(line: str, answer: str) -> str | None:
     return None
 
 
+def is_whole_answer(show_map_answer: str) -> bool:
+    """A `show map` answer ends with a blank line: "\n" alone for an empty map, else the
+    last entry's newline and one more. A connection dropped mid-answer ends otherwise."""
+    return show_map_answer == "\n" or show_map_answer.endswith("\n\n")
+
+
 def map_entries(show_map_answer: str) -> dict[str, str]:
     """A map's content from `show map <file>`. A key held twice with different values reads
     as "" so that a diff rewrites it (`set map` sets every entry of a key)."""
@@ -946,6 +958,7 @@ class _Worker:
     pushes: int = 0  # moves at the start and the end of a push: a read-back overlapping one is not trusted
     verify: bool = True  # its map should be read back (after a push, or for a reconcile)
     verified_at: float = 0.0  # monotonic
+    unread: int = 0  # read-backs in a row that got no whole answer
     failures: int = 0
     retry_at: float = 0.0  # monotonic
     swept: frozenset[str] = frozenset()  # dead set for which stuck sessions were last ended
@@ -1453,6 +1466,8 @@ class DisplacedWorkers:
     # instead (prepare/commit): each such command is a CLI round of its own in HAProxy,
     # while a replacement ships every entry in a few payloads and switches atomically.
     REPLACE_ABOVE = 64
+    # Read-backs in a row without a whole answer before the worker's push counts as failed.
+    UNREAD_LIMIT = 3
 
     async def _push(self, worker: _Worker, steered_at: dict[int, float]) -> None:
         desired = worker.desired
@@ -1538,9 +1553,17 @@ class DisplacedWorkers:
                 if self._workers.get(worker.pid) is not worker or worker.pushes != pushes or worker.known is None:
                     continue  # pushed again (or gone) meanwhile: this read proves nothing
                 after_push = worker.verify
+                if isinstance(got, Exception):
+                    # A read that got no whole answer says nothing about the map: read again at
+                    # the next poll, and call it a failure only when that keeps happening.
+                    worker.unread += 1
+                    if worker.unread < self.UNREAD_LIMIT:
+                        log.info("reading old worker %d's map back failed, will retry: %s", worker.pid, got)
+                        continue
+                    self._failed(worker, str(got))
+                worker.unread = 0
                 worker.verify, worker.verified_at = False, time.monotonic()
                 if isinstance(got, Exception):
-                    self._failed(worker, str(got))
                     continue
                 if not after_push:
                     # A reconcile also sweeps stuck streams again, and re-reads the worker's own
@@ -1564,6 +1587,10 @@ class DisplacedWorkers:
             raise PushError(f"worker {pid}: show map: no answer")
         if answer.startswith(_GONE) or "Unknown map" in answer:
             raise PushError(f"worker {pid}: {answer.strip().splitlines()[0]}")
+        if not is_whole_answer(answer):
+            # Cut off the same way, after some entries: taken as the map, it would read as
+            # entries gone missing.
+            raise PushError(f"worker {pid}: show map: answer cut off after {len(answer)} bytes")
         return map_entries(answer)
 
     def _failed(self, worker: _Worker, error: str) -> None:

@@ -26,6 +26,7 @@ from supervisor.displaced import (
     dropped_groups,
     dropped_groups_since,
     dropped_in_section,
+    is_whole_answer,
     known_dead_servers,
     line_limit,
     live_view,
@@ -674,6 +675,26 @@ def test_section_cache_shares_unchanged_sections_between_configs():
     assert ConfigDigest.of(model(same), cache).sections["echo"] is new.sections["echo"]
 
 
+def test_a_new_slot_table_name_does_not_unshare_the_sections_that_did_not_change(tmp_path: Path):
+    """A moved replica renames the slot table in every guarded section's rules: the sections
+    whose servers did not change must keep their digest (identity is how changes are found)."""
+    from supervisor.effective import build_effective
+    from supervisor.settings import HAProxySettings, Settings
+
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=tmp_path))
+    old, new = build_effective(settings, OLD), build_effective(settings, NEW)
+    assert old.slot_table is not None and new.slot_table is not None
+    assert old.slot_table.path != new.slot_table.path
+    cache = SectionCache()
+    before = ConfigDigest.of(old.effective_model, cache)
+    after = ConfigDigest.of(new.effective_model, cache)
+    changed = {s.name for s in before.section_set - after.section_set}
+    assert changed == {"echo", "highscale", "wide", "nobackup", "parked"}
+    same = build_effective(settings, OLD.replace("server echo_r1 10.0.0.1:8001", "server echo_r7 10.0.0.1:8001"))
+    again = ConfigDigest.of(same.effective_model, cache)
+    assert {s.name for s in again.section_set - before.section_set} == {"echo"}
+
+
 def test_dead_sets_are_the_same_with_shared_and_separate_digests():
     rng = random.Random(7)
     base = [(f"b{b}", [f"10.0.{b}.{i}:80" for i in range(4)]) for b in range(12)]
@@ -707,3 +728,11 @@ def test_answer_problem_needs_one_empty_line_per_command():
     assert "connection dropped" in answer_problem(three, "\n")
     assert "connection dropped" in answer_problem("@!1 add map /m <<\nk v\nk2 v\n", "")
     assert answer_problem("@!1 add map /m <<\nk v;x\n", "\n") is None  # payload bytes are not commands
+
+
+def test_a_show_map_answer_cut_off_is_told_from_a_whole_one():
+    # as 2.6.12 answered through the master CLI
+    whole = "0x7f8d54046500 k1 v1\n0x556ce3bceab0 k2 v2\n\n"
+    assert is_whole_answer(whole) and is_whole_answer("\n")
+    for cut in (whole[:-1], whole[:25], whole[: whole.index("\n") + 1], ""):
+        assert not is_whole_answer(cut), repr(cut)
