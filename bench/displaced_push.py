@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.displaced import DisplacedWorkers
+from supervisor.displaced import DisplacedWorkers, known_dead_servers, map_entries, steer_map_entries
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.gcpolicy import settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
@@ -212,6 +212,20 @@ class Bench:
     def all_steered(self) -> bool:
         return all(w.push.state == "ok" for w in self.state.old_workers.values())
 
+    async def check_maps(self, cli: MasterCLI) -> None:
+        """Untimed: every old worker's map, read back, is what the straightforward decision
+        (known_dead_servers, then steer_map_entries, no cache and no increment) says it needs."""
+        current = self.state.current
+        assert current is not None
+        by_pid = {g.worker_pid: g for g in self.state.generations.values()}
+        for pid in self.state.old_workers:
+            generation = by_pid[pid]
+            dead = known_dead_servers(generation.model, current.model, [], ())
+            expected = steer_map_entries(generation.model, dead, self.settings.old_workers.no_backup)
+            got = map_entries(await cli.on(pid, f"show map {self.settings.haproxy.steer_map}"))
+            differ = sorted(set(got.items()) ^ set(expected.items()))[:4]
+            assert got == expected, f"worker {pid}: its map differs from the decision: {differ}"
+
     async def run(self, rounds: int) -> Figures:
         figures = Figures()
         prepare_runtime_dir(self.settings)
@@ -236,6 +250,7 @@ class Bench:
                     self.hold(self.state.current.worker_pid)
                     await self.reload(cli, displaced, rendered(self.servers, self.front, self.moved), figures)
                     assert self.all_steered(), [(w.pid, w.push) for w in self.state.old_workers.values()]
+                    await self.check_maps(cli)
                     await self.release_oldest()
                     # Without a reload: the operator marks the next node dead.
                     doomed = [f"app{b}/app{b}_r1" for b in drained_backends(self.servers, round_no + 1)]

@@ -794,6 +794,58 @@ def _payload(phase: Phase) -> tuple[str, ...]:
     return tuple("".join(group) for group in groups.values())
 
 
+@dataclass(frozen=True, eq=False)
+class DeltaBatch:
+    """Several backends' deltas made into CLI lines once, for every worker that needs the
+    same ones: a drain gives dozens of old workers the same deltas, and each of them then
+    costs a string replacement per line instead of assembling its lines anew.
+
+    The lines name a stand-in PID as long as the real ones (a line's length must not
+    change: it is fitted to the line limit); map keys and values cannot hold `@!`, so
+    the stand-in cannot be replaced anywhere else."""
+
+    deltas: tuple[BackendDelta, ...]  # held so that the identities the batch is found by stay valid
+    stand_in: str  # "@!<digits> "
+    ranks: tuple[tuple[str, ...], ...]
+    writes: Mapping[str, str]  # what the answered lines add or set in the map
+    removes: tuple[str, ...]  # what they delete
+    changes: int
+    singles: int
+
+    @classmethod
+    def of(cls, deltas: Sequence[BackendDelta], map_path: str, limit: int, pid_digits: int) -> DeltaBatch:
+        stand_in = int("1" * pid_digits)
+        writes: dict[str, str] = {}
+        removes: list[str] = []
+        for delta in deltas:
+            for phase in delta.phases:
+                writes.update(phase.adds)
+                writes.update(phase.sets)
+                removes.extend(phase.dels)
+        ranks = delta_lines(stand_in, map_path, deltas, limit)
+        return cls(
+            deltas=tuple(deltas),
+            stand_in=on_process(stand_in, ""),
+            ranks=tuple(tuple(lines) for lines in ranks),
+            writes=writes,
+            removes=tuple(removes),
+            changes=sum(d.changes for d in deltas),
+            singles=sum(d.singles for d in deltas),
+        )
+
+    def lines_for(self, pid: int) -> list[list[str]]:
+        """delta_lines() of this batch's deltas for one worker."""
+        prefix = on_process(pid, "")
+        assert len(prefix) == len(self.stand_in), (pid, self.stand_in)
+        return [[line.replace(self.stand_in, prefix) for line in lines] for lines in self.ranks]
+
+    def apply(self, known: dict[str, str]) -> None:
+        """apply_deltas(known, self.deltas), once HAProxy answered every line cleanly."""
+        known.update(self.writes)
+        for key in self.removes:
+            known.pop(key, None)
+
+
 def apply_deltas(known: dict[str, str], deltas: Iterable[BackendDelta]) -> None:
     """Record in `known` what the deltas' lines did, once HAProxy answered every one cleanly."""
     for delta in deltas:
@@ -950,8 +1002,9 @@ class _Worker:
     # Per backend with dead servers: (dead, unusable, entries) the entries were computed from.
     parts: dict[str, tuple[frozenset[str], frozenset[str], dict[str, str]]] = field(default_factory=dict)
     parts_digest: ConfigDigest | None = None  # the digest `parts` were computed with
-    # (dead set, unusable_version, digest) the parts were computed from; objects, compared by identity
-    parts_from: tuple[frozenset[str], int, ConfigDigest] | None = None
+    # (dead set, unusable_version, digest, dead groups) the parts were computed from; objects,
+    # compared by identity
+    parts_from: tuple[frozenset[str], int, ConfigDigest, Mapping[str, frozenset[str]]] | None = None
     # Per backend, the servers it sees DOWN or MAINT itself; a backend missing: ask it.
     unusable: dict[str, frozenset[str]] = field(default_factory=dict)
     unusable_version: int = 0
@@ -1017,6 +1070,7 @@ class DisplacedWorkers:
         self._dropped_by_digest: dict[ConfigDigest, tuple[ConfigDigest, Mapping[str, frozenset[str]]]] = {}
         self._changed: tuple[ConfigDigest, ConfigDigest, frozenset[str]] | None = None
         self._deltas = PairMemo(BackendDelta.of, 100_000)
+        self._batches: dict[tuple[int, ...], DeltaBatch] = {}
         # view key -> digest -> (dead set, the same grouped by backend); the last two views
         # (during a reload the next config's view and the current one take turns).
         self._dead_cache: dict[tuple, dict[ConfigDigest, tuple[frozenset[str], dict[str, frozenset[str]]]]] = {}
@@ -1267,9 +1321,9 @@ class DisplacedWorkers:
                 else:
                     self._want(worker, None)
                     self._record(worker, "failed", "its config has no guard: it cannot be steered")
-            for worker, digest in steering:
-                self._update_desired(worker, digest)
-        await self._push_all()
+        else:
+            steering = []
+        await self._push_all(steering)
         self._list_steered()
         dead_sets = tuple(w.dead for w, _ in judged)  # bookkeeping for the status API, after the push
         if len(dead_sets) != len(self._dead_sets) or any(map(operator.is_not, dead_sets, self._dead_sets)):
@@ -1304,13 +1358,21 @@ class DisplacedWorkers:
             and last[2] is digest
         ):
             return  # nothing it depends on changed: the usual poll
-        worker.parts_from = (worker.dead, worker.unusable_version, digest)
         groups = worker.dead_groups
+        worker.parts_from = (worker.dead, worker.unusable_version, digest, groups)
         fresh = worker.desired is None or worker.parts_digest is not digest
         old_parts = {} if fresh else worker.parts
+        if fresh or last is None or last[1] != worker.unusable_version or last[2] is not digest:
+            candidates: Iterable[str] = groups.keys() | old_parts.keys()
+        else:
+            # Dead groups are shared objects, replaced only where something changed: a drain
+            # touches a hundred of a worker's thousand steered backends, so look at those only.
+            before = last[3]
+            candidates = [b for b, dead in groups.items() if before.get(b) is not dead]
+            candidates += [b for b in before if b not in groups]
         parts = dict(old_parts)
         changed: list[str] = []
-        for backend in groups.keys() | old_parts.keys():
+        for backend in candidates:
             dead = groups.get(backend, frozenset())
             unusable = worker.unusable.get(backend, frozenset()) if dead else frozenset()
             previous = old_parts.get(backend)
@@ -1421,22 +1483,16 @@ class DisplacedWorkers:
             worker.dirty, worker.transitions = set(), {}
         return worker.dirty == set()
 
-    async def _push_all(self) -> None:
-        now = time.monotonic()
-        todo: list[_Worker] = []
-        for worker in self._workers.values():
-            if worker.desired is None:
-                continue
-            if self._in_sync(worker):
-                self._record(worker, "ok")  # e.g. steered before the reload made it old
-            elif worker.retry_at <= now:
-                todo.append(worker)
-                self._record(worker, "pending")
-        if not todo:
-            return
+    async def _push_all(self, steering: Sequence[tuple[_Worker, ConfigDigest]] = ()) -> None:
+        """Push to every worker whose map is not what it needs. `steering`: workers whose
+        entries are brought up to date first, one by one, each pushed as soon as it is: HAProxy
+        (another process, on another core) applies one worker's entries while the next
+        worker's are worked out here."""
         started = time.monotonic()
         steered_at: dict[int, float] = {}
         self._changes = 0
+        self._batches = {}  # only this round's: the deltas they hold are found by identity
+        pushing = False
 
         async def one(worker: _Worker) -> None:
             try:
@@ -1449,11 +1505,33 @@ class DisplacedWorkers:
                 worker.retry_at = 0.0
                 self._record(worker, "ok")
 
+        def wanted(worker: _Worker, now: float) -> bool:
+            if worker.desired is None:
+                return False
+            if self._in_sync(worker):
+                self._record(worker, "ok")  # e.g. steered before the reload made it old
+                return False
+            if worker.retry_at > now:
+                return False
+            self._record(worker, "pending")
+            return True
+
         async with asyncio.TaskGroup() as group:
-            for worker in todo:
-                group.create_task(one(worker))
+            updated = set()
+            for worker, digest in steering:
+                self._update_desired(worker, digest)
+                updated.add(worker.pid)
+                if wanted(worker, time.monotonic()):
+                    pushing = True
+                    group.create_task(one(worker))
+                    await asyncio.sleep(0)  # let the push get its line out before the next worker
+            now = time.monotonic()
+            for worker in list(self._workers.values()):
+                if worker.pid not in updated and wanted(worker, now):
+                    pushing = True
+                    group.create_task(one(worker))
         finished = time.monotonic()
-        if steered_at:
+        if pushing and steered_at:
             self.state.push_duration.observe(finished - started)
             self.last_push = {
                 "workers": len(steered_at),
@@ -1485,20 +1563,30 @@ class DisplacedWorkers:
             deltas = [self._delta(before, after) for before, after in worker.transitions.values()]
         else:
             deltas = [BackendDelta.between(known, desired, worker.dirty)]
+        batch = self._batch(deltas, limit, len(str(worker.pid)))
         worker.known, worker.pushes = None, worker.pushes + 1  # in between until the answers are in
-        if sum(d.singles for d in deltas) > self.REPLACE_ABOVE:
+        if batch.singles > self.REPLACE_ABOVE:
             await self._replace(worker, desired, limit)
             known = dict(desired)
         else:
-            self._changes += sum(d.changes for d in deltas)
-            for lines in delta_lines(worker.pid, self.map_path, deltas, limit):
+            self._changes += batch.changes
+            for lines in batch.lines_for(worker.pid):
                 await self._send(worker.pid, lines)
-            apply_deltas(known, deltas)
+            batch.apply(known)
         # Every command answered cleanly: steered. The poll loop reads it back to verify. The
         # count moves again, so that a read-back that overlapped this push is not trusted.
         steered_at[worker.pid] = time.monotonic()
         worker.known, worker.dirty, worker.transitions, worker.verify = known, set(), {}, True
         worker.pushes += 1
+
+    def _batch(self, deltas: list[BackendDelta], limit: int, pid_digits: int) -> DeltaBatch:
+        """DeltaBatch.of(), once per set of deltas in a push round (_push_all keeps them)."""
+        deltas.sort(key=id)  # one order for every worker: backends' deltas go in any order
+        key = (limit, pid_digits, *map(id, deltas))
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = DeltaBatch.of(deltas, self.map_path, limit, pid_digits)
+        return batch
 
     def _delta(self, before: Mapping[str, str], after: Mapping[str, str]) -> BackendDelta:
         """BackendDelta.of(), once per pair of entry objects (shared by the workers whose

@@ -12,6 +12,7 @@ from supervisor.displaced import (
     FAIL_FAST,
     BackendDelta,
     ConfigDigest,
+    DeltaBatch,
     Phase,
     SectionCache,
     answer_problem,
@@ -545,6 +546,14 @@ def test_delta_lines_merge_backends_and_reach_the_desired_map():
         # the same maps diffed whole, as a worker without per-backend parts is pushed
         whole_lines = delta_lines(9, MAP, [BackendDelta.between(current, desired, None)], limit)
         assert run_lines(current, whole_lines, 9, rng) == desired
+        # made once for many workers: each gets its own PID in lines of the same lengths
+        pid = rng.choice([7, 4321, 1234567])
+        batch = DeltaBatch.of(deltas, MAP, limit, len(str(pid)))
+        assert batch.lines_for(pid) == delta_lines(pid, MAP, deltas, limit)
+        known = dict(current)
+        batch.apply(known)
+        assert known == desired
+        assert (batch.changes, batch.singles) == (sum(d.changes for d in deltas), sum(d.singles for d in deltas))
 
 
 def test_a_newly_steered_backend_travels_in_one_payload_line():
