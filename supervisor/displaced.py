@@ -59,6 +59,7 @@ log = logging.getLogger("supervisor.displaced")
 NoBackup = Literal["fail-fast", "keep"]
 A, B, R = TypeVar("A"), TypeVar("B"), TypeVar("R")
 _NO_ENTRIES: Mapping[str, str] = MappingProxyType({})  # a backend with nothing steered: one shared object
+_NOTHING: frozenset[str] = frozenset()
 FAIL_FAST = "0"  # the value of `<backend>_n` that makes the guard refuse the request
 
 # ================================================================= pure decisions
@@ -466,7 +467,15 @@ def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
 def backend_entries(
     digest: ConfigDigest, backend: str, dead: frozenset[str], no_backup: NoBackup, unusable: frozenset[str]
 ) -> dict[str, str]:
-    """steer_entries() for one backend; `dead` and `unusable` may hold other backends' keys too.
+    """steer_entries() for one backend; `dead` and `unusable` may hold other backends' keys too."""
+    section = digest.sections.get(backend)
+    return section_entries(section, dead, no_backup, unusable) if section is not None else {}
+
+
+def section_entries(
+    section: SectionDigest, dead: frozenset[str], no_backup: NoBackup, unusable: frozenset[str]
+) -> dict[str, str]:
+    """backend_entries() for one section's digest: nothing else goes into them.
 
     The slot table lists every primary. With L of its S slots usable, the count is L, so a
     request picks one of slots 0..L-1, each as likely; a slot below L whose server is not
@@ -475,9 +484,9 @@ def backend_entries(
     most. With no usable primary the count is the number of backup targets, each overriding
     one slot.
     """
-    if backend not in digest.guarded:
+    if not section.guarded:
         return {}
-    section = digest.sections[backend]
+    backend = section.name
 
     def routable(s: Server) -> bool:
         return not s.disabled and s.weight != 0 and s.key not in unusable
@@ -495,7 +504,7 @@ def backend_entries(
         entries[count_key(backend)] = str(live)
         return entries
     backups = [s.name for s in section.servers if s.backup and routable(s) and s.key not in dead]
-    targets = backups if backend in digest.all_backups else backups[:1]
+    targets = backups if section.all_backups else backups[:1]
     if not targets:
         return {count_key(backend): FAIL_FAST} if no_backup == "fail-fast" else {}
     entries = {slot_key(backend, i): name for i, name in enumerate(targets)}
@@ -1280,7 +1289,6 @@ class DisplacedWorkers:
         if latest is None:
             self.state.dead_servers, self._dead_sets = set(), ()
             return
-        self._forget_digests(latest)
         leaving = self._leaving_pid if self._next is not None else None
         # Which workers get a dead set, and which of those a map that can act on it.
         judged: list[tuple[_Worker, ConfigDigest]] = []
@@ -1324,6 +1332,7 @@ class DisplacedWorkers:
         else:
             steering = []
         await self._push_all(steering)
+        self._forget_digests(latest)  # housekeeping: after the pushes, not in their way
         self._list_steered()
         dead_sets = tuple(w.dead for w, _ in judged)  # bookkeeping for the status API, after the push
         if len(dead_sets) != len(self._dead_sets) or any(map(operator.is_not, dead_sets, self._dead_sets)):
@@ -1372,15 +1381,16 @@ class DisplacedWorkers:
             candidates += [b for b in before if b not in groups]
         parts = dict(old_parts)
         changed: list[str] = []
+        worker_unusable, sections, entries_of = worker.unusable, digest.sections, self._entries
         for backend in candidates:
-            dead = groups.get(backend, frozenset())
-            unusable = worker.unusable.get(backend, frozenset()) if dead else frozenset()
+            dead = groups.get(backend, _NOTHING)
+            unusable = worker_unusable.get(backend, _NOTHING) if dead else _NOTHING
             previous = old_parts.get(backend)
             if previous is not None and previous[0] == dead and previous[1] == unusable:
                 continue
             changed.append(backend)
             if dead:
-                parts[backend] = (dead, unusable, self._entries(digest, backend, dead, unusable))
+                parts[backend] = (dead, unusable, entries_of(sections[backend], dead, unusable))
             else:
                 del parts[backend]
         worker.parts, worker.parts_digest = parts, digest
@@ -1395,33 +1405,33 @@ class DisplacedWorkers:
         desired = worker.desired
         assert desired is not None
         moved: set[str] = set()
+        transitions = worker.transitions
         for backend in changed:
-            before = old_parts[backend][2] if backend in old_parts else _NO_ENTRIES
-            after = parts[backend][2] if backend in parts else _NO_ENTRIES
-            for key in before.keys() - after.keys():
-                desired.pop(key, None)
-                moved.add(key)
+            had, has = old_parts.get(backend), parts.get(backend)
+            before = had[2] if had is not None else _NO_ENTRIES
+            after = has[2] if has is not None else _NO_ENTRIES
+            if before:
+                for key in before.keys() - after.keys():
+                    desired.pop(key, None)
+                    moved.add(key)
             desired.update(after)
             moved.update(after)  # unchanged keys too: `dirty` holds the keys that *may* differ
-            if worker.transitions is not None:
-                first = worker.transitions.get(backend, (before, after))[0]
-                worker.transitions[backend] = (first, after)
+            if transitions is not None:
+                first = transitions.get(backend, (before, after))[0]
+                transitions[backend] = (first, after)
         if moved and worker.dirty is not None:
             worker.dirty |= moved
 
-    def _entries(
-        self, digest: ConfigDigest, backend: str, dead: frozenset[str], unusable: frozenset[str]
-    ) -> dict[str, str]:
-        """backend_entries(), shared by the generations whose section is the same object: a
+    def _entries(self, section: SectionDigest, dead: frozenset[str], unusable: frozenset[str]) -> dict[str, str]:
+        """section_entries(), shared by the generations whose section is the same object: a
         drain changes the same backends in every old worker."""
-        section = digest.sections.get(backend)
-        key = (section, backend in digest.all_backups, backend in digest.guarded, dead, unusable)
+        key = (section, dead, unusable)
         entries = self._entries_memo.get(key)
         if entries is None:
             if len(self._entries_memo) > 200_000:
                 self._entries_memo.clear()
             no_backup = self.settings.old_workers.no_backup
-            entries = self._entries_memo[key] = backend_entries(digest, backend, dead, no_backup, unusable)
+            entries = self._entries_memo[key] = section_entries(section, dead, no_backup, unusable)
         return entries
 
     @staticmethod
