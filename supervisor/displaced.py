@@ -69,6 +69,7 @@ def endpoint(address: str, port: int | None) -> str:
     return f"{address}:{port}" if port is not None else address
 
 
+@functools.lru_cache(maxsize=65536)  # a drain digests a hundred new sections; their hosts repeat
 def _is_ip(address: str) -> bool:
     try:
         ipaddress.ip_address(address)
@@ -168,10 +169,8 @@ class ConfigDigest:
     model: Config
     sections: dict[str, SectionDigest]
     section_set: frozenset[SectionDigest]  # the same, for set differences between configs
-    present: frozenset[At]  # where this config routes to
     named_hosts: tuple[Server, ...]
     guarded: frozenset[str]
-    all_backups: frozenset[str]  # backends with `option allbackups`
     limit: int  # longest CLI line its processes accept
 
     @classmethod
@@ -181,10 +180,8 @@ class ConfigDigest:
             model=model,
             sections=sections,
             section_set=frozenset(sections.values()),
-            present=frozenset().union(*(sd.present for sd in sections.values())),
             named_hosts=tuple(s for sd in sections.values() for s in sd.named_hosts),
             guarded=frozenset(name for name, sd in sections.items() if sd.guarded),
-            all_backups=frozenset(name for name, sd in sections.items() if sd.all_backups),
             limit=line_limit(model),
         )
 
