@@ -179,13 +179,33 @@ def inject_guard(config: Config, map_path: str | Path, slot_table_path: str | Pa
 
     `slot_table_path` names the file that holds slot_table_text(slot_table(config)).
     """
+    return _inject_guard(config, map_path, table_path=Path(slot_table_path))[0]
+
+
+def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
+    """inject_guard() naming SlotTable.of(config, directory), and that table: the servers are
+    looked at once for both (10,000 of them, on every reload)."""
+    return _inject_guard(config, map_path, directory=directory)
+
+
+def _inject_guard(
+    config: Config, map_path: str | Path, *, table_path: Path | None = None, directory: Path | None = None
+) -> tuple[Config, SlotTable]:
+    """With `directory`, the table is made from the config and named; with `table_path`, that
+    path is named, and the table returned stands for it without its text."""
     result = config.copy()
     modes = proxy_modes(result)
-    map_text, table_text = str(map_path), str(slot_table_path)
+    flagged = result.server_flags_by_backend()
+    if table_path is not None:
+        table = SlotTable(table_path, "")
+    else:
+        assert directory is not None
+        table = SlotTable.of_rows(_slot_rows(flagged), directory)
+    map_text, table_text = str(map_path), str(table.path)
     # The guard's lines differ only by mode, indentation and line ending: parse them once
     # for the 1,000 backends that share those (Lines are immutable, so they can be shared).
     blocks: dict[tuple[str, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
-    for section, server_lines in result.server_flags_by_backend():
+    for section, server_lines in flagged:
         if all(flags.backup for _, flags in server_lines) or is_guarded(section):
             continue
         mode = modes[id(section)]
@@ -228,7 +248,7 @@ def inject_guard(config: Config, map_path: str | Path, slot_table_path: str | Pa
         # Insert the later position first so that the earlier index stays valid.
         body[use_at:use_at] = use_server
         body[at:at] = rules
-    return result
+    return result, table
 
 
 def proxy_modes(config: Config) -> dict[int, str]:
@@ -287,8 +307,12 @@ def slot_table(config: Config) -> list[tuple[str, list[str]]]:
     server) leaves a worker's table equal to the one its new config names. The steer map
     overrides the slots that must not be used.
     """
+    return _slot_rows(config.server_flags_by_backend())
+
+
+def _slot_rows(flagged: list[tuple[Section, list[tuple[int, ServerFlags]]]]) -> list[tuple[str, list[str]]]:
     table: list[tuple[str, list[str]]] = []
-    for section, server_lines in config.server_flags_by_backend():
+    for section, server_lines in flagged:
         names: list[str] = []
         for index, flags in server_lines:
             if flags.backup:
@@ -315,7 +339,11 @@ class SlotTable:
 
     @classmethod
     def of(cls, config: Config, directory: Path) -> SlotTable:
-        text = slot_table_text(slot_table(config))
+        return cls.of_rows(slot_table(config), directory)
+
+    @classmethod
+    def of_rows(cls, rows: list[tuple[str, list[str]]], directory: Path) -> SlotTable:
+        text = slot_table_text(rows)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return cls(directory / f"{SLOT_TABLE_PREFIX}{digest}.map", text)
 
@@ -334,6 +362,7 @@ def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Co
         config = inject_server_state(config, settings.haproxy.server_state_file)
     table = None
     if settings.old_workers.guard:
-        table = SlotTable.of(rendered, settings.haproxy.runtime_dir)
-        config = inject_guard(config, settings.haproxy.steer_map, table.path)
+        # The injections above leave every server's name and `backup` flag as they were:
+        # the table is the rendered config's.
+        config, table = inject_guard_and_table(config, settings.haproxy.steer_map, settings.haproxy.runtime_dir)
     return config, table
