@@ -1170,6 +1170,12 @@ class DisplacedWorkers:
         """One round: list the workers, recompute, push what changed. `fresh`: ask the current
         worker for its server states even if the last answer is younger than a poll;
         `reuse_live`: use the last answer whatever its age."""
+        current = self.state.current
+        if fresh and self._next is None and current is not None and current.worker_pid is not None:
+            # Outside the lock: a reload that starts meanwhile steers with the last answer
+            # instead of waiting for this one (10,000 servers take tens of milliseconds).
+            await self._fetch_live(current.worker_pid)
+            fresh, reuse_live = False, True
         async with self._lock:
             procs = await self.cli.show_proc()
             if procs.master is None and not procs.workers:
@@ -1251,29 +1257,34 @@ class DisplacedWorkers:
 
     async def _live_states(self, current_pid: int, fresh: bool, reuse: bool = False) -> _Live:
         live = self._live
-        if reuse and live is not None:
+        if live is not None and (reuse or self._next is not None):
+            # Around a reload the last answer will do, whatever its age, even from the worker
+            # that was current until a moment ago: the steering must not wait on a 10,000-line
+            # answer, a new worker reports every server UP until its checks have run, and
+            # the poll after the reload reads a fresh one.
             return live
-        if self._next is not None:
-            fresh = False  # a reload is under way: do not make it wait on a full answer
-        # Around a reload the last poll's answer will do, even from the worker that was current
-        # until a moment ago: a new worker reports every server UP until its checks have run.
         if fresh or live is None or time.monotonic() - live.at > 2 * self.poll_s:
-            answer = await self.cli.on(current_pid, "show servers state")
-            if "# be_id" not in answer:
-                raise CLIError(f"show servers state: no answer from worker {current_pid}")
-            states = parse_live_states(answer)
-            unusable: dict[str, set[str]] = {}
-            for key, verdict in states.alive_by_key.items():
-                if verdict is False:
-                    unusable.setdefault(key.partition("/")[0], set()).add(key)
-            # Backends missing from the dict are asked again; every backend of its config
-            # has an (often empty) answer here.
-            per_backend = {b: frozenset(unusable.get(b, ())) for b in self._backends_of(current_pid)}
-            per_backend.update({b: frozenset(keys) for b, keys in unusable.items()})
-            live = self._live = _Live(current_pid, time.monotonic(), states, per_backend)
-            worker = self._workers.get(current_pid)
-            if worker is not None and worker.unusable != per_backend:
-                worker.unusable, worker.unusable_version = dict(per_backend), worker.unusable_version + 1
+            live = await self._fetch_live(current_pid)
+        return live
+
+    async def _fetch_live(self, current_pid: int) -> _Live:
+        """The current worker's server states, asked for and parsed."""
+        answer = await self.cli.on(current_pid, "show servers state")
+        if "# be_id" not in answer:
+            raise CLIError(f"show servers state: no answer from worker {current_pid}")
+        states = parse_live_states(answer)
+        unusable: dict[str, set[str]] = {}
+        for key, verdict in states.alive_by_key.items():
+            if verdict is False:
+                unusable.setdefault(key.partition("/")[0], set()).add(key)
+        # Backends missing from the dict are asked again; every backend of its config
+        # has an (often empty) answer here.
+        per_backend = {b: frozenset(unusable.get(b, ())) for b in self._backends_of(current_pid)}
+        per_backend.update({b: frozenset(keys) for b, keys in unusable.items()})
+        live = self._live = _Live(current_pid, time.monotonic(), states, per_backend)
+        worker = self._workers.get(current_pid)
+        if worker is not None and worker.unusable != per_backend:
+            worker.unusable, worker.unusable_version = dict(per_backend), worker.unusable_version + 1
         return live
 
     def _backends_of(self, pid: int) -> list[str]:
