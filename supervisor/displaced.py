@@ -28,7 +28,7 @@ import logging
 import operator
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -959,6 +959,10 @@ def stuck_sessions(show_sess_answer: str, dead: frozenset[str]) -> list[str]:
 # ================================================================= the I/O shell
 
 
+class _Interrupted(Exception):
+    """A poll's read was called off for a reload."""
+
+
 class PushError(Exception):
     """A push or its read-back did not give the map we wanted. One line."""
 
@@ -1077,6 +1081,7 @@ class DisplacedWorkers:
         self._changed: tuple[ConfigDigest, ConfigDigest, frozenset[str]] | None = None
         self._deltas = PairMemo(BackendDelta.of, 100_000)
         self._batches: dict[tuple[int, ...], DeltaBatch] = {}
+        self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way (_interruptible)
         # view key -> digest -> (dead set, the same grouped by backend); the last two views
         # (during a reload the next config's view and the current one take turns).
         self._dead_cache: dict[tuple, dict[ConfigDigest, tuple[frozenset[str], dict[str, frozenset[str]]]]] = {}
@@ -1098,13 +1103,15 @@ class DisplacedWorkers:
         while True:
             try:
                 await self.sync(fresh=True)
-                await self._verify_some()
-                await self._read_unusable()
+                await self._interruptible(self._verify_some())
+                await self._interruptible(self._read_unusable())
                 now = time.monotonic()
                 if now >= self._stats_at:
                     self._stats_at = now + self.STATS_INTERVAL_S
-                    await self._update_stats()
+                    await self._interruptible(self._update_stats())
                 failing_since = None
+            except _Interrupted:
+                log.debug("old workers: poll interrupted by a reload")
             except CLIError as exc:
                 # The master socket resets connections while the master re-executes on a
                 # reload (seconds with a big config): only a lasting failure is worth a warning.
@@ -1128,6 +1135,10 @@ class DisplacedWorkers:
         current = self.state.current
         self._next = next_model
         self._leaving_pid = current.worker_pid if current is not None else None
+        # The master relays every CLI answer itself, one at a time: a poll's reads (a server
+        # state of 10,000 lines, maps read back) would hold up the pushes that matter now.
+        for task in self._reads:
+            task.cancel()
         try:
             await self.sync()
         except CLIError as exc:
@@ -1174,7 +1185,7 @@ class DisplacedWorkers:
         if fresh and self._next is None and current is not None and current.worker_pid is not None:
             # Outside the lock: a reload that starts meanwhile steers with the last answer
             # instead of waiting for this one (10,000 servers take tens of milliseconds).
-            await self._fetch_live(current.worker_pid)
+            await self._interruptible(self._fetch_live(current.worker_pid))
             fresh, reuse_live = False, True
         async with self._lock:
             procs = await self.cli.show_proc()
@@ -1266,6 +1277,22 @@ class DisplacedWorkers:
         if fresh or live is None or time.monotonic() - live.at > 2 * self.poll_s:
             live = await self._fetch_live(current_pid)
         return live
+
+    async def _interruptible(self, read: Coroutine[object, object, R]) -> R:
+        """Run a poll's read so that before_reload can call it off (raising _Interrupted here).
+        Only reads: what they learn is applied after they return, so one called off midway
+        leaves nothing half done."""
+        task = asyncio.ensure_future(read)
+        self._reads.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                raise _Interrupted from None
+            raise
+        finally:
+            self._reads.discard(task)
 
     async def _fetch_live(self, current_pid: int) -> _Live:
         """The current worker's server states, asked for and parsed."""

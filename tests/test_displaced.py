@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from datetime import UTC, datetime
 from pathlib import Path
@@ -745,3 +746,48 @@ def test_a_show_map_answer_cut_off_is_told_from_a_whole_one():
     assert is_whole_answer(whole) and is_whole_answer("\n")
     for cut in (whole[:-1], whole[:25], whole[: whole.index("\n") + 1], ""):
         assert not is_whole_answer(cut), repr(cut)
+
+
+# ---------------------------------------------------------------- reads a reload calls off
+
+
+class _DownCLI:
+    """A master CLI that cannot be reached: before_reload gives up on it at once."""
+
+    async def show_proc(self):
+        from supervisor.haproxy.api import CLIError
+
+        raise CLIError("master CLI down")
+
+
+async def test_a_reload_calls_off_the_polls_reads_and_only_those():
+    from supervisor.displaced import DisplacedWorkers, _Interrupted
+    from supervisor.settings import Settings
+    from supervisor.state import State
+
+    workers = DisplacedWorkers(Settings(), State(), _DownCLI())
+    seen: list[str] = []
+
+    async def slow_read() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            seen.append("called off")
+            raise
+        return "answer"
+
+    poll = asyncio.ensure_future(workers._interruptible(slow_read()))
+    await asyncio.sleep(0.01)
+    await workers.before_reload(model(NEW))
+    with pytest.raises(_Interrupted):
+        await poll
+    assert seen == ["called off"] and not workers._reads
+
+    # Control: the poll itself cancelled (daemon stopping) is a cancellation, not a reload's call.
+    poll = asyncio.ensure_future(workers._interruptible(slow_read()))
+    await asyncio.sleep(0.01)
+    poll.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await poll
+    # A read left alone finishes with its answer.
+    assert await workers._interruptible(asyncio.sleep(0, "answer")) == "answer"
