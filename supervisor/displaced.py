@@ -474,12 +474,14 @@ def section_entries(
 ) -> dict[str, str]:
     """backend_entries() for one section's digest: nothing else goes into them.
 
-    The slot table lists every primary. With L of its S slots usable, the count is L, so a
-    request picks one of slots 0..L-1, each as likely; a slot below L whose server is not
-    usable is overridden with a usable server from a slot at L or above, each used once.
-    Every usable primary then gets 1/L of the requests, and a dead one costs one entry at
-    most. With no usable primary the count is the number of backup targets, each overriding
-    one slot.
+    The slot table lists every primary. While some primary is usable, the count is the
+    number of slots, and each slot whose server is not usable is overridden with the usable
+    primary that has the fewest slots so far. A drain then costs one added entry per dead
+    primary, and a second drain of the same backend adds more without changing what is
+    there (a changed count or override is a `set map` command of its own; added entries
+    travel by the thousand in one payload). Each usable primary gets floor(S/L) or
+    ceil(S/L) of the S slots: an even spread, give or take one slot. With no usable
+    primary the count is the number of backup targets, each overriding one slot.
     """
     if not section.guarded:
         return {}
@@ -491,14 +493,15 @@ def section_entries(
     if not any(s.key in dead and routable(s) for s in section.slots):
         return {}
     usable = [routable(s) and s.key not in dead for s in section.slots]
-    live = usable.count(True)
-    if live:
-        holes = [i for i in range(live) if not usable[i]]
-        donors = [i for i in range(live, len(usable)) if usable[i]]
-        entries = {
-            slot_key(backend, hole): section.slots[donor].name for hole, donor in zip(holes, donors, strict=True)
-        }
-        entries[count_key(backend)] = str(live)
+    slots_of = {i: 1 for i, ok in enumerate(usable) if ok}
+    if slots_of:
+        entries: dict[str, str] = {}
+        for i, ok in enumerate(usable):
+            if not ok:
+                target = min(slots_of, key=lambda j: (slots_of[j], j))
+                slots_of[target] += 1
+                entries[slot_key(backend, i)] = section.slots[target].name
+        entries[count_key(backend)] = str(len(usable))
         return entries
     backups = [s.name for s in section.servers if s.backup and routable(s) and s.key not in dead]
     targets = backups if section.all_backups else backups[:1]

@@ -251,26 +251,30 @@ def test_entries_spread_over_live_primaries_or_go_to_the_backup():
         "echo_n": "1",
         "highscale_0": "fallback",
         "highscale_n": "1",
-        "wide_0": "wide_r3",  # slot 1 is wide_r2 in the slot table: one override is enough
-        "wide_n": "2",
+        "wide_0": "wide_r2",  # slots 1 and 2 are wide_r2 and wide_r3 in the slot table
+        "wide_n": "3",
         "nobackup_0": "nb_r2",
-        "nobackup_n": "1",
+        "nobackup_n": "2",
     }
     assert steered_servers(dead, entries) == sorted(dead)
-    assert routes(old, entries, "wide") == ["wide_r3", "wide_r2"]
+    assert routes(old, entries, "wide") == ["wide_r2", "wide_r2", "wide_r3"]
     assert routes(old, entries, "highscale") == ["fallback"]
 
 
-def test_a_dead_slot_at_the_end_needs_no_override():
-    cfg = model("backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n  server s3 10.0.0.3:80\n")
-    assert steer_map_entries(cfg, frozenset({"b/s3"}), "fail-fast") == {"b_n": "2"}
-    assert routes(cfg, steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast"), "b") == ["s3", "s2"]
+def test_a_second_dead_primary_adds_an_entry_and_changes_none():
+    cfg = model("".join(["backend b\n", *(f"  server s{i} 10.0.0.{i}:80\n" for i in range(1, 7))]))
+    one = steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast")
+    two = steer_map_entries(cfg, frozenset({"b/s1", "b/s4"}), "fail-fast")
+    assert one == {"b_0": "s2", "b_n": "6"}
+    assert two == {**one, "b_3": "s3"}  # the count and the first override stay: `add map` only
+    assert sorted(routes(cfg, two, "b")) == ["s2", "s2", "s3", "s3", "s5", "s6"]
 
 
-def test_every_usable_primary_gets_exactly_one_slot():
+def test_every_usable_primary_gets_an_even_share_of_the_slots():
     """Whatever is dead, down, disabled or weightless: the slots a request can pick resolve to
-    each usable primary exactly once (an even spread), else to the backup targets, else to
-    nothing; and the steer map holds one override at most per unusable primary."""
+    every usable primary, each floor(S/L) or ceil(S/L) times (an even spread, give or take one
+    slot), else to the backup targets once each, else to nothing; and the steer map holds one
+    override per unusable primary, plus the count."""
     rng = random.Random(23)
     for _ in range(300):
         size = rng.randint(1, 12)
@@ -297,11 +301,16 @@ def test_every_usable_primary_gets_exactly_one_slot():
         usable = sorted(s.name for s in primaries if ok(s))
         live_backups = [s.name for s in backups if ok(s)]
         expected = usable or (live_backups if allbackups else live_backups[:1])
-        assert sorted(routes(cfg, entries, "b")) == sorted(expected), (lines, dead, unusable, entries)
+        got = routes(cfg, entries, "b")
         if not expected:
             assert entries == {"b_n": FAIL_FAST}
         elif usable:
-            assert len(entries) - 1 <= sum(1 for s in primaries if not ok(s))
+            slots, live = len(primaries), len(usable)
+            assert len(got) == slots and set(got) == set(usable), (lines, dead, unusable, entries)
+            assert all(slots // live <= got.count(name) <= -(-slots // live) for name in usable), got
+            assert len(entries) - 1 == sum(1 for s in primaries if not ok(s))
+        else:
+            assert sorted(got) == sorted(expected), (lines, dead, unusable, entries)
 
 
 def test_steered_by_parts_agrees_with_the_whole_map():
@@ -348,7 +357,8 @@ def test_servers_the_worker_itself_skips_are_no_targets_and_need_no_steering():
     # wide_r2 is DOWN in the old worker itself: a use-server to it would be skipped
     assert steer_map_entries(cfg, dead, "fail-fast", unusable=frozenset({"wide/wide_r2"})) == {
         "wide_0": "wide_r3",
-        "wide_n": "1",
+        "wide_1": "wide_r3",
+        "wide_n": "3",
     }
     # the dead server is already DOWN there: its own balancing avoids it
     assert steer_map_entries(cfg, dead, "fail-fast", unusable=frozenset({"wide/wide_r1"})) == {}
@@ -356,7 +366,7 @@ def test_servers_the_worker_itself_skips_are_no_targets_and_need_no_steering():
 
 def test_weight_zero_servers_are_no_targets():
     cfg = model("backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80 weight 0\n  server s3 10.0.0.3:80\n")
-    assert steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast") == {"b_0": "s3", "b_n": "1"}
+    assert steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast") == {"b_0": "s3", "b_1": "s3", "b_n": "3"}
 
 
 def test_tracking_servers_are_steered_like_any_primary():
@@ -366,9 +376,9 @@ def test_tracking_servers_are_steered_like_any_primary():
     )
     assert steer_map_entries(cfg, frozenset({"b/s1", "via/s1"}), "fail-fast") == {
         "b_0": "s2",
-        "b_n": "1",
+        "b_n": "2",
         "via_0": "s2",
-        "via_n": "1",
+        "via_n": "2",
     }
 
 

@@ -129,7 +129,7 @@ async def test_down_in_current_worker_steers_and_up_again_unsteers(rundir):
         node = vanish(env, "r1")
         try:
             await sup.until(lambda: "app/r1" in sup.state.old_workers[env.old_pid].steered, what="r1 steered")
-            assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "1"}
+            assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
             got = await answers(env.clients[:2])
             assert got and all(status == 200 and body == "r2" and s < 0.25 for status, body, s in got), got
         finally:
@@ -203,8 +203,8 @@ async def test_make_before_break_and_undo_after_a_failed_reload(rundir):
         await sup.displaced.before_reload(next_model)
         # Before any reload, the worker about to become old already avoids the dropped r1
         # (and so does the older one).
-        assert await sup.map_of(current) == {"app_0": "r2", "app_n": "1"}
-        assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "1"}
+        assert await sup.map_of(current) == {"app_0": "r2", "app_n": "2"}
+        assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
         log = (time.monotonic() - started, sup.displaced.last_push)
         fresh = await KeepAliveClient(env.front).connect()
         try:
@@ -225,7 +225,7 @@ async def test_daemon_restart_rebuilds_from_the_maps_and_reconcile_repairs_drift
         sup = env.sup
         await sup.wait_steered([env.old_pid])
         steered = await sup.map_of(env.old_pid)
-        assert steered == {"app_0": "r2", "app_n": "1"}
+        assert steered == {"app_0": "r2", "app_n": "2"}
         await sup.restart_displaced(reconcile_interval_s=0.3)
         await sup.wait_steered([env.old_pid])
         # It learnt the map from the old worker and found nothing to change.
@@ -359,10 +359,10 @@ async def test_many_changed_targets_replace_the_whole_map_at_once(rundir):
         for i in range(backends_count):
             sup.displaced.mark_dead(f"b{i}/r1")
         sup.displaced.mark_dead("app/r1")  # stays steered: only a whole replacement sends it again
-        steady = {"app_0": "r2", "app_n": "1"}
+        steady = {"app_0": "r2", "app_n": "2"}
         first = {
             **{f"b{i}_0": "r2" for i in range(backends_count)},
-            **{f"b{i}_n": "1" for i in range(backends_count)},
+            **{f"b{i}_n": "2" for i in range(backends_count)},
             **steady,
         }
 
@@ -373,10 +373,14 @@ async def test_many_changed_targets_replace_the_whole_map_at_once(rundir):
         for i in range(backends_count):
             sup.displaced.unmark_dead(f"b{i}/r1")
             sup.displaced.mark_dead(f"b{i}/r2")
-        # r1 is slot 0 in the slot table: the count alone steers, 80 overrides go
-        second = {**{f"b{i}_n": "1" for i in range(backends_count)}, **steady}
+        # slot 0 (r1) is usable again and slot 1 (r2) is overridden: 80 entries go, 80 come
+        second = {
+            **{f"b{i}_1": "r1" for i in range(backends_count)},
+            **{f"b{i}_n": "2" for i in range(backends_count)},
+            **steady,
+        }
         await sup.until(lambda: map_is(second), what="second steering")
-        # 80 `del map` commands would be needed: the whole map (82 entries) went in one committed version
-        assert sup.displaced.last_push["changes"] == backends_count + len(steady)
+        # 80 `del map` commands would be needed: the whole map (162 entries) went in one committed version
+        assert sup.displaced.last_push["changes"] == 2 * backends_count + len(steady)
         assert sup.state.old_workers[env.old_pid].push.state == "ok"
         assert sup.state.push_failures == 0
