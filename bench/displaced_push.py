@@ -3,7 +3,9 @@
 For W old workers (held alive by an idle connection each) and a rendered config of S
 servers (backends of 10 primaries and a backup, no health checks, addresses on closed
 loopback ports), each round drains one "node": 1% of the servers, one per backend, move
-to new addresses in a new rendered config. The round runs what the reloader does around
+to new addresses in a new rendered config. Each pass over the backends drains another of
+their replicas, so every round kills servers that every old worker still routes to: a
+first dead primary in a backend, or a second one. The round runs what the reloader does around
 a reload, with DisplacedWorkers.run() polling beside it:
 
     build the effective config -> before_reload (steer every worker, make-before-break)
@@ -53,8 +55,15 @@ from tests.support.harness import free_port, haproxy_binary, kill_tree, short_tm
 PER_BACKEND = 10
 
 
-def rendered(servers: int, front: int, moved: dict[int, int]) -> str:
-    """`moved`: backend -> the round that moved its first replica (to a new address)."""
+Moved = dict[tuple[int, int], int]  # (backend, replica) -> the round that moved it to a new address
+
+
+def server_name(backend: int, replica: int, moved: Moved) -> str:
+    when = moved.get((backend, replica))
+    return f"app{backend}_r{replica}" if when is None else f"app{backend}_m{when}"
+
+
+def rendered(servers: int, front: int, moved: Moved) -> str:
     backends = max(1, servers // PER_BACKEND)
     out = [
         "global\n    hard-stop-after 600s\n    close-spread-time 600s\n    maxconn 2000\n",
@@ -68,20 +77,21 @@ def rendered(servers: int, front: int, moved: dict[int, int]) -> str:
         out.append(f"backend app{b}\n    balance roundrobin\n")
         for r in range(min(PER_BACKEND, servers)):
             port = 20000 + (b * PER_BACKEND + r) % 40000
-            if r == 0 and b in moved:
-                out.append(f"    server app{b}_m{moved[b]} 127.0.2.{moved[b] % 250 + 1}:{port}\n")
-            else:
-                out.append(f"    server app{b}_r{r} 127.0.1.{b % 250 + 1}:{port}\n")
+            when = moved.get((b, r))
+            host = f"127.0.1.{b % 250 + 1}" if when is None else f"127.0.2.{when % 250 + 1}"
+            out.append(f"    server {server_name(b, r, moved)} {host}:{port}\n")
         out.append(f"    server fallback 127.0.0.1:{19000 + b % 1000} backup\n")
     return "".join(out)
 
 
-def drained_backends(servers: int, round_no: int) -> list[int]:
-    """The backends whose first replica lives on the node drained in this round: 1% of the servers."""
+def drained(servers: int, round_no: int) -> list[tuple[int, int]]:
+    """(backend, replica) of the servers on the node drained in this round: 1% of the servers,
+    one per backend; replica 0 of each backend in the first pass over them, then 1, and so on."""
     backends = max(1, servers // PER_BACKEND)
-    per_node = max(1, servers // 100)
-    start = (round_no * per_node) % backends
-    return [(start + i) % backends for i in range(min(per_node, backends))]
+    per_node = min(max(1, servers // 100), backends)
+    passes, within = divmod(round_no * per_node, backends)
+    replica = passes % min(PER_BACKEND, servers)
+    return [((within + i) % backends, replica) for i in range(per_node)]
 
 
 @dataclass
@@ -143,7 +153,7 @@ class Bench:
         self.rundir = short_tmpdir("hsb-")
         self.settings = Settings(haproxy=HAProxySettings(runtime_dir=self.rundir))
         self.front = free_port()
-        self.moved: dict[int, int] = {}
+        self.moved: Moved = {}
         self.holders: list[tuple[int, socket.socket]] = []  # (worker pid, its idle connection)
         self.state = State()
         self.master: Master | None = None
@@ -245,15 +255,15 @@ class Bench:
                     self.hold(self.state.current.worker_pid)
                     await self.reload(cli, displaced, text.replace("maxconn 2000", f"maxconn {2001 + i}"), None)
                 for round_no in range(rounds):
-                    for b in drained_backends(self.servers, round_no):
-                        self.moved[b] = round_no + 1
+                    for server in drained(self.servers, round_no):
+                        self.moved[server] = round_no + 1
                     self.hold(self.state.current.worker_pid)
                     await self.reload(cli, displaced, rendered(self.servers, self.front, self.moved), figures)
                     assert self.all_steered(), [(w.pid, w.push) for w in self.state.old_workers.values()]
                     await self.check_maps(cli)
                     await self.release_oldest()
                     # Without a reload: the operator marks the next node dead.
-                    doomed = [f"app{b}/app{b}_r1" for b in drained_backends(self.servers, round_no + 1)]
+                    doomed = [f"app{b}/{server_name(b, r, self.moved)}" for b, r in drained(self.servers, round_no + 1)]
                     started = time.monotonic()
                     for key in doomed:
                         displaced.mark_dead(key)

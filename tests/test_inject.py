@@ -141,7 +141,7 @@ def line_fields(config: Config) -> list[tuple[str, str, list[tuple[str, tuple[st
     return [(s.kind, s.name, [(line.raw, line.words, line.code_end) for line in s.lines()]) for s in config.sections]
 
 
-BENCH_SHAPES = {"displaced_push": rendered(300, 18080, {1: 1, 7: 2}), "config_parse": synthetic_config(300)}
+BENCH_SHAPES = {"displaced_push": rendered(300, 18080, {(1, 0): 1, (7, 3): 2}), "config_parse": synthetic_config(300)}
 
 
 def switches_id(switches: tuple[bool, bool, bool]) -> str:
