@@ -28,6 +28,7 @@ import logging
 import operator
 import re
 import time
+import zlib
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -475,13 +476,14 @@ def section_entries(
     """backend_entries() for one section's digest: nothing else goes into them.
 
     The slot table lists every primary. While some primary is usable, the count is the
-    number of slots, and each slot whose server is not usable is overridden with the usable
-    primary that has the fewest slots so far. A drain then costs one added entry per dead
-    primary, and a second drain of the same backend adds more without changing what is
-    there (a changed count or override is a `set map` command of its own; added entries
-    travel by the thousand in one payload). Each usable primary gets floor(S/L) or
-    ceil(S/L) of the S slots: an even spread, give or take one slot. With no usable
-    primary the count is the number of backup targets, each overriding one slot.
+    number of slots, and each slot whose server is not usable is overridden with a usable
+    primary chosen by rendezvous hashing: the one that ranks first for that slot, a rank no
+    other server's fate changes. So a drain costs one added entry per dead primary; a second
+    drain adds more without changing what is there, unless it kills an override's target
+    (about one backend in L), whose override then changes (a `set map`, a command of its
+    own, where added entries travel by the thousand in one payload). Every usable primary
+    keeps its own slot and gets the dead slots that rank it first.
+    With no usable primary the count is the number of backup targets, each overriding one slot.
     """
     if not section.guarded:
         return {}
@@ -492,16 +494,14 @@ def section_entries(
 
     if not any(s.key in dead and routable(s) for s in section.slots):
         return {}
-    usable = [routable(s) and s.key not in dead for s in section.slots]
-    slots_of = {i: 1 for i, ok in enumerate(usable) if ok}
-    if slots_of:
-        entries: dict[str, str] = {}
-        for i, ok in enumerate(usable):
-            if not ok:
-                target = min(slots_of, key=lambda j: (slots_of[j], j))
-                slots_of[target] += 1
-                entries[slot_key(backend, i)] = section.slots[target].name
-        entries[count_key(backend)] = str(len(usable))
+    usable = [s.name for s in section.slots if routable(s) and s.key not in dead]
+    if usable:
+        entries = {
+            slot_key(backend, i): min(usable, key=lambda name, i=i: _rank(backend, i, name))
+            for i, s in enumerate(section.slots)
+            if not (routable(s) and s.key not in dead)
+        }
+        entries[count_key(backend)] = str(len(section.slots))
         return entries
     backups = [s.name for s in section.servers if s.backup and routable(s) and s.key not in dead]
     targets = backups if section.all_backups else backups[:1]
@@ -510,6 +510,12 @@ def section_entries(
     entries = {slot_key(backend, i): name for i, name in enumerate(targets)}
     entries[count_key(backend)] = str(len(targets))
     return entries
+
+
+def _rank(backend: str, slot: int, server: str) -> int:
+    """Where `server` ranks for taking over `slot` (lowest first). The same in every process
+    and after a restart, unlike hash(); spread like a random draw."""
+    return zlib.crc32(f"{backend}_{slot} {server}".encode())
 
 
 def steer_map_entries(

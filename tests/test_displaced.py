@@ -264,17 +264,24 @@ def test_entries_spread_over_live_primaries_or_go_to_the_backup():
 def test_a_second_dead_primary_adds_an_entry_and_changes_none():
     cfg = model("".join(["backend b\n", *(f"  server s{i} 10.0.0.{i}:80\n" for i in range(1, 7))]))
     one = steer_map_entries(cfg, frozenset({"b/s1"}), "fail-fast")
-    two = steer_map_entries(cfg, frozenset({"b/s1", "b/s4"}), "fail-fast")
-    assert one == {"b_0": "s2", "b_n": "6"}
-    assert two == {**one, "b_3": "s3"}  # the count and the first override stay: `add map` only
-    assert sorted(routes(cfg, two, "b")) == ["s2", "s2", "s3", "s3", "s5", "s6"]
+    assert one.keys() == {"b_0", "b_n"} and one["b_n"] == "6" and one["b_0"] != "s1"
+    # any other primary but the one slot 0 went to: the count and the first override stay
+    for other in (f"s{i}" for i in range(2, 7) if f"s{i}" != one["b_0"]):
+        two = steer_map_entries(cfg, frozenset({"b/s1", f"b/{other}"}), "fail-fast")
+        slot = int(other[1:]) - 1
+        assert two.items() > one.items() and two.keys() - one.keys() == {f"b_{slot}"}
+        assert sorted(set(routes(cfg, two, "b"))) == sorted({"s2", "s3", "s4", "s5", "s6"} - {other})
+    # the one it went to: that override changes, to a server still alive
+    three = steer_map_entries(cfg, frozenset({"b/s1", f"b/{one['b_0']}"}), "fail-fast")
+    assert three["b_0"] not in {"s1", one["b_0"]}
 
 
-def test_every_usable_primary_gets_an_even_share_of_the_slots():
-    """Whatever is dead, down, disabled or weightless: the slots a request can pick resolve to
-    every usable primary, each floor(S/L) or ceil(S/L) times (an even spread, give or take one
-    slot), else to the backup targets once each, else to nothing; and the steer map holds one
-    override per unusable primary, plus the count."""
+def test_every_usable_primary_keeps_its_slot_and_dead_slots_go_to_usable_ones():
+    """Whatever is dead, down, disabled or weightless: the slots a request can pick resolve
+    to usable primaries only, each usable primary at least to its own slot, else to the
+    backup targets once each, else to nothing; the steer map holds one override per
+    unusable primary, plus the count; and one more dead server that is no override's target
+    leaves every entry there as it was."""
     rng = random.Random(23)
     for _ in range(300):
         size = rng.randint(1, 12)
@@ -305,10 +312,12 @@ def test_every_usable_primary_gets_an_even_share_of_the_slots():
         if not expected:
             assert entries == {"b_n": FAIL_FAST}
         elif usable:
-            slots, live = len(primaries), len(usable)
-            assert len(got) == slots and set(got) == set(usable), (lines, dead, unusable, entries)
-            assert all(slots // live <= got.count(name) <= -(-slots // live) for name in usable), got
+            assert len(got) == len(primaries) and set(got) == set(usable), (lines, dead, unusable, entries)
             assert len(entries) - 1 == sum(1 for s in primaries if not ok(s))
+            bystanders = [s for s in primaries if ok(s) and s.name not in entries.values()]
+            if bystanders:
+                more = steer_map_entries(cfg, dead | {rng.choice(bystanders).key}, "fail-fast", unusable)
+                assert more.items() >= entries.items() and len(more) == len(entries) + 1
         else:
             assert sorted(got) == sorted(expected), (lines, dead, unusable, entries)
 
