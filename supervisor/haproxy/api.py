@@ -75,7 +75,9 @@ class MasterCLI:
         """Send one command line and return the whole answer."""
         async with self._slots:
             try:
-                return await asyncio.wait_for(self._roundtrip(line), timeout or self.timeout)
+                # asyncio.timeout, not wait_for: no extra task per line (a drain sends hundreds).
+                async with asyncio.timeout(timeout or self.timeout):
+                    return await self._roundtrip(line)
             except (TimeoutError, OSError, EOFError) as exc:
                 kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
                 raise CLIError(f"master CLI {self.path}: {line.split(' ', 2)[:2]}: {kind}") from None
