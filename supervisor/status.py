@@ -236,7 +236,7 @@ class StateCollector(Collector):
         )
         yield HistogramMetricFamily(
             "haproxy_supervisor_push_duration_seconds",
-            "Time to push the known-dead set to old workers through the master CLI.",
+            "Time to work out and push the old workers' steer-map entries through the master CLI, per push round.",
             buckets=_histogram_buckets(state.push_duration),
             sum_value=state.push_duration.sum,
         )
