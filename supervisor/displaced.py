@@ -855,20 +855,10 @@ class DeltaBatch:
         return [[line.replace(self.stand_in, prefix) for line in lines] for lines in self.ranks]
 
     def apply(self, known: dict[str, str]) -> None:
-        """apply_deltas(known, self.deltas), once HAProxy answered every line cleanly."""
+        """Record in `known` what the batch's lines did, once HAProxy answered every one cleanly."""
         known.update(self.writes)
         for key in self.removes:
             known.pop(key, None)
-
-
-def apply_deltas(known: dict[str, str], deltas: Iterable[BackendDelta]) -> None:
-    """Record in `known` what the deltas' lines did, once HAProxy answered every one cleanly."""
-    for delta in deltas:
-        for phase in delta.phases:
-            known.update(phase.adds)
-            known.update(phase.sets)
-            for key in phase.dels:
-                known.pop(key, None)
 
 
 def answer_problem(line: str, answer: str) -> str | None:
