@@ -29,7 +29,7 @@ import operator
 import re
 import time
 import zlib
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -51,7 +51,7 @@ from .haproxy.api import (
     validate_name,
 )
 from .haproxy.config import Config, Section, Server
-from .haproxy.inject import COUNT_SUFFIX, SLOT_TABLE_PREFIX, is_guarded
+from .haproxy.inject import COUNT_SUFFIX, HOP_SEPARATOR, SLOT_TABLE_PREFIX, is_guarded
 from .settings import Settings
 from .state import Generation, OldWorker, PushState, State, utcnow
 
@@ -541,6 +541,14 @@ def is_count_key(key: str) -> bool:
     return key.endswith(f"_{COUNT_SUFFIX}")
 
 
+def hop_key(backend: str, server: str) -> str:
+    return f"{backend}{HOP_SEPARATOR}{server}"
+
+
+def is_hop_key(key: str) -> bool:
+    return HOP_SEPARATOR in key
+
+
 def steered_servers(dead: frozenset[str], entries: Mapping[str, str]) -> list[str]:
     """The dead servers whose backend the entries steer: what an old worker is kept away from."""
     backends = {key.rpartition("_")[0] for key in entries if is_count_key(key)}
@@ -584,20 +592,34 @@ def diff_map(
 
 def diff_phases(
     current: Mapping[str, str], desired: Mapping[str, str], keys: Iterable[str] | None = None
-) -> tuple[Phase, Phase, Phase]:
-    """The three phases, in order, that turn `current` into `desired` (some may be empty).
+) -> tuple[Phase, Phase, Phase, Phase, Phase]:
+    """The five phases, in order, that turn `current` into `desired` (some may be empty).
 
-    A count key promises that its slots exist, so slots are written first, counts second,
-    and slots no longer counted are removed last. Keys are validated for the CLI.
-    `keys`: only these keys can differ (the backends that changed since the last push); a
-    map of 10,000 entries need not be walked for a change to ten of them.
+    The first ROUTING_PHASES route every request as `desired` does, or to a server that
+    `desired` also routes to: once they are answered the worker is steered. The later ones
+    tidy up, one `set map` or `del map` command at a time.
+
+    0. New entries, in payloads: a newly steered backend's slots then its count, and a hop
+       for each server that overrides stop pointing to (see haproxy/inject.py), to a server
+       they point to now. Those overrides can then wait for phase 3: a drain that kills an
+       override's target costs a payload entry here instead of a command.
+    1. Counts (a count promises the slots below it, so it comes after them), and hops left
+       over from an interrupted push.
+    2. Slots no longer wanted whose server could get no hop (after the counts that stop
+       promising them).
+    3. The overrides that moved, and the other slots no longer wanted.
+    4. The hops of phase 0, now that nothing points to their servers.
+
+    `desired` holds no hops. Keys are validated for the CLI. `keys`: only these keys can
+    differ (the backends that changed since the last push); a map of 10,000 entries need
+    not be walked for a change to ten of them.
     """
     if keys is not None:
         wanted = set(keys)
         current = {k: current[k] for k in wanted if k in current}
         desired = {k: desired[k] for k in wanted if k in desired}
     for key, value in desired.items():
-        _valid("map key", key)
+        _valid_key(key)
         _valid("server", value)
 
     def split(keys: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -614,11 +636,12 @@ def diff_phases(
 
     slot_adds, slot_sets = changes(slots_wanted)
     count_adds, count_sets = changes(counts_wanted)
-    # A backend steered for the first time needs only adds: its slots then its count, in one
-    # payload, which HAProxy applies in order. That saves the push a round trip, as long as
-    # the group is small enough never to be split over two lines (see phase_lines).
+    hops, urgent = _hops(current, desired, slot_sets, slots_had)
+    # A backend steered for the first time needs only adds: its slots and then its count, in
+    # one payload, which HAProxy applies in order. That saves the push a round trip, as long
+    # as the group is small enough never to be split over two lines (see phase_lines).
     groups: dict[str, list[tuple[str, str]]] = {}
-    for key, value in slot_adds:
+    for key, value in (*slot_adds, *hops.items()):
         groups.setdefault(backend_of_key(key), []).append((key, value))
     late_counts: list[tuple[str, str]] = []
     for key, value in count_adds:
@@ -627,11 +650,68 @@ def diff_phases(
             group.append((key, value))
         else:
             late_counts.append((key, value))
+
+    def is_urgent(key: str) -> bool:
+        return current[key] in urgent.get(backend_of_key(key), ())
+
+    left_over = [k for k in slots_had if is_hop_key(k)]
+    slots_gone = [k for k in slots_had if not is_hop_key(k)]
     return (
-        Phase(adds=tuple(entry for group in groups.values() for entry in group), sets=slot_sets),
-        Phase(adds=tuple(late_counts), sets=count_sets, dels=tuple(_valid("map key", k) for k in counts_had)),
-        Phase(dels=tuple(_valid("map key", k) for k in slots_had)),
+        Phase(
+            adds=tuple(entry for group in groups.values() for entry in group),
+            sets=tuple((k, v) for k, v in slot_sets if is_urgent(k)),
+        ),
+        Phase(adds=tuple(late_counts), sets=count_sets, dels=tuple(map(_valid_key, (*counts_had, *left_over)))),
+        Phase(dels=tuple(_valid_key(k) for k in slots_gone if is_urgent(k))),
+        Phase(
+            sets=tuple((k, v) for k, v in slot_sets if not is_urgent(k)),
+            dels=tuple(_valid_key(k) for k in slots_gone if not is_urgent(k)),
+        ),
+        Phase(dels=tuple(hops)),
     )
+
+
+# The phases of diff_phases() after which a worker is steered.
+ROUTING_PHASES = 3
+
+
+def _hops(
+    current: Mapping[str, str],
+    desired: Mapping[str, str],
+    slot_sets: Iterable[tuple[str, str]],
+    slots_had: Iterable[str],
+) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """The hops diff_phases() adds in phase 0, and per backend the servers that overrides
+    stop pointing to but that get no hop (those overrides must change in the routing phases).
+
+    A server that overrides stop pointing to is one the worker must leave (dead, usually;
+    or passed over for a server back in service, when leaving it early does no harm). Its
+    hop goes to the new target of one of those overrides, else to any target the backend
+    keeps. There is no hop where a left-over one holds the key, or where the backend keeps
+    no override to take a target from.
+    """
+    targets: dict[str, set[str]] = {}
+    for key, value in desired.items():
+        if not is_count_key(key) and not is_hop_key(key):
+            targets.setdefault(backend_of_key(key), set()).add(value)
+    hops: dict[str, str] = {}
+    urgent: dict[str, set[str]] = {}
+    moves = [(key, value) for key, value in slot_sets] + [(key, None) for key in slots_had if not is_hop_key(key)]
+    for key, new in moves:
+        backend, old = backend_of_key(key), current[key]
+        if desired.get(count_key(backend), FAIL_FAST) == FAIL_FAST:
+            continue  # not steered, or refused: the count alone decides, in phase 1
+        kept = targets.get(backend, set())
+        if old in kept:
+            continue  # still a target: the worker may keep using it until phase 2
+        hop = hop_key(backend, old)
+        if hop in hops:
+            continue
+        if hop in current or not kept:
+            urgent.setdefault(backend, set()).add(old)
+        else:
+            hops[hop] = new if new is not None else min(kept)
+    return hops, urgent
 
 
 # A backend's entries up to this many payload bytes travel together in one line.
@@ -639,8 +719,22 @@ GROUP_BYTES = 4000
 
 
 def backend_of_key(key: str) -> str:
-    """The backend a map key belongs to: keys split uniquely at their last `_`."""
-    return key.rpartition("_")[0]
+    """The backend a map key belongs to: a hop's is before its `/`; other keys split
+    uniquely at their last `_`."""
+    backend, hop, _ = key.partition(HOP_SEPARATOR)
+    return backend if hop else key.rpartition("_")[0]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _valid_key(key: str) -> str:
+    """A map key that may go on a CLI line: a hop is two names joined by `/`."""
+    backend, hop, server = key.partition(HOP_SEPARATOR)
+    if hop:
+        validate_name("map key", backend)
+        validate_name("server", server)
+    else:
+        validate_name("map key", key)
+    return key
 
 
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
@@ -745,13 +839,13 @@ class BackendDelta:
     so a delta is worked out once and reused for dozens of workers: what is left per worker
     is joining texts, not a walk over its entries."""
 
-    phases: tuple[Phase, Phase, Phase]
-    payloads: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]  # each rank's adds: "key value\n" per backend
+    phases: tuple[Phase, ...]
+    payloads: tuple[tuple[str, ...], ...]  # each rank's adds: "key value\n" per backend
 
     @classmethod
     def of(cls, before: Mapping[str, str], after: Mapping[str, str]) -> BackendDelta:
         phases = diff_phases(before, after)
-        return cls(phases, (_payload(phases[0]), _payload(phases[1]), _payload(phases[2])))
+        return cls(phases, tuple(map(_payload, phases)))
 
     @classmethod
     def between(
@@ -759,7 +853,7 @@ class BackendDelta:
     ) -> BackendDelta:
         """The delta of whole maps (any number of backends), when there are no per-backend parts to go by."""
         phases = diff_phases(current, desired, keys)
-        return cls(phases, (_payload(phases[0]), _payload(phases[1]), _payload(phases[2])))
+        return cls(phases, tuple(map(_payload, phases)))
 
     @property
     def changes(self) -> int:
@@ -771,15 +865,23 @@ class BackendDelta:
         return sum(len(p.sets) + len(p.dels) for p in self.phases)
 
 
+PHASES = range(5)
+
+
 def delta_lines(
-    pid: int, map_path: str, deltas: Sequence[BackendDelta], limit: int = DEFAULT_LINE_LIMIT
+    pid: int,
+    map_path: str,
+    deltas: Sequence[BackendDelta],
+    limit: int = DEFAULT_LINE_LIMIT,
+    phases: range = PHASES,
 ) -> list[list[str]]:
     """The CLI lines of several backends' deltas for one worker: one list per non-empty rank,
-    to be sent rank after rank (the lines of one rank may go in parallel)."""
+    to be sent rank after rank (the lines of one rank may go in parallel). `phases`: only
+    those of diff_phases()."""
     path = _map_path(map_path)
     head = on_process(pid, f"add map {path} <<\n")
     ranks: list[list[str]] = []
-    for rank in range(3):
+    for rank in phases:
         individual = [
             command
             for delta in deltas
@@ -822,6 +924,7 @@ class DeltaBatch:
     deltas: tuple[BackendDelta, ...]  # held so that the identities the batch is found by stay valid
     stand_in: str  # "@!<digits> "
     ranks: tuple[tuple[str, ...], ...]
+    routing_ranks: int  # the first ranks, those of diff_phases()' routing phases
     writes: Mapping[str, str]  # what the answered lines add or set in the map
     removes: tuple[str, ...]  # what they delete
     changes: int
@@ -837,11 +940,13 @@ class DeltaBatch:
                 writes.update(phase.adds)
                 writes.update(phase.sets)
                 removes.extend(phase.dels)
-        ranks = delta_lines(stand_in, map_path, deltas, limit)
+        routing = delta_lines(stand_in, map_path, deltas, limit, PHASES[:ROUTING_PHASES])
+        tidying = delta_lines(stand_in, map_path, deltas, limit, PHASES[ROUTING_PHASES:])
         return cls(
             deltas=tuple(deltas),
             stand_in=on_process(stand_in, ""),
-            ranks=tuple(tuple(lines) for lines in ranks),
+            ranks=tuple(tuple(lines) for lines in (*routing, *tidying)),
+            routing_ranks=len(routing),
             writes=writes,
             removes=tuple(removes),
             changes=sum(d.changes for d in deltas),
@@ -1537,10 +1642,26 @@ class DisplacedWorkers:
         self._changes = 0
         self._batches = {}  # only this round's: the deltas they hold are found by identity
         pushing = False
+        # Tidying (phases 2 and 3: `set map` and `del map` commands, each a relay of its own
+        # through the master) waits until every worker is steered: the master relays one
+        # command at a time, and the pushes that steer come first.
+        routing: set[int] = set()
+        all_routed = asyncio.Event()
+        listed = False
+
+        def routed(pid: int) -> None:
+            routing.discard(pid)
+            if listed and not routing:
+                all_routed.set()
+
+        async def tidy_after_routing(pid: int) -> None:
+            routed(pid)
+            await all_routed.wait()
 
         async def one(worker: _Worker) -> None:
+            routing.add(worker.pid)
             try:
-                await self._push(worker, steered_at)
+                await self._push(worker, steered_at, tidy_after_routing)
             except (CLIError, PushError, ValueError) as exc:
                 worker.known = None  # somewhere in between: read it back before the next try
                 self._failed(worker, str(exc))
@@ -1548,6 +1669,8 @@ class DisplacedWorkers:
                 worker.failures = 0
                 worker.retry_at = 0.0
                 self._record(worker, "ok")
+            finally:
+                routed(worker.pid)
 
         def wanted(worker: _Worker, now: float) -> bool:
             if worker.desired is None:
@@ -1574,6 +1697,9 @@ class DisplacedWorkers:
                 if worker.pid not in updated and wanted(worker, now):
                     pushing = True
                     group.create_task(one(worker))
+            await asyncio.sleep(0)  # the tasks just created join `routing`
+            listed = True
+            routed(0)
         finished = time.monotonic()
         if pushing and steered_at:
             self.state.push_duration.observe(finished - started)
@@ -1591,7 +1717,12 @@ class DisplacedWorkers:
     # Read-backs in a row without a whole answer before the worker's push counts as failed.
     UNREAD_LIMIT = 3
 
-    async def _push(self, worker: _Worker, steered_at: dict[int, float]) -> None:
+    async def _push(
+        self,
+        worker: _Worker,
+        steered_at: dict[int, float],
+        tidy_after_routing: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
         desired = worker.desired
         assert desired is not None
         generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
@@ -1614,12 +1745,16 @@ class DisplacedWorkers:
             known = dict(desired)
         else:
             self._changes += batch.changes
-            for lines in batch.lines_for(worker.pid):
+            for rank, lines in enumerate(batch.lines_for(worker.pid)):
+                if rank == batch.routing_ranks:
+                    steered_at[worker.pid] = time.monotonic()
+                    if tidy_after_routing is not None:
+                        await tidy_after_routing(worker.pid)
                 await self._send(worker.pid, lines)
             batch.apply(known)
-        # Every command answered cleanly: steered. The poll loop reads it back to verify. The
+        # Every command answered cleanly: the poll loop reads the map back to verify. The
         # count moves again, so that a read-back that overlapped this push is not trusted.
-        steered_at[worker.pid] = time.monotonic()
+        steered_at.setdefault(worker.pid, time.monotonic())
         worker.known, worker.dirty, worker.transitions, worker.verify = known, set(), {}, True
         worker.pushes += 1
 
@@ -1645,7 +1780,7 @@ class DisplacedWorkers:
             raise PushError(f"worker {worker.pid}: prepare map: {answer.strip()[:200]}")
         version = int(m[1])
         self._changes += len(desired)
-        phase = Phase(adds=tuple((_valid("map key", k), _valid("server", v)) for k, v in desired.items()))
+        phase = Phase(adds=tuple((_valid_key(k), _valid("server", v)) for k, v in desired.items()))
         await self._send(worker.pid, phase_lines(worker.pid, self.map_path, phase, limit, version=version))
         await self._send(worker.pid, [on_process(worker.pid, f"commit map @{version} {self.map_path}")])
 

@@ -11,6 +11,7 @@ import pytest
 
 from supervisor.displaced import (
     FAIL_FAST,
+    ROUTING_PHASES,
     BackendDelta,
     ConfigDigest,
     DeltaBatch,
@@ -24,6 +25,7 @@ from supervisor.displaced import (
     dead_in,
     delta_lines,
     diff_map,
+    diff_phases,
     dropped_groups,
     dropped_groups_since,
     dropped_in_section,
@@ -445,9 +447,11 @@ def test_diff_reaches_the_desired_map_and_never_exposes_a_half_state():
 def test_diff_phases_order():
     phases = diff_map({"a_0": "s1", "a_1": "s2", "a_n": "2", "gone_0": "x", "gone_n": "1"}, {"a_0": "s3", "a_n": "1"})
     assert phases == [
-        Phase(sets=(("a_0", "s3"),)),
+        # the servers a's overrides leave get hops first, to a server a keeps
+        Phase(adds=(("a/s1", "s3"), ("a/s2", "s3"))),
         Phase(sets=(("a_n", "1"),), dels=("gone_n",)),
-        Phase(dels=("a_1", "gone_0")),
+        Phase(sets=(("a_0", "s3"),), dels=("a_1", "gone_0")),
+        Phase(dels=("a/s1", "a/s2")),
     ]
     # a newly steered backend: its slots and then its count, in the first phase
     assert diff_map({}, {"b_n": "2", "b_1": "s2", "b_0": "s1"}) == [
@@ -460,12 +464,32 @@ def test_diff_phases_order():
     ]
 
 
+def test_a_drain_that_kills_an_overrides_target_adds_before_it_sets():
+    # r1 was dead and its slot went to r2; now r2 dies too.
+    phases = diff_phases({"b_0": "r2", "b_n": "3"}, {"b_0": "r3", "b_1": "r3", "b_n": "3"})
+    routing, tidying = phases[:ROUTING_PHASES], phases[ROUTING_PHASES:]
+    assert [p for p in routing if p] == [Phase(adds=(("b_1", "r3"), ("b/r2", "r3")))]
+    assert [p for p in tidying if p] == [Phase(sets=(("b_0", "r3"),)), Phase(dels=("b/r2",))]
+    # A hop left over from an interrupted push may point anywhere: the override changes at once.
+    phases = diff_phases({"b_0": "r2", "b_n": "3", "b/r2": "r1"}, {"b_0": "r3", "b_1": "r3", "b_n": "3"})
+    assert phases[0] == Phase(adds=(("b_1", "r3"),), sets=(("b_0", "r3"),))
+    assert phases[1] == Phase(dels=("b/r2",))
+    # An override that goes away, its slot's own server back: its old target leaves by a hop.
+    phases = diff_phases({"b_0": "r2", "b_1": "r3", "b_n": "3"}, {"b_1": "r4", "b_n": "3"})
+    assert phases[0] == Phase(adds=(("b/r3", "r4"), ("b/r2", "r4")))
+    # Refused or no longer steered: the count alone decides, and nothing hops.
+    assert diff_phases({"b_0": "r2", "b_n": "3"}, {"b_n": "0"})[0] == Phase()
+    assert diff_phases({"b_0": "r2", "b_n": "3"}, {})[0] == Phase()
+
+
 def test_map_commands_are_prefixed_and_idempotent():
     commands = map_commands(42, MAP, {"a_0": "s1", "a_n": "1", "x": "y"}, {"a_0": "s2", "a_n": "1", "b_n": "0"})
     assert commands == [
-        f"@!42 set map {MAP} a_0 s2",
+        f"@!42 add map {MAP} a/s1 s2",  # a hop: requests leave s1 before a_0 changes
         f"@!42 add map {MAP} b_n 0",
+        f"@!42 set map {MAP} a_0 s2",
         f"@!42 del map {MAP} x",
+        f"@!42 del map {MAP} a/s1",
     ]
     assert map_commands(42, MAP, {"a_n": "0"}, {"a_n": "0"}) == []
 
@@ -505,18 +529,49 @@ def test_phase_lines_use_payloads_within_the_limit():
     assert commands == [f"@!7 set map {MAP} x{i}_n 2" for i in range(400)]
 
 
-def run_lines(current: dict[str, str], ranks: list[list[str]], pid: int, rng: random.Random) -> dict[str, str]:
+def resolve(entries: dict[str, str], backend: str, slot: int) -> str:
+    """Where the guard sends a request that picked `slot`: the override, else the slot table's
+    server (`tbl<i>` in these tests), then that server's hop if it has one."""
+    server = entries.get(f"{backend}_{slot}", f"tbl{slot}")
+    return entries.get(f"{backend}/{server}", server)
+
+
+def resolved_routes(entries: dict[str, str]) -> dict[str, set[str]]:
+    """Per steered backend, the servers its slots resolve to."""
+    return {
+        k[:-2]: {resolve(entries, k[:-2], i) for i in range(int(v))}
+        for k, v in entries.items()
+        if k.endswith("_n") and int(v) > 0
+    }
+
+
+def run_lines(
+    current: dict[str, str],
+    ranks: list[list[str]],
+    pid: int,
+    rng: random.Random,
+    desired: dict[str, str] | None = None,
+    routing_ranks: int = 0,
+) -> dict[str, str]:
     """Play CLI lines the way HAProxy takes them: ranks in order, a rank's lines in any order
     (parallel connections), each line's commands or payload entries in order. After every
-    step, no count key may promise a slot that is not there."""
+    step, no count key may promise a slot that is not there; and once the first
+    `routing_ranks` are played, every request goes where `desired` sends requests."""
     result = dict(current)
+    played = 0
 
     def check() -> None:
         for k, v in result.items():
             if k.endswith("_n") and v.isdigit():
                 assert all(f"{k[:-2]}_{i}" in result for i in range(int(v))), result
+        if desired is not None and played >= routing_ranks:
+            wanted = resolved_routes(desired)
+            for backend, servers in resolved_routes(result).items():
+                assert backend in wanted and servers <= wanted[backend], (backend, servers, result, desired)
 
     for lines in ranks:
+        if played == routing_ranks:
+            check()
         for line in rng.sample(lines, len(lines)):
             head, _, payload = line.partition("\n")
             if head.endswith("<<"):
@@ -536,6 +591,7 @@ def run_lines(current: dict[str, str], ranks: list[list[str]], pid: int, rng: ra
                 else:
                     del result[words[4]]
                 check()
+        played += 1
     return result
 
 
@@ -556,16 +612,20 @@ def test_delta_lines_merge_backends_and_reach_the_desired_map():
         assert all(len(line.encode()) <= limit for lines in ranks for line in lines)
         current = {k: v for b in backends for k, v in before[b].items()}
         desired = {k: v for b in backends for k, v in after[b].items()}
-        assert run_lines(current, ranks, 9, rng) == desired
+        routing = len(delta_lines(9, MAP, deltas, limit, range(ROUTING_PHASES)))
+        assert run_lines(current, ranks, 9, rng, desired, routing) == desired
         whole = diff_map(current, desired)
         assert sum(d.changes for d in deltas) == sum(len(p.adds) + len(p.sets) + len(p.dels) for p in whole)
         # the same maps diffed whole, as a worker without per-backend parts is pushed
-        whole_lines = delta_lines(9, MAP, [BackendDelta.between(current, desired, None)], limit)
-        assert run_lines(current, whole_lines, 9, rng) == desired
+        whole = [BackendDelta.between(current, desired, None)]
+        whole_lines = delta_lines(9, MAP, whole, limit)
+        routing = len(delta_lines(9, MAP, whole, limit, range(ROUTING_PHASES)))
+        assert run_lines(current, whole_lines, 9, rng, desired, routing) == desired
         # made once for many workers: each gets its own PID in lines of the same lengths
         pid = rng.choice([7, 4321, 1234567])
         batch = DeltaBatch.of(deltas, MAP, limit, len(str(pid)))
         assert batch.lines_for(pid) == delta_lines(pid, MAP, deltas, limit)
+        assert batch.routing_ranks == len(delta_lines(pid, MAP, deltas, limit, range(ROUTING_PHASES)))
         known = dict(current)
         batch.apply(known)
         assert known == desired

@@ -55,10 +55,17 @@ def test_block_shape_http_and_tcp():
     assert all(line.startswith("tcp-request content ") for line in tcp[1:-1])
     assert "tcp-request content reject if { var(txn.hsv_n) -m int 0 }" in tcp
     # the slot table is consulted only for a slot the steer map does not override
-    assert http[-2] == (
+    assert http[-4] == (
         f"http-request set-var(txn.hsv_srv) be_name,concat(_,txn.hsv_slot),map({TABLE}) "
         "if { var(txn.hsv_n) -m int gt 0 } !{ var(txn.hsv_srv) -m found }"
     )
+    # then a hop for the server so chosen replaces it; both variables start unset
+    assert http[-3:-1] == [
+        f"http-request set-var(txn.hsv_hop) be_name,concat(/,txn.hsv_srv),map({MAP}) "
+        "if { var(txn.hsv_n) -m int gt 0 }",
+        "http-request set-var(txn.hsv_srv) var(txn.hsv_hop) if { var(txn.hsv_hop) -m found }",
+    ]
+    assert http[1:3] == ["http-request unset-var(txn.hsv_srv)", "http-request unset-var(txn.hsv_hop)"]
 
 
 def test_guard_goes_first_in_plain_backend():

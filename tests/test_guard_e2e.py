@@ -102,6 +102,13 @@ async def test_guard_steers_http_and_tcp_in_an_old_worker_only(rundir):
             await push(cli, old_pid, map_path, {"app_0": "r3"}, {"app_n": "2"})
             spread = Counter([(await http[0].get())[1] for _ in range(30)])
             assert set(spread) == {"r2", "r3"} and min(spread.values()) >= 5, spread
+            # A hop replaces the server a slot resolves to, by override (r3) or by table (r2).
+            await push(cli, old_pid, map_path, {"app/r3": "r1", "app/r2": "r1"})
+            assert {(await http[0].get())[1] for _ in range(10)} == {"r1"}
+            await cli.execute(f"@!{old_pid} del map {map_path} app/r2")
+            spread = Counter([(await http[0].get())[1] for _ in range(30)])
+            assert set(spread) == {"r1", "r2"} and min(spread.values()) >= 5, spread
+            await cli.execute(f"@!{old_pid} del map {map_path} app/r3")
             # All to the backup, which a `use-server` reaches in an old worker.
             await push(cli, old_pid, map_path, {}, {"app_0": "fallback", "app_n": "1"})
             assert {(await http[1].get())[:2] for _ in range(5)} == {(200, "fallback")}

@@ -113,10 +113,16 @@ GUARD_MARKER = "# haproxy-supervisor guard"
 # `<backend>_<i>` overrides for the slots whose table server must not be used. A backend
 # name cannot end in `_<digits>` or `_n` and also be another backend's key, because a key
 # splits uniquely at its last `_`: the suffix is `n` or digits and never contains `_`.
+# While a push is under way the steer map may also hold `<backend>/<server>` hops: the
+# server a slot resolves to is replaced once more, by the hop's. A hop is added (in a
+# payload, with the new entries) when a drain kills a server that overrides point to, so
+# requests leave it before those overrides are changed one `set map` command at a time;
+# the same push removes it. `/` is in no backend or server name.
 COUNT_SUFFIX = "n"
+HOP_SEPARATOR = "/"
 SLOT_TABLE_PREFIX = "slots-"
 # Variables live in the txn scope; the prefix keeps them away from the rendered config's own.
-_VARS = ("txn.hsv_n", "txn.hsv_slot", "txn.hsv_srv")
+_VARS = ("txn.hsv_n", "txn.hsv_slot", "txn.hsv_srv", "txn.hsv_hop")
 # A map path goes inside a converter argument, where `,`, `)`, blanks and quotes would break it.
 _SAFE_MAP_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
 
@@ -128,9 +134,10 @@ def guard_rules(mode: str, map_path: str, slot_table_path: str) -> list[str]:
     each request picks a random slot below N; the steer map's entry for that slot, if any,
     else the slot table's, names the server the `use-server` rule sends it to, ahead of the
     backend's own `use-server` rules and its balancing. With N = 0 the request is answered
-    with a 503 (HTTP) or its connection closed (TCP) at once. The target variable is unset
-    first: a `listen` section that switches to another guarded backend would otherwise
-    carry its target over.
+    with a 503 (HTTP) or its connection closed (TCP) at once. A `<be>/<server>` entry for
+    the server so chosen replaces it (a hop, see above). The target and hop variables are
+    unset first: a `listen` section that switches to another guarded backend would
+    otherwise carry them over.
     """
     for path in (map_path, slot_table_path):
         if not _SAFE_MAP_PATH.match(path):
@@ -139,16 +146,19 @@ def guard_rules(mode: str, map_path: str, slot_table_path: str) -> list[str]:
             )
     rule = "http-request" if mode == "http" else "tcp-request content"
     refuse = "return status 503" if mode == "http" else "reject"
-    n, slot, srv = _VARS
+    n, slot, srv, hop = _VARS
     steered = f"{{ var({n}) -m int gt 0 }}"
     unset = f"!{{ var({srv}) -m found }}"
     return [
         f"{rule} unset-var({srv})",
+        f"{rule} unset-var({hop})",
         f"{rule} set-var({n}) be_name,concat(_{COUNT_SUFFIX}),map({map_path},-1)",
         f"{rule} {refuse} if {{ var({n}) -m int 0 }}",
         f"{rule} set-var({slot}) rand,mod({n}) if {steered}",
         f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({map_path}) if {steered}",
         f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({slot_table_path}) if {steered} {unset}",
+        f"{rule} set-var({hop}) be_name,concat({HOP_SEPARATOR},{srv}),map({map_path}) if {steered}",
+        f"{rule} set-var({srv}) var({hop}) if {{ var({hop}) -m found }}",
     ]
 
 
