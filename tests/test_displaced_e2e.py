@@ -305,6 +305,41 @@ async def test_streams_stuck_on_a_dead_server_are_ended(rundir, sweep):
 
 
 
+async def test_killing_an_overrides_target_steers_by_a_hop_then_tidies(rundir):
+    """A second dead server that an override points to: the push adds a hop for it (with the
+    new override, in one payload), changes the old override only after that, then removes
+    the hop. The map ends as the decision says, and requests reach the one live primary."""
+    async with old_worker(rundir, lambda p: server_lines(p, ["r1", "r2", "r9"])) as env:
+        sup = env.sup
+        sup.displaced.mark_dead("app/r1")
+        await sup.until(lambda: sup.state.old_workers[env.old_pid].steered == ["app/r1"], what="r1 steered")
+        target = (await sup.map_of(env.old_pid))["app_0"]
+        other = ({"r2", "r9"} - {target}).pop()
+        sent: list[str] = []
+        execute = sup.displaced.cli.execute
+
+        async def recording(line: str, timeout: float | None = None) -> str:
+            sent.append(line)
+            return await execute(line, timeout)
+
+        sup.displaced.cli.execute = recording  # type: ignore[method-assign]
+        sup.displaced.mark_dead(f"app/{target}")
+        await sup.until(
+            lambda: sup.state.old_workers[env.old_pid].steered == sorted(["app/r1", f"app/{target}"]),
+            what="the target steered",
+        )
+        slot = {"r2": 1, "r9": 2}[target]
+        assert await sup.map_of(env.old_pid) == {"app_0": other, f"app_{slot}": other, "app_n": "3"}
+        steer = sup.settings.haproxy.steer_map
+        changes = [line for line in sent if " map " in line and not line.split(" ", 2)[1].startswith("show")]
+        hop = next(i for i, line in enumerate(changes) if f"\napp/{target} {other}\n" in line)
+        moved = next(i for i, line in enumerate(changes) if f"set map {steer} app_0 {other}" in line)
+        gone = next(i for i, line in enumerate(changes) if line.endswith(f"del map {steer} app/{target}"))
+        assert hop < moved < gone, changes
+        got = await answers(env.clients[:2])
+        assert got and all(body == other for _, body, _ in got), got
+
+
 async def test_a_target_the_old_worker_itself_sees_down_is_not_used(rundir):
     """r2 was DOWN when the reload froze the old worker: a `use-server` to it would be skipped
     there (and fall back to balancing, onto the dead r1), so the old worker is sent to the
