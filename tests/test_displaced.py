@@ -866,3 +866,40 @@ async def test_a_reload_calls_off_the_polls_reads_and_only_those():
         await poll
     # A read left alone finishes with its answer.
     assert await workers._interruptible(asyncio.sleep(0, "answer")) == "answer"
+
+
+# ---------------------------------------------------------------- how often the poll reads server states
+
+
+def test_live_read_interval_keeps_the_reads_a_small_share_of_the_time():
+    from supervisor.displaced import LIVE_READ_SHARE, live_read_interval
+
+    assert live_read_interval(0.001, 0.25) == 0.25  # a small config: every poll
+    assert live_read_interval(0.035, 0.25) == pytest.approx(0.035 * LIVE_READ_SHARE)  # 10,000 servers
+    assert live_read_interval(0.035, 0.25) * 0.05 >= 0.035 * 0.99  # at most 1/20 of the time
+
+
+def test_the_poll_reads_server_states_when_due_or_from_another_worker():
+    import time
+
+    from supervisor.displaced import DisplacedWorkers, LiveStates, _Live
+    from supervisor.settings import OldWorkerSettings, Settings
+    from supervisor.state import Generation, State, utcnow
+
+    state = State()
+    state.generations[1] = Generation(1, model(OLD), "sha", "", utcnow(), 42)
+    state.current_generation = 1
+    workers = DisplacedWorkers(Settings(old_workers=OldWorkerSettings(poll_interval_ms=100)), state, _DownCLI())
+    assert workers._live_due()  # nothing read yet
+    states = LiveStates(frozenset(), frozenset(), frozenset(), {})
+    now = time.monotonic()
+    workers._live = _Live(42, now, states, {}, 0.05)  # a slow read: every second, not every poll
+    assert not workers._live_due()
+    workers._live = _Live(42, now - 0.5, states, {}, 0.05)
+    assert not workers._live_due()
+    workers._live = _Live(42, now - 1.01, states, {}, 0.05)
+    assert workers._live_due()
+    workers._live = _Live(42, now - 0.15, states, {}, 0.001)  # a quick one: every poll
+    assert workers._live_due()
+    workers._live = _Live(7, now, states, {}, 0.05)  # read from the worker that was current before
+    assert workers._live_due()
