@@ -344,6 +344,7 @@ def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> 
 
 
 Dropped = Callable[[SectionDigest, SectionDigest | None], frozenset[str]]
+DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' keys
 
 
 def dropped_groups(
@@ -394,14 +395,29 @@ def dead_groups_in(
     view: LiveView,
     dropped: Dropped = dropped_in_section,
     dropped_already: Mapping[str, frozenset[str]] | None = None,
-) -> dict[str, frozenset[str]]:
+    extra: Mapping[str, frozenset[str]] | None = None,
+) -> Mapping[str, frozenset[str]]:
     """dead_in() grouped by backend, backends without dead servers left out.
 
-    `dropped_already`: dropped_groups(digest, view.latest) when the caller has it.
+    `dropped_already`: dropped_groups(digest, view.latest) when the caller has it; returned
+    itself when the view adds nothing (callers never edit these dicts). `extra`:
+    view_extra(digest, view) when the caller has it.
     """
     if dropped_already is None:
         dropped_already = dropped_groups(digest, view.latest, dropped)
+    if extra is None:
+        extra = view_extra(digest, view)
+    if not extra:
+        return dropped_already
     groups = dict(dropped_already)
+    for name, keys in extra.items():
+        groups[name] = groups.get(name, frozenset()) | keys
+    return groups
+
+
+def view_extra(digest: ConfigDigest, view: LiveView) -> dict[str, frozenset[str]]:
+    """Rules (b) and (c) for the config of `digest`, per backend: its servers at endpoints the
+    current worker reports down, and those an operator marked."""
     extra: dict[str, set[str]] = {}
     for where in view.down | view.operator_at:
         name = where.partition(" ")[0]
@@ -412,9 +428,7 @@ def dead_groups_in(
         server = digest.server(key)
         if server is not None and not server.disabled:
             extra.setdefault(server.backend, set()).add(key)
-    for name, keys in extra.items():
-        groups[name] = groups.get(name, frozenset()) | keys
-    return groups
+    return {name: frozenset(keys) for name, keys in extra.items()}
 
 
 def known_dead_servers(
@@ -1198,6 +1212,11 @@ class DisplacedWorkers:
         # generation digest -> (the latest config's digest, dropped_groups() against it)
         self._dropped_by_digest: dict[ConfigDigest, tuple[ConfigDigest, Mapping[str, frozenset[str]]]] = {}
         self._changed: tuple[ConfigDigest, ConfigDigest, frozenset[str]] | None = None
+        # config digest -> its last dead groups, and the backends the live view added to them
+        self._last_groups: dict[ConfigDigest, tuple[DeadGroups, frozenset[str]]] = {}
+        # this round's id(dead groups) -> (those groups, the last ones of the same config, the
+        # backends that can differ between the two)
+        self._groups_since: dict[int, tuple[DeadGroups, DeadGroups, frozenset[str]]] = {}
         self._deltas = PairMemo(BackendDelta.of, 100_000)
         self._batches: dict[tuple[int, ...], DeltaBatch] = {}
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way (_interruptible)
@@ -1283,6 +1302,7 @@ class DisplacedWorkers:
         self._sections = SectionCache()
         self._dead_cache.clear()
         self._dropped_by_digest.clear()
+        self._last_groups.clear()
         self._dropped_memo.clear()
         self._changed = None
         await self.sync(fresh=True)
@@ -1385,6 +1405,7 @@ class DisplacedWorkers:
             self._dropped_by_digest = {
                 d: v for d, v in self._dropped_by_digest.items() if d in alive and v[0] in alive
             }
+            self._last_groups = {d: v for d, v in self._last_groups.items() if d in alive}
 
     async def _live_states(self, current_pid: int, fresh: bool, reuse: bool = False) -> _Live:
         live = self._live
@@ -1483,10 +1504,10 @@ class DisplacedWorkers:
             while len(self._dead_cache) > 2:
                 del self._dead_cache[next(iter(self._dead_cache))]
             steering: list[tuple[_Worker, ConfigDigest]] = []
+            self._groups_since = {}
             for worker, digest in judged:
                 if digest not in cache:
-                    groups = dead_groups_in(digest, view, dropped_already=self._dropped_groups(digest, latest_digest))
-                    cache[digest] = (frozenset().union(*groups.values()), groups)
+                    cache[digest] = self._dead_groups(digest, view, latest_digest)
                 worker.dead, worker.dead_groups = cache[digest]
                 if digest.guarded:
                     steering.append((worker, digest))
@@ -1505,20 +1526,40 @@ class DisplacedWorkers:
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
 
-    def _dropped_groups(self, digest: ConfigDigest, latest: ConfigDigest) -> Mapping[str, frozenset[str]]:
-        """dropped_groups(digest, latest), updated from the last latest config it was worked out for."""
+    def _dead_groups(
+        self, digest: ConfigDigest, view: LiveView, latest: ConfigDigest
+    ) -> tuple[frozenset[str], Mapping[str, frozenset[str]]]:
+        """dead_groups_in() for one config (and its union), noting for _update_desired which
+        backends can differ from the last dead groups worked out for that config: a drain
+        changes a hundred backends of a thousand steered ones, in each of fifty configs."""
+        dropped, changed = self._dropped_groups(digest, latest)
+        extra = view_extra(digest, view)
+        groups = dead_groups_in(digest, view, dropped_already=dropped, extra=extra)
+        last = self._last_groups.get(digest)
+        if last is not None and changed is not None:
+            self._groups_since[id(groups)] = (groups, last[0], changed.union(extra, last[1]))
+        self._last_groups[digest] = (groups, frozenset(extra))
+        return frozenset().union(*groups.values()), groups
+
+    def _dropped_groups(
+        self, digest: ConfigDigest, latest: ConfigDigest
+    ) -> tuple[Mapping[str, frozenset[str]], frozenset[str] | None]:
+        """dropped_groups(digest, latest), updated from the last latest config it was worked out
+        for; and the backends whose entry can differ from that last result (None: any)."""
         previous = self._dropped_by_digest.get(digest)
         if previous is not None and previous[0] is latest:
-            return previous[1]
+            return previous[1], frozenset()
+        changed: frozenset[str] | None = None
         if previous is None:
             groups = dropped_groups(digest, latest, self._dropped_memo.get)
         else:
             pair = (previous[0], latest)
             if self._changed is None or self._changed[0] is not pair[0] or self._changed[1] is not pair[1]:
                 self._changed = (*pair, changed_backends(*pair))
-            groups = dropped_groups_since(previous[1], digest, latest, self._changed[2], self._dropped_memo.get)
+            changed = self._changed[2]
+            groups = dropped_groups_since(previous[1], digest, latest, changed, self._dropped_memo.get)
         self._dropped_by_digest[digest] = (latest, groups)
-        return groups
+        return groups, changed
 
     def _update_desired(self, worker: _Worker, digest: ConfigDigest) -> None:
         """Recompute the entries of the backends whose dead or unusable servers changed."""
@@ -1539,10 +1580,15 @@ class DisplacedWorkers:
             candidates: Iterable[str] = groups.keys() | old_parts.keys()
         else:
             # Dead groups are shared objects, replaced only where something changed: a drain
-            # touches a hundred of a worker's thousand steered backends, so look at those only.
+            # touches a hundred of a worker's thousand steered backends, so look at those only
+            # (those _dead_groups noted, when it worked these groups out from the last ones).
             before = last[3]
-            candidates = [b for b, dead in groups.items() if before.get(b) is not dead]
-            candidates += [b for b in before if b not in groups]
+            since = self._groups_since.get(id(groups))
+            if since is not None and since[0] is groups and since[1] is before:
+                candidates = [b for b in since[2] if before.get(b) is not groups.get(b)]
+            else:
+                candidates = [b for b, dead in groups.items() if before.get(b) is not dead]
+                candidates += [b for b in before if b not in groups]
         parts = dict(old_parts)
         changed: list[str] = []
         worker_unusable, sections, entries_of = worker.unusable, digest.sections, self._entries

@@ -903,3 +903,52 @@ def test_the_poll_reads_server_states_when_due_or_from_another_worker():
     assert workers._live_due()
     workers._live = _Live(7, now, states, {}, 0.05)  # read from the worker that was current before
     assert workers._live_due()
+
+
+# ---------------------------------------------------------------- which backends a round looks at
+
+
+def test_the_backends_noted_as_changed_hold_every_dead_group_that_changed():
+    """_dead_groups notes, per config, which backends can differ from its last dead groups;
+    _update_desired then looks at those only. Whatever the drains, live views and operator
+    marks, a backend whose group changed is never missing from the note."""
+    from supervisor.displaced import DisplacedWorkers, LiveStates
+    from supervisor.settings import Settings
+    from supervisor.state import State
+
+    rng = random.Random(11)
+    workers = DisplacedWorkers(Settings(), State(), _DownCLI())
+
+    def config(where: dict[tuple[int, int], int]) -> ConfigDigest:
+        lines = []
+        for b in range(6):
+            lines.append(f"backend b{b}\n")
+            lines += [f"  server s{r}_{where[(b, r)]} 10.0.{where[(b, r)]}.{r}:80\n" for r in range(3)]
+        text = "".join(lines)
+        return ConfigDigest.of(model(text), workers._sections)  # sections shared as in the daemon
+
+    where = {(b, r): 0 for b in range(6) for r in range(3)}
+    generations = [config(where)]
+    noted_rounds = 0
+    for _ in range(60):
+        for _ in range(rng.randint(0, 3)):  # a drain moves some replicas
+            where[(rng.randrange(6), rng.randrange(3))] += 1
+        latest = config(where)
+        if rng.random() < 0.3:
+            generations = [*generations[-4:], latest]
+        down = frozenset(rng.sample(sorted(a for d in generations for s in d.sections.values() for a in s.at_keys), 2))
+        states = LiveStates(down if rng.random() < 0.5 else frozenset(), frozenset(), frozenset(), {})
+        marked = {f"b{rng.randrange(6)}/s0_0"} if rng.random() < 0.3 else set()
+        view = live_view(latest, states, marked)
+        workers._groups_since = {}
+        for digest in generations:
+            last = workers._last_groups.get(digest)
+            _, groups = workers._dead_groups(digest, view, latest)
+            since = workers._groups_since.get(id(groups))
+            if last is None or since is None:
+                continue
+            noted_rounds += 1
+            assert since[0] is groups and since[1] is last[0]
+            changed = {b for b in groups.keys() | last[0].keys() if last[0].get(b) is not groups.get(b)}
+            assert changed <= since[2], (changed, since[2])
+    assert noted_rounds > 100  # the note was there to check, most of the time
