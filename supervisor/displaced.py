@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, NamedTuple, TypeVar
 
 import psutil
 
@@ -1168,6 +1168,16 @@ class _Worker:
         return self.steered[1]
 
 
+class _DeadGroupsOf(NamedTuple):
+    """A config's dead servers under one live view: all of them, and grouped by backend; and
+    what the groups were made of, so the next ones can tell which backends changed."""
+
+    dead: frozenset[str]
+    groups: DeadGroups
+    dropped: DeadGroups  # rule (a), dropped_groups()
+    extra: frozenset[str]  # the backends rules (b) and (c) added to
+
+
 @dataclass
 class _Live:
     pid: int
@@ -1212,8 +1222,7 @@ class DisplacedWorkers:
         # generation digest -> (the latest config's digest, dropped_groups() against it)
         self._dropped_by_digest: dict[ConfigDigest, tuple[ConfigDigest, Mapping[str, frozenset[str]]]] = {}
         self._changed: tuple[ConfigDigest, ConfigDigest, frozenset[str]] | None = None
-        # config digest -> its last dead groups, and the backends the live view added to them
-        self._last_groups: dict[ConfigDigest, tuple[DeadGroups, frozenset[str]]] = {}
+        self._last_groups: dict[ConfigDigest, _DeadGroupsOf] = {}  # the last ones its workers were given
         # this round's id(dead groups) -> (those groups, the last ones of the same config, the
         # backends that can differ between the two)
         self._groups_since: dict[int, tuple[DeadGroups, DeadGroups, frozenset[str]]] = {}
@@ -1222,7 +1231,7 @@ class DisplacedWorkers:
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way (_interruptible)
         # view key -> digest -> (dead set, the same grouped by backend); the last two views
         # (during a reload the next config's view and the current one take turns).
-        self._dead_cache: dict[tuple, dict[ConfigDigest, tuple[frozenset[str], dict[str, frozenset[str]]]]] = {}
+        self._dead_cache: dict[tuple, dict[ConfigDigest, _DeadGroupsOf]] = {}
         self._live: _Live | None = None
         self._down: frozenset[At] = frozenset()  # the last view's down endpoints
         self._lock = asyncio.Lock()
@@ -1498,17 +1507,10 @@ class DisplacedWorkers:
             latest_digest = self._digest(latest)
             view = live_view(latest_digest, states, self.state.operator_dead, self._down)
             self._down = view.down
-            view_key = (latest_digest, view.down, view.operator, view.operator_at)
-            cache = self._dead_cache.pop(view_key, None) or {}
-            self._dead_cache[view_key] = cache  # most recent last
-            while len(self._dead_cache) > 2:
-                del self._dead_cache[next(iter(self._dead_cache))]
+            dead_of = self._dead_groups_under(view, latest_digest, {digest for _, digest in judged})
             steering: list[tuple[_Worker, ConfigDigest]] = []
-            self._groups_since = {}
             for worker, digest in judged:
-                if digest not in cache:
-                    cache[digest] = self._dead_groups(digest, view, latest_digest)
-                worker.dead, worker.dead_groups = cache[digest]
+                worker.dead, worker.dead_groups = dead_of[digest].dead, dead_of[digest].groups
                 if digest.guarded:
                     steering.append((worker, digest))
                 else:
@@ -1526,29 +1528,45 @@ class DisplacedWorkers:
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
 
-    def _dead_groups(
-        self, digest: ConfigDigest, view: LiveView, latest: ConfigDigest
-    ) -> tuple[frozenset[str], Mapping[str, frozenset[str]]]:
-        """dead_groups_in() for one config (and its union), noting for _update_desired which
-        backends can differ from the last dead groups worked out for that config: a drain
-        changes a hundred backends of a thousand steered ones, in each of fifty configs."""
-        dropped, changed = self._dropped_groups(digest, latest)
+    def _dead_groups_under(
+        self, view: LiveView, latest: ConfigDigest, digests: Iterable[ConfigDigest]
+    ) -> dict[ConfigDigest, _DeadGroupsOf]:
+        """Each config's dead groups under `view`: those of the last two views are kept (during
+        a reload the next config's view and the current one take turns)."""
+        view_key = (latest, view.down, view.operator, view.operator_at)
+        cache = self._dead_cache.pop(view_key, None) or {}
+        self._dead_cache[view_key] = cache  # most recent last
+        while len(self._dead_cache) > 2:
+            del self._dead_cache[next(iter(self._dead_cache))]
+        self._groups_since = {}
+        result: dict[ConfigDigest, _DeadGroupsOf] = {}
+        for digest in digests:
+            of = cache.get(digest)
+            if of is None:
+                of = cache[digest] = self._dead_groups(digest, view, latest)
+            result[digest] = self._last_groups[digest] = of
+        return result
+
+    def _dead_groups(self, digest: ConfigDigest, view: LiveView, latest: ConfigDigest) -> _DeadGroupsOf:
+        """dead_groups_in() for one config, noting for _update_desired which backends can differ
+        from the dead groups its workers were given last: a drain changes a hundred backends
+        of a thousand steered ones, in each of fifty configs."""
+        dropped, base, changed = self._dropped_groups(digest, latest)
         extra = view_extra(digest, view)
         groups = dead_groups_in(digest, view, dropped_already=dropped, extra=extra)
         last = self._last_groups.get(digest)
-        if last is not None and changed is not None:
-            self._groups_since[id(groups)] = (groups, last[0], changed.union(extra, last[1]))
-        self._last_groups[digest] = (groups, frozenset(extra))
-        return frozenset().union(*groups.values()), groups
+        if last is not None and changed is not None and last.dropped is base:
+            self._groups_since[id(groups)] = (groups, last.groups, changed.union(extra, last.extra))
+        return _DeadGroupsOf(frozenset().union(*groups.values()), groups, dropped, frozenset(extra))
 
     def _dropped_groups(
         self, digest: ConfigDigest, latest: ConfigDigest
-    ) -> tuple[Mapping[str, frozenset[str]], frozenset[str] | None]:
+    ) -> tuple[DeadGroups, DeadGroups | None, frozenset[str] | None]:
         """dropped_groups(digest, latest), updated from the last latest config it was worked out
-        for; and the backends whose entry can differ from that last result (None: any)."""
+        for; that last result, and the backends whose entry can differ from it (None: any)."""
         previous = self._dropped_by_digest.get(digest)
         if previous is not None and previous[0] is latest:
-            return previous[1], frozenset()
+            return previous[1], previous[1], frozenset()
         changed: frozenset[str] | None = None
         if previous is None:
             groups = dropped_groups(digest, latest, self._dropped_memo.get)
@@ -1559,7 +1577,7 @@ class DisplacedWorkers:
             changed = self._changed[2]
             groups = dropped_groups_since(previous[1], digest, latest, changed, self._dropped_memo.get)
         self._dropped_by_digest[digest] = (latest, groups)
-        return groups, changed
+        return groups, previous[1] if previous is not None else None, changed
 
     def _update_desired(self, worker: _Worker, digest: ConfigDigest) -> None:
         """Recompute the entries of the backends whose dead or unusable servers changed."""

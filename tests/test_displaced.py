@@ -929,26 +929,31 @@ def test_the_backends_noted_as_changed_hold_every_dead_group_that_changed():
 
     where = {(b, r): 0 for b in range(6) for r in range(3)}
     generations = [config(where)]
+    views = []
     noted_rounds = 0
-    for _ in range(60):
-        for _ in range(rng.randint(0, 3)):  # a drain moves some replicas
-            where[(rng.randrange(6), rng.randrange(3))] += 1
-        latest = config(where)
-        if rng.random() < 0.3:
-            generations = [*generations[-4:], latest]
-        down = frozenset(rng.sample(sorted(a for d in generations for s in d.sections.values() for a in s.at_keys), 2))
-        states = LiveStates(down if rng.random() < 0.5 else frozenset(), frozenset(), frozenset(), {})
-        marked = {f"b{rng.randrange(6)}/s0_0"} if rng.random() < 0.3 else set()
-        view = live_view(latest, states, marked)
-        workers._groups_since = {}
+    for _ in range(80):
+        if views and rng.random() < 0.3:
+            latest, view = rng.choice(views[-2:])  # back to a view whose groups are kept
+        else:
+            for _ in range(rng.randint(0, 3)):  # a drain moves some replicas
+                where[(rng.randrange(6), rng.randrange(3))] += 1
+            latest = config(where)
+            if rng.random() < 0.3:
+                generations = [*generations[-4:], latest]
+            ats = sorted(a for d in generations for s in d.sections.values() for a in s.at_keys)
+            down = frozenset(rng.sample(ats, 2)) if rng.random() < 0.5 else frozenset()
+            marked = {f"b{rng.randrange(6)}/s0_0"} if rng.random() < 0.3 else set()
+            view = live_view(latest, LiveStates(down, frozenset(), frozenset(), {}), marked)
+            views.append((latest, view))
+        given = {d: workers._last_groups.get(d) for d in generations}
+        now = workers._dead_groups_under(view, latest, generations)
         for digest in generations:
-            last = workers._last_groups.get(digest)
-            _, groups = workers._dead_groups(digest, view, latest)
+            last, groups = given[digest], now[digest].groups
             since = workers._groups_since.get(id(groups))
             if last is None or since is None:
                 continue
             noted_rounds += 1
-            assert since[0] is groups and since[1] is last[0]
-            changed = {b for b in groups.keys() | last[0].keys() if last[0].get(b) is not groups.get(b)}
+            assert since[0] is groups and since[1] is last.groups
+            changed = {b for b in groups.keys() | last.groups.keys() if last.groups.get(b) is not groups.get(b)}
             assert changed <= since[2], (changed, since[2])
     assert noted_rounds > 100  # the note was there to check, most of the time
