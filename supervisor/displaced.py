@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Generic, Literal, NamedTuple, TypeVar
+from typing import Generic, Literal, TypeVar
 
 import psutil
 
@@ -1144,9 +1144,9 @@ class _Worker:
     # Per backend with dead servers: (dead, unusable, entries) the entries were computed from.
     parts: dict[str, tuple[frozenset[str], frozenset[str], dict[str, str]]] = field(default_factory=dict)
     parts_digest: ConfigDigest | None = None  # the digest `parts` were computed with
-    # (dead set, unusable_version, digest, dead groups) the parts were computed from; objects,
-    # compared by identity
-    parts_from: tuple[frozenset[str], int, ConfigDigest, Mapping[str, frozenset[str]]] | None = None
+    # (unusable_version, digest, dead groups) the parts were computed from; objects, compared
+    # by identity
+    parts_from: tuple[int, ConfigDigest, Mapping[str, frozenset[str]]] | None = None
     # Per backend, the servers it sees DOWN or MAINT itself; a backend missing: ask it.
     unusable: dict[str, frozenset[str]] = field(default_factory=dict)
     unusable_version: int = 0
@@ -1168,14 +1168,24 @@ class _Worker:
         return self.steered[1]
 
 
-class _DeadGroupsOf(NamedTuple):
-    """A config's dead servers under one live view: all of them, and grouped by backend; and
-    what the groups were made of, so the next ones can tell which backends changed."""
+class _DeadGroupsOf:
+    """A config's dead servers under one live view, grouped by backend (and all of them, made
+    when first asked for: after the pushes); and what the groups were made of, so that the
+    next ones can tell which backends changed."""
 
-    dead: frozenset[str]
-    groups: DeadGroups
-    dropped: DeadGroups  # rule (a), dropped_groups()
-    extra: frozenset[str]  # the backends rules (b) and (c) added to
+    __slots__ = ("_dead", "dropped", "extra", "groups")
+
+    def __init__(self, groups: DeadGroups, dropped: DeadGroups, extra: frozenset[str]) -> None:
+        self.groups = groups
+        self.dropped = dropped  # rule (a), dropped_groups()
+        self.extra = extra  # the backends rules (b) and (c) added to
+        self._dead: frozenset[str] | None = None
+
+    @property
+    def dead(self) -> frozenset[str]:
+        if self._dead is None:
+            self._dead = frozenset().union(*self.groups.values())
+        return self._dead
 
 
 @dataclass
@@ -1499,6 +1509,7 @@ class DisplacedWorkers:
                 self._want(worker, {} if digest.guarded else None)
                 continue
             judged.append((worker, digest))
+        dead_of: dict[ConfigDigest, _DeadGroupsOf] = {}
         if judged:
             current = procs.current_worker
             states = LiveStates(frozenset(), frozenset(), frozenset(), {})
@@ -1510,7 +1521,7 @@ class DisplacedWorkers:
             dead_of = self._dead_groups_under(view, latest_digest, {digest for _, digest in judged})
             steering: list[tuple[_Worker, ConfigDigest]] = []
             for worker, digest in judged:
-                worker.dead, worker.dead_groups = dead_of[digest].dead, dead_of[digest].groups
+                worker.dead_groups = dead_of[digest].groups
                 if digest.guarded:
                     steering.append((worker, digest))
                 else:
@@ -1519,6 +1530,8 @@ class DisplacedWorkers:
         else:
             steering = []
         await self._push_all(steering)
+        for worker, digest in judged:
+            worker.dead = dead_of[digest].dead  # thousands of keys: put together after the pushes
         self._forget_digests(latest)  # housekeeping: after the pushes, not in their way
         self._list_steered()
         dead_sets = tuple(w.dead for w, _ in judged)  # bookkeeping for the status API, after the push
@@ -1557,7 +1570,7 @@ class DisplacedWorkers:
         last = self._last_groups.get(digest)
         if last is not None and changed is not None and last.dropped is base:
             self._groups_since[id(groups)] = (groups, last.groups, changed.union(extra, last.extra))
-        return _DeadGroupsOf(frozenset().union(*groups.values()), groups, dropped, frozenset(extra))
+        return _DeadGroupsOf(groups, dropped, frozenset(extra))
 
     def _dropped_groups(
         self, digest: ConfigDigest, latest: ConfigDigest
@@ -1585,22 +1598,22 @@ class DisplacedWorkers:
         if (
             worker.desired is not None
             and last is not None
-            and last[0] is worker.dead
-            and last[1] == worker.unusable_version
-            and last[2] is digest
+            and last[0] == worker.unusable_version
+            and last[1] is digest
+            and last[2] is worker.dead_groups
         ):
             return  # nothing it depends on changed: the usual poll
         groups = worker.dead_groups
-        worker.parts_from = (worker.dead, worker.unusable_version, digest, groups)
+        worker.parts_from = (worker.unusable_version, digest, groups)
         fresh = worker.desired is None or worker.parts_digest is not digest
         old_parts = {} if fresh else worker.parts
-        if fresh or last is None or last[1] != worker.unusable_version or last[2] is not digest:
+        if fresh or last is None or last[0] != worker.unusable_version or last[1] is not digest:
             candidates: Iterable[str] = groups.keys() | old_parts.keys()
         else:
             # Dead groups are shared objects, replaced only where something changed: a drain
             # touches a hundred of a worker's thousand steered backends, so look at those only
             # (those _dead_groups noted, when it worked these groups out from the last ones).
-            before = last[3]
+            before = last[2]
             since = self._groups_since.get(id(groups))
             if since is not None and since[0] is groups and since[1] is before:
                 candidates = [b for b in since[2] if before.get(b) is not groups.get(b)]
