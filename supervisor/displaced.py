@@ -650,7 +650,9 @@ def diff_phases(
 
     slot_adds, slot_sets = changes(slots_wanted)
     count_adds, count_sets = changes(counts_wanted)
-    hops, urgent = _hops(current, desired, slot_sets, slots_had)
+    left_over = [k for k in slots_had if is_hop_key(k)]
+    slots_gone = [k for k in slots_had if not is_hop_key(k)]
+    hops, urgent = _hops(current, desired, slot_sets, slots_gone)
     # A backend steered for the first time needs only adds: its slots and then its count, in
     # one payload, which HAProxy applies in order. That saves the push a round trip, as long
     # as the group is small enough never to be split over two lines (see phase_lines).
@@ -668,8 +670,6 @@ def diff_phases(
     def is_urgent(key: str) -> bool:
         return current[key] in urgent.get(backend_of_key(key), ())
 
-    left_over = [k for k in slots_had if is_hop_key(k)]
-    slots_gone = [k for k in slots_had if not is_hop_key(k)]
     return (
         Phase(
             adds=tuple(entry for group in groups.values() for entry in group),
@@ -693,7 +693,7 @@ def _hops(
     current: Mapping[str, str],
     desired: Mapping[str, str],
     slot_sets: Iterable[tuple[str, str]],
-    slots_had: Iterable[str],
+    slots_gone: Iterable[str],
 ) -> tuple[dict[str, str], dict[str, set[str]]]:
     """The hops diff_phases() adds in phase 0, and per backend the servers that overrides
     stop pointing to but that get no hop (those overrides must change in the routing phases).
@@ -710,7 +710,7 @@ def _hops(
             targets.setdefault(backend_of_key(key), set()).add(value)
     hops: dict[str, str] = {}
     urgent: dict[str, set[str]] = {}
-    moves = [(key, value) for key, value in slot_sets] + [(key, None) for key in slots_had if not is_hop_key(key)]
+    moves: list[tuple[str, str | None]] = [*slot_sets, *((key, None) for key in slots_gone)]
     for key, new in moves:
         backend, old = backend_of_key(key), current[key]
         if desired.get(count_key(backend), FAIL_FAST) == FAIL_FAST:
@@ -1744,10 +1744,10 @@ class DisplacedWorkers:
         self._changes = 0
         self._batches = {}  # only this round's: the deltas they hold are found by identity
         pushing = False
-        # Tidying (phases 2 and 3: `set map` and `del map` commands, each a relay of its own
-        # through the master) waits until every worker is steered: the master relays one
-        # command at a time, and the pushes that steer come first.
-        routing: set[int] = set()
+        # Tidying (the phases of diff_phases() after ROUTING_PHASES: `set map` and `del map`
+        # commands, each a relay of its own through the master) waits until every worker is
+        # steered: the master relays one command at a time, and the pushes that steer come first.
+        routing: set[int] = set()  # this round's pushes not steered yet: joined when created
         all_routed = asyncio.Event()
         listed = False
 
@@ -1761,7 +1761,6 @@ class DisplacedWorkers:
             await all_routed.wait()
 
         async def one(worker: _Worker) -> None:
-            routing.add(worker.pid)
             try:
                 await self._push(worker, steered_at, tidy_after_routing)
             except (CLIError, PushError, ValueError) as exc:
@@ -1792,16 +1791,18 @@ class DisplacedWorkers:
                 updated.add(worker.pid)
                 if wanted(worker, time.monotonic()):
                     pushing = True
+                    routing.add(worker.pid)
                     group.create_task(one(worker))
                     await asyncio.sleep(0)  # let the push get its line out before the next worker
             now = time.monotonic()
             for worker in list(self._workers.values()):
                 if worker.pid not in updated and wanted(worker, now):
                     pushing = True
+                    routing.add(worker.pid)
                     group.create_task(one(worker))
-            await asyncio.sleep(0)  # the tasks just created join `routing`
             listed = True
-            routed(0)
+            if not routing:
+                all_routed.set()
         finished = time.monotonic()
         if pushing and steered_at:
             self.state.push_duration.observe(finished - started)
