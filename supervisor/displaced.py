@@ -1229,12 +1229,13 @@ class DisplacedWorkers:
         self._dropped_memo = PairMemo(dropped_in_section, 500_000)  # once per pair of section digests
         self._steered_stale: set[int] = set()  # pids whose `steered` list is to be made anew
         self._dead_sets: tuple[frozenset[str], ...] = ()  # the dead sets state.dead_servers was made of
-        # generation digest -> (the latest config's digest, dropped_groups() against it)
-        self._dropped_by_digest: dict[ConfigDigest, tuple[ConfigDigest, Mapping[str, frozenset[str]]]] = {}
+        # generation digest -> latest config's digest -> dropped_groups() against it, most
+        # recently used last; two latest configs: the current one and the one being reloaded to
+        self._dropped_by_digest: dict[ConfigDigest, dict[ConfigDigest, DeadGroups]] = {}
         self._changed: tuple[ConfigDigest, ConfigDigest, frozenset[str]] | None = None
         self._last_groups: dict[ConfigDigest, _DeadGroupsOf] = {}  # the last ones its workers were given
-        # this round's id(dead groups) -> (those groups, the last ones of the same config, the
-        # backends that can differ between the two)
+        # id(dead groups) -> (those groups, the last ones of the same config, the backends that
+        # can differ between the two), for the groups in _dead_cache
         self._groups_since: dict[int, tuple[DeadGroups, DeadGroups, frozenset[str]]] = {}
         self._deltas = PairMemo(BackendDelta.of, 100_000)
         self._batches: dict[tuple[int, ...], DeltaBatch] = {}
@@ -1247,6 +1248,7 @@ class DisplacedWorkers:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._next: Config | None = None  # set between before_reload and after_reload
+        self._prepared: Config | None = None  # the config last prepared for, until after_reload
         self._leaving_pid: int | None = None  # the worker about to become old
         self._stats_at = 0.0
         self._changes = 0
@@ -1284,6 +1286,44 @@ class DisplacedWorkers:
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
             self._wake.clear()
 
+    async def prepare(self, next_model: Config) -> None:
+        """Work out what before_reload(next_model) will need, while `haproxy -c` checks the
+        config on another core: the config's digest, the servers it drops for every old
+        config, their dead groups and the entries of the backends that change. They land in
+        the caches before_reload looks in, so that after the check only the pushes are left.
+
+        Nothing is pushed and no worker's wanted map changes: a config that fails the check
+        must steer nothing (its dropped servers may be alive)."""
+        async with self._lock:
+            self._prepared = next_model
+            latest = self._digest(next_model)
+            current = self.state.current
+            leaving = current.worker_pid if current is not None else None
+            # The workers _steer will judge once the current one is leaving: all it knows.
+            judged = [
+                (worker, self._digest(generation.model))
+                for worker in self._workers.values()
+                if (not worker.current or worker.pid == leaving)
+                and worker.generation is not None
+                and (generation := self.state.generations.get(worker.generation)) is not None
+            ]
+            if not judged:
+                return
+            states = LiveStates(frozenset(), frozenset(), frozenset(), {})
+            if current is not None and current.worker_pid is not None:
+                with contextlib.suppress(CLIError):
+                    states = (await self._live_states(current.worker_pid, fresh=False, reuse=True)).states
+            view = live_view(latest, states, self.state.operator_dead, self._down)
+            dead_of = self._dead_groups_under(view, latest, {digest for _, digest in judged}, given=False)
+            for worker, digest in judged:
+                if not digest.guarded:
+                    continue
+                groups = dead_of[digest].groups
+                fresh = worker.desired is None or worker.parts_digest is not digest
+                for backend in self._candidates(worker, digest, groups, fresh):
+                    if dead := groups.get(backend):
+                        self._entries(digest.sections[backend], dead, worker.unusable.get(backend, _NOTHING))
+
     async def before_reload(self, next_model: Config) -> None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
         the servers `next_model` drops, before the reload is sent.
@@ -1306,7 +1346,7 @@ class DisplacedWorkers:
     async def after_reload(self, ok: bool) -> None:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
         the make-before-break steering of the worker that stays current."""
-        self._next = None
+        self._next = self._prepared = None
         self._leaving_pid = None
         try:
             # The server states read before the reload still hold: the new worker reports
@@ -1320,6 +1360,7 @@ class DisplacedWorkers:
         self._digests.clear()
         self._sections = SectionCache()
         self._dead_cache.clear()
+        self._groups_since.clear()
         self._dropped_by_digest.clear()
         self._last_groups.clear()
         self._dropped_memo.clear()
@@ -1411,18 +1452,26 @@ class DisplacedWorkers:
     def _forget_digests(self, latest: Config) -> None:
         """Drop digests of configs no generation runs any more."""
         alive = {id(g.model) for g in self.state.generations.values()} | {id(latest)}
+        if self._prepared is not None:
+            alive.add(id(self._prepared))
         stale = [k for k in self._digests if k not in alive]
         for key in stale:
             del self._digests[key]
         if stale:
             self._sections.keep_only(self._digests.values())
-            self._entries_memo.clear()
+            # Entries depend on their section and nothing else that changes: keep those of the
+            # sections still in use (an old worker's exit during a check must not throw away
+            # what prepare() worked out for the reload after it).
+            sections = {sd for d in self._digests.values() for sd in d.section_set}
+            self._entries_memo = {k: v for k, v in self._entries_memo.items() if k[0] in sections}
             self._deltas.clear()
             self._dropped_memo.clear()
             self._changed = None
             alive = set(self._digests.values())
             self._dropped_by_digest = {
-                d: v for d, v in self._dropped_by_digest.items() if d in alive and v[0] in alive
+                d: {latest: groups for latest, groups in v.items() if latest in alive}
+                for d, v in self._dropped_by_digest.items()
+                if d in alive
             }
             self._last_groups = {d: v for d, v in self._last_groups.items() if d in alive}
 
@@ -1542,22 +1591,25 @@ class DisplacedWorkers:
             await self._sweep()
 
     def _dead_groups_under(
-        self, view: LiveView, latest: ConfigDigest, digests: Iterable[ConfigDigest]
+        self, view: LiveView, latest: ConfigDigest, digests: Iterable[ConfigDigest], given: bool = True
     ) -> dict[ConfigDigest, _DeadGroupsOf]:
         """Each config's dead groups under `view`: those of the last two views are kept (during
-        a reload the next config's view and the current one take turns)."""
+        a reload the next config's view and the current one take turns). `given`: the
+        configs' workers are given these groups now (prepare() only works them out)."""
         view_key = (latest, view.down, view.operator, view.operator_at)
         cache = self._dead_cache.pop(view_key, None) or {}
         self._dead_cache[view_key] = cache  # most recent last
         while len(self._dead_cache) > 2:
-            del self._dead_cache[next(iter(self._dead_cache))]
-        self._groups_since = {}
+            for of in self._dead_cache.pop(next(iter(self._dead_cache))).values():
+                self._groups_since.pop(id(of.groups), None)
         result: dict[ConfigDigest, _DeadGroupsOf] = {}
         for digest in digests:
             of = cache.get(digest)
             if of is None:
                 of = cache[digest] = self._dead_groups(digest, view, latest)
-            result[digest] = self._last_groups[digest] = of
+            result[digest] = of
+            if given:
+                self._last_groups[digest] = of
         return result
 
     def _dead_groups(self, digest: ConfigDigest, view: LiveView, latest: ConfigDigest) -> _DeadGroupsOf:
@@ -1577,20 +1629,25 @@ class DisplacedWorkers:
     ) -> tuple[DeadGroups, DeadGroups | None, frozenset[str] | None]:
         """dropped_groups(digest, latest), updated from the last latest config it was worked out
         for; that last result, and the backends whose entry can differ from it (None: any)."""
-        previous = self._dropped_by_digest.get(digest)
-        if previous is not None and previous[0] is latest:
-            return previous[1], previous[1], frozenset()
+        known = self._dropped_by_digest.setdefault(digest, {})
+        groups = known.pop(latest, None)
+        if groups is not None:
+            known[latest] = groups  # most recently used last
+            return groups, groups, frozenset()
+        base: DeadGroups | None = None
         changed: frozenset[str] | None = None
-        if previous is None:
+        if not known:
             groups = dropped_groups(digest, latest, self._dropped_memo.get)
         else:
-            pair = (previous[0], latest)
-            if self._changed is None or self._changed[0] is not pair[0] or self._changed[1] is not pair[1]:
-                self._changed = (*pair, changed_backends(*pair))
+            base_latest, base = next(reversed(known.items()))
+            if self._changed is None or self._changed[0] is not base_latest or self._changed[1] is not latest:
+                self._changed = (base_latest, latest, changed_backends(base_latest, latest))
             changed = self._changed[2]
-            groups = dropped_groups_since(previous[1], digest, latest, changed, self._dropped_memo.get)
-        self._dropped_by_digest[digest] = (latest, groups)
-        return groups, previous[1] if previous is not None else None, changed
+            groups = dropped_groups_since(base, digest, latest, changed, self._dropped_memo.get)
+        known[latest] = groups
+        while len(known) > 2:
+            del known[next(iter(known))]
+        return groups, base, changed
 
     def _update_desired(self, worker: _Worker, digest: ConfigDigest) -> None:
         """Recompute the entries of the backends whose dead or unusable servers changed."""
@@ -1604,22 +1661,10 @@ class DisplacedWorkers:
         ):
             return  # nothing it depends on changed: the usual poll
         groups = worker.dead_groups
-        worker.parts_from = (worker.unusable_version, digest, groups)
         fresh = worker.desired is None or worker.parts_digest is not digest
+        candidates = self._candidates(worker, digest, groups, fresh)
+        worker.parts_from = (worker.unusable_version, digest, groups)
         old_parts = {} if fresh else worker.parts
-        if fresh or last is None or last[0] != worker.unusable_version or last[1] is not digest:
-            candidates: Iterable[str] = groups.keys() | old_parts.keys()
-        else:
-            # Dead groups are shared objects, replaced only where something changed: a drain
-            # touches a hundred of a worker's thousand steered backends, so look at those only
-            # (those _dead_groups noted, when it worked these groups out from the last ones).
-            before = last[2]
-            since = self._groups_since.get(id(groups))
-            if since is not None and since[0] is groups and since[1] is before:
-                candidates = [b for b in since[2] if before.get(b) is not groups.get(b)]
-            else:
-                candidates = [b for b, dead in groups.items() if before.get(b) is not dead]
-                candidates += [b for b in before if b not in groups]
         parts = dict(old_parts)
         changed: list[str] = []
         worker_unusable, sections, entries_of = worker.unusable, digest.sections, self._entries
@@ -1662,6 +1707,23 @@ class DisplacedWorkers:
                 transitions[backend] = (first, after)
         if moved and worker.dirty is not None:
             worker.dirty |= moved
+
+    def _candidates(self, worker: _Worker, digest: ConfigDigest, groups: DeadGroups, fresh: bool) -> Iterable[str]:
+        """The backends whose entries can differ from the worker's parts once it has `groups`."""
+        last = worker.parts_from
+        if fresh:
+            return groups.keys()
+        if last is None or last[0] != worker.unusable_version or last[1] is not digest:
+            return groups.keys() | worker.parts.keys()
+        # Dead groups are shared objects, replaced only where something changed: a drain
+        # touches a hundred of a worker's thousand steered backends, so look at those only
+        # (those _dead_groups noted, when it worked these groups out from the last ones).
+        before = last[2]
+        since = self._groups_since.get(id(groups))
+        if since is not None and since[0] is groups and since[1] is before:
+            return [b for b in since[2] if before.get(b) is not groups.get(b)]
+        candidates = [b for b, dead in groups.items() if before.get(b) is not dead]
+        return candidates + [b for b in before if b not in groups]
 
     def _entries(self, section: SectionDigest, dead: frozenset[str], unusable: frozenset[str]) -> dict[str, str]:
         """section_entries(), shared by the generations whose section is the same object: a

@@ -128,20 +128,47 @@ def write_atomically(path: Path, text: str) -> None:
 
 async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:
     """Run `haproxy -c` on `text`. Returns (valid, HAProxy's own message)."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".validate.", suffix=".cfg")
+    return await (await start_check(binary, text, directory)).verdict()
+
+
+class ConfigCheck:
+    """`haproxy -c` under way: HAProxy checks on a core of its own while the caller works on
+    (the displaced-worker component works out the next config's steering meanwhile)."""
+
+    def __init__(self, tmp: Path, proc: asyncio.subprocess.Process | None, error: str | None) -> None:
+        self._tmp = tmp
+        self._proc = proc
+        self._error = error
+
+    async def verdict(self) -> tuple[bool, str]:
+        """(valid, HAProxy's own message); removes the copy it checked."""
+        try:
+            if self._proc is None:
+                return False, self._error or "haproxy -c did not start"
+            out, _ = await self._proc.communicate()
+            message = out.decode(errors="replace").strip().replace(str(self._tmp), "<effective config>")
+            # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
+            return self._proc.returncode == 0, message
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+
+async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
+    """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
+    must ask for the verdict: that reaps the process and removes the copy."""
+    fd, name = tempfile.mkstemp(dir=directory, prefix=".validate.", suffix=".cfg")
+    tmp = Path(name)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         try:
             proc = await asyncio.create_subprocess_exec(
-                binary, "-c", "-f", tmp,
+                binary, "-c", "-f", name,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )
         except OSError as exc:
-            return False, f"cannot run {binary}: {exc.strerror or exc}"
-        out, _ = await proc.communicate()
-        message = out.decode(errors="replace").strip().replace(tmp, "<effective config>")
-        # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
-        return proc.returncode == 0, message
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+            return ConfigCheck(tmp, None, f"cannot run {binary}: {exc.strerror or exc}")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return ConfigCheck(tmp, proc, None)

@@ -1,6 +1,7 @@
 """The reloader's contract with the components plugged into it, in-process with the real HAProxy.
 
-before_reload gets the next effective model before the reload, after_reload the outcome;
+prepare gets the next effective model while `haproxy -c` checks it (whatever the verdict),
+before_reload gets it again before the reload, after_reload the outcome;
 a runtime_apply that returns True replaces the reload (no new worker, the generation
 updated in place, `runtime_applied` recorded); reload_now(force=True) reloads unchanged
 content and returns its record.
@@ -14,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor.effective import Effective, prepare_runtime_dir
@@ -47,6 +49,11 @@ backend app
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
+        self.checking: list[bool] = []  # per prepare: was `haproxy -c` running meanwhile
+
+    async def prepare(self, next_model: Config) -> None:
+        self.calls.append(("prepare", [s.key for s in next_model.servers()]))
+        self.checking.append(any(_is_check(child) for child in psutil.Process().children()))
 
     async def before_reload(self, next_model: Config) -> None:
         self.calls.append(("before", [s.key for s in next_model.servers()]))
@@ -56,6 +63,12 @@ class Recorder:
 
     async def refresh(self) -> None:
         self.calls.append(("refresh", None))
+
+
+def _is_check(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return "-c" in process.cmdline() and process.status() != psutil.STATUS_ZOMBIE
+    return False
 
 
 async def wait_until(predicate, timeout: float = 10) -> None:
@@ -130,7 +143,8 @@ async def test_runtime_apply_true_replaces_the_reload(rundir: Path):
         effective = (rundir / "run" / "haproxy.cfg").read_text()
         assert "127.0.0.1:10" in effective and current.effective_sha256 == state.last_good_sha256
         assert (rundir / "run" / "generations" / "1.cfg").read_text() == effective
-        assert hooks.calls == [("refresh", None)], "no reload: neither before_reload nor after_reload"
+        assert hooks.calls == [("prepare", ["app/s1"]), ("refresh", None)], "no reload, no before/after"
+        assert hooks.checking == [True]
         procs = await cli.show_proc()
         assert procs.master is not None and procs.master.reloads == 0
         assert procs.current_worker is not None and procs.current_worker.pid == worker
@@ -143,7 +157,8 @@ async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
         write_atomic(rendered, RENDERED.format(front=front, port=11).replace("server s1", "server s2"))
         await wait_until(lambda: state.reloads.ok == 1)
         assert applied, "runtime_apply is asked first"
-        assert hooks.calls == [("before", ["app/s2"]), ("after", True)]
+        assert hooks.calls == [("prepare", ["app/s2"]), ("before", ["app/s2"]), ("after", True)]
+        assert hooks.checking == [True]
         assert state.current is not None and state.current.number == 2
         assert [s.key for s in state.current.model.servers()] == ["app/s2"]
         # Forced: same content, still a reload, never offered to runtime_apply.
@@ -152,9 +167,10 @@ async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
         assert record is not None and record.result == "ok"
         assert len(applied) == asked
         assert state.current.number == 3
-        assert hooks.calls[-2:] == [("before", ["app/s2"]), ("after", True)]
-        # An invalid change calls no hook.
+        assert hooks.calls[-3:] == [("prepare", ["app/s2"]), ("before", ["app/s2"]), ("after", True)]
+        # An invalid change is prepared (while the check runs) and goes no further.
         write_atomic(rendered, "frontend broken\n    bind :notaport\n")
         await wait_until(lambda: state.reloads.invalid == 1)
-        assert len(hooks.calls) == 4
+        assert hooks.calls[6:] == [("prepare", [])]
+        assert hooks.checking == [True, True, True]
         assert state.reloads.last is not None and "notaport" in (state.reloads.last.error or "")

@@ -1,10 +1,10 @@
 """HAProxy under the displaced-worker component, with the daemon's part played by the test.
 
 The reloader and daemon live elsewhere; this fixture does what architecture.md says
-they do around a reload (build the effective config, before_reload, write, `reload` on
-the master CLI, confirm with `show proc`, register the generation, after_reload) so the
-end-to-end tests exercise DisplacedWorkers exactly through its contract. Swap it for the
-real daemon once that exists.
+they do around a reload (build the effective config, `haproxy -c` with prepare while it
+runs, before_reload, write, `reload` on the master CLI, confirm with `show proc`, register
+the generation, after_reload) so the end-to-end tests exercise DisplacedWorkers exactly
+through its contract. tests/support/daemon.py runs the real daemon instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.displaced import DisplacedWorkers, map_entries
-from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
+from supervisor.effective import build_effective, prepare_runtime_dir, start_check, write_effective, write_slot_table
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import Settings
@@ -80,6 +80,14 @@ class Supervised:
         effective = build_effective(self.settings, rendered)
         next_model = Config.parse(effective.text)
         before = self.current_pid
+        write_slot_table(effective.slot_table)
+        check = await start_check(self.settings.haproxy.binary, effective.text, self.settings.haproxy.runtime_dir)
+        try:
+            await self.displaced.prepare(next_model)
+        finally:
+            valid, message = await check.verdict()
+        if not valid:
+            raise ValueError(f"haproxy -c refused the config: {message}")
         await self.displaced.before_reload(next_model)
         write_effective(self.settings.haproxy.effective_config, effective)
         started = time.monotonic()
