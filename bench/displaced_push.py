@@ -49,6 +49,7 @@ from pathlib import Path
 
 import psutil
 
+from supervisor.daemon import watch_children_without_threads
 from supervisor.displaced import DisplacedWorkers, known_dead_servers, map_entries, steer_map_entries
 from supervisor.effective import build_effective, prepare_runtime_dir, start_check, write_effective, write_slot_table
 from supervisor.gcpolicy import settle_after_reload
@@ -359,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if len(combinations) == 1:
         workers, servers = combinations[0]
+        watch_children_without_threads()  # as `haproxy-supervisor run` does
         report(workers, servers, asyncio.run(Bench(workers, servers, not args.no_gc_policy).run(args.rounds)))
         return 0
     for workers, servers in combinations:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
 import sys
@@ -237,10 +238,25 @@ def default_extensions() -> Extensions:
     return Extensions(displaced=DisplacedWorkers, status=StatusServer)
 
 
+def watch_children_without_threads() -> None:
+    """Python 3.11 waits for each asyncio child process (`haproxy -c`, on every change) in a
+    thread started with it: ~3 ms more before the check even runs, on the way to steering
+    the old workers. A pidfd lets the event loop wait instead (Linux 5.3+); 3.12 does this
+    by itself."""
+    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # an older kernel, or a seccomp filter: keep the threads
+        return
+    asyncio.set_child_watcher(asyncio.PidfdChildWatcher())
+
+
 def run_daemon(settings: Settings, extensions: Extensions | None = None) -> int:
     setup_logging(settings.logging)
     if extensions is None:
         extensions = default_extensions()
+    watch_children_without_threads()
     try:
         return asyncio.run(Daemon(settings, extensions).run())
     except Exception:  # an ExceptionGroup from the TaskGroup included

@@ -272,3 +272,33 @@ async def test_sigquit_detaches_and_the_next_run_adopts(make):
         d.signal(signal.SIGTERM)
         assert await d.wait_exit() == 0
         assert not alive(master)
+
+
+_CHILD_THREADS = """
+import asyncio, sys, threading
+from supervisor.daemon import watch_children_without_threads
+if sys.argv[1] == "pidfd":
+    watch_children_without_threads()
+async def main():
+    proc = await asyncio.create_subprocess_exec("sleep", "0.2")
+    threads = threading.active_count()
+    await proc.wait()
+    print(threads, proc.returncode)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("watcher", ["pidfd", "default"])
+def test_the_daemon_waits_for_its_children_without_a_thread_each(watcher: str):
+    """`haproxy -c` runs on every change: Python 3.11's default watcher starts a thread for
+    each child (the control), the daemon's waits in the event loop."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD_THREADS, watcher], capture_output=True, text=True, timeout=30, check=True
+    ).stdout.split()
+    threads, code = int(out[0]), int(out[1])
+    assert code == 0
+    if sys.version_info < (3, 12):
+        assert threads == (1 if watcher == "pidfd" else 2), threads
