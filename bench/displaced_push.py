@@ -52,7 +52,7 @@ import psutil
 from supervisor.daemon import watch_children_without_threads
 from supervisor.displaced import DisplacedWorkers, known_dead_servers, map_entries, steer_map_entries
 from supervisor.effective import build_effective, prepare_runtime_dir, start_check, write_effective, write_slot_table
-from supervisor.gcpolicy import settle_after_reload
+from supervisor.gcpolicy import collector_paused, settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
@@ -177,6 +177,13 @@ class Bench:
         self.state.current_generation = number
 
     async def reload(self, cli: MasterCLI, displaced: DisplacedWorkers, text: str, figures: Figures | None) -> None:
+        # The reloader's gc policy: no collection in the cycle, then collect and freeze.
+        with collector_paused() if self.gc_policy else contextlib.nullcontext():
+            await self._reload(cli, displaced, text, figures)
+        if self.gc_policy:
+            settle_after_reload()
+
+    async def _reload(self, cli: MasterCLI, displaced: DisplacedWorkers, text: str, figures: Figures | None) -> None:
         started = time.monotonic()
         effective = build_effective(self.settings, text)
         model = effective.effective_model  # what the reloader uses
@@ -216,8 +223,6 @@ class Bench:
         push_record = displaced.last_push
         await displaced.after_reload(True)
         done = time.monotonic()
-        if self.gc_policy:
-            settle_after_reload()  # what the reloader does after every reload
         if figures is not None:
             reload_s = confirmed - reload_start
             figures.reload.append(reload_s)
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-gc-policy",
         action="store_true",
-        help="the control: skip the daemon's settle_after_reload() (gc.freeze) after each reload",
+        help="the control: skip the daemon's gc policy (collector paused in the cycle, then gc.freeze)",
     )
     parser.add_argument("--line-only", action="store_true", help=argparse.SUPPRESS)  # one line, no header
     args = parser.parse_args(argv or [])

@@ -39,7 +39,7 @@ from .effective import (
     write_effective,
     write_slot_table,
 )
-from .gcpolicy import settle_after_reload
+from .gcpolicy import collector_paused, settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
 from .haproxy.config import Config
@@ -420,8 +420,9 @@ class Reloader:
         if self.master.stopping:
             return None
         try:
-            rendered = read_rendered(self.settings.haproxy.config)
-            effective = build_effective(self.settings, rendered)
+            with collector_paused():  # gcpolicy: no collection on the way to steering
+                rendered = read_rendered(self.settings.haproxy.config)
+                effective = build_effective(self.settings, rendered)
         except RenderedConfigError as exc:
             log.error("reload invalid: %s", exc)
             return self._record("invalid", started, str(exc))
@@ -441,7 +442,8 @@ class Reloader:
                 if not self.master.up:
                     continue
                 # Timed (and reload.timeout_s counted) from here, not from waiting for the lock.
-                return await self._change_locked(effective, inputs, force, reason, time.monotonic())
+                with collector_paused():
+                    return await self._change_locked(effective, inputs, force, reason, time.monotonic())
 
     async def _change_locked(
         self, effective: Effective, inputs: str, force: bool, reason: str, started: float

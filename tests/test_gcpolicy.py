@@ -8,7 +8,7 @@ from pathlib import Path
 
 from supervisor.displaced import ConfigDigest, SectionCache, known_dead_servers, steer_map_entries
 from supervisor.effective import build_effective
-from supervisor.gcpolicy import settle_after_reload
+from supervisor.gcpolicy import collector_paused, settle_after_reload
 from supervisor.settings import HAProxySettings, Settings
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -59,3 +59,20 @@ def test_settle_after_reload_freezes_what_is_alive() -> None:
         assert gc.get_freeze_count() >= before + len(kept)
     finally:
         gc.unfreeze()
+
+
+def test_the_collector_is_paused_inside_and_left_as_found() -> None:
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        garbage = [[] for _ in range(5 * gc.get_threshold()[0])]
+        # Five times past the threshold, and no young collection reset the count.
+        assert gc.get_count()[0] > 4 * gc.get_threshold()[0], (gc.get_count(), len(garbage))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +51,12 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
         self.checking: list[bool] = []  # per prepare: was `haproxy -c` running meanwhile
+        self.collecting: list[bool] = []  # per prepare: was the garbage collector on
 
     async def prepare(self, next_model: Config) -> None:
         self.calls.append(("prepare", [s.key for s in next_model.servers()]))
         self.checking.append(any(_is_check(child) for child in psutil.Process().children()))
+        self.collecting.append(gc.isenabled())
 
     async def before_reload(self, next_model: Config) -> None:
         self.calls.append(("before", [s.key for s in next_model.servers()]))
@@ -173,4 +176,5 @@ async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
         await wait_until(lambda: state.reloads.invalid == 1)
         assert hooks.calls[6:] == [("prepare", [])]
         assert hooks.checking == [True, True, True]
+        assert hooks.collecting == [False, False, False]  # gcpolicy: paused in the cycle
         assert state.reloads.last is not None and "notaport" in (state.reloads.last.error or "")
