@@ -1159,6 +1159,8 @@ class _Worker:
     swept: frozenset[str] = frozenset()  # dead set for which stuck sessions were last ended
     # steered_by_parts(parts), and the parts dict it was computed from (a new dict on every change)
     steered: tuple[object, list[str]] = (None, [])
+    # What prepare() worked out for the next config, taken by _update_desired if it still fits.
+    prepared: _Update | None = None
 
     def steered_servers(self) -> list[str]:
         if self.desired is None:
@@ -1166,6 +1168,53 @@ class _Worker:
         if self.steered[0] is not self.parts:
             self.steered = (self.parts, steered_by_parts(self.parts))
         return self.steered[1]
+
+
+@dataclass(frozen=True, eq=False)
+class _UpdateBasis:
+    """The worker state an _Update was worked out from: by identity, the objects that
+    _update_desired reads or edits in place, each replaced whenever anything else changes
+    it; the servers the worker skips itself by their version (bumped on every change)."""
+
+    groups: DeadGroups
+    parts: object
+    parts_from: object
+    parts_digest: object
+    desired: object
+    dirty: object
+    transitions: object
+    unusable_version: int
+
+    @classmethod
+    def of(cls, worker: _Worker, groups: DeadGroups) -> _UpdateBasis:
+        return cls(
+            groups, worker.parts, worker.parts_from, worker.parts_digest, worker.desired, worker.dirty,
+            worker.transitions, worker.unusable_version,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class _Update:
+    """What _update_desired sets in a worker: worked out there, or beforehand by prepare()."""
+
+    basis: _UpdateBasis
+    digest: ConfigDigest
+    parts_from: tuple[int, ConfigDigest, DeadGroups]
+    parts: dict[str, tuple[frozenset[str], frozenset[str], dict[str, str]]]
+    fresh: bool  # a new wanted map (set through _want), not an edit of the last one
+    desired: dict[str, str]
+    dirty: set[str] | None
+    transitions: dict[str, tuple[Mapping[str, str], Mapping[str, str]]] | None
+
+    def fits(self, worker: _Worker, digest: ConfigDigest) -> bool:
+        """Whether the worker is still exactly as this was worked out from."""
+        basis = _UpdateBasis.of(worker, worker.dead_groups)
+        return digest is self.digest and all(
+            getattr(basis, name) is getattr(self.basis, name) for name in _UPDATE_BASIS_FIELDS
+        ) and basis.unusable_version == self.basis.unusable_version
+
+
+_UPDATE_BASIS_FIELDS = ("groups", "parts", "parts_from", "parts_digest", "desired", "dirty", "transitions")
 
 
 class _DeadGroupsOf:
@@ -1318,11 +1367,7 @@ class DisplacedWorkers:
             for worker, digest in judged:
                 if not digest.guarded:
                     continue
-                groups = dead_of[digest].groups
-                fresh = worker.desired is None or worker.parts_digest is not digest
-                for backend in self._candidates(worker, digest, groups, fresh):
-                    if dead := groups.get(backend):
-                        self._entries(digest.sections[backend], dead, worker.unusable.get(backend, _NOTHING))
+                worker.prepared = self._work_out_update(worker, digest, in_place=False, groups=dead_of[digest].groups)
 
     async def before_reload(self, next_model: Config) -> None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
@@ -1348,6 +1393,8 @@ class DisplacedWorkers:
         the make-before-break steering of the worker that stays current."""
         self._next = self._prepared = None
         self._leaving_pid = None
+        for worker in self._workers.values():
+            worker.prepared = None  # whatever before_reload did not take
         try:
             # The server states read before the reload still hold: the new worker reports
             # every server UP until its checks have run, and the next poll reads it anyway.
@@ -1554,7 +1601,9 @@ class DisplacedWorkers:
                 continue
             digest = self._digest(generation.model)
             if worker.current and worker.pid != leaving:
-                worker.dead, worker.parts = frozenset(), {}
+                worker.dead = frozenset()
+                if worker.parts:  # a new {} each poll would spoil what prepare() worked out for it
+                    worker.parts = {}
                 self._want(worker, {} if digest.guarded else None)
                 continue
             judged.append((worker, digest))
@@ -1660,10 +1709,27 @@ class DisplacedWorkers:
             and last[2] is worker.dead_groups
         ):
             return  # nothing it depends on changed: the usual poll
-        groups = worker.dead_groups
+        prepared, worker.prepared = worker.prepared, None
+        update = prepared if prepared is not None and prepared.fits(worker, digest) else None
+        if update is None:
+            update = self._work_out_update(worker, digest, in_place=True)
+        worker.parts_from, worker.parts, worker.parts_digest = update.parts_from, update.parts, digest
+        if update.fresh:
+            self._want(worker, update.desired)
+        else:
+            worker.desired, worker.dirty, worker.transitions = update.desired, update.dirty, update.transitions
+
+    def _work_out_update(
+        self, worker: _Worker, digest: ConfigDigest, in_place: bool, groups: DeadGroups | None = None
+    ) -> _Update:
+        """What _update_desired sets in `worker` once it has `groups` (its dead_groups unless
+        given). `in_place`: edit its wanted map and change sets (the worker takes the result
+        at once); else work on copies, leaving the worker as it is (prepare())."""
+        groups = worker.dead_groups if groups is None else groups
+        basis = _UpdateBasis.of(worker, groups)
         fresh = worker.desired is None or worker.parts_digest is not digest
         candidates = self._candidates(worker, digest, groups, fresh)
-        worker.parts_from = (worker.unusable_version, digest, groups)
+        parts_from = (worker.unusable_version, digest, groups)
         old_parts = {} if fresh else worker.parts
         parts = dict(old_parts)
         changed: list[str] = []
@@ -1679,19 +1745,19 @@ class DisplacedWorkers:
                 parts[backend] = (dead, unusable, entries_of(sections[backend], dead, unusable))
             else:
                 del parts[backend]
-        worker.parts, worker.parts_digest = parts, digest
         if fresh:
             desired: dict[str, str] = {}
             for _, _, entries in parts.values():
                 desired.update(entries)
-            self._want(worker, desired)
-            return
+            return _Update(basis, digest, parts_from, parts, True, desired, None, None)
         # Edit in place, noting the keys that moved: a map of thousands of entries is neither
-        # copied nor compared whole for a change to a few backends.
-        desired = worker.desired
-        assert desired is not None
-        moved: set[str] = set()
+        # copied nor compared whole for a change to a few backends (prepare() has the time).
+        assert worker.desired is not None
+        desired = worker.desired if in_place else dict(worker.desired)
         transitions = worker.transitions
+        if transitions is not None and not in_place:
+            transitions = dict(transitions)
+        moved: set[str] = set()
         for backend in changed:
             had, has = old_parts.get(backend), parts.get(backend)
             before = had[2] if had is not None else _NO_ENTRIES
@@ -1705,8 +1771,13 @@ class DisplacedWorkers:
             if transitions is not None:
                 first = transitions.get(backend, (before, after))[0]
                 transitions[backend] = (first, after)
-        if moved and worker.dirty is not None:
-            worker.dirty |= moved
+        dirty = worker.dirty
+        if moved and dirty is not None:
+            if in_place:
+                dirty |= moved
+            else:
+                dirty = dirty | moved
+        return _Update(basis, digest, parts_from, parts, False, desired, dirty, transitions)
 
     def _candidates(self, worker: _Worker, digest: ConfigDigest, groups: DeadGroups, fresh: bool) -> Iterable[str]:
         """The backends whose entries can differ from the worker's parts once it has `groups`."""

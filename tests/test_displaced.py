@@ -960,3 +960,85 @@ def test_the_backends_noted_as_changed_hold_every_dead_group_that_changed():
             assert changed <= since[2], (changed, since[2])
             noted_rounds += last is not None and base is last.groups
     assert noted_rounds > 100  # the note applied to the groups last given, most of the time
+
+
+def test_an_update_worked_out_beforehand_equals_the_one_made_in_place_and_changes_nothing():
+    """prepare() works each worker's next entries out on copies (_work_out_update with
+    in_place=False); _update_desired takes that result when the worker is still as it was.
+    Over random drains, views and pushes: working it out beforehand leaves the worker as it
+    was, the result is what the in-place update makes, and a worker changed in between
+    (here: pushed, or given other groups) no longer fits."""
+    import copy
+    import dataclasses
+
+    from supervisor.displaced import DisplacedWorkers, LiveStates, _Worker
+    from supervisor.settings import Settings
+    from supervisor.state import State
+
+    rng = random.Random(5)
+    workers = DisplacedWorkers(Settings(), State(), _DownCLI())
+
+    def config(where: dict[tuple[int, int], int]) -> ConfigDigest:
+        text = "".join(
+            f"backend b{b}\n"
+            + "".join(f"  server s{r}_{where[(b, r)]} 10.0.{where[(b, r)]}.{r}:80\n" for r in range(3))
+            + "  server bk 10.9.9.9:80 backup\n"
+            for b in range(6)
+        )
+        return ConfigDigest.of(model(text), workers._sections)
+
+    def plain(transitions: dict | None) -> dict | None:
+        return None if transitions is None else {b: (dict(x), dict(y)) for b, (x, y) in transitions.items()}
+
+    def state_of(worker: _Worker) -> tuple:
+        identities = tuple(map(id, worker.parts_from or ()))  # digests and groups: compared by identity
+        return identities, copy.deepcopy((worker.parts, worker.desired, worker.dirty)), plain(worker.transitions)
+
+    def twin_of(worker: _Worker) -> _Worker:
+        """A copy to update in place: what it edits in place is its own."""
+        return dataclasses.replace(
+            worker,
+            desired=None if worker.desired is None else dict(worker.desired),
+            dirty=None if worker.dirty is None else set(worker.dirty),
+            transitions=None if worker.transitions is None else dict(worker.transitions),
+            prepared=None,
+        )
+
+    where = {(b, r): 0 for b in range(6) for r in range(3)}
+    generation = config(where)
+    worker = _Worker(1, 1)
+    fits_seen = unfit_seen = 0
+    for _ in range(120):
+        for _ in range(rng.randint(0, 2)):
+            where[(rng.randrange(6), rng.randrange(3))] += 1
+        latest = config(where)
+        down = frozenset(rng.sample(sorted(a for s in generation.sections.values() for a in s.at_keys), 1))
+        down = down if rng.random() < 0.3 else frozenset()
+        view = live_view(latest, LiveStates(down, frozenset(), frozenset(), {}), ())
+        groups = workers._dead_groups_under(view, latest, [generation], given=False)[generation].groups
+        before = state_of(worker)
+        prepared = workers._work_out_update(worker, generation, in_place=False, groups=groups)
+        assert state_of(worker) == before, "working it out beforehand changed the worker"
+        if rng.random() < 0.3:  # something happens in between: a push, or other groups
+            worker.dirty, worker.transitions = set(), {}
+        if rng.random() < 0.2:
+            groups = dict(groups)
+        worker.dead_groups = groups
+        if prepared.fits(worker, generation):
+            fits_seen += 1
+            twin = twin_of(worker)
+            workers._update_desired(twin, generation)  # made in place, nothing prepared
+            worker.prepared = prepared
+            workers._update_desired(worker, generation)
+            assert worker.prepared is None
+            assert (worker.parts, worker.desired, worker.dirty, plain(worker.transitions)) == (
+                twin.parts, twin.desired, twin.dirty, plain(twin.transitions)
+            )
+        else:
+            unfit_seen += 1
+            worker.prepared = prepared
+            workers._update_desired(worker, generation)  # recomputed in place
+        assert worker.desired == steer_map_entries(generation.model, frozenset().union(*groups.values()), "fail-fast")
+        if rng.random() < 0.5:  # pushed: the map holds what it wants
+            worker.known, worker.dirty, worker.transitions = dict(worker.desired), set(), {}
+    assert fits_seen > 50 and unfit_seen > 20, (fits_seen, unfit_seen)

@@ -221,8 +221,8 @@ async def test_make_before_break_and_undo_after_a_failed_reload(rundir):
 async def test_prepare_steers_nothing_and_leaves_before_reload_only_the_pushes(rundir, monkeypatch):
     """prepare() runs while `haproxy -c` checks the next config, which may fail the check:
     it pushes nothing, whatever polls come meanwhile. before_reload then finds the next
-    config's digest and dead groups worked out; without prepare (the control) it works them
-    out itself. Either way the same maps result."""
+    config's digest, dead groups and each worker's entries worked out; without prepare (the
+    control) it works them out itself. Either way the same maps result."""
     from supervisor import displaced as displaced_module
 
     worked_out: list[str] = []
@@ -234,6 +234,14 @@ async def test_prepare_steers_nothing_and_leaves_before_reload_only_the_pushes(r
             return real(*args, **kwargs)
 
         monkeypatch.setattr(displaced_module, name, spy)
+    work_out = displaced_module.DisplacedWorkers._work_out_update
+
+    def work_out_spy(self, worker, digest, in_place, groups=None):
+        if in_place:
+            worked_out.append(f"entries of {worker.pid}")
+        return work_out(self, worker, digest, in_place, groups)
+
+    monkeypatch.setattr(displaced_module.DisplacedWorkers, "_work_out_update", work_out_spy)
     async with old_worker(rundir, lambda p: server_lines(p, ["r1", "r2"])) as env:
         sup = env.sup
         current = sup.current_pid
@@ -255,7 +263,7 @@ async def test_prepare_steers_nothing_and_leaves_before_reload_only_the_pushes(r
             if prepared:
                 assert worked_out == [], worked_out
             else:
-                assert "dead_groups_in" in worked_out and "dropped_groups" in worked_out, worked_out
+                assert {"dead_groups_in", "dropped_groups", f"entries of {current}"} <= set(worked_out), worked_out
             await sup.displaced.after_reload(False)  # the reload failed: back as it was
             assert await sup.map_of(current) == {}
             assert await sup.map_of(env.old_pid) == {}
