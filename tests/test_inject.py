@@ -186,3 +186,57 @@ def test_an_edited_section_is_built_anew_not_from_a_stale_cache(tmp_path):
     observed = [t.count("observe layer4") for t in texts]
     assert guarded == [2, 1, 2, 0, 2, 2]
     assert observed == [2, 1, 2, 0, 0, 2]
+
+
+def test_guard_plans_kept_from_earlier_builds_give_what_a_cold_build_gives(tmp_path: Path):
+    """The guard's placement and slot rows are kept per backend body (with its mode and its
+    defaults' flags) from one build to the next. Over corpus configs and random edits of
+    them (rule lines, `mode`, a backup, `default-server backup`, a line dropped or doubled),
+    a build that finds them kept gives the same effective config and slot table as one that
+    starts cold, even where the edit sits in a section the last build had planned."""
+    import random
+
+    from supervisor.haproxy.config import clear_caches
+    from supervisor.settings import HAProxySettings, Settings
+
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=tmp_path))
+    rng = random.Random(7)
+    corpus = [p.read_text() for p in sorted((Path(__file__).parent / "corpus").glob("*.cfg"))]
+    edits = [
+        "    http-request deny if { path /x }\n", "    use-server s1 if { path /y }\n", "    # note\n",
+        "    tcp-request content accept\n", "    mode tcp\n", "    mode http\n",
+        "    server extra 10.1.1.1:80 backup\n", "    default-server backup\n",
+    ]
+    checked = 0
+    for text in corpus:
+        lines = text.splitlines(keepends=True)
+        for _ in range(20):
+            edited = list(lines)
+            i = rng.randrange(1, len(edited))
+            choice = rng.random()
+            if choice < 0.3:
+                del edited[i]
+            elif choice < 0.8:
+                edited.insert(i, rng.choice(edits))
+            else:
+                edited.insert(i, edited[i])
+            variant = "".join(edited)
+            try:
+                build_effective(settings, text)  # plans of the unedited config are kept
+                warm = build_effective(settings, variant)
+            except Exception:
+                continue  # an edit our parser refuses is no case for this test
+            clear_caches()
+            cold = build_effective(settings, variant)
+            assert warm.text == cold.text
+            assert warm.slot_table == cold.slot_table
+            checked += 1
+    assert checked > 80, checked
+    # The same body under another inherited mode: its rules go elsewhere.
+    body = "backend b\n    tcp-request content accept\n    http-request deny if { path /x }\n"
+    body += "    server s1 10.0.0.1:80\n"
+    texts = [f"defaults\n    mode {mode}\n{body}" for mode in ("http", "tcp")]
+    build_effective(settings, texts[0])
+    warm = build_effective(settings, texts[1])
+    clear_caches()
+    assert warm.text == build_effective(settings, texts[1]).text

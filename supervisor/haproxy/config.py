@@ -146,7 +146,10 @@ _K = TypeVar("_K")
 _V = TypeVar("_V")
 
 
-class _RecentlyUsed(Generic[_K, _V]):
+_ALL_CACHES: list[RecentlyUsed] = []  # for clear_caches()
+
+
+class RecentlyUsed(Generic[_K, _V]):
     """A dict of what the last two generations used, for results worth keeping from one
     rendered config to the next: consecutive configs share almost all their lines and sections.
 
@@ -159,6 +162,7 @@ class _RecentlyUsed(Generic[_K, _V]):
     def __init__(self) -> None:
         self.current: dict[_K, _V] = {}
         self.previous: dict[_K, _V] = {}
+        _ALL_CACHES.append(self)
 
     def new_generation(self) -> None:
         self.previous, self.current = self.current, {}
@@ -177,12 +181,12 @@ class _RecentlyUsed(Generic[_K, _V]):
 
 # A line's text -> its Line (immutable, so configs share them): a parse of the next rendered
 # config takes the previous one's Lines instead of splitting 15,000 lines again.
-_LINES: _RecentlyUsed[str, Line] = _RecentlyUsed()
+_LINES: RecentlyUsed[str, Line] = RecentlyUsed()
 
 
 def clear_caches() -> None:
-    """Forget every line and server-flag result kept from earlier parses (a cold start: benchmarks)."""
-    for cache in (_LINES, _SERVER_FLAGS):
+    """Forget every result kept from earlier parses and builds (a cold start: benchmarks)."""
+    for cache in _ALL_CACHES:
         cache.new_generation()
         cache.new_generation()
     _apply_params.cache_clear()
@@ -372,7 +376,7 @@ def _template_numbers(count: str) -> range:
     return range(max(first, 1), last + 1)
 
 
-def _default_flags(defaults: Section | None) -> ServerFlags:
+def default_server_flags(defaults: Section | None) -> ServerFlags:
     """The flags the `default-server` lines of a defaults section give every server."""
     flags = _NO_FLAGS
     if defaults is not None:
@@ -398,7 +402,8 @@ def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, L
             yield index, line, flags
 
 
-def _server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tuple[int, ServerFlags]]:
+def server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tuple[int, ServerFlags]]:
+    """(index in the body, the flags its servers get) for each line of `body` that declares servers."""
     lines: list[tuple[int, ServerFlags]] = []
     for index, line, flags in _server_lines(body, defaults_flags):
         words = line.words
@@ -412,7 +417,7 @@ def _server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tu
 _NO_FLAGS = ServerFlags()
 # (the defaults' flags, a backend body's text) -> _server_line_flags of that body: nothing else
 # goes into it, so an edited line or `default-server` gives another key, never a stale entry.
-_SERVER_FLAGS: _RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = _RecentlyUsed()
+_SERVER_FLAGS: RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = RecentlyUsed()
 
 
 class Config:
@@ -517,18 +522,18 @@ class Config:
         for section, defaults in self.backends_with_defaults():
             flags = defaults_flags.get(id(defaults))
             if flags is None:
-                flags = defaults_flags[id(defaults)] = _default_flags(defaults)
+                flags = defaults_flags[id(defaults)] = default_server_flags(defaults)
             key = (flags, "".join([line.raw for line in section.body]))
             lines = _SERVER_FLAGS.get(key)
             if lines is None:
-                lines = _server_line_flags(section.body, flags)
+                lines = server_line_flags(section.body, flags)
                 _SERVER_FLAGS.put(key, lines)
             result.append((section, list(lines)))
         return result
 
     def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
         backend = section.name
-        for index, line, flags in _server_lines(section.body, _default_flags(defaults)):
+        for index, line, flags in _server_lines(section.body, default_server_flags(defaults)):
             words = line.words
             if words[0] == "server":
                 yield _server(backend, words[1], words[2], words[3:], flags, False, index)

@@ -17,11 +17,14 @@ from .config import (
     PROXY_KINDS,
     Config,
     Line,
+    RecentlyUsed,
     Section,
     Server,
     ServerFlags,
+    default_server_flags,
     parse_line,
     quote_word,
+    server_line_flags,
     template_names,
 )
 
@@ -198,28 +201,87 @@ def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path
     return _inject_guard(config, map_path, directory=directory)
 
 
+@dataclass(frozen=True, slots=True)
+class _GuardPlan:
+    """What the guard needs from one backend body: its slot-table row, and where the block
+    goes. It depends on the body's text, its mode and its defaults' `default-server` flags
+    only, so it is worked out once and reused by the next builds: a drain changes a few
+    backends of a thousand."""
+
+    names: tuple[str, ...]  # the primaries, in slot order
+    at: int | None  # where the rules go; None: no guard (no primary, or guarded already)
+    use_at: int  # where the `use-server` goes
+    indent: str
+
+
+# (defaults' flags, mode, body text) -> its plan: nothing else goes into it, so an edited
+# line gives another key, never a stale plan.
+_GUARD_PLANS: RecentlyUsed[tuple[ServerFlags, str, str], _GuardPlan] = RecentlyUsed()
+
+
+def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> _GuardPlan:
+    server_lines = server_line_flags(body, defaults_flags)
+    names: list[str] = []
+    for index, flags in server_lines:
+        if not flags.backup:
+            words = body[index].words
+            names.extend([words[1]] if words[0] == "server" else template_names(words[1], words[2]))
+    indent = next((line.indent for line in body if line.words), "") or "    "
+    if not names or any(not line.words and _is_marker(line) for line in body):
+        return _GuardPlan(tuple(names), None, 0, indent)
+    own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
+    # Most lines are no request rule at all: look at their first word before ranking them.
+    ranks = {
+        i: rank
+        for i, line in enumerate(body)
+        if line.words and line.words[0] in _RULE_RANK and (rank := _rank(line)) is not None
+    }
+    ranked = list(ranks)
+    at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
+    first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
+    if first_use_server is None:
+        later = [i for i in ranked if i >= at]
+        use_at = (later[-1] + 1) if later else at
+    else:
+        use_at = first_use_server
+    return _GuardPlan(tuple(names), _above_comments(body, at), _above_comments(body, use_at), indent)
+
+
 def _inject_guard(
     config: Config, map_path: str | Path, *, table_path: Path | None = None, directory: Path | None = None
 ) -> tuple[Config, SlotTable]:
     """With `directory`, the table is made from the config and named; with `table_path`, that
     path is named, and the table returned stands for it without its text."""
+    _GUARD_PLANS.new_generation()
     result = config.copy()
     modes = proxy_modes(result)
-    flagged = result.server_flags_by_backend()
+    plans: list[tuple[Section, _GuardPlan]] = []
+    defaults_flags: dict[int, ServerFlags] = {}  # by id: the sections live through this call
+    for section, defaults in result.backends_with_defaults():
+        flags = defaults_flags.get(id(defaults))
+        if flags is None:
+            flags = defaults_flags[id(defaults)] = default_server_flags(defaults)
+        mode = modes[id(section)]
+        key = (flags, mode, "".join([line.raw for line in section.body]))
+        plan = _GUARD_PLANS.get(key)
+        if plan is None:
+            plan = _guard_plan(section.body, flags, mode)
+            _GUARD_PLANS.put(key, plan)
+        plans.append((section, plan))
     if table_path is not None:
         table = SlotTable(table_path, "")
     else:
         assert directory is not None
-        table = SlotTable.of_rows(_slot_rows(flagged), directory)
+        table = SlotTable.of_rows([(s.name, list(plan.names)) for s, plan in plans if plan.names], directory)
     map_text, table_text = str(map_path), str(table.path)
     # The guard's lines differ only by mode, indentation and line ending: parse them once
     # for the 1,000 backends that share those (Lines are immutable, so they can be shared).
     blocks: dict[tuple[str, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
-    for section, server_lines in flagged:
-        if all(flags.backup for _, flags in server_lines) or is_guarded(section):
+    for section, plan in plans:
+        at = plan.at
+        if at is None:
             continue
-        mode = modes[id(section)]
-        indent = next((line.indent for line in section.body if line.words), "") or "    "
+        mode, indent = modes[id(section)], plan.indent
         newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
@@ -236,28 +298,9 @@ def _inject_guard(
                 lines([GUARD_MARKER, guard_use_server()]),
             )
         rules, use_server_alone, use_server_marked = block
-
-        body = section.body
-        own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
-        # Most lines are no request rule at all: look at their first word before ranking them.
-        ranks = {
-            i: rank
-            for i, line in enumerate(body)
-            if line.words and line.words[0] in _RULE_RANK and (rank := _rank(line)) is not None
-        }
-        ranked = list(ranks)
-        at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
-        first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
-        if first_use_server is None:
-            later = [i for i in ranked if i >= at]
-            use_at = (later[-1] + 1) if later else at
-        else:
-            use_at = first_use_server
-        at, use_at = _above_comments(body, at), _above_comments(body, use_at)
+        use_at, body = plan.use_at, section.body
         use_server = use_server_alone if use_at == at else use_server_marked
-        # Insert the later position first so that the earlier index stays valid.
-        body[use_at:use_at] = use_server
-        body[at:at] = rules
+        section.body = [*body[:at], *rules, *body[at:use_at], *use_server, *body[use_at:]]
     return result, table
 
 
