@@ -1338,8 +1338,9 @@ class DisplacedWorkers:
     async def prepare(self, next_model: Config) -> None:
         """Work out what before_reload(next_model) will need, while `haproxy -c` checks the
         config on another core: the config's digest, the servers it drops for every old
-        config, their dead groups and the entries of the backends that change. They land in
-        the caches before_reload looks in, so that after the check only the pushes are left.
+        config, their dead groups (in the caches before_reload looks in), and each worker's
+        next entries (an _Update on copies, taken if the worker is unchanged by then). After
+        the check only the pushes are left.
 
         Nothing is pushed and no worker's wanted map changes: a config that fails the check
         must steer nothing (its dropped servers may be alive)."""
@@ -1391,10 +1392,9 @@ class DisplacedWorkers:
     async def after_reload(self, ok: bool) -> None:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
         the make-before-break steering of the worker that stays current."""
-        self._next = self._prepared = None
+        self._next = None
         self._leaving_pid = None
-        for worker in self._workers.values():
-            worker.prepared = None  # whatever before_reload did not take
+        self._drop_prepared()
         try:
             # The server states read before the reload still hold: the new worker reports
             # every server UP until its checks have run, and the next poll reads it anyway.
@@ -1402,8 +1402,15 @@ class DisplacedWorkers:
         except CLIError as exc:
             log.warning("steering after %s reload failed: %s", "the" if ok else "a failed", exc)
 
+    def _drop_prepared(self) -> None:
+        """Forget what prepare() worked out and before_reload did not take."""
+        self._prepared = None
+        for worker in self._workers.values():
+            worker.prepared = None
+
     async def refresh(self) -> None:
         """Recompute and push now (a runtime change altered the current config)."""
+        self._drop_prepared()  # a runtime apply took the place of the reload it was for
         self._digests.clear()
         self._sections = SectionCache()
         self._dead_cache.clear()
