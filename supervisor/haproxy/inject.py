@@ -220,12 +220,7 @@ _GUARD_PLANS: RecentlyUsed[tuple[ServerFlags, str, str], _GuardPlan] = RecentlyU
 
 
 def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> _GuardPlan:
-    server_lines = server_line_flags(body, defaults_flags)
-    names: list[str] = []
-    for index, flags in server_lines:
-        if not flags.backup:
-            words = body[index].words
-            names.extend([words[1]] if words[0] == "server" else template_names(words[1], words[2]))
+    names = primary_names(body, server_line_flags(body, defaults_flags))
     indent = next((line.indent for line in body if line.words), "") or "    "
     if not names or any(not line.words and _is_marker(line) for line in body):
         return _GuardPlan(tuple(names), None, 0, indent)
@@ -364,17 +359,19 @@ def slot_table(config: Config) -> list[tuple[str, list[str]]]:
 
 
 def _slot_rows(flagged: list[tuple[Section, list[tuple[int, ServerFlags]]]]) -> list[tuple[str, list[str]]]:
-    table: list[tuple[str, list[str]]] = []
-    for section, server_lines in flagged:
-        names: list[str] = []
-        for index, flags in server_lines:
-            if flags.backup:
-                continue
-            words = section.body[index].words
+    rows = [(section.name, primary_names(section.body, server_lines)) for section, server_lines in flagged]
+    return [(name, names) for name, names in rows if names]
+
+
+def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]]) -> list[str]:
+    """The names of a backend's primary servers in config order, templates expanded: slot i
+    is the i-th. `server_lines`: Config.server_flags_by_backend()'s list for this body."""
+    names: list[str] = []
+    for index, flags in server_lines:
+        if not flags.backup:
+            words = body[index].words
             names.extend([words[1]] if words[0] == "server" else template_names(words[1], words[2]))
-        if names:
-            table.append((section.name, names))
-    return table
+    return names
 
 
 def slot_table_text(table: list[tuple[str, list[str]]]) -> str:
