@@ -51,7 +51,7 @@ import psutil
 
 from supervisor.daemon import watch_children_without_threads
 from supervisor.displaced import DisplacedWorkers, known_dead_servers, map_entries, steer_map_entries
-from supervisor.effective import build_effective, prepare_runtime_dir, start_check, write_effective, write_slot_table
+from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
 from supervisor.gcpolicy import collector_paused, settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
@@ -189,8 +189,7 @@ class Bench:
         model = effective.effective_model  # what the reloader uses
         built = time.monotonic()
         # What the reloader does: check the config, and work the steering out meanwhile.
-        write_slot_table(effective.slot_table)
-        check = await start_check(haproxy_binary(), effective.text, self.rundir)
+        check = await start_effective_check(haproxy_binary(), effective, self.rundir)
         spawned = time.monotonic()
         await displaced.prepare(model)
         prepared = time.monotonic()

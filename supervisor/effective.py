@@ -153,6 +153,13 @@ class ConfigCheck:
             self._tmp.unlink(missing_ok=True)
 
 
+async def start_effective_check(binary: str, effective: Effective, directory: Path) -> ConfigCheck:
+    """start_check() on an effective config, once the slot table it names is on disk (the
+    check opens it)."""
+    write_slot_table(effective.slot_table)
+    return await start_check(binary, effective.text, directory)
+
+
 async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
     must ask for the verdict: that reaps the process and removes the copy."""

@@ -33,11 +33,10 @@ from .effective import (
     read_rendered,
     remove_stale_slot_tables,
     sha256_text,
-    start_check,
+    start_effective_check,
     validate,
     write_atomically,
     write_effective,
-    write_slot_table,
 )
 from .gcpolicy import collector_paused, settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
@@ -457,8 +456,7 @@ class Reloader:
         if unchanged and not force:
             log.info("reload skipped_unchanged sha256=%s reason=%s", effective.sha256[:12], reason)
             return self._record("skipped_unchanged", started)
-        write_slot_table(effective.slot_table)
-        check = await start_check(self.settings.haproxy.binary, effective.text, self.settings.haproxy.runtime_dir)
+        check = await start_effective_check(self.settings.haproxy.binary, effective, self.settings.haproxy.runtime_dir)
         # `haproxy -c` takes a core of its own for a while (a quarter of a second at 10,000
         # servers): work out the steering the next config needs meanwhile, so that only its
         # pushes are left once the check passes. Nothing is pushed before the verdict.
@@ -678,8 +676,7 @@ class Reloader:
     async def _first_start(self, effective: Effective, inputs: str, started: float) -> ReloadRecord | None:
         """No master yet: validate, write the effective config, and let the master start on it."""
         h = self.settings.haproxy
-        write_slot_table(effective.slot_table)
-        ok, message = await validate(h.binary, effective.text, h.runtime_dir)
+        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir)).verdict()
         if ok:
             write_effective(h.effective_config, effective)
             self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.displaced import DisplacedWorkers, map_entries
-from supervisor.effective import build_effective, prepare_runtime_dir, start_check, write_effective, write_slot_table
+from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import Settings
@@ -80,8 +80,7 @@ class Supervised:
         effective = build_effective(self.settings, rendered)
         next_model = Config.parse(effective.text)
         before = self.current_pid
-        write_slot_table(effective.slot_table)
-        check = await start_check(self.settings.haproxy.binary, effective.text, self.settings.haproxy.runtime_dir)
+        check = await start_effective_check(self.settings.haproxy.binary, effective, self.settings.haproxy.runtime_dir)
         try:
             await self.displaced.prepare(next_model)
         finally:
