@@ -1170,34 +1170,22 @@ class _Worker:
         return self.steered[1]
 
 
-@dataclass(frozen=True, eq=False)
-class _UpdateBasis:
-    """The worker state an _Update was worked out from: by identity, the objects that
-    _update_desired reads or edits in place, each replaced whenever anything else changes
-    it; the servers the worker skips itself by their version (bumped on every change)."""
-
-    groups: DeadGroups
-    parts: object
-    parts_from: object
-    parts_digest: object
-    desired: object
-    dirty: object
-    transitions: object
-    unusable_version: int
-
-    @classmethod
-    def of(cls, worker: _Worker, groups: DeadGroups) -> _UpdateBasis:
-        return cls(
-            groups, worker.parts, worker.parts_from, worker.parts_digest, worker.desired, worker.dirty,
-            worker.transitions, worker.unusable_version,
-        )
+def _update_basis(worker: _Worker, groups: DeadGroups) -> tuple[object, ...]:
+    """What an _Update is worked out from, compared by identity: the groups, and the objects
+    _update_desired reads or edits in place, each replaced whenever anything else changes it
+    (the servers the worker skips itself go by their version, bumped on every change)."""
+    return (
+        groups, worker.parts, worker.parts_from, worker.parts_digest, worker.desired, worker.dirty,
+        worker.transitions,
+    )
 
 
 @dataclass(frozen=True, eq=False)
 class _Update:
     """What _update_desired sets in a worker: worked out there, or beforehand by prepare()."""
 
-    basis: _UpdateBasis
+    basis: tuple[object, ...]  # _update_basis()
+    unusable_version: int
     digest: ConfigDigest
     parts_from: tuple[int, ConfigDigest, DeadGroups]
     parts: dict[str, tuple[frozenset[str], frozenset[str], dict[str, str]]]
@@ -1208,13 +1196,11 @@ class _Update:
 
     def fits(self, worker: _Worker, digest: ConfigDigest) -> bool:
         """Whether the worker is still exactly as this was worked out from."""
-        basis = _UpdateBasis.of(worker, worker.dead_groups)
-        return digest is self.digest and all(
-            getattr(basis, name) is getattr(self.basis, name) for name in _UPDATE_BASIS_FIELDS
-        ) and basis.unusable_version == self.basis.unusable_version
-
-
-_UPDATE_BASIS_FIELDS = ("groups", "parts", "parts_from", "parts_digest", "desired", "dirty", "transitions")
+        return (
+            digest is self.digest
+            and worker.unusable_version == self.unusable_version
+            and all(map(operator.is_, _update_basis(worker, worker.dead_groups), self.basis))
+        )
 
 
 class _DeadGroupsOf:
@@ -1289,7 +1275,7 @@ class DisplacedWorkers:
         self._deltas = PairMemo(BackendDelta.of, 100_000)
         self._batches: dict[tuple[int, ...], DeltaBatch] = {}
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way (_interruptible)
-        # view key -> digest -> (dead set, the same grouped by backend); the last two views
+        # view key -> digest -> its dead groups under that view; the last two views
         # (during a reload the next config's view and the current one take turns).
         self._dead_cache: dict[tuple, dict[ConfigDigest, _DeadGroupsOf]] = {}
         self._live: _Live | None = None
@@ -1359,11 +1345,10 @@ class DisplacedWorkers:
             ]
             if not judged:
                 return
-            states = LiveStates(frozenset(), frozenset(), frozenset(), {})
-            if current is not None and current.worker_pid is not None:
-                with contextlib.suppress(CLIError):
-                    states = (await self._live_states(current.worker_pid, fresh=False, reuse=True)).states
-            view = live_view(latest, states, self.state.operator_dead, self._down)
+            try:
+                view = await self._live_view(latest, leaving, fresh=False, reuse=True)
+            except CLIError:
+                return  # no server states to go by yet: before_reload works it all out
             dead_of = self._dead_groups_under(view, latest, {digest for _, digest in judged}, given=False)
             for worker, digest in judged:
                 if not digest.guarded:
@@ -1541,6 +1526,13 @@ class DisplacedWorkers:
             live = await self._fetch_live(current_pid)
         return live
 
+    async def _live_view(self, latest: ConfigDigest, current_pid: int | None, fresh: bool, reuse: bool) -> LiveView:
+        """live_view() for `latest`, from the current worker's server states (_live_states)."""
+        states = LiveStates(frozenset(), frozenset(), frozenset(), {})
+        if current_pid is not None:
+            states = (await self._live_states(current_pid, fresh, reuse)).states
+        return live_view(latest, states, self.state.operator_dead, self._down)
+
     def _live_due(self) -> bool:
         """Whether the poll reads the current worker's server states again now."""
         live, current = self._live, self.state.current
@@ -1617,11 +1609,8 @@ class DisplacedWorkers:
         dead_of: dict[ConfigDigest, _DeadGroupsOf] = {}
         if judged:
             current = procs.current_worker
-            states = LiveStates(frozenset(), frozenset(), frozenset(), {})
-            if current is not None:
-                states = (await self._live_states(current.pid, fresh, reuse_live)).states
             latest_digest = self._digest(latest)
-            view = live_view(latest_digest, states, self.state.operator_dead, self._down)
+            view = await self._live_view(latest_digest, current.pid if current else None, fresh, reuse_live)
             self._down = view.down
             dead_of = self._dead_groups_under(view, latest_digest, {digest for _, digest in judged})
             steering: list[tuple[_Worker, ConfigDigest]] = []
@@ -1733,7 +1722,7 @@ class DisplacedWorkers:
         given). `in_place`: edit its wanted map and change sets (the worker takes the result
         at once); else work on copies, leaving the worker as it is (prepare())."""
         groups = worker.dead_groups if groups is None else groups
-        basis = _UpdateBasis.of(worker, groups)
+        basis = _update_basis(worker, groups)
         fresh = worker.desired is None or worker.parts_digest is not digest
         candidates = self._candidates(worker, digest, groups, fresh)
         parts_from = (worker.unusable_version, digest, groups)
@@ -1756,7 +1745,7 @@ class DisplacedWorkers:
             desired: dict[str, str] = {}
             for _, _, entries in parts.values():
                 desired.update(entries)
-            return _Update(basis, digest, parts_from, parts, True, desired, None, None)
+            return _Update(basis, worker.unusable_version, digest, parts_from, parts, True, desired, None, None)
         # Edit in place, noting the keys that moved: a map of thousands of entries is neither
         # copied nor compared whole for a change to a few backends (prepare() has the time).
         assert worker.desired is not None
@@ -1784,7 +1773,7 @@ class DisplacedWorkers:
                 dirty |= moved
             else:
                 dirty = dirty | moved
-        return _Update(basis, digest, parts_from, parts, False, desired, dirty, transitions)
+        return _Update(basis, worker.unusable_version, digest, parts_from, parts, False, desired, dirty, transitions)
 
     def _candidates(self, worker: _Worker, digest: ConfigDigest, groups: DeadGroups, fresh: bool) -> Iterable[str]:
         """The backends whose entries can differ from the worker's parts once it has `groups`."""
@@ -1925,21 +1914,24 @@ class DisplacedWorkers:
             return True
 
         async with asyncio.TaskGroup() as group:
+
+            def start(worker: _Worker) -> None:
+                nonlocal pushing
+                pushing = True
+                routing.add(worker.pid)
+                group.create_task(one(worker))
+
             updated = set()
             for worker, digest in steering:
                 self._update_desired(worker, digest)
                 updated.add(worker.pid)
                 if wanted(worker, time.monotonic()):
-                    pushing = True
-                    routing.add(worker.pid)
-                    group.create_task(one(worker))
+                    start(worker)
                     await asyncio.sleep(0)  # let the push get its line out before the next worker
             now = time.monotonic()
             for worker in list(self._workers.values()):
                 if worker.pid not in updated and wanted(worker, now):
-                    pushing = True
-                    routing.add(worker.pid)
-                    group.create_task(one(worker))
+                    start(worker)
             listed = True
             if not routing:
                 all_routed.set()
