@@ -376,7 +376,7 @@ def _template_numbers(count: str) -> range:
     return range(max(first, 1), last + 1)
 
 
-def default_server_flags(defaults: Section | None) -> ServerFlags:
+def _default_flags(defaults: Section | None) -> ServerFlags:
     """The flags the `default-server` lines of a defaults section give every server."""
     flags = _NO_FLAGS
     if defaults is not None:
@@ -518,11 +518,7 @@ class Config:
         index in the body and the flags all its servers get: what servers_by_backend() tells
         about flags, without making a Server for each of 10,000 servers."""
         result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
-        defaults_flags: dict[int, ServerFlags] = {}  # by id: the sections live through this call
-        for section, defaults in self.backends_with_defaults():
-            flags = defaults_flags.get(id(defaults))
-            if flags is None:
-                flags = defaults_flags[id(defaults)] = default_server_flags(defaults)
+        for section, flags in self.backends_with_default_flags():
             key = (flags, "".join([line.raw for line in section.body]))
             lines = _SERVER_FLAGS.get(key)
             if lines is None:
@@ -531,9 +527,20 @@ class Config:
             result.append((section, list(lines)))
         return result
 
+    def backends_with_default_flags(self) -> list[tuple[Section, ServerFlags]]:
+        """Each backend/listen section with the flags its defaults' `default-server` lines give."""
+        by_defaults: dict[int, ServerFlags] = {}  # by id: the sections live through this call
+        result: list[tuple[Section, ServerFlags]] = []
+        for section, defaults in self.backends_with_defaults():
+            flags = by_defaults.get(id(defaults))
+            if flags is None:
+                flags = by_defaults[id(defaults)] = _default_flags(defaults)
+            result.append((section, flags))
+        return result
+
     def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
         backend = section.name
-        for index, line, flags in _server_lines(section.body, default_server_flags(defaults)):
+        for index, line, flags in _server_lines(section.body, _default_flags(defaults)):
             words = line.words
             if words[0] == "server":
                 yield _server(backend, words[1], words[2], words[3:], flags, False, index)

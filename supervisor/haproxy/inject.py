@@ -21,7 +21,6 @@ from .config import (
     Section,
     Server,
     ServerFlags,
-    default_server_flags,
     parse_line,
     quote_word,
     server_line_flags,
@@ -222,7 +221,7 @@ _GUARD_PLANS: RecentlyUsed[tuple[ServerFlags, str, str], _GuardPlan] = RecentlyU
 def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> _GuardPlan:
     names = primary_names(body, server_line_flags(body, defaults_flags))
     indent = next((line.indent for line in body if line.words), "") or "    "
-    if not names or any(not line.words and _is_marker(line) for line in body):
+    if not names or _has_marker(body):
         return _GuardPlan(tuple(names), None, 0, indent)
     own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
     # Most lines are no request rule at all: look at their first word before ranking them.
@@ -251,11 +250,7 @@ def _inject_guard(
     result = config.copy()
     modes = proxy_modes(result)
     plans: list[tuple[Section, _GuardPlan]] = []
-    defaults_flags: dict[int, ServerFlags] = {}  # by id: the sections live through this call
-    for section, defaults in result.backends_with_defaults():
-        flags = defaults_flags.get(id(defaults))
-        if flags is None:
-            flags = defaults_flags[id(defaults)] = default_server_flags(defaults)
+    for section, flags in result.backends_with_default_flags():
         mode = modes[id(section)]
         key = (flags, mode, "".join([line.raw for line in section.body]))
         plan = _GUARD_PLANS.get(key)
@@ -330,8 +325,12 @@ def _above_comments(body: list[Line], index: int) -> int:
 
 
 def is_guarded(section: Section) -> bool:
+    return _has_marker(section.body)
+
+
+def _has_marker(body: list[Line]) -> bool:
     # The marker is a comment: a line with words cannot be it, and words are cheaper to look at.
-    return any(not line.words and _is_marker(line) for line in section.body)
+    return any(not line.words and _is_marker(line) for line in body)
 
 
 def _is_marker(line: Line) -> bool:
