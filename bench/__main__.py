@@ -7,10 +7,14 @@ import pkgutil
 import sys
 from pathlib import Path
 
+# The three-way drain table is the headline: it comes first.
+HEADLINE = "drain"
+
 
 def main(argv: list[str]) -> int:
     here = Path(__file__).parent
-    names = argv or sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_"))
+    found = [m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_")]
+    names = argv or sorted(found, key=lambda name: (name != HEADLINE, name))
     for name in names:
         module = importlib.import_module(f"bench.{name}")
         print(f"== bench.{name}", flush=True)
