@@ -18,6 +18,8 @@ def main(argv: list[str]) -> int:
     for name in names:
         module = importlib.import_module(f"bench.{name}")
         print(f"== bench.{name}", flush=True)
+        # Each module's main() reads its options from sys.argv: none here, its defaults.
+        sys.argv = [f"bench.{name}"]
         module.main()
     return 0
 

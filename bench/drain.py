@@ -190,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> Parameters:
 
 
 def main(argv: list[str] | None = None) -> None:
-    params = parse_args(argv if argv is not None else [])
+    params = parse_args(argv)
     print(
         f"{params.requests} requests through {params.old_workers} old worker(s) after a node drained and vanished: "
         f"timeout connect {params.connect_timeout_s:g}s, retries {params.retries}, option redispatch, "
@@ -201,6 +201,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])
+    main()
