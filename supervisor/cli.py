@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from . import __version__
 from .effective import (
     RenderedConfigError,
-    build_effective,
+    load_effective,
     prepare_runtime_dir,
-    read_rendered,
     validate,
     write_slot_table,
 )
@@ -47,13 +46,13 @@ def _load(path: str) -> Settings:
 
 
 def cmd_render(settings: Settings) -> int:
-    effective = build_effective(settings, read_rendered(settings.haproxy.config))
+    effective = load_effective(settings)
     sys.stdout.write(effective.text)
     return EXIT_OK
 
 
 def cmd_check(settings: Settings) -> int:
-    effective = build_effective(settings, read_rendered(settings.haproxy.config))
+    effective = load_effective(settings)
     try:
         prepare_runtime_dir(settings)
         write_slot_table(effective.slot_table)

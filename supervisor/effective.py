@@ -11,13 +11,16 @@ import hashlib
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
+from .files import DEFAULT_MAX_READ_BYTES, FILE_MODE, create_if_missing, ensure_private_dir, read_regular, write_new
 from .haproxy.config import Config
 from .haproxy.inject import SLOT_TABLE_PREFIX, SlotTable, effective_config_and_table
-from .settings import Settings
+from .settings import Settings, decode_text
 
 
 class RenderedConfigError(Exception):
@@ -45,13 +48,14 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def read_rendered(path: Path) -> str:
+def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> str:
+    """The rendered config's text: a regular file, UTF-8, at most `limit` bytes."""
     try:
-        return path.read_text()
+        return decode_text(read_regular(path, limit))
     except OSError as exc:
         raise RenderedConfigError(f"{path}: cannot read rendered config: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise RenderedConfigError(f"{path}: rendered config is not UTF-8: {exc.reason}") from None
+    except ValueError as exc:
+        raise RenderedConfigError(f"{path}: rendered config {exc}") from None
 
 
 def build_effective(settings: Settings, rendered_text: str) -> Effective:
@@ -60,11 +64,29 @@ def build_effective(settings: Settings, rendered_text: str) -> Effective:
     return Effective(rendered_text, sha256_text(rendered_text), model, effective.render(), effective, table)
 
 
+def load_effective(settings: Settings) -> Effective:
+    """Read the rendered config and build its effective config (RenderedConfigError when it cannot be read)."""
+    h = settings.haproxy
+    return build_effective(settings, read_rendered(h.config, h.max_config_bytes))
+
+
+T = TypeVar("T")
+
+
+async def off_the_loop(work: Callable[[], T]) -> T:
+    """Run `work` in the default executor's thread. Only for reading and parsing the rendered
+    config: a 100,000-backend config takes seconds to parse, and a read can block (NFS, a
+    stalled disk); on the loop, /healthz and the old workers' steering would wait that long.
+    The work builds new objects from frozen settings and its own input; the parse caches it
+    shares with the loop hold immutable values keyed by content, so a race costs a miss."""
+    return await asyncio.get_running_loop().run_in_executor(None, work)
+
+
 def write_slot_table(table: SlotTable | None) -> None:
     """Put the slot table on disk before `haproxy -c` or a reload reads the config naming it.
     Its name is its content's hash: a file already there holds the same text."""
-    if table is not None and not table.path.exists():
-        write_atomically(table.path, table.text)
+    if table is not None:
+        create_if_missing(table.path, table.text.encode())
 
 
 def write_effective(path: Path, effective: Effective) -> None:
@@ -100,30 +122,21 @@ def remove_stale_slot_tables(directory: Path, keep: SlotTable | None, now: float
 
 
 def prepare_runtime_dir(settings: Settings) -> None:
-    """The runtime dir and the files the effective config refers to must exist before `haproxy -c`."""
-    runtime = settings.haproxy.runtime_dir
-    runtime.mkdir(parents=True, exist_ok=True)
-    steer_map = settings.haproxy.steer_map
-    if not steer_map.exists():
-        # Empty on disk on purpose: a worker starts with no steering; only old ones get entries.
-        steer_map.write_text("")
-    state_file = settings.haproxy.server_state_file
-    if settings.reload.preserve_server_state and not state_file.exists():
+    """The runtime dir and the files the effective config refers to must exist before `haproxy -c`.
+
+    OSError (files.UnsafeDirectory) when runtime_dir is not the daemon's own: another user
+    could plant symlinks in it, or change what the workers load."""
+    ensure_private_dir(settings.haproxy.runtime_dir)
+    # Empty on disk on purpose: a worker starts with no steering; only old ones get entries.
+    create_if_missing(settings.haproxy.steer_map, b"")
+    if settings.reload.preserve_server_state:
         # A state file with no server (haproxy.server_state.EMPTY_STATE): loads without a warning.
-        state_file.write_text("1\n")
+        create_if_missing(settings.haproxy.server_state_file, b"1\n")
 
 
-def write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def write_atomically(path: Path, text: str, mode: int = FILE_MODE) -> None:
+    """Replace `path` with `text`, never through a symlink, with `mode` whatever the umask."""
+    write_new(path, text.encode(), mode)
 
 
 async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:

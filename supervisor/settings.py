@@ -7,6 +7,7 @@ is wrong, so `run`, `check` and `render` can exit 2 without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from .files import DEFAULT_MAX_READ_BYTES, UnreadableFile, read_regular
 
 
 class SettingsError(Exception):
@@ -30,6 +33,8 @@ class HAProxySettings:
     runtime_dir: Path = Path("/run/haproxy-supervisor")
     master_socket: Path | None = None
     stop_timeout_s: float = 30
+    # The rendered config (and each watched file) is refused above this size.
+    max_config_bytes: int = DEFAULT_MAX_READ_BYTES
 
     @property
     def master_socket_path(self) -> Path:
@@ -108,9 +113,30 @@ _POSITIVE = {
     "old_workers.max",
     "old_workers.poll_interval_ms",
     "observe.error_limit",
+    "haproxy.max_config_bytes",
 }
 # Keys that may be zero but not negative.
 _NON_NEGATIVE = {"reload.min_interval_ms"}
+# Paths that end up in HAProxy's `-S <path>,<bind options>`.
+_SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
+# Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or
+# never fire. Durations stop at a day; counts at a million.
+_MAXIMUM = {"haproxy.max_config_bytes": 1 << 34}
+DAY_S = 86_400
+
+
+def _maximum(key: str) -> int:
+    if key in _MAXIMUM:
+        return _MAXIMUM[key]
+    if key.endswith("_ms"):
+        return DAY_S * 1000
+    if key.endswith("_s"):
+        return DAY_S
+    return 1_000_000
+
+
+# The settings file is a few hundred bytes; anything this big is not one.
+MAX_SETTINGS_BYTES = 1024 * 1024
 
 OBSERVE_GATE_ENV = ("RAY_SERVE_HAPROXY_OBSERVE_MARK_DOWN_ENABLED", "HAPROXY_SUPERVISOR_OBSERVE_MARK_DOWN_ENABLED")
 OBSERVE_LIMIT_ENV = ("RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT", "HAPROXY_SUPERVISOR_OBSERVE_ERROR_LIMIT")
@@ -129,13 +155,27 @@ def parse_bool(text: str) -> bool | None:
     return None
 
 
+def decode_text(raw: bytes) -> str:
+    """UTF-8 text; ValueError with one line naming the encoding problem."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError("is UTF-16 (it starts with a UTF-16 byte-order mark); save it as UTF-8")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"is not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}") from None
+
+
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
     """Read, validate and freeze the settings file, then apply the environment gates."""
     path = Path(path)
+    if "\0" in str(path):
+        raise SettingsError(f"{str(path)!r}: a path cannot contain a NUL byte")
     try:
-        text = path.read_text()
-    except OSError as exc:
+        text = decode_text(read_regular(path, MAX_SETTINGS_BYTES))
+    except (OSError, UnreadableFile) as exc:
         raise SettingsError(f"{path}: cannot read settings file: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise SettingsError(f"{path}: settings file {exc}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -143,6 +183,10 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise SettingsError(f"{path}: invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise SettingsError(f"{path}: invalid YAML: nested too deeply") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # a constructor choking, e.g. on a bad date
+        raise SettingsError(f"{path}: invalid YAML: {exc}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -168,11 +212,16 @@ def apply_environment(settings: Settings, environ: Mapping[str, str], file: Path
     for name in OBSERVE_LIMIT_ENV:
         if name in environ:
             raw = environ[name].strip()
-            if not raw.isdigit() or int(raw) <= 0:
+            if not _is_decimal(raw) or not 0 < int(raw) <= _maximum("observe.error_limit"):
                 raise SettingsError(f"{name}={environ[name]!r}: must be a positive integer")
             observe = dataclasses.replace(observe, error_limit=int(raw))
             break
     return dataclasses.replace(settings, observe=observe)
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes "³", which int() refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def _type_name(value: Any) -> str:
@@ -229,6 +278,10 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
             fail(f"must be a number, got {value!r}")
         if hint is int and not isinstance(value, int):
             fail(f"must be a whole number, got {value!r}")
+        if not math.isfinite(value):
+            fail(f"must be a finite number, got {value!r}")
+        if value > _maximum(key):
+            fail(f"must be at most {_maximum(key)}, got {value:.3g}")
         if key in _POSITIVE and value <= 0:
             fail(f"must be positive, got {value!r}")
         if key in _NON_NEGATIVE and value < 0:
@@ -237,11 +290,17 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
     if hint is Path:
         if not isinstance(value, str) or not value:
             fail(f"must be a path, got {value!r}")
+        if "\0" in value:
+            fail("a path cannot contain a NUL byte")
+        if key in _SOCKET_DIRS and "," in value:
+            fail(f"cannot contain a comma: HAProxy's -S splits its argument on commas, got {value!r}")
         p = Path(value)
         return p if p.is_absolute() else base / p
     if hint is str:
         if not isinstance(value, str):
             fail(f"must be a string, got {value!r}")
+        if "\0" in value:
+            fail("cannot contain a NUL byte")
         if key == "status.listen":
             _check_listen(value, fail)
         return value
@@ -254,7 +313,7 @@ def _check_listen(value: str, fail: typing.Callable[[str], typing.NoReturn]) -> 
             fail("unix: needs a path")
         return
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not _is_decimal(port) or not 0 < int(port) < 65536:
         fail(f"must be host:port or unix:/path, got {value!r}")
 
 

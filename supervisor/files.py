@@ -1,0 +1,136 @@
+"""Reading and writing the files the daemon trusts, safely.
+
+Reads: only regular files, up to a size limit. A FIFO would block the reader until
+someone writes into it, a device may never end, a directory is a mistake: each is
+refused with one line before a byte is read.
+
+Writes: runtime_dir is the daemon's own. It must belong to the daemon's user and be
+writable by nobody else; files are created with explicit modes (never the umask) and
+never through a symlink (a new file in the same directory, renamed over the old name).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+# The rendered config's default limit: far above a 100,000-backend config, far below memory trouble.
+DEFAULT_MAX_READ_BYTES = 256 * 1024 * 1024
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+
+
+class UnreadableFile(OSError):
+    """A file that must not or cannot be read; strerror is one line saying why."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
+    """The bytes of a regular file no larger than `limit`; UnreadableFile otherwise.
+
+    Opened non-blocking so that a FIFO swapped in after the stat cannot block the open,
+    then checked again on the open descriptor: what is read is what was checked.
+    """
+    try:
+        before = os.stat(path)
+    except OSError as exc:
+        raise UnreadableFile(exc.errno, exc.strerror) from None
+    if not stat.S_ISREG(before.st_mode):
+        raise UnreadableFile(errno.EINVAL, f"{_kind(before.st_mode)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnreadableFile(errno.EINVAL, f"{_kind(info.st_mode)}, not a regular file")
+        if info.st_size > limit:
+            raise UnreadableFile(errno.EFBIG, f"{info.st_size} bytes, more than the limit of {limit}")
+        chunks = []
+        total = 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:  # it grew while being read
+                raise UnreadableFile(errno.EFBIG, f"more than the limit of {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def ensure_private_dir(path: Path, mode: int = DIR_MODE) -> None:
+    """Create `path` (and its parents) with `mode`, or check that an existing one is safe:
+    a directory owned by this user and writable by no one else. UnsafeDirectory otherwise."""
+    try:
+        os.mkdir(path, mode)
+        os.chmod(path, mode)  # mkdir's mode went through the umask
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(path, mode)
+        os.chmod(path, mode)
+    check_private_dir(path)
+
+
+def check_private_dir(path: Path) -> None:
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        info = os.stat(path)  # a symlink to a directory of our own is fine: the target is checked
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeDirectory(errno.ENOTDIR, f"{_kind(info.st_mode)}, not a directory")
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        raise UnsafeDirectory(errno.EPERM, f"owned by uid {info.st_uid}, not by this daemon's uid {uid}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeDirectory(
+            errno.EPERM, f"mode {stat.S_IMODE(info.st_mode):04o} lets other users write in it; chmod go-w it"
+        )
+
+
+class UnsafeDirectory(OSError):
+    """A directory the daemon must not write in; strerror is one line saying why."""
+
+
+def write_new(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Replace `path` with `data`: written to a new file in the same directory (O_EXCL |
+    O_NOFOLLOW, so no planted name is followed), fsynced, then renamed over `path`. A symlink
+    at `path` is replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # os.open's mode went through the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def create_if_missing(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Put `data` at `path` unless a regular file is already there. Anything else at that
+    name (a planted symlink, dangling or not) is replaced, never followed."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            return
+    except FileNotFoundError:
+        pass
+    write_new(path, data, mode)
