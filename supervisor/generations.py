@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .effective import write_atomically
+from .files import ensure_private_dir
 from .haproxy.api import ProcList
 from .state import Generation, rfc3339
 
@@ -149,7 +150,7 @@ class GenerationStore:
         return self.directory / f"{number}.cfg"
 
     def write_config(self, number: int, text: str) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.directory)
         write_atomically(self.config_path(number), text)
 
     def read_config(self, number: int) -> str | None:

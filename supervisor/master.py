@@ -50,10 +50,18 @@ class MasterError(Exception):
     """The master could not be started or adopted. One line."""
 
 
+# The master CLI can change what every worker routes: its owner and group only, whatever the
+# umask (HAProxy creates the socket; `-S path,mode,660` is a bind option of its own).
+MASTER_SOCKET_MODE = "660"
+# What HAProxy creates without an explicit mode of its own is never world-accessible.
+CHILD_UMASK = 0o027
+
+
 def master_command(settings: Settings) -> list[str]:
     h = settings.haproxy
     return [
-        h.binary, "-W", "-S", str(h.master_socket_path), "-f", str(h.effective_config), "-p", str(h.pid_file),
+        h.binary, "-W", "-S", f"{h.master_socket_path},mode,{MASTER_SOCKET_MODE}",
+        "-f", str(h.effective_config), "-p", str(h.pid_file),
     ]
 
 
@@ -224,7 +232,7 @@ class MasterProcess:
         log.info("starting haproxy master: %s", shlex.join(cmd))
         try:
             child = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_environment(),
+                cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_environment(), umask=CHILD_UMASK,
             )
         except OSError as exc:
             raise MasterError(f"cannot run {cmd[0]}: {exc.strerror or exc}") from None

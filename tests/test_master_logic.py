@@ -33,7 +33,7 @@ def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run():
 def test_master_command_is_foreground_master_worker():
     cmd = master_command(settings())
     assert cmd == [
-        "haproxy", "-W", "-S", "/run/hs/master.sock", "-f", "/run/hs/haproxy.cfg", "-p", "/run/hs/haproxy.pid",
+        "haproxy", "-W", "-S", "/run/hs/master.sock,mode,660", "-f", "/run/hs/haproxy.cfg", "-p", "/run/hs/haproxy.pid",
     ]
     assert "-D" not in cmd
 
