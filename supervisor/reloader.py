@@ -29,7 +29,8 @@ from watchfiles import Change, awatch
 from .effective import (
     Effective,
     RenderedConfigError,
-    build_effective,
+    load_effective,
+    off_the_loop,
     read_rendered,
     remove_stale_slot_tables,
     sha256_text,
@@ -38,6 +39,7 @@ from .effective import (
     write_atomically,
     write_effective,
 )
+from .files import read_regular
 from .gcpolicy import collector_paused, settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
@@ -250,7 +252,8 @@ def inputs_digest(paths: Sequence[Path]) -> str:
         for item in items:
             h.update(str(item).encode() + b"\0")
             try:
-                h.update(hashlib.sha256(item.read_bytes()).digest())
+                # A FIFO dropped into a watched directory must not block the loop: regular files only.
+                h.update(hashlib.sha256(read_regular(item)).digest())
             except OSError:
                 h.update(b"missing")
     return h.hexdigest()
@@ -420,8 +423,8 @@ class Reloader:
             return None
         try:
             with collector_paused():  # gcpolicy: no collection on the way to steering
-                rendered = read_rendered(self.settings.haproxy.config)
-                effective = build_effective(self.settings, rendered)
+                settings = self.settings
+                effective = await off_the_loop(lambda: load_effective(settings))
         except RenderedConfigError as exc:
             log.error("reload invalid: %s", exc)
             return self._record("invalid", started, str(exc))
@@ -783,7 +786,8 @@ class Reloader:
         """Schedule a change when the rendered config or a watched file differs from what was loaded."""
         loaded = self.loaded
         try:
-            rendered_sha = sha256_text(read_rendered(self.settings.haproxy.config))
+            h = self.settings.haproxy
+            rendered_sha = sha256_text(read_rendered(h.config, h.max_config_bytes))
         except RenderedConfigError:
             rendered_sha = None
         if (
