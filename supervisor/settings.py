@@ -86,6 +86,11 @@ class ObserveSettings:
 class StatusSettings:
     listen: str = "127.0.0.1:9180"
     token_file: Path | None = None
+    # A client gets this long to send a request's headers (also the keep-alive idle time),
+    # then this long for its body; at most this many connections are open at once.
+    header_timeout_s: float = 10
+    body_timeout_s: float = 10
+    max_connections: int = 100
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ _POSITIVE = {
     "old_workers.poll_interval_ms",
     "observe.error_limit",
     "haproxy.max_config_bytes",
+    "status.header_timeout_s",
+    "status.body_timeout_s",
+    "status.max_connections",
 }
 # Keys that may be zero but not negative.
 _NON_NEGATIVE = {"reload.min_interval_ms"}

@@ -18,14 +18,18 @@ import hmac
 import html
 import logging
 import os
+import resource
 import socket
 import stat
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import datetime
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -33,7 +37,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__
 from .haproxy.api import validate_name
-from .settings import Settings, listen_address
+from .settings import Settings, StatusSettings, listen_address
 from .state import DurationHistogram, OldWorker, ReloadRecord, State, rfc3339, utcnow
 
 log = logging.getLogger(__name__)
@@ -476,6 +480,9 @@ def render_page(doc: dict[str, Any], now: datetime) -> str:
 # ---------------------------------------------------------------- the app
 
 
+BODY_TIMEOUT_KEY = web.AppKey("body_timeout_s", float)
+
+
 class _Refused(Exception):
     """An answer of `{"error": message}` with an HTTP status."""
 
@@ -536,6 +543,10 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
         if exc.status < 400:
             raise
         return _error_json(exc.status, exc.reason)
+    except ConnectionError:
+        # The client left mid-request (mid-body, usually): nobody to answer, nothing to report.
+        log.debug("status: %s %s: the client disconnected", request.method, request.path)
+        return _error_json(400, "the client disconnected")
     except Exception as exc:
         log.exception("status: %s %s failed", request.method, request.path)
         return _error_json(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -543,11 +554,29 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
 
 @web.middleware
 async def _bounded_body(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    # The headers are in: the header timer stops, the body timer starts.
+    if isinstance(request.protocol, _GuardedHandler):
+        request.protocol.request_started()
     # Handlers ignore bodies, and aiohttp enforces client_max_size only while reading one:
-    # read it here so an oversized body is answered 413 on every route.
+    # read it here so an oversized body is answered 413 on every route, and a body that is
+    # announced but never sent (Content-Length: 10^12) does not hold the connection.
     if request.can_read_body:
-        await request.read()
+        if (request.content_length or 0) > MAX_BODY_BYTES:
+            return _closing(_error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
+        timeout = request.app[BODY_TIMEOUT_KEY]
+        try:
+            await asyncio.wait_for(request.read(), timeout)
+        except TimeoutError:
+            return _closing(_error_json(408, f"request body not received within {timeout:g} s"))
+        except web.HTTPRequestEntityTooLarge:
+            return _closing(_error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
     return await handler(request)
+
+
+def _closing(response: web.Response) -> web.Response:
+    # The rest of an unread body would be taken for the next request: end the connection.
+    response.force_close()
+    return response
 
 
 class _Endpoints:
@@ -659,6 +688,7 @@ def build_app(
 ) -> web.Application:
     """The status app. The token file is read here, once; an unreadable one is logged."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors, _bounded_body])
+    app[BODY_TIMEOUT_KEY] = settings.status.body_timeout_s
     endpoints = _Endpoints(state, settings, actions, clock)
     if endpoints.token is None and not settings.status.listen.startswith("unix:"):
         log.info("status: %s", endpoints.token_problem)
@@ -719,8 +749,163 @@ def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
     return sock
 
 
-async def start_status_server(app: web.Application, listen: str) -> web.AppRunner:
+class _Condition:
+    """A condition that can recur thousands of times a second (a flood, a resource running
+    out): logged when it starts, then at most once per `every_s`, with how often it happened."""
+
+    def __init__(self, level: int, message: str, every_s: float = 60.0) -> None:
+        self.level = level
+        self.message = message
+        self.every_s = every_s
+        self.count = 0
+        self._logged_at: float | None = None
+
+    def happened(self, *args: object) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= self.every_s:
+            times = f" ({self.count} times since the last report)" if self.count > 1 else ""
+            log.log(self.level, self.message + times, *args)
+            self._logged_at = now
+            self.count = 0
+
+
+class ConnectionGuard:
+    """The status listener's limits on clients: at most `limit` connections, and each gets
+    `header_timeout_s` to send a request's headers. A slowloris flood (connections that
+    trickle or send nothing) would otherwise hold every file descriptor the daemon has.
+
+    At the limit, a new connection closes the oldest one that has not sent a request yet (a
+    real client sends its request at once, so it is rarely the oldest); if every connection
+    is busy with a request, the new one is refused."""
+
+    def __init__(self, limit: int, header_timeout_s: float) -> None:
+        self.limit = limit
+        self.header_timeout_s = header_timeout_s
+        self.open: set[RequestHandler] = set()
+        self.waiting: dict[RequestHandler, asyncio.TimerHandle] = {}  # oldest first
+        self._full = False
+        self.at_limit = _Condition(
+            logging.WARNING, "status: %d connections open (status.max_connections): closing the oldest "
+            "idle ones and refusing the rest",
+        )
+        self.too_slow = _Condition(
+            logging.WARNING, "status: closed a connection that sent no complete request within %g s "
+            "(status.header_timeout_s)",
+        )
+
+    def admit(self, handler: RequestHandler) -> bool:
+        if len(self.open) >= self.limit:
+            if not self._full:
+                self._full = True
+            self.at_limit.happened(len(self.open))
+            if not self.waiting:
+                return False
+            oldest = next(iter(self.waiting))
+            self._stop_waiting(oldest)
+            oldest.force_close()
+        elif self._full and len(self.open) < self.limit // 2:
+            self._full = False
+            log.info("status: %d connections open, under the limit again", len(self.open))
+        self.open.add(handler)
+        loop = asyncio.get_running_loop()
+        self.waiting[handler] = loop.call_later(self.header_timeout_s, self._header_timeout, handler)
+        return True
+
+    def request_started(self, handler: RequestHandler) -> None:
+        self._stop_waiting(handler)
+
+    def closed(self, handler: RequestHandler) -> None:
+        self.open.discard(handler)
+        self._stop_waiting(handler)
+
+    def _stop_waiting(self, handler: RequestHandler) -> None:
+        timer = self.waiting.pop(handler, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _header_timeout(self, handler: RequestHandler) -> None:
+        if self.waiting.pop(handler, None) is not None:
+            self.too_slow.happened(self.header_timeout_s)
+            handler.force_close()
+
+
+class _GuardedHandler(RequestHandler):
+    """aiohttp's connection handler under a ConnectionGuard, answering the requests aiohttp's
+    own parser refuses (a header over 8 KiB, an unknown method, a negative Content-Length)
+    with `{"error": ...}` like every other refusal, and without a traceback."""
+
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
+        super().__init__(manager, **options)
+        self.guard = guard
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if not self.guard.admit(self):
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.guard.closed(self)
+        super().connection_lost(exc)
+
+    def request_started(self) -> None:
+        self.guard.request_started(self)
+
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        self.guard.request_started(self)
+        if request.writer.output_size > 0:  # an answer is already on its way: the connection is done
+            raise ConnectionError("the response was already started")
+        problem = " ".join(str(message or exc or "").split()) or HTTPStatus(status).phrase
+        if status >= 500:
+            log.warning("status: answering %d: %s", status, problem)
+        else:
+            log.debug("status: bad request from %s: %s", request.remote, problem)
+        response = _error_json(status, f"bad request: {problem}" if status < 500 else problem)
+        response.force_close()
+        return response
+
+
+def _descriptor_budget(limit: int) -> int:
+    """The connection limit, kept to a quarter of the file descriptors this process may open:
+    the rest are for HAProxy's sockets, `haproxy -c` and the files the daemon writes."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or limit <= soft // 4:
+        return limit
+    budget = max(1, soft // 4)
+    log.warning("status: status.max_connections=%d lowered to %d: the file descriptor limit is %d",
+                limit, budget, soft)
+    return budget
+
+
+def _quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """asyncio reports each accept() that fails for lack of file descriptors with a traceback;
+    make that one line per minute. Returns the function that puts the previous handler back."""
+    previous = loop.get_exception_handler()
+    out_of_resources = _Condition(
+        logging.ERROR, "status: cannot accept connections: %s; asyncio retries every second",
+    )
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message", "").startswith("socket.accept() out of system resource"):
+            exc = context.get("exception")
+            out_of_resources.happened(getattr(exc, "strerror", None) or exc)
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    return lambda: loop.set_exception_handler(previous)
+
+
+async def start_status_server(
+    app: web.Application, listen: str, limits: StatusSettings | None = None
+) -> web.AppRunner:
     """Serve `app` on `host:port` or `unix:/path`. Stop it with `await runner.cleanup()`."""
+    limits = limits or StatusSettings()
     address = listen_address(listen)
     # Scrapes every few seconds would flood an access log; operator actions are logged by the handlers.
     # An action in flight (a reload) may delay a stop by at most `shutdown_timeout`.
@@ -741,20 +926,42 @@ async def start_status_server(app: web.Application, listen: str) -> web.AppRunne
                     path.unlink()
 
         app.on_cleanup.append(remove_socket_file)
+    listening: list[asyncio.Server] = []
+    loop = asyncio.get_running_loop()
+    restore_exception_handler = _quiet_accept_errors(loop)
+
+    async def stop_listening(_: web.Application) -> None:
+        # Before aiohttp closes the open connections: no new one may arrive meanwhile.
+        for listener in listening:
+            listener.close()
+        restore_exception_handler()
+
+    app.on_shutdown.append(stop_listening)
     await runner.setup()
+    server = runner.server
+    assert server is not None
+    guard = ConnectionGuard(_descriptor_budget(limits.max_connections), limits.header_timeout_s)
+
+    def connection() -> _GuardedHandler:
+        # aiohttp's keep-alive timer closes a connection idle (or trickling) between requests;
+        # the guard times the first request's headers. Both get header_timeout_s.
+        return _GuardedHandler(
+            server, guard, loop=loop, access_log=None, keepalive_timeout=limits.header_timeout_s, lingering_time=2.0,
+        )
+
     try:
         if sock is not None:
-            site: web.BaseSite = web.SockSite(runner, sock)
+            listener = await loop.create_server(connection, sock=sock)
         else:
             host, port = address
-            site = web.TCPSite(runner, host, port)
-        await site.start()
+            listener = await loop.create_server(connection, host, port, reuse_address=True)
     except OSError as exc:
         await runner.cleanup()
         raise StatusServerError(f"status.listen {listen}: {exc.strerror or exc}") from None
     except BaseException:
         await runner.cleanup()
         raise
+    listening.append(listener)
     log.info("status: listening on %s", listen)
     return runner
 
@@ -776,7 +983,7 @@ class StatusServer:
             try:
                 # A fresh app each try: a runner that failed has already cleaned its app up.
                 app = build_app(self.state, self.settings, self.actions)
-                runner = await start_status_server(app, self.settings.status.listen)
+                runner = await start_status_server(app, self.settings.status.listen, self.settings.status)
                 break
             except StatusServerError as exc:
                 log.error("%s; retrying in %.0f s", exc, self.RETRY_S)

@@ -22,7 +22,7 @@ MAX_CONNECTIONS = 8
 DEFAULT_LINE_LIMIT = 16000
 
 # Names that reach the CLI must not be able to smuggle a second command or argument.
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+_SAFE_NAME = re.compile(r"\A[A-Za-z0-9_.:\-]+\Z")  # \Z: "$" would let a trailing newline through
 
 
 class CLIError(Exception):
