@@ -1466,6 +1466,7 @@ class DisplacedWorkers:
                 self.state.old_workers[pid] = OldWorker(pid, generations.get(pid), _started_at(pid))
             elif self.state.old_workers[pid].generation is None:
                 self.state.old_workers[pid].generation = generations.get(pid)
+        self.state.note_old_workers()
 
     async def _update_stats(self) -> None:
         pids = list(self.state.old_workers)

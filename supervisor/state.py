@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -16,6 +17,12 @@ from .haproxy.config import Config
 
 ReloadResult = Literal["ok", "failed", "invalid", "skipped_unchanged", "runtime_applied"]
 PushStateName = Literal["ok", "pending", "failed"]
+# Points each of the status page's charts keeps: memory stays bounded however long the daemon runs.
+CHART_POINTS = 240
+
+
+def chart_series() -> deque:
+    return deque(maxlen=CHART_POINTS)
 
 
 def utcnow() -> datetime:
@@ -57,6 +64,7 @@ class ReloadStats:
     runtime_applied: int = 0
     last: ReloadRecord | None = None
     history: list[ReloadRecord] = field(default_factory=list)  # newest last, bounded
+    chart: deque[ReloadRecord] = field(default_factory=chart_series)  # the page's chart, newest last
 
     HISTORY = 20
 
@@ -66,6 +74,7 @@ class ReloadStats:
         self.last = entry
         self.history.append(entry)
         del self.history[: -self.HISTORY]
+        self.chart.append(entry)
         return entry
 
 
@@ -100,8 +109,10 @@ class DurationHistogram:
     counts: list[int] = field(default_factory=list)  # per bound, cumulative; +Inf is `count`
     count: int = 0
     sum: float = 0.0
+    recent: deque[tuple[datetime, float]] = field(default_factory=chart_series)  # (when, seconds), newest last
 
     def observe(self, seconds: float) -> None:
+        self.recent.append((utcnow(), seconds))
         if not self.counts:
             self.counts = [0] * len(self.bounds)
         for i, bound in enumerate(self.bounds):
@@ -135,12 +146,27 @@ class State:
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
     push_failures: int = 0
     push_duration: DurationHistogram = field(default_factory=lambda: DurationHistogram())
+    old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
+
+    # A steady count is noted again after this long, so its line reaches the present.
+    OLD_WORKER_SAMPLE_S = 30.0
 
     @property
     def current(self) -> Generation | None:
         if self.current_generation is None:
             return None
         return self.generations.get(self.current_generation)
+
+    def note_old_workers(self, now: datetime | None = None) -> None:
+        """Note how many old workers are alive, for the page's chart: when it changed, or a while
+        after the last note."""
+        now = now or utcnow()
+        count = len(self.old_workers)
+        if self.old_worker_counts:
+            at, last = self.old_worker_counts[-1]
+            if last == count and (now - at).total_seconds() < self.OLD_WORKER_SAMPLE_S:
+                return
+        self.old_worker_counts.append((now, count))
 
     @property
     def uptime_s(self) -> float:

@@ -2,8 +2,8 @@
 
 It reads State and never changes it; operator actions (reload, mark a server dead) go
 through the `actions` object the daemon passes in. What is shown is computed by pure
-functions (`status_document`, `render_page`, `StateCollector`), so they are unit-tested
-without a server.
+functions (`status_document`, `StateCollector`, and the page's in supervisor/page.py), so
+they are unit-tested without a server.
 
 Who may act: over TCP, `POST`/`DELETE` need `Authorization: Bearer <token>` with the
 token from `status.token_file` (none configured: 403). On a unix socket there is no
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import html
 import logging
 import os
 import resource
@@ -37,6 +36,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__
 from .haproxy.api import validate_name
+from .page import BackendSizes, page_of
 from .settings import Settings, StatusSettings, listen_address
 from .state import DurationHistogram, OldWorker, ReloadRecord, State, rfc3339, utcnow
 
@@ -46,9 +46,6 @@ MAX_BODY_BYTES = 64 * 1024
 UNIX_SOCKET_MODE = 0o660
 # The classic text format: every Prometheus version parses it (1.0.0 needs Prometheus 3).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PAGE_REFRESH_S = 5
-# A drain can make thousands of servers dead at once; the page lists the first ones, /status all.
-PAGE_CHIP_LIMIT = 40
 # Reload results that mean "the config HAProxy runs is what was asked for".
 RELOAD_SUCCESS = frozenset({"ok", "runtime_applied", "skipped_unchanged"})
 RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied")
@@ -261,222 +258,6 @@ def metrics_registry(state: State, clock: Callable[[], datetime] = utcnow) -> Co
     return registry
 
 
-# ---------------------------------------------------------------- the page
-
-
-def _esc(value: Any) -> str:
-    return html.escape("—" if value is None else str(value), quote=True)
-
-
-def format_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    total = max(0, int(seconds))  # a clock step must not show "-3s"
-    if total < 60:
-        return f"{total}s"
-    if total < 3600:
-        return f"{total // 60}m {total % 60:02d}s"
-    if total < 86400:
-        return f"{total // 3600}h {total % 3600 // 60:02d}m"
-    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
-
-
-def format_bytes(value: int | None) -> str:
-    if value is None:
-        return "?"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_duration_ms(value: float) -> str:
-    return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.1f} s"
-
-
-def _badge(text: str, tone: str) -> str:
-    return f'<span class="badge {tone}">{_esc(text)}</span>'
-
-
-def _chips(keys: list[str], tone: str = "", limit: int = PAGE_CHIP_LIMIT) -> str:
-    if not keys:
-        return '<span class="muted">none</span>'
-    shown = " ".join(f'<span class="chip {tone}">{_esc(key)}</span>' for key in keys[:limit])
-    if len(keys) > limit:
-        shown += f' <span class="muted">and {len(keys) - limit} more (see /status)</span>'
-    return shown
-
-
-def _when(value: str | None, now: datetime, with_date: bool = True) -> str:
-    """A time from the document as `2025-01-02 03:04:05` and how long ago; the exact value on hover."""
-    if value is None:
-        return '<span class="muted">—</span>'
-    moment = datetime.fromisoformat(value)
-    shown = moment.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
-    ago = format_age(max(0.0, (now - moment).total_seconds()))
-    return f'<span class="when" title="{_esc(value)}">{_esc(shown)} <span class="muted">{_esc(ago)} ago</span></span>'
-
-
-_RESULT_TONE = {
-    "ok": "good", "runtime_applied": "good", "skipped_unchanged": "neutral", "failed": "bad", "invalid": "bad",
-}
-_PUSH_TONE = {"ok": "good", "pending": "warn", "failed": "bad"}
-_OPERATOR_TAG = ' <span class="tag">operator</span>'
-
-_PAGE_CSS = """
-:root { color-scheme: light; }
-* { box-sizing: border-box; }
-body { margin: 0; background: #f3f5f8; color: #1d2330;
-  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; }
-header { background: #1d2330; color: #fff; padding: 14px 24px; display: flex; align-items: center;
-  gap: 10px; flex-wrap: wrap; }
-header h1 { font-size: 18px; margin: 0 8px 0 0; font-weight: 600; }
-header .facts { color: #b9c2d3; font-size: 13px; margin-left: 8px; }
-main { padding: 18px 24px; display: grid; gap: 16px; max-width: 1280px; }
-.row { display: grid; grid-template-columns: minmax(300px, 2fr) 3fr; gap: 16px; }
-@media (max-width: 800px) { .row { grid-template-columns: 1fr; } }
-section { background: #fff; border: 1px solid #dde2ea; border-radius: 8px; padding: 14px 16px; min-width: 0; }
-h2 { font-size: 15px; margin: 0 0 10px; font-weight: 600; }
-h2 .count { color: #6b7587; font-weight: 400; }
-table { border-collapse: collapse; width: 100%; }
-th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #edf0f4; vertical-align: baseline; }
-tr:last-child td { border-bottom: 0; }
-th { font-size: 12px; text-transform: uppercase; letter-spacing: .04em; color: #6b7587; font-weight: 600;
-  white-space: nowrap; }
-td.num, .num { font-variant-numeric: tabular-nums; white-space: nowrap; }
-.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 13px; }
-.when { white-space: nowrap; font-variant-numeric: tabular-nums; }
-.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; margin: 0; }
-.kv dt { color: #6b7587; } .kv dd { margin: 0; }
-.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600;
-  white-space: nowrap; }
-.good { background: #dff5e3; color: #17692c; } .bad { background: #fde2e1; color: #a61b1b; }
-.warn { background: #fff1cc; color: #7a5200; } .neutral { background: #e8ebf0; color: #444d5c; }
-.chip { display: inline-block; margin: 1px 2px; padding: 0 6px; border-radius: 4px; background: #eef1f6;
-  font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; white-space: nowrap; }
-.chip.bad { background: #fde2e1; color: #a61b1b; }
-.chip .tag { font-family: system-ui, sans-serif; font-size: 11px; opacity: .75; }
-.counters { display: flex; gap: 10px; flex-wrap: wrap; margin-bottom: 10px; }
-.counters div { min-width: 110px; padding: 6px 10px; border-radius: 6px; background: #f6f7f9; }
-.counters b { display: block; font-size: 20px; font-variant-numeric: tabular-nums; }
-.counters span { color: #6b7587; font-size: 12px; }
-.counters .bad { background: #fde2e1; } .counters .bad b { color: #a61b1b; }
-.muted { color: #8a93a3; } .err { color: #a61b1b; overflow-wrap: anywhere; }
-footer { padding: 0 24px 18px; color: #6b7587; font-size: 12px; }
-footer a { color: #3b5bdb; }
-"""
-
-
-def _current_worker_html(worker: dict[str, Any], now: datetime) -> str:
-    sha = worker["config_sha256"]
-    return (
-        '<dl class="kv">'
-        f'<dt>PID</dt><dd class="num" id="current-pid">{_esc(worker["pid"])}</dd>'
-        f'<dt>Generation</dt><dd class="num">{_esc(worker["generation"])}</dd>'
-        f'<dt>Started</dt><dd>{_when(worker["started_at"], now)}</dd>'
-        f'<dt>Config</dt><dd class="mono" title="sha256 {_esc(sha)}">{_esc(sha[:16] if sha else None)}</dd>'
-        "</dl>"
-    )
-
-
-def _old_workers_html(workers: list[dict[str, Any]], now: datetime) -> str:
-    if not workers:
-        return '<p class="muted">No old workers: nothing is draining.</p>'
-    rows = []
-    for w in workers:
-        push = w["push"]
-        push_cell = _badge(push["state"], _PUSH_TONE.get(push["state"], "neutral"))
-        if push["at"]:
-            push_cell += f' <span class="muted" title="{_esc(push["at"])}">'
-            push_cell += f'{_esc(format_age((now - datetime.fromisoformat(push["at"])).total_seconds()))} ago</span>'
-        if push["error"]:
-            push_cell += f'<div class="err">{_esc(push["error"])}</div>'
-        rows.append(
-            f'<tr class="old-worker" data-pid="{_esc(w["pid"])}">'
-            f'<td class="num pid">{_esc(w["pid"])}</td><td class="num">{_esc(w["generation"])}</td>'
-            f'<td class="num" title="{_esc(w["age_s"])} s">{_esc(format_age(w["age_s"]))}</td>'
-            f'<td class="num">{_esc(format_bytes(w["rss_bytes"]))}</td>'
-            f'<td class="num">{_esc(w["connections"] if w["connections"] is not None else "?")}</td>'
-            f"<td class=\"steered\">{_chips(w['steered'], 'bad')}</td><td>{push_cell}</td></tr>"
-        )
-    return (
-        "<table><thead><tr><th>PID</th><th>Gen</th><th>Age</th><th>RSS</th><th>Conns</th>"
-        "<th>Steered away from</th><th>Push to worker</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
-    )
-
-
-def _reloads_html(reloads: dict[str, Any], now: datetime) -> str:
-    counters = "".join(
-        f'<div class="{"bad" if result in ("failed", "invalid") and reloads[result] else ""}">'
-        f'<b>{_esc(reloads[result])}</b><span>{_esc(result.replace("_", " "))}</span></div>'
-        for result in RELOAD_RESULTS
-    )
-    if not reloads["recent"]:
-        return f'<div class="counters">{counters}</div><p class="muted">No reloads yet.</p>'
-    rows = "".join(
-        f'<tr class="reload"><td>{_when(r["at"], now)}</td>'
-        f'<td>{_badge(r["result"].replace("_", " "), _RESULT_TONE.get(r["result"], "neutral"))}</td>'
-        f'<td class="num">{_esc(format_duration_ms(r["duration_ms"]))}</td>'
-        f'<td class="err">{_esc(r["error"] or "")}</td></tr>'
-        for r in reloads["recent"]
-    )
-    return (
-        f'<div class="counters">{counters}</div>'
-        "<table><thead><tr><th>When (UTC)</th><th>Result</th><th>Took</th><th>Error</th></tr></thead>"
-        f"<tbody>{rows}</tbody></table>"
-    )
-
-
-def render_page(doc: dict[str, Any], now: datetime) -> str:
-    """The self-contained HTML page for GET /, from the /status document. Every value is escaped."""
-    sup, hap = doc["supervisor"], doc["haproxy"]
-    master = _badge("master up", "good") if hap["up"] else _badge("master down", "bad")
-    ready = _badge("ready", "good") if sup["ready"] else _badge("not ready", "bad")
-    facts = (
-        f'supervisor {_esc(sup["version"])} · pid {_esc(sup["pid"])} · up {_esc(format_age(sup["uptime_s"]))}'
-        f' · HAProxy {_esc(hap["version"])} · master pid {_esc(hap["master_pid"])}'
-    )
-    operator_dead = set(doc["operator_dead"])
-    dead_servers = doc["dead_servers"]
-    dead = (
-        " ".join(
-            f'<span class="chip bad">{_esc(key)}'
-            f'{_OPERATOR_TAG if key in operator_dead else ""}</span>'
-            for key in dead_servers[:PAGE_CHIP_LIMIT]
-        )
-        or '<span class="muted">none</span>'
-    )
-    if len(dead_servers) > PAGE_CHIP_LIMIT:
-        dead += f' <span class="muted">and {len(dead_servers) - PAGE_CHIP_LIMIT} more (see /status)</span>'
-    old = doc["old_workers"]
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="refresh" content="{PAGE_REFRESH_S}">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>haproxy-supervisor · {_esc(len(old))} old worker(s)</title>
-<style>{_PAGE_CSS}</style></head>
-<body>
-<header><h1>haproxy-supervisor</h1>{master} {ready}<span class="facts">{facts}</span></header>
-<main>
-<div class="row">
-<section id="current"><h2>Current worker</h2>{_current_worker_html(doc["worker"], now)}</section>
-<section id="dead"><h2>Dead servers <span class="count">({_esc(len(doc["dead_servers"]))})</span></h2>
-<p>{dead}</p><p class="muted">Old workers are steered away from these. Mark or clear one with
-<span class="mono">POST</span> / <span class="mono">DELETE /servers/&lt;backend&gt;/&lt;server&gt;/dead</span>.</p>
-</section>
-</div>
-<section id="old-workers"><h2>Old workers <span class="count">({_esc(len(old))})</span></h2>
-{_old_workers_html(old, now)}</section>
-<section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"], now)}</section>
-</main>
-<footer>Generated {_esc(rfc3339(now))} · refreshes every {PAGE_REFRESH_S} s ·
-<a href="/status">/status</a> · <a href="/metrics">/metrics</a></footer>
-</body></html>
-"""
-
-
 # ---------------------------------------------------------------- the app
 
 
@@ -589,6 +370,7 @@ class _Endpoints:
         self.clock = clock
         self.token, self.token_problem = load_token(settings.status.token_file)
         self.registry = metrics_registry(state, clock)
+        self.backend_sizes = BackendSizes()
 
     # -- reads
 
@@ -613,7 +395,7 @@ class _Endpoints:
 
     async def page(self, request: web.Request) -> web.Response:
         now = self.clock()
-        body = render_page(status_document(self.state, self.settings, now), now)
+        body = page_of(self.state, status_document(self.state, self.settings, now), now, self.backend_sizes)
         return web.Response(
             text=body,
             content_type="text/html",

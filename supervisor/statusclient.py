@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from .page import format_age, format_bytes, format_duration_ms
 from .settings import SettingsError, listen_address, load_settings
-from .status import format_age, format_bytes, format_duration_ms
 
 DEFAULT_URL = "http://127.0.0.1:9180"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -18,16 +18,13 @@ from supervisor.state import State
 from supervisor.status import (
     StatusServerError,
     bind_unix_socket,
-    format_age,
-    format_bytes,
     load_token,
     metrics_registry,
     not_ready_reason,
-    render_page,
     status_document,
 )
 from supervisor.statusclient import StatusFetchError, format_status, status_target, url_from_listen
-from tests.support.status_state import CURRENT_PID, HOSTILE_ERROR, MASTER_PID, OLD_PIDS, running_state
+from tests.support.status_state import CURRENT_PID, MASTER_PID, OLD_PIDS, running_state
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -195,70 +192,16 @@ def test_metrics_registries_are_private():
     assert sample(scrape(second), "haproxy_supervisor_old_workers") == 0
 
 
-# ---------------------------------------------------------------- the page
+# ---------------------------------------------------------------- the CLI's side
 
 
-def test_page_shows_workers_steering_and_reloads():
-    page = render_page(status_document(running_state(NOW), Settings(), NOW), NOW)
-    assert '<meta http-equiv="refresh" content="5">' in page
-    for pid in (CURRENT_PID, *OLD_PIDS):
-        assert f">{pid}<" in page
-    for key in ("app/app1", "echo/echo_r1", "highscale/highscale_r2"):
-        assert f">{key}<" in page
-    assert "40m 00s" in page and "3m 00s" in page
-    assert 'highscale/highscale_r2 <span class="tag">operator</span>' in page
-    assert page.count('<tr class="reload">') == 7
-
-
-def test_page_escapes_everything():
-    page = render_page(status_document(running_state(NOW), Settings(), NOW), NOW)
-    assert "<script" not in page
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
-    assert "&#x27;" in page  # the quotes around it too
-    assert HOSTILE_ERROR not in page
-
-
-def test_page_has_no_external_assets():
-    page = render_page(status_document(running_state(NOW), Settings(), NOW), NOW)
-    assert not re.search(r"<(script|link|img|iframe)\b", page)
-    assert not re.search(r"(src|href)=\"(https?:)?//", page)
-
-
-def test_page_lists_the_first_dead_servers_of_a_big_drain():
+def test_status_table_names_the_first_steered_servers_of_a_big_drain():
     state = running_state(NOW)
     many = [f"be/srv{i:05d}" for i in range(5000)]
     state.old_workers[OLD_PIDS[0]].steered = many
     state.dead_servers = set(many)
-    page = render_page(status_document(state, Settings(), NOW), NOW)
-    assert page.count("be/srv") == 2 * 40
-    assert page.count("and 4960 more (see /status)") == 2
     table = format_status(status_document(state, Settings(), NOW))
     assert "be/srv00009 (+4990 more)" in table and "be/srv00049 (+4950 more)" in table
-
-
-def test_page_of_a_fresh_daemon():
-    page = render_page(status_document(State(started_at=NOW), Settings(), NOW), NOW)
-    assert "No old workers" in page and "No reloads yet" in page and "master down" in page
-
-
-@pytest.mark.parametrize(
-    ("seconds", "text"),
-    [
-        (None, "?"), (-3.5, "0s"), (0, "0s"), (59.9, "59s"), (60, "1m 00s"), (3599, "59m 59s"), (3600, "1h 00m"),
-        (90061, "1d 01h"),
-    ],
-)
-def test_format_age(seconds, text):
-    assert format_age(seconds) == text
-
-
-def test_format_bytes():
-    assert [format_bytes(v) for v in (None, 512, 2048, 41 * 1024**2, 3 * 1024**3)] == [
-        "?", "512 B", "2.0 KiB", "41.0 MiB", "3.0 GiB",
-    ]
-
-
-# ---------------------------------------------------------------- the CLI's side
 
 
 def test_format_status_table():

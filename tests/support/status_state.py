@@ -22,7 +22,10 @@ HOSTILE_ERROR = "[ALERT] parsing [haproxy.cfg:12]: unknown keyword '<script>aler
 
 
 def _generation(number: int, corpus_file: str, started_at: datetime, worker_pid: int) -> Generation:
-    text = (CORPUS / corpus_file).read_text()
+    return _generation_of((CORPUS / corpus_file).read_text(), number, started_at, worker_pid)
+
+
+def _generation_of(text: str, number: int, started_at: datetime, worker_pid: int) -> Generation:
     sha = hashlib.sha256(text.encode()).hexdigest()
     return Generation(number, Config.parse(text), sha, sha, started_at, worker_pid)
 
@@ -72,8 +75,11 @@ def running_state(now: datetime | None = None) -> State:
     state.dead_servers = {"app/app1", "echo/echo_r1", "highscale/highscale_r2"}
     state.operator_dead = {"highscale/highscale_r2"}
     state.push_failures = 2
-    for seconds in (0.003, 0.02, 0.02, 0.2, 3.0):
+    pushes = (0.003, 0.02, 0.02, 0.2, 3.0)
+    for seconds in pushes:
         state.push_duration.observe(seconds)
+    state.push_duration.recent.clear()  # observe() notes the wall clock; these times follow `now`
+    state.push_duration.recent.extend((now - timedelta(minutes=len(pushes) - i), s) for i, s in enumerate(pushes))
     return state
 
 
@@ -109,3 +115,66 @@ class RecordingActions:
             for n in running
             if n in self.state.generations
         )
+
+
+# ---------------------------------------------------------------- a fleet-sized drain
+
+FLEET_BACKENDS = 1000
+FLEET_PER_BACKEND = 10
+
+
+def fleet_config(backends: int = FLEET_BACKENDS, per_backend: int = FLEET_PER_BACKEND) -> str:
+    """A Ray Serve-shaped config: `backends` backends of `per_backend` servers (10,000 by default)."""
+    parts = ["global\n    maxconn 1000\n\ndefaults\n    mode http\n    timeout connect 1s\n"
+             "    timeout client 30s\n    timeout server 30s\n\nfrontend fe\n    bind 127.0.0.1:18080\n"
+             "    default_backend b0\n"]
+    for b in range(backends):
+        address = f"10.0.{b // 250}.{b % 250 + 1}"
+        servers = "".join(f"    server r{i} {address}:{8000 + i} check\n" for i in range(per_backend))
+        parts.append(f"\nbackend b{b}\n    balance leastconn\n{servers}")
+    return "".join(parts)
+
+
+def fleet_dead() -> dict[str, int]:
+    """How many servers are dead per backend in the fleet drain: 1,000 in all. 10 backends lost
+    every server, 100 lost 3, 600 lost 1; the rest are untouched."""
+    dead = {f"b{b}": FLEET_PER_BACKEND for b in range(10)}
+    dead.update({f"b{b}": 3 for b in range(10, 110)})
+    dead.update({f"b{b}": 1 for b in range(110, 710)})
+    return dead
+
+
+def fleet_state(now: datetime | None = None, old_workers: int = 50) -> State:
+    """A daemon after a drain at fleet size: 10,000 servers, 1,000 dead, `old_workers` old
+    workers each steered away from every dead server, and an hour of chart history."""
+    now = now or utcnow()
+    state = running_state(now)
+    text = fleet_config()
+    generation = _generation_of(text, 1, now - timedelta(minutes=50), OLD_PIDS[0])
+    dead = sorted(f"{backend}/r{i}" for backend, count in fleet_dead().items() for i in range(count))
+    state.generations = {}
+    state.old_workers = {}
+    for n in range(1, old_workers + 2):
+        # Every generation runs the same servers (a fleet reloads for many reasons); the
+        # content-keyed caches see one config.
+        state.generations[n] = Generation(
+            n, generation.model, generation.effective_sha256, generation.rendered_sha256,
+            now - timedelta(minutes=old_workers + 1 - n), 50000 + n,
+        )
+        if n <= old_workers:
+            state.old_workers[50000 + n] = OldWorker(
+                50000 + n, n, now - timedelta(minutes=old_workers + 1 - n), rss_bytes=180 * 1024 * 1024,
+                connections=n % 7, steered=list(dead), push=PushState("ok", now - timedelta(seconds=2)),
+            )
+    state.current_generation = old_workers + 1
+    state.rendered_sha256 = state.last_good_sha256 = generation.effective_sha256
+    state.dead_servers = set(dead)
+    state.operator_dead = {dead[0]}
+    for series in (state.reloads.chart, state.push_duration.recent, state.old_worker_counts):
+        series.clear()
+    for minute in range(60, 0, -1):
+        at = now - timedelta(minutes=minute)
+        state.reloads.chart.append(ReloadRecord(at, "ok" if minute % 17 else "invalid", 180.0 + minute * 3))
+        state.push_duration.recent.append((at, 0.02 + (minute % 5) / 100))
+        state.old_worker_counts.append((at, min(old_workers, 60 - minute)))
+    return state

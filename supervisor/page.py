@@ -1,0 +1,577 @@
+"""The status page served at `/`: one self-contained HTML document, no scripts, no external assets.
+
+Built from the /status document (`status.status_document`), plus two things the document
+does not carry: how many servers each backend has in the configs HAProxy runs (so a drain
+reads "b42: 3 of 10 dead"), and the bounded history behind the charts (State keeps it).
+Every value is escaped. At fleet size (10,000 servers, 1,000 dead, 50 old workers) the dead
+and steered servers are shown per backend, worst first, so every affected backend is on the
+page; the server names are in each backend's tooltip and in /status.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import itertools
+import math
+import re
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .haproxy.config import Config, template_names
+from .state import Generation, ReloadRecord, State, rfc3339
+
+PAGE_REFRESH_S = 5
+# Up to this many dead servers the page names each one; past it, per backend only (/status has all).
+PAGE_CHIP_LIMIT = 40
+# An old worker's steered servers are named up to this many; past it, counted.
+STEERED_NAMED = 6
+# Server names in a backend's tooltip.
+TOOLTIP_NAMES = 20
+
+
+def _esc(value: Any) -> str:
+    return html.escape("—" if value is None else str(value), quote=True)
+
+
+def format_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    total = max(0, int(seconds))  # a clock step must not show "-3s"
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m {total % 60:02d}s"
+    if total < 86400:
+        return f"{total // 3600}h {total % 3600 // 60:02d}m"
+    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
+
+
+def format_bytes(value: int | None) -> str:
+    if value is None:
+        return "?"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_duration_ms(value: float) -> str:
+    return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.1f} s"
+
+
+def format_seconds(value: float) -> str:
+    return format_duration_ms(value * 1000) if value >= 0.001 else f"{value * 1e6:.0f} µs"
+
+
+# ---------------------------------------------------------------- dead servers by backend
+
+
+def backend_sizes(model: Config) -> dict[str, int]:
+    """Servers per backend (and listen) section, templates expanded, backups included."""
+    sizes: dict[str, int] = {}
+    for section, server_lines in model.server_flags_by_backend():
+        count = 0
+        for index, _flags in server_lines:
+            words = section.body[index].words
+            count += 1 if words[0] == "server" else len(template_names(words[1], words[2]))
+        sizes[section.name] = count
+    return sizes
+
+
+class BackendSizes:
+    """backend_sizes() of the configs HAProxy runs, merged: a backend's largest size among them.
+
+    Kept per config by its effective sha256 (content, not identity), and only for the configs
+    still running: a 10,000-server config is counted once, not on every refresh of the page.
+    """
+
+    def __init__(self) -> None:
+        self._by_sha: dict[str, dict[str, int]] = {}
+
+    def of(self, generations: Iterable[Generation]) -> dict[str, int]:
+        running = {g.effective_sha256: g for g in generations}
+        for sha in [sha for sha in self._by_sha if sha not in running]:
+            del self._by_sha[sha]
+        merged: dict[str, int] = {}
+        for sha, generation in running.items():
+            sizes = self._by_sha.get(sha)
+            if sizes is None:
+                sizes = self._by_sha[sha] = backend_sizes(generation.model)
+            for backend, size in sizes.items():
+                if size > merged.get(backend, 0):
+                    merged[backend] = size
+        return merged
+
+
+def running_generations(state: State) -> list[Generation]:
+    """The generations the current worker and the old workers run (those that are known)."""
+    numbers = {state.current_generation, *(w.generation for w in state.old_workers.values())}
+    return [state.generations[n] for n in sorted(n for n in numbers if n is not None) if n in state.generations]
+
+
+@functools.lru_cache(maxsize=128)
+def backends_of(steered: tuple[str, ...]) -> frozenset[str]:
+    """The backends of `backend/server` keys. Kept by content: an old worker's 1,000 steered
+    servers seldom change between two refreshes of the page, and there are up to 50 of them."""
+    return frozenset(key.partition("/")[0] for key in steered)
+
+
+@dataclass(frozen=True)
+class BackendDamage:
+    """One backend's dead servers, as the page lists them."""
+
+    backend: str
+    dead: tuple[str, ...]  # server names, sorted
+    size: int | None  # servers it has in the largest running config that has it; None if unknown
+    operator: int  # of the dead, how many an operator marked
+    steered_in: int  # old workers steered away from at least one of its servers
+
+    @property
+    def share(self) -> float:
+        return 1.0 if not self.size else min(1.0, len(self.dead) / self.size)
+
+    @property
+    def tone(self) -> str:
+        if self.share >= 1.0:
+            return "all"
+        return "half" if self.share >= 0.5 else "some"
+
+    @property
+    def count(self) -> str:
+        """`3 of 10 dead`, or `3 dead` when no running config has the backend."""
+        return f"{len(self.dead)} of {self.size} dead" if self.size else f"{len(self.dead)} dead"
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}: {self.count}"
+
+
+def damage_by_backend(
+    dead_servers: Iterable[str], operator_dead: Iterable[str], old_workers: Iterable[Mapping[str, Any]],
+    sizes: Mapping[str, int],
+) -> list[BackendDamage]:
+    """Dead servers grouped by backend, worst first: the largest share of the backend dead,
+    then the most servers dead, then by name."""
+    dead: dict[str, list[str]] = {}
+    for key in dead_servers:
+        backend, _, server = key.partition("/")
+        dead.setdefault(backend, []).append(server)
+    by_operator: dict[str, int] = {}
+    for key in operator_dead:
+        backend = key.partition("/")[0]
+        by_operator[backend] = by_operator.get(backend, 0) + 1
+    steered_in: dict[str, int] = {}
+    for worker in old_workers:
+        for backend in backends_of(tuple(worker["steered"])):
+            steered_in[backend] = steered_in.get(backend, 0) + 1
+    damage = [
+        BackendDamage(backend, tuple(sorted(servers)), sizes.get(backend), by_operator.get(backend, 0),
+                      steered_in.get(backend, 0))
+        for backend, servers in dead.items()
+    ]
+    damage.sort(key=lambda d: (-d.share, -len(d.dead), d.size or 0, natural_key(d.backend)))
+    return damage
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """`b9` before `b10`: digit runs compare as numbers."""
+    return tuple((1, int(part)) if part.isdigit() else (0, part) for part in _DIGITS.split(name) if part)
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+# ---------------------------------------------------------------- charts (inline SVG)
+
+CHART_W, CHART_H = 350, 96
+_PLOT_TOP, _PLOT_BOTTOM, _PLOT_LEFT = 14, 82, 2
+_TONE_FILL = {"good": "#2f9e44", "bad": "#e03131", "warn": "#f08c00", "neutral": "#868e96"}
+
+
+def _log_height(value: float, low: float, high: float) -> float:
+    """Bar height on a log scale from `low` (nothing) to `high` (the whole plot)."""
+    span = math.log10(high) - math.log10(low)
+    share = (math.log10(max(value, low)) - math.log10(low)) / span if span > 0 else 1.0
+    return max(1.0, share * (_PLOT_BOTTOM - _PLOT_TOP))
+
+
+def _svg(label: str, body: str, top: str, bottom_left: str, bottom_right: str) -> str:
+    return (
+        f'<svg class="chart" viewBox="0 0 {CHART_W} {CHART_H}" width="{CHART_W}" height="{CHART_H}" role="img" '
+        f'aria-label="{_esc(label)}">'
+        f'<line x1="0" y1="{_PLOT_BOTTOM}" x2="{CHART_W}" y2="{_PLOT_BOTTOM}" class="axis"/>'
+        f'<text x="{CHART_W}" y="10" text-anchor="end" class="tick">{_esc(top)}</text>'
+        f"{body}"
+        f'<text x="0" y="{CHART_H - 2}" class="tick">{_esc(bottom_left)}</text>'
+        f'<text x="{CHART_W}" y="{CHART_H - 2}" text-anchor="end" class="tick">{_esc(bottom_right)}</text>'
+        "</svg>"
+    )
+
+
+def _empty(label: str, message: str) -> str:
+    return _svg(label, f'<text x="{CHART_W / 2}" y="50" text-anchor="middle" class="tick">{_esc(message)}</text>',
+                "", "", "")
+
+
+def _bars(label: str, values: list[tuple[str, float, str]], low: float, unit_max: str, since: str) -> str:
+    """One bar per value, oldest left, on a log scale: (tooltip, value, tone)."""
+    high = max(max(v for _, v, _ in values), low * 10)
+    step = (CHART_W - _PLOT_LEFT) / max(len(values), 24)
+    width = max(1.0, step * 0.7)
+    bars = []
+    for i, (tip, value, tone) in enumerate(values):
+        height = _log_height(value, low, high)
+        bars.append(
+            f'<rect x="{_PLOT_LEFT + i * step:.1f}" y="{_PLOT_BOTTOM - height:.1f}" width="{width:.1f}" '
+            f'height="{height:.1f}" fill="{_TONE_FILL[tone]}"><title>{_esc(tip)}</title></rect>'
+        )
+    return _svg(label, "".join(bars), f"max {unit_max} (log scale)", since, "now")
+
+
+_RESULT_TONE = {
+    "ok": "good", "runtime_applied": "good", "skipped_unchanged": "neutral", "failed": "bad", "invalid": "bad",
+}
+
+
+def reload_chart(records: Iterable[ReloadRecord], now: datetime) -> str:
+    records = list(records)
+    label = "Reload durations"
+    if not records:
+        return _empty(label, "no reloads yet")
+    values = [
+        (f"{rfc3339(r.at)} {r.result} {format_duration_ms(r.duration_ms)}", r.duration_ms,
+         _RESULT_TONE.get(r.result, "neutral"))
+        for r in records
+    ]
+    worst = max(r.duration_ms for r in records)
+    since = f"{len(records)} reloads, since {format_age((now - records[0].at).total_seconds())} ago"
+    return _bars(label, values, 1.0, format_duration_ms(worst), since)
+
+
+def push_chart(points: Iterable[tuple[datetime, float]], now: datetime) -> str:
+    points = list(points)
+    label = "Push latency"
+    if not points:
+        return _empty(label, "no pushes yet")
+    values = [(f"{rfc3339(at)} {format_seconds(s)}", s, "good" if s < 0.1 else "warn" if s < 1 else "bad")
+              for at, s in points]
+    worst = max(s for _, s in points)
+    since = f"{len(points)} pushes, since {format_age((now - points[0][0]).total_seconds())} ago"
+    return _bars(label, values, 0.001, format_seconds(worst), since)
+
+
+def old_workers_chart(points: Iterable[tuple[datetime, int]], now: datetime) -> str:
+    """A step line of the number of old workers over time, from the first note to now."""
+    points = list(points)
+    label = "Old workers over time"
+    if not points:
+        return _empty(label, "not sampled yet")
+    start = points[0][0]
+    span = max((now - start).total_seconds(), 1.0)
+    top = max(max(count for _, count in points), 1)
+
+    def x(at: datetime) -> float:
+        return _PLOT_LEFT + (CHART_W - _PLOT_LEFT) * min(1.0, (at - start).total_seconds() / span)
+
+    def y(count: int) -> float:
+        return _PLOT_BOTTOM - (_PLOT_BOTTOM - _PLOT_TOP) * count / top
+
+    path = [f"{x(points[0][0]):.1f},{y(points[0][1]):.1f}"]
+    for (_, before), (at, count) in itertools.pairwise(points):
+        path.append(f"{x(at):.1f},{y(before):.1f}")
+        path.append(f"{x(at):.1f},{y(count):.1f}")
+    path.append(f"{x(now):.1f},{y(points[-1][1]):.1f}")
+    body = (f'<polyline points="{" ".join(path)}" fill="none" stroke="#3b5bdb" stroke-width="1.5">'
+            f"<title>{_esc(f'now {points[-1][1]}, at most {top}')}</title></polyline>")
+    return _svg(label, body, f"max {top}", f"{format_age(span)} ago", f"now {points[-1][1]}")
+
+
+@dataclass(frozen=True)
+class History:
+    """What the charts draw, from State's bounded series."""
+
+    reloads: tuple[ReloadRecord, ...] = ()
+    pushes: tuple[tuple[datetime, float], ...] = ()
+    old_workers: tuple[tuple[datetime, int], ...] = ()
+
+    @classmethod
+    def of(cls, state: State) -> History:
+        return cls(tuple(state.reloads.chart), tuple(state.push_duration.recent), tuple(state.old_worker_counts))
+
+
+def _charts_html(history: History, now: datetime) -> str:
+    pushes = [s for _, s in history.pushes]
+    push_note = f"median {format_seconds(statistics.median(pushes))}" if pushes else ""
+    charts = [
+        ("Reload durations", "green ok, red failed or invalid", reload_chart(history.reloads, now)),
+        ("Old workers", "alive over time", old_workers_chart(history.old_workers, now)),
+        ("Push latency", push_note, push_chart(history.pushes, now)),
+    ]
+    return "".join(
+        f'<figure style="width: {CHART_W}px"><figcaption>{_esc(title)} <span class="muted">{_esc(note)}</span>'
+        f"</figcaption>{svg}</figure>"
+        for title, note, svg in charts
+    )
+
+
+# ---------------------------------------------------------------- the page
+
+_PUSH_TONE = {"ok": "good", "pending": "warn", "failed": "bad"}
+_OPERATOR_TAG = ' <span class="tag">operator</span>'
+
+_PAGE_CSS = """
+:root { color-scheme: light; }
+* { box-sizing: border-box; }
+body { margin: 0; background: #f3f5f8; color: #1d2330;
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; }
+header { background: #1d2330; color: #fff; padding: 14px 24px; display: flex; align-items: center;
+  gap: 10px; flex-wrap: wrap; }
+header h1 { font-size: 18px; margin: 0 8px 0 0; font-weight: 600; }
+header .facts { color: #b9c2d3; font-size: 13px; margin-left: 8px; }
+main { padding: 18px 24px; display: grid; gap: 16px; max-width: 1280px; }
+.row { display: grid; grid-template-columns: minmax(300px, 2fr) 3fr; gap: 16px; }
+@media (max-width: 800px) { .row { grid-template-columns: 1fr; } }
+section { background: #fff; border: 1px solid #dde2ea; border-radius: 8px; padding: 14px 16px; min-width: 0; }
+h2 { font-size: 15px; margin: 0 0 10px; font-weight: 600; }
+h2 .count { color: #6b7587; font-weight: 400; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: 4px 10px; border-bottom: 1px solid #edf0f4; vertical-align: baseline; }
+tr:last-child td { border-bottom: 0; }
+th { font-size: 12px; text-transform: uppercase; letter-spacing: .04em; color: #6b7587; font-weight: 600;
+  white-space: nowrap; }
+td.num, .num { font-variant-numeric: tabular-nums; white-space: nowrap; }
+.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 13px; }
+.when { white-space: nowrap; font-variant-numeric: tabular-nums; }
+.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; margin: 0; }
+.kv dt { color: #6b7587; } .kv dd { margin: 0; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600;
+  white-space: nowrap; }
+.good { background: #dff5e3; color: #17692c; } .bad { background: #fde2e1; color: #a61b1b; }
+.warn { background: #fff1cc; color: #7a5200; } .neutral { background: #e8ebf0; color: #444d5c; }
+.chip { display: inline-block; margin: 1px 2px; padding: 0 6px; border-radius: 4px; background: #eef1f6;
+  font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; white-space: nowrap; }
+.chip.bad { background: #fde2e1; color: #a61b1b; }
+.chip .tag { font-family: system-ui, sans-serif; font-size: 11px; opacity: .75; }
+.counters { display: flex; gap: 10px; flex-wrap: wrap; margin-bottom: 10px; }
+.counters div { min-width: 110px; padding: 6px 10px; border-radius: 6px; background: #f6f7f9; }
+.counters b { display: block; font-size: 20px; font-variant-numeric: tabular-nums; }
+.counters span { color: #6b7587; font-size: 12px; }
+.counters .bad { background: #fde2e1; } .counters .bad b { color: #a61b1b; }
+.backends { display: grid; gap: 6px; margin: 4px 0 10px; }
+.group { display: flex; flex-wrap: wrap; gap: 3px; align-items: baseline; padding: 4px 6px; border-radius: 6px; }
+.group .head { font-weight: 600; font-size: 13px; margin-right: 2px; white-space: nowrap; }
+.group .n { color: #6b7587; font-size: 12px; margin-right: 6px; white-space: nowrap; }
+.group.all { background: #fde2e1; } .group.all .head { color: #a61b1b; }
+.group.half { background: #ffe8cc; } .group.half .head { color: #a34a00; }
+.group.some { background: #fff6d6; } .group.some .head { color: #6b4800; }
+.be { padding: 0 4px; border-radius: 3px; background: rgba(255, 255, 255, .7);
+  font: 12px/1.5 ui-monospace, "DejaVu Sans Mono", monospace; white-space: nowrap; }
+.be.unsteered { outline: 2px dashed #1d2330; outline-offset: -2px; }
+.charts { display: flex; flex-wrap: wrap; gap: 16px; }
+figure { margin: 0; } figcaption { font-size: 13px; font-weight: 600; margin-bottom: 2px; }
+figcaption .muted { font-weight: 400; }
+svg.chart { display: block; background: #fafbfc; border-radius: 4px; }
+svg .axis { stroke: #ced4da; } svg .tick { font-size: 10px; fill: #6b7587; }
+.muted { color: #8a93a3; } .err { color: #a61b1b; overflow-wrap: anywhere; }
+footer { padding: 0 24px 18px; color: #6b7587; font-size: 12px; }
+footer a { color: #3b5bdb; }
+"""
+
+
+def _badge(text: str, tone: str) -> str:
+    return f'<span class="badge {tone}">{_esc(text)}</span>'
+
+
+def _chips(keys: list[str], tone: str = "", operator: frozenset[str] = frozenset()) -> str:
+    if not keys:
+        return '<span class="muted">none</span>'
+    return " ".join(
+        f'<span class="chip {tone}">{_esc(key)}{_OPERATOR_TAG if key in operator else ""}</span>' for key in keys
+    )
+
+
+def _when(value: str | None, now: datetime, with_date: bool = True) -> str:
+    """A time from the document as `2025-01-02 03:04:05` and how long ago; the exact value on hover."""
+    if value is None:
+        return '<span class="muted">—</span>'
+    moment = datetime.fromisoformat(value)
+    shown = moment.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
+    ago = format_age(max(0.0, (now - moment).total_seconds()))
+    return f'<span class="when" title="{_esc(value)}">{_esc(shown)} <span class="muted">{_esc(ago)} ago</span></span>'
+
+
+def _current_worker_html(worker: dict[str, Any], now: datetime) -> str:
+    sha = worker["config_sha256"]
+    return (
+        '<dl class="kv">'
+        f'<dt>PID</dt><dd class="num" id="current-pid">{_esc(worker["pid"])}</dd>'
+        f'<dt>Generation</dt><dd class="num">{_esc(worker["generation"])}</dd>'
+        f'<dt>Started</dt><dd>{_when(worker["started_at"], now)}</dd>'
+        f'<dt>Config</dt><dd class="mono" title="sha256 {_esc(sha)}">{_esc(sha[:16] if sha else None)}</dd>'
+        "</dl>"
+    )
+
+
+def _summary_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
+    dead = len(doc["dead_servers"])
+    cells = [
+        ("dead servers", dead, dead > 0),
+        ("backends hit", len(damage), bool(damage)),
+        ("with no live server", sum(d.tone == "all" for d in damage), any(d.tone == "all" for d in damage)),
+        ("old workers", len(doc["old_workers"]), False),
+        ("pushes failing", sum(w["push"]["state"] == "failed" for w in doc["old_workers"]),
+         any(w["push"]["state"] == "failed" for w in doc["old_workers"])),
+    ]
+    return '<div class="counters">' + "".join(
+        f'<div class="{"bad" if alarming else ""}"><b>{value:,}</b><span>{_esc(name)}</span></div>'
+        for name, value, alarming in cells
+    ) + "</div>"
+
+
+def _backend_chip(d: BackendDamage, old_workers: int) -> str:
+    names = ", ".join(d.dead[:TOOLTIP_NAMES])
+    if len(d.dead) > TOOLTIP_NAMES:
+        names += f" and {len(d.dead) - TOOLTIP_NAMES} more"
+    tip = f"{d.label}: {names}. Steered away in {d.steered_in} of {old_workers} old workers"
+    if d.operator:
+        tip += f"; {d.operator} marked by an operator"
+    unsteered = " unsteered" if old_workers and not d.steered_in else ""
+    return f'<span class="be{unsteered}" data-backend="{_esc(d.backend)}" title="{_esc(tip)}">{_esc(d.backend)}</span>'
+
+
+def _damage_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
+    """One line per count ("3 of 10 dead"), worst first, naming every backend with that count:
+    at 700 backends hit this stays a few hundred pixels high."""
+    if not damage:
+        return '<p class="muted">No dead servers.</p>'
+    old_workers = len(doc["old_workers"])
+    groups = [list(group) for _, group in itertools.groupby(damage, key=lambda d: (d.count, d.tone))]
+    rows = "".join(
+        f'<div class="group {group[0].tone}" data-count="{_esc(group[0].count)}">'
+        f'<span class="head">{_esc(group[0].count)}</span><span class="n">{len(group):,} '
+        f'backend{"s" if len(group) > 1 else ""}</span>'
+        + "".join(_backend_chip(d, old_workers) for d in group)
+        + "</div>"
+        for group in groups
+    )
+    dead_servers = doc["dead_servers"]
+    if len(dead_servers) <= PAGE_CHIP_LIMIT:
+        names = f"<p>{_chips(dead_servers, 'bad', frozenset(doc['operator_dead']))}</p>"
+    else:
+        names = ""
+    return (
+        f'<div class="backends" id="backends">{rows}</div>{names}'
+        '<p class="muted">Worst first; hover a backend for its dead servers (all of them are in /status). '
+        '<span class="be unsteered">dashed</span>: no old worker is steered away from it. '
+        "Old workers are steered away from dead servers. Mark or clear one with "
+        '<span class="mono">POST</span> / '
+        '<span class="mono">DELETE /servers/&lt;backend&gt;/&lt;server&gt;/dead</span>.</p>'
+    )
+
+
+def _steered_html(steered: list[str]) -> str:
+    if len(steered) <= STEERED_NAMED:
+        return _chips(steered, "bad")
+    backends = len(backends_of(tuple(steered)))
+    return f'<span class="num">{len(steered):,} servers in {backends:,} backends</span>'
+
+
+def _old_workers_html(workers: list[dict[str, Any]], now: datetime) -> str:
+    if not workers:
+        return '<p class="muted">No old workers: nothing is draining.</p>'
+    rows = []
+    for w in workers:
+        push = w["push"]
+        push_cell = _badge(push["state"], _PUSH_TONE.get(push["state"], "neutral"))
+        if push["at"]:
+            push_cell += f' <span class="muted" title="{_esc(push["at"])}">'
+            push_cell += f'{_esc(format_age((now - datetime.fromisoformat(push["at"])).total_seconds()))} ago</span>'
+        if push["error"]:
+            push_cell += f'<div class="err">{_esc(push["error"])}</div>'
+        rows.append(
+            f'<tr class="old-worker" data-pid="{_esc(w["pid"])}">'
+            f'<td class="num pid">{_esc(w["pid"])}</td><td class="num">{_esc(w["generation"])}</td>'
+            f'<td class="num" title="{_esc(w["age_s"])} s">{_esc(format_age(w["age_s"]))}</td>'
+            f'<td class="num">{_esc(format_bytes(w["rss_bytes"]))}</td>'
+            f'<td class="num">{_esc(w["connections"] if w["connections"] is not None else "?")}</td>'
+            f'<td class="steered">{_steered_html(w["steered"])}</td><td>{push_cell}</td></tr>'
+        )
+    return (
+        "<table><thead><tr><th>PID</th><th>Gen</th><th>Age</th><th>RSS</th><th>Conns</th>"
+        "<th>Steered away from</th><th>Push to worker</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+    )
+
+
+def _reloads_html(reloads: dict[str, Any], now: datetime) -> str:
+    results = [key for key in reloads if key not in ("last", "recent")]
+    counters = "".join(
+        f'<div class="{"bad" if result in ("failed", "invalid") and reloads[result] else ""}">'
+        f'<b>{_esc(reloads[result])}</b><span>{_esc(result.replace("_", " "))}</span></div>'
+        for result in results
+    )
+    if not reloads["recent"]:
+        return f'<div class="counters">{counters}</div><p class="muted">No reloads yet.</p>'
+    rows = "".join(
+        f'<tr class="reload"><td>{_when(r["at"], now)}</td>'
+        f'<td>{_badge(r["result"].replace("_", " "), _RESULT_TONE.get(r["result"], "neutral"))}</td>'
+        f'<td class="num">{_esc(format_duration_ms(r["duration_ms"]))}</td>'
+        f'<td class="err">{_esc(r["error"] or "")}</td></tr>'
+        for r in reloads["recent"]
+    )
+    return (
+        f'<div class="counters">{counters}</div>'
+        "<table><thead><tr><th>When (UTC)</th><th>Result</th><th>Took</th><th>Error</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+    )
+
+
+def render_page(
+    doc: dict[str, Any], now: datetime, sizes: Mapping[str, int] | None = None, history: History | None = None,
+) -> str:
+    """The self-contained HTML page for GET /, from the /status document, the servers per
+    backend of the running configs, and the charts' history. Every value is escaped."""
+    sup, hap = doc["supervisor"], doc["haproxy"]
+    master = _badge("master up", "good") if hap["up"] else _badge("master down", "bad")
+    ready = _badge("ready", "good") if sup["ready"] else _badge("not ready", "bad")
+    facts = (
+        f'supervisor {_esc(sup["version"])} · pid {_esc(sup["pid"])} · up {_esc(format_age(sup["uptime_s"]))}'
+        f' · HAProxy {_esc(hap["version"])} · master pid {_esc(hap["master_pid"])}'
+    )
+    damage = damage_by_backend(doc["dead_servers"], doc["operator_dead"], doc["old_workers"], sizes or {})
+    old = doc["old_workers"]
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="refresh" content="{PAGE_REFRESH_S}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>haproxy-supervisor · {_esc(len(old))} old worker(s)</title>
+<style>{_PAGE_CSS}</style></head>
+<body>
+<header><h1>haproxy-supervisor</h1>{master} {ready}<span class="facts">{facts}</span></header>
+<main>
+<div class="row">
+<section id="current"><h2>Current worker</h2>{_current_worker_html(doc["worker"], now)}</section>
+<section id="summary"><h2>Now</h2>{_summary_html(damage, doc)}</section>
+</div>
+<section id="dead"><h2>Dead servers by backend <span class="count">({len(doc["dead_servers"]):,} servers in
+{len(damage):,} backends)</span></h2>{_damage_html(damage, doc)}</section>
+<section id="history"><h2>History</h2><div class="charts">{_charts_html(history or History(), now)}</div></section>
+<section id="old-workers"><h2>Old workers <span class="count">({_esc(len(old))})</span></h2>
+{_old_workers_html(old, now)}</section>
+<section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"], now)}</section>
+</main>
+<footer>Generated {_esc(rfc3339(now))} · refreshes every {PAGE_REFRESH_S} s ·
+<a href="/status">/status</a> · <a href="/metrics">/metrics</a></footer>
+</body></html>
+"""
+
+
+def page_of(state: State, doc: dict[str, Any], now: datetime, sizes: BackendSizes) -> str:
+    """render_page() for the daemon: `doc` is status_document(state, ...) at `now`; `sizes`
+    lives as long as the app serving the page."""
+    return render_page(doc, now, sizes.of(running_generations(state)), History.of(state))
