@@ -16,7 +16,7 @@ import itertools
 import math
 import re
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -219,19 +219,26 @@ def _empty(label: str, message: str) -> str:
                 "", "", "")
 
 
-def _bars(label: str, values: list[tuple[str, float, str]], low: float, unit_max: str, since: str) -> str:
-    """One bar per value, oldest left, on a log scale: (tooltip, value, tone)."""
-    high = max(max(v for _, v, _ in values), low * 10)
-    step = (CHART_W - _PLOT_LEFT) / max(len(values), 24)
+def _bars(
+    label: str, noun: str, bars: list[tuple[datetime, float, str, str]], low: float,
+    shown: Callable[[float], str], now: datetime,
+) -> str:
+    """One bar per (when, value, tone, what) in `bars`, oldest left, on a log scale from `low`."""
+    if not bars:
+        return _empty(label, f"no {noun} yet")
+    high = max(max(value for _, value, _, _ in bars), low * 10)
+    step = (CHART_W - _PLOT_LEFT) / max(len(bars), 24)
     width = max(1.0, step * 0.7)
-    bars = []
-    for i, (tip, value, tone) in enumerate(values):
+    rects = []
+    for i, (at, value, tone, what) in enumerate(bars):
         height = _log_height(value, low, high)
-        bars.append(
+        rects.append(
             f'<rect x="{_PLOT_LEFT + i * step:.1f}" y="{_PLOT_BOTTOM - height:.1f}" width="{width:.1f}" '
-            f'height="{height:.1f}" fill="{_TONE_FILL[tone]}"><title>{_esc(tip)}</title></rect>'
+            f'height="{height:.1f}" fill="{_TONE_FILL[tone]}"><title>{_esc(f"{rfc3339(at)} {what}")}</title></rect>'
         )
-    return _svg(label, "".join(bars), f"max {unit_max} (log scale)", since, "now")
+    worst = max(value for _, value, _, _ in bars)
+    since = f"{len(bars)} {noun}, since {format_age((now - bars[0][0]).total_seconds())} ago"
+    return _svg(label, "".join(rects), f"max {shown(worst)} (log scale)", since, "now")
 
 
 _RESULT_TONE = {
@@ -240,30 +247,16 @@ _RESULT_TONE = {
 
 
 def reload_chart(records: Iterable[ReloadRecord], now: datetime) -> str:
-    records = list(records)
-    label = "Reload durations"
-    if not records:
-        return _empty(label, "no reloads yet")
-    values = [
-        (f"{rfc3339(r.at)} {r.result} {format_duration_ms(r.duration_ms)}", r.duration_ms,
-         _RESULT_TONE.get(r.result, "neutral"))
+    bars = [
+        (r.at, r.duration_ms, _RESULT_TONE.get(r.result, "neutral"), f"{r.result} {format_duration_ms(r.duration_ms)}")
         for r in records
     ]
-    worst = max(r.duration_ms for r in records)
-    since = f"{len(records)} reloads, since {format_age((now - records[0].at).total_seconds())} ago"
-    return _bars(label, values, 1.0, format_duration_ms(worst), since)
+    return _bars("Reload durations", "reloads", bars, 1.0, format_duration_ms, now)
 
 
 def push_chart(points: Iterable[tuple[datetime, float]], now: datetime) -> str:
-    points = list(points)
-    label = "Push latency"
-    if not points:
-        return _empty(label, "no pushes yet")
-    values = [(f"{rfc3339(at)} {format_seconds(s)}", s, "good" if s < 0.1 else "warn" if s < 1 else "bad")
-              for at, s in points]
-    worst = max(s for _, s in points)
-    since = f"{len(points)} pushes, since {format_age((now - points[0][0]).total_seconds())} ago"
-    return _bars(label, values, 0.001, format_seconds(worst), since)
+    bars = [(at, s, "good" if s < 0.1 else "warn" if s < 1 else "bad", format_seconds(s)) for at, s in points]
+    return _bars("Push latency", "pushes", bars, 0.001, format_seconds, now)
 
 
 def old_workers_chart(points: Iterable[tuple[datetime, int]], now: datetime) -> str:
