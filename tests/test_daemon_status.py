@@ -132,6 +132,12 @@ async def test_every_endpoint_of_a_running_daemon(make, rundir):
 
             code, page = await get("/")
             assert code == 200 and str(worker) in page and "app/s1" in page
+            # Grouped by backend, and charted from what the daemon noted as it ran: the reloads,
+            # the pushes, and the old worker it has been polling.
+            assert '<div class="group all" data-count="1 of 1 dead">' in page
+            assert 'data-backend="app"' in page
+            assert "not sampled yet" not in page and "no reloads yet" not in page and "no pushes yet" not in page
+            assert "now 1</text>" in page  # the old workers chart ends at the one old worker
 
             # Cleared: the old worker's map is emptied again.
             code, body = await call("DELETE", "/servers/app/s1/dead", headers=auth)
