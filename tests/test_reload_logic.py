@@ -135,6 +135,36 @@ def test_confirm_on_34_shape():
     assert confirm_reload(before, after) == "ok"
 
 
+# Captured on 3.4.0 (3.2.0 alike) after a reload that could not bind: `# workers` is empty and the
+# worker that still serves (`@!9425 show info`: Stopping: 0) is listed under `# old workers`.
+FAILED_RELOAD_34 = (
+    "#<PID>          <type>          <reloads>       <uptime>        <version>      \n"
+    "9417            master          2 [failed: 1]   0d00h00m05s     3.4.0-64a335366\n"
+    "# workers\n"
+    "# old workers\n"
+    "9425            worker          1               0d00h00m04s     3.4.0-64a335366\n"
+    "9419            worker          2               0d00h00m06s     3.4.0-64a335366\n\n"
+)
+
+
+def test_the_serving_worker_listed_as_old_after_a_failed_reload_is_current():
+    procs = parse_show_proc(FAILED_RELOAD_34)
+    assert procs.current_worker is not None and procs.current_worker.pid == 9425
+    assert [p.pid for p in procs.old_workers] == [9419], "only the one that really drains is old"
+
+
+def test_a_failed_reload_on_34_is_failed_not_a_new_worker():
+    before = parse_show_proc(
+        "#<PID>          <type>          <reloads>       <uptime>        <version>\n"
+        "9417            master          1 [failed: 0]   0d00h00m02s     3.4.0\n"
+        "# workers\n9425            worker          0               0d00h00m01s     3.4.0\n"
+        "# old workers\n9419            worker          1               0d00h00m03s     3.4.0\n"
+    )
+    after = parse_show_proc(FAILED_RELOAD_34)
+    assert confirm_reload(before, after) == "failed"
+    assert old_workers_over_max(after, 0) == [p for p in after.old_workers if p.pid == 9419]
+
+
 # ---------------------------------------------------------------- old workers max
 
 

@@ -190,6 +190,14 @@ def parse_show_proc(text: str) -> ProcList:
             workers.append(proc)
         elif section == "old" and proc.kind == "worker":
             old.append(proc)
+    if not workers and old:
+        # From 3.1 on the master lists as old every worker started before its last re-exec
+        # (reloads > 0), stopping or not. After a reload that failed, or before the new worker
+        # is forked, `# workers` is empty and the youngest of them still serves (`show info`:
+        # Stopping: 0): it is the current worker, never one to steer as old.
+        youngest = min(p.reloads for p in old)
+        workers = [p for p in old if p.reloads == youngest]
+        old = [p for p in old if p.reloads != youngest]
     return ProcList(master, failed, tuple(workers), tuple(old))
 
 
