@@ -364,6 +364,13 @@ def test_master_error_ends_the_line_early():
         ("set server b/s addr 127.0.0.1 port 1",
          "no need to change the addr, no need to change the port by 'stats socket command'", True),
         ("set server b/s addr 127.0.0.2", "IP changed from '127.0.0.1' to '127.0.0.2' by 'stats socket command'", True),
+        # 3.0 and later (seen on 3.0.0, 3.2.0, 3.4.0): each part only when it changed, or `nothing changed`.
+        ("set server b/s addr 127.0.0.1 port 23002",
+         "port changed from '23001' to '23002' by 'stats socket command'", True),
+        ("set server b/s addr 127.0.0.1 port 1", "nothing changed", True),
+        ("set server b/s addr 127.0.0.1 port +1",
+         "can't change <port> to port map because it is incompatible with current health check port "
+         "configuration (use 'port' statement from the 'server' directive).", False),
         ("set server b/s addr foo.example port 1", "Invalid addr 'foo.example' by 'stats socket command'", False),
         ("set server b/s addr 127.0.0.1 port 1", "", False),
         ("set server b/s addr 127.0.0.1 port 1", "No such server.", False),

@@ -322,10 +322,16 @@ def _server_change(old_section: Section, old: Server, new_section: Section, new:
 
 # ---------------------------------------------------------------- applying
 
+# What `set server ... addr` answers when it took. 2.6 and 2.8: `no need to change the addr, port
+# changed from 'a' to 'b' by 'stats socket command'` (either part may say changed or no need);
+# 3.0 on: `IP changed from 'a' to 'b', port changed from ... by ...`, either part alone, or
+# `nothing changed`.
 _ADDR_ACCEPTED = re.compile(
-    r"^(IP changed from '[^']*' to '[^']*'|no need to change the addr)"
-    r"(, (port changed from '[^']*' to '[^']*'|no need to change the port))?"
-    r" by '[^']*'\.?$"
+    r"^(?:nothing changed\.?"
+    r"|(?:(?:IP changed from '[^']*' to '[^']*'|no need to change the addr)"
+    r"(?:, (?:port changed from '[^']*' to '[^']*'|no need to change the port))?"
+    r"|port changed from '[^']*' to '[^']*')"
+    r" by '[^']*'\.?)$"
 )
 
 
