@@ -32,7 +32,8 @@ from pathlib import Path
 
 import psutil
 
-from .haproxy.api import CLIError, MasterCLI, ProcList
+from .haproxy.api import CLIError, MasterCLI, ProcList, parse_show_info
+from .haproxy.config import Config
 from .haproxy.server_state import clear_server_state
 from .notify import child_environment
 from .settings import Settings
@@ -81,11 +82,13 @@ def _arg_after(args: Sequence[str], flag: str) -> str | None:
 
 
 def is_our_master(cmdline: Sequence[str], settings: Settings) -> bool:
-    """Is this argv a master started for our runtime_dir? A reused PID or another
-    HAProxy on the machine must never be adopted (nor signalled)."""
-    if len(cmdline) < 2 or Path(cmdline[0]).name != Path(settings.haproxy.binary).name:
-        return False
-    if "-W" not in cmdline or "-sf" in cmdline or "-x" in cmdline:  # -sf/-x: a worker's argv after a reload
+    """Is this argv a master-worker HAProxy started for our runtime_dir?
+
+    Only for telling our workers apart from other processes (`is_our_master_worker`): a
+    master itself is recognised by the socket it holds (`find_master`), since from 3.2 on
+    its own argv after a reload reads `haproxy -sf <old> -x sockpair@4 -W ...`, like a worker's.
+    """
+    if len(cmdline) < 2 or "haproxy" not in Path(cmdline[0]).name or "-W" not in cmdline:
         return False
     socket_arg = _arg_after(cmdline, "-S")
     config_arg = _arg_after(cmdline, "-f")
@@ -95,6 +98,151 @@ def is_our_master(cmdline: Sequence[str], settings: Settings) -> bool:
         and socket_arg.split(",", 1)[0] == str(settings.haproxy.master_socket_path)
         and config_arg == str(settings.haproxy.effective_config)
     )
+
+
+# ---------------------------------------------------------------- finding our master by process facts
+
+# /proc/net/unix: `Num RefCount Protocol Flags Type St Inode Path`; Flags 00010000 = listening.
+_UNIX_LISTENING = 0x10000
+
+
+def _listening_unix_sockets(net_unix: str) -> list[tuple[int, str]]:
+    """(inode, bound path) of every listening unix socket in a /proc/net/unix text."""
+    sockets: list[tuple[int, str]] = []
+    for line in net_unix.splitlines()[1:]:
+        fields = line.split(None, 7)
+        if len(fields) == 8 and int(fields[3], 16) & _UNIX_LISTENING and fields[6].isdigit():
+            sockets.append((int(fields[6]), fields[7]))
+    return sockets
+
+
+def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int, int | None]]:
+    """(socket inode, PID named by the bound name or None) of the listeners bound at `socket_path`.
+
+    HAProxy binds a unix socket as `<path>.<pid>.tmp` and renames it into place, so the kernel
+    keeps that name, with the PID of the master that bound it: a master keeps its PID when it
+    re-executes on reload, and the name stays when the file is removed since.
+    """
+    path = str(socket_path)
+    found: list[tuple[int, int | None]] = []
+    for inode, name in _listening_unix_sockets(net_unix):
+        if name == path:
+            found.append((inode, None))
+        elif name.startswith(path + ".") and name.endswith(".tmp"):
+            pid = name[len(path) + 1 : -len(".tmp")]
+            if pid.isdigit():
+                found.append((inode, int(pid)))
+    return found
+
+
+def _holds_socket(pid: int, inode: int) -> bool:
+    target = f"socket:[{inode}]"
+    try:
+        with os.scandir(f"/proc/{pid}/fd") as fds:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path) == target:
+                        return True
+    except OSError:
+        return False
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def find_masters(settings: Settings) -> list[int]:
+    """PIDs of the live HAProxy masters serving this runtime_dir's master socket, oldest first.
+
+    Found by process facts, never by argv or the pid file: a master is a live process that holds
+    the listening unix socket bound at `haproxy.master_socket_path`, including when that file
+    was removed since (a recreated runtime_dir). Usually one; more than one means a second
+    master was started beside the first. Reads /proc only (no HAProxy CLI), so it also works
+    when the socket no longer answers. A worker never holds the master socket.
+    """
+    try:
+        net_unix = Path("/proc/net/unix").read_text()
+    except OSError:
+        return []
+    pids: set[int] = set()
+    for inode, named in master_socket_candidates(net_unix, settings.haproxy.master_socket_path):
+        if named is not None and _holds_socket(named, inode):
+            holders = [named]
+        else:  # not bound under a `.<pid>.tmp` name, or that PID was reused: look at every process
+            holders = [pid for pid in psutil.pids() if _holds_socket(pid, inode)]
+        pids.update(pid for pid in holders if _alive(pid))
+
+    def started(pid: int) -> float:
+        try:
+            return psutil.Process(pid).create_time()
+        except psutil.Error:
+            return float("inf")
+
+    return sorted(pids, key=lambda pid: (started(pid), pid))
+
+
+def find_master(settings: Settings) -> int | None:
+    """The PID of the live HAProxy master of this runtime_dir (the oldest if several), or None.
+
+    Call it before starting a master: while it returns a PID, starting another one would bind
+    the same ports twice. See `find_masters`.
+    """
+    masters = find_masters(settings)
+    if len(masters) > 1:
+        log.warning("several haproxy masters hold %s: pids=%s; the oldest is ours",
+                    settings.haproxy.master_socket_path, masters)
+    return masters[0] if masters else None
+
+
+# ---------------------------------------------------------------- worker readiness
+
+
+def bind_ports(config: Config) -> set[int]:
+    """The TCP ports the config's `bind` lines listen on (literal ports; ranges, unix and the
+    like are left out: they cannot be checked this simply)."""
+    ports: set[int] = set()
+    for section in config.sections:
+        if section.kind not in ("frontend", "listen"):
+            continue
+        for line in section.body:
+            words = line.words
+            if len(words) < 2 or words[0] != "bind" or "quic" in words[1]:
+                continue
+            for address in words[1].split(","):
+                family, at, rest = address.rpartition("@")
+                if at and family not in ("ipv4", "ipv6", "tcp", "tcp4", "tcp6"):
+                    continue
+                port = rest.rpartition(":")[2]
+                if port.isdigit():
+                    ports.add(int(port))
+    return ports
+
+
+def _listening_ports(pid: int) -> set[int]:
+    try:
+        return {c.laddr.port for c in psutil.Process(pid).net_connections("inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr}
+    except psutil.Error:
+        return set()
+
+
+async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
+    """Does the worker answer `@!<pid>` on the master CLI, and listen on every port in `ports`?
+
+    Being listed by `show proc` is not enough: from 3.1 on the master lists a new worker before
+    that worker has loaded its config, bound its ports or can be reached through the master.
+    """
+    try:
+        info = parse_show_info(await cli.on(pid, "show info", timeout=2))
+    except CLIError:
+        return False
+    if info.get("Pid") != str(pid):
+        return False  # `Can't find the target PID matching the prefix`: not reachable yet
+    return ports <= _listening_ports(pid)
 
 
 def read_pid_file(path: Path) -> int | None:
@@ -163,14 +311,25 @@ class MasterProcess:
         """Ask run() to start the master (the effective config is on disk)."""
         self._wanted.set()
 
-    def _is_our_haproxy(self, pid: int) -> bool:
+    def _config_ports(self) -> set[int]:
+        """The ports the effective config on disk binds: what a ready worker listens on."""
         try:
-            proc = psutil.Process(pid)
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return False
-            return is_our_master(proc.cmdline(), self.settings)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            return False
+            return bind_ports(Config.parse(self.settings.haproxy.effective_config.read_text()))
+        except (OSError, UnicodeDecodeError):
+            return set()
+
+    async def _ready_worker(self, master_pid: int, ports: set[int]) -> tuple[ProcList | None, str]:
+        """`show proc` when it lists `master_pid` with a current worker that is ready, else why not."""
+        try:
+            procs = await self.cli.show_proc()
+        except CLIError as exc:
+            return None, str(exc)
+        worker = procs.current_worker
+        if procs.master is None or procs.master.pid != master_pid or worker is None:
+            return None, f"show proc lists master {procs.master.pid if procs.master else None}, no current worker"
+        if not await worker_ready(self.cli, worker.pid, ports):
+            return None, f"worker {worker.pid} is listed but does not answer or listen yet"
+        return procs, ""
 
     # ------------------------------------------------------------ exit watching
 
@@ -224,8 +383,9 @@ class MasterProcess:
     # ------------------------------------------------------------ start / adopt
 
     async def start(self) -> ProcList:
-        """Start a master on the effective config on disk; return once its first worker is listed."""
+        """Start a master on the effective config on disk; return once its first worker is ready."""
         cmd = master_command(self.settings)
+        ports = self._config_ports()
         # A fresh master has no worker to hand states over from: a previous run's file would
         # put servers in states nobody asked for.
         clear_server_state(self.settings.haproxy.server_state_file)
@@ -246,16 +406,15 @@ class MasterProcess:
                 how = self._reap()
                 self._child = None
                 raise MasterError(f"haproxy master pid={child.pid} exited while starting ({how}); see its messages")
-            try:
-                procs = await self.cli.show_proc()
-                if procs.master is not None and procs.master.pid == child.pid and procs.current_worker is not None:
-                    break
-            except CLIError:
-                pass
+            ready, why = await self._ready_worker(child.pid, ports)
+            if ready is not None:
+                procs = ready
+                break
             if time.monotonic() > deadline:
                 self._kill_group(child.pid)
                 raise MasterError(
-                    f"haproxy master pid={child.pid} listed no worker within {self.settings.reload.timeout_s}s: killed"
+                    f"haproxy master pid={child.pid} has no ready worker within {self.settings.reload.timeout_s}s "
+                    f"({why}): killed"
                 )
             await self._wait_exit(POLL_S)
         self._mark_up(child.pid)
@@ -266,42 +425,35 @@ class MasterProcess:
     async def adopt(self) -> ProcList | None:
         """Take over a master a previous daemon started for this runtime_dir, or None if there is none.
 
-        Raises MasterError when our master is alive but its socket does not answer: starting a
-        second HAProxy next to it would bind the same ports twice.
+        The master is found by the socket it holds (`find_master`), not by its argv nor only by
+        the pid file. Raises MasterError when our master is alive but its socket does not answer:
+        starting a second HAProxy next to it would bind the same ports twice.
         """
         h = self.settings.haproxy
-        pid = read_pid_file(h.pid_file)
-        if pid is not None and not self._is_our_haproxy(pid):
-            log.info("pid file %s names pid=%d, which is not our haproxy master: stale, ignored", h.pid_file, pid)
-            pid = None
+        pid = find_master(self.settings)
+        recorded = read_pid_file(h.pid_file)
+        if recorded is not None and recorded != pid:
+            log.info("pid file %s names pid=%d, which is not our haproxy master: stale, ignored", h.pid_file, recorded)
         if pid is None:
-            if not h.master_socket_path.exists():
-                return None
-            # The pid file may be gone while the master runs: its socket knows the PID too.
-            try:
-                procs = await self.cli.show_proc()
-            except CLIError:
-                return None
-            if procs.master is None or not self._is_our_haproxy(procs.master.pid):
-                return None
-            pid = procs.master.pid
+            return None
+        if not h.master_socket_path.exists():
+            raise MasterError(
+                f"haproxy master pid={pid} still holds {h.master_socket_path}, which was removed: "
+                "refusing to start a second HAProxy"
+            )
+        ports = self._config_ports()
         deadline = time.monotonic() + self.settings.reload.timeout_s
-        last_error = "no answer"
         while True:
-            try:
-                procs = await self.cli.show_proc()
-                if procs.master is not None and procs.master.pid == pid and procs.current_worker is not None:
-                    break
-                last_error = f"show proc lists master {procs.master.pid if procs.master else None}, no current worker"
-            except CLIError as exc:
-                last_error = str(exc)
-            if not self._is_our_haproxy(pid):
+            procs, why = await self._ready_worker(pid, ports)
+            if procs is not None:
+                break
+            if not _alive(pid):
                 log.info("haproxy master pid=%d went away during adoption", pid)
                 return None
             if time.monotonic() > deadline:
                 raise MasterError(
-                    f"haproxy master pid={pid} is alive but {h.master_socket_path} does not answer `show proc` "
-                    f"({last_error}): refusing to start a second HAProxy"
+                    f"haproxy master pid={pid} is alive but {h.master_socket_path} shows no ready worker "
+                    f"({why}): refusing to start a second HAProxy"
                 )
             await asyncio.sleep(0.1)
         self._child = None

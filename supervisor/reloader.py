@@ -44,7 +44,7 @@ from .gcpolicy import collector_paused, settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
 from .haproxy.config import Config
-from .master import MasterProcess
+from .master import MasterProcess, bind_ports, worker_ready
 from .notify import Notifier, summary_line
 from .settings import Settings
 from .state import Generation, ReloadRecord, ReloadResult, State, utcnow
@@ -539,7 +539,7 @@ class Reloader:
             # 2.6 closes the connection as the master re-executes; `show proc` decides.
             log.debug("reload command: %s", exc)
         if verdict == "pending":
-            verdict, after, error = await self._confirm(before, deadline)
+            verdict, after, error = await self._confirm(before, deadline, bind_ports(model))
         if verdict == "ok" and after is not None and after.current_worker is not None:
             record = self._reload_ok(effective, model, inputs, after, started)
         else:
@@ -550,7 +550,9 @@ class Reloader:
             settle_after_reload()  # after the old workers are steered, never before
         return record
 
-    async def _confirm(self, before: ProcList, deadline: float) -> tuple[Verdict, ProcList | None, str | None]:
+    async def _confirm(
+        self, before: ProcList, deadline: float, ports: set[int]
+    ) -> tuple[Verdict, ProcList | None, str | None]:
         after: ProcList | None = None
         while True:
             if not self.master.alive:
@@ -558,6 +560,9 @@ class Reloader:
             try:
                 after = await self.cli.show_proc()
                 verdict = confirm_reload(before, after)
+                worker = after.current_worker
+                if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
+                    verdict = "pending"  # 3.1+ lists the new worker before it has loaded and bound
             except CLIError:
                 verdict = "pending"
             if verdict == "ok":

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from supervisor.haproxy.config import Config
 from supervisor.master import (
+    bind_ports,
     describe_exit,
     is_our_master,
     is_our_master_worker,
     master_command,
+    master_socket_candidates,
     next_backoff,
     read_pid_file,
 )
@@ -51,7 +54,6 @@ def test_is_our_master():
     assert not is_our_master(["python3", "-W", "-S", "/run/hs/master.sock", "-f", "/run/hs/haproxy.cfg"], s)
     assert not is_our_master(["haproxy", "-S", "/run/hs/master.sock", "-f", "/run/hs/haproxy.cfg"], s)
     worker = ["haproxy", "-sf", "10822", "-x", "sockpair@3", *ours[1:]]
-    assert not is_our_master(worker, s), "a worker's argv is not a master"
     assert is_our_master_worker(worker, s)
     assert is_our_master_worker(["haproxy", "-sf", "1", "2", "3", "-x", "sockpair@3", *ours[1:]], s)
     assert not is_our_master_worker([a.replace("/run/hs", "/run/other") for a in worker], s)
@@ -72,3 +74,34 @@ def test_describe_exit():
     assert describe_exit(0) == "exit code 0"
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(None).startswith("exit status unknown")
+
+
+# /proc/net/unix on 3.4.0 after two reloads: the master (pid 9417) binds `<path>.<pid>.tmp` and
+# renames it; the name stays after re-exec and after the file is removed. Its argv then reads
+# `haproxy -sf 9425 -x sockpair@4 -W -S ...`, so the socket, not the argv, says which is ours.
+NET_UNIX = """\
+Num       RefCount Protocol Flags    Type St Inode Path
+00000000d8f6ef1c: 00000002 00000000 00010000 0001 01 38751 /run/hs/master.sock.9417.tmp
+00000000d8f6ef1d: 00000002 00000000 00010000 0001 01 38752 /run/hs/stats.sock.9417.tmp
+00000000d8f6ef1e: 00000003 00000000 00000000 0001 03 38753 /run/hs/master.sock.9417.tmp
+00000000d8f6ef1f: 00000002 00000000 00010000 0001 01 38754 /run/other/master.sock.7000.tmp
+00000000d8f6ef20: 00000002 00000000 00010000 0001 01 38755 /run/hs/master.sock
+00000000d8f6ef21: 00000002 00000000 00010000 0001 01 38756 /run/hs/master.sock.x.tmp
+00000000d8f6ef22: 00000002 00000000 00010000 0001 01 38757
+"""
+
+
+def test_master_socket_candidates_are_our_listeners_with_the_pid_that_bound_them():
+    assert master_socket_candidates(NET_UNIX, Path("/run/hs/master.sock")) == [(38751, 9417), (38755, None)]
+    assert master_socket_candidates(NET_UNIX, Path("/run/nothing/master.sock")) == []
+
+
+def test_bind_ports():
+    config = Config.parse(
+        "global\n    stats socket /run/hs/stats.sock\n"
+        "frontend fe\n    bind 127.0.0.1:8080\n    bind :8443,ipv6@[::1]:8444 ssl crt x.pem\n"
+        "    bind unix@/run/hs/fe.sock\n    bind 127.0.0.1:9000-9010\n    bind quic4@:443\n"
+        "listen stats\n    bind 127.0.0.1:9100\n"
+        "backend be\n    server s 127.0.0.1:80\n"
+    )
+    assert bind_ports(config) == {8080, 8443, 8444, 9100}
