@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,11 @@ from tests.support.daemon import daemons
 from tests.support.harness import haproxy_binary, short_tmpdir
 
 CORPUS = Path(__file__).parent / "corpus"
+
+if os.environ.get("HAPROXY_BIN"):
+    # Settings that name `haproxy` (the default), and `haproxy -c` in the tests, find the chosen
+    # binary first; `make test-all` runs the suite once per binary this way.
+    os.environ["PATH"] = f"{Path(haproxy_binary()).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import psutil
 import yaml
 
 from supervisor.haproxy.api import MasterCLI, ProcList
-from tests.support.harness import ROOT, kill_tree
+from tests.support.harness import ROOT, haproxy_binary, kill_tree
 
 RENDERED = """\
 global
@@ -71,6 +71,7 @@ class Daemon:
         self.settings_path = directory / "settings.yaml"
         base: dict = {
             "haproxy": {
+                "binary": haproxy_binary(),
                 "config": str(self.rendered),
                 "runtime_dir": str(self.runtime),
                 "stop_timeout_s": 5,

@@ -27,6 +27,14 @@ BACKEND_SCRIPT = ROOT / "demo" / "backend.py"
 
 
 def haproxy_binary() -> str:
+    """The HAProxy the suite runs: $HAPROXY_BIN (`make test-all` sets it per version), else the
+    one on PATH, else Debian's."""
+    chosen = os.environ.get("HAPROXY_BIN")
+    if chosen:
+        found = shutil.which(chosen)
+        if not found:
+            raise RuntimeError(f"HAPROXY_BIN={chosen}: not an executable file")
+        return str(Path(found).resolve())
     found = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
     if not found:
         raise RuntimeError("haproxy is not installed: run `make test`, which installs Debian's package")
