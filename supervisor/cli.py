@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .binary import with_resolved_binary
 from .effective import (
     RenderedConfigError,
     load_effective,
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(path: str) -> Settings:
-    return load_settings(path)
+    return with_resolved_binary(load_settings(path))
 
 
 def cmd_render(settings: Settings) -> int:

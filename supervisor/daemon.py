@@ -169,8 +169,9 @@ class Daemon:
         )
         self._install_signals()
         log.info(
-            "haproxy-supervisor starting pid=%d haproxy=%s runtime_dir=%s",
-            self.state.supervisor_pid, self.state.haproxy_version, settings.haproxy.runtime_dir,
+            "haproxy-supervisor starting pid=%d haproxy=%s binary=%s runtime_dir=%s",
+            self.state.supervisor_pid, self.state.haproxy_version, settings.haproxy.binary,
+            settings.haproxy.runtime_dir,
         )
         try:
             adopted = await self.master.adopt()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.haproxy.api import parse_show_map
-from tests.support.harness import KeepAliveClient, backends, free_port
+from tests.support.harness import KeepAliveClient, backends, free_port, haproxy_binary
 
 pytestmark = pytest.mark.haproxy
 
@@ -103,7 +104,9 @@ async def test_every_endpoint_of_a_running_daemon(make, rundir):
             assert doc, json.loads((await get("/status"))[1])
             assert doc["supervisor"]["ready"] is True
             assert doc["worker"]["generation"] == 2 and doc["worker"]["pid"] != worker
-            assert doc["haproxy"]["master_pid"] and doc["haproxy"]["version"].startswith("2.")
+            assert doc["haproxy"]["master_pid"] and doc["haproxy"]["binary"] == haproxy_binary()
+            version = subprocess.run([haproxy_binary(), "-v"], capture_output=True, text=True).stdout
+            assert f"version {doc['haproxy']['version']} " in version
             assert doc["reloads"]["ok"] >= 1 and doc["reloads"]["last"]["result"] == "ok"
             assert doc["dead_servers"] == ["app/s1"] and doc["operator_dead"] == ["app/s1"]
             old = next(w for w in doc["old_workers"] if w["pid"] == worker)

