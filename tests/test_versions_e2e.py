@@ -56,7 +56,8 @@ def masters_holding(socket_path: Path) -> list[int]:
     Independent of the daemon's own discovery, so a second master cannot hide from it."""
     named = {}
     for proc in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and str(socket_path) in (proc.info["cmdline"] or []):
+        args = [a.split(",", 1)[0] for a in proc.info["cmdline"] or []]  # `-S <path>[,<options>]`
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and str(socket_path) in args:
             named[proc.info["pid"]] = proc.info["ppid"]
     return sorted(pid for pid, ppid in named.items() if ppid not in named)
 
