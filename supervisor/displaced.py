@@ -50,7 +50,7 @@ from .haproxy.api import (
     parse_show_map,
     validate_name,
 )
-from .haproxy.config import Config, Section, Server
+from .haproxy.config import Config, ProxySettings, Section, Server, section_servers
 from .haproxy.inject import COUNT_SUFFIX, HOP_SEPARATOR, SLOT_TABLE_PREFIX, is_guarded
 from .settings import Settings
 from .state import Generation, OldWorker, PushState, State, utcnow
@@ -103,7 +103,7 @@ class SectionDigest:
     all_backups: bool  # `option allbackups`
 
     @classmethod
-    def of(cls, servers: list[Server], section: Section) -> SectionDigest:
+    def of(cls, servers: list[Server], section: Section, all_backups: bool) -> SectionDigest:
         at_keys: dict[At, list[str]] = {}
         for s in servers:
             if not s.disabled:
@@ -117,7 +117,7 @@ class SectionDigest:
             named_hosts=tuple(s for s in servers if s.port is not None and not _is_ip(s.address)),
             slots=tuple(s for s in servers if not s.backup),
             guarded=is_guarded(section),
-            all_backups=_has_option(section.body, "allbackups"),
+            all_backups=all_backups,
         )
 
 
@@ -130,26 +130,20 @@ class SectionCache:
     generations share their unchanged sections (memory, and identity for quick comparisons)."""
 
     def __init__(self) -> None:
-        self.entries: dict[tuple[str, str], SectionDigest] = {}
+        self.entries: dict[tuple[ProxySettings, str], SectionDigest] = {}
 
     def sections_of(self, model: Config) -> dict[str, SectionDigest]:
         result: dict[str, SectionDigest] = {}
-        defaults_text: dict[int, str] = {}  # a defaults section serves hundreds of backends: render it once
-        for section, defaults in model.backends_with_defaults():
-            if defaults is None:
-                inherited = ""
-            elif (inherited := defaults_text.get(id(defaults))) is None:
-                inherited = defaults_text[id(defaults)] = defaults.render()
+        for section, settings in model.backends_with_settings():
             header = section.header.raw if section.header is not None else ""
             text = header + "".join([line.raw for line in section.body])
             # Every reload that moves a replica names a new slot table in every guarded
             # section; the digest does not depend on the name, and must stay shared.
-            key = (inherited, _SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text)
+            key = (settings, _SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text)
             digest = self.entries.get(key)
             if digest is None:
-                # A two-section config resolves `default-server` lines exactly as the whole one.
-                servers = Config([defaults, section] if defaults is not None else [section]).servers()
-                digest = self.entries[key] = SectionDigest.of(servers, section)
+                servers = section_servers(section, settings)
+                digest = self.entries[key] = SectionDigest.of(servers, section, settings.all_backups)
             result[section.name] = digest
         return result
 
@@ -537,10 +531,6 @@ def steer_map_entries(
 ) -> dict[str, str]:
     """steer_entries() for a model not digested yet."""
     return steer_entries(ConfigDigest.of(model), dead, no_backup, unusable)
-
-
-def _has_option(body: Iterable, name: str) -> bool:
-    return any(line.words[:2] == ("option", name) for line in body)
 
 
 def count_key(backend: str) -> str:

@@ -16,7 +16,6 @@ from supervisor.haproxy.inject import (
     guard_block,
     guarded_backends,
     inject_guard,
-    proxy_modes,
     slot_table,
     slot_table_text,
 )
@@ -187,11 +186,3 @@ def test_guarded_corpus_passes_haproxy_check_without_warnings(haproxy, tmp_path,
     result = subprocess.run([haproxy, "-c", "-f", str(out)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stdout + result.stderr, result.stdout + result.stderr
-
-
-@pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
-def test_proxy_modes_in_one_pass_agree_with_mode_of(path):
-    config = Config.parse(path.read_text())
-    modes = proxy_modes(config)
-    proxies = [s for s in config.sections if s.kind in ("backend", "listen", "frontend")]
-    assert proxies and all(modes[id(s)] == config.mode_of(s) for s in proxies)

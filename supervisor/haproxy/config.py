@@ -40,19 +40,23 @@ SECTION_KEYWORDS = frozenset(
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
 BACKEND_KINDS = frozenset({"backend", "listen"})
 
-# Server keywords that take one argument. Knowing them keeps an argument such as
-# `observe layer4` or `track be/check` from being read as a flag.
+# Server keywords that take one argument, in HAProxy 2.6 to 3.x (`source` takes an address,
+# then optionally `usesrc <addr>` and `interface <name>`, each read here as a keyword with its
+# argument). Knowing them keeps an argument such as `observe layer4` or `track be/check` from
+# being read as a flag. tests/test_server_keywords.py holds it to the binary, keyword by keyword.
 _SERVER_KEYWORDS_WITH_ARG = frozenset(
-    """
-    addr agent-addr agent-inter agent-port agent-send alpn ca-file check-alpn check-
-    proto check-sni ciphers ciphersuites client-sigalgs cookie crl-file crt curves
-    downinter error-limit fall fastinter guid hash-key id init-addr inter log-bufsize
-    log-proto max-reuse maxconn maxqueue minconn namespace npn observe on-error on-
-    marked-down on-marked-up pool-conn-name pool-low-conn pool-max-conn pool-purge-delay
-    port proto redir resolve-net resolve-opts resolve-prefer resolvers rise send-
-    proxy-v2-options shard sigalgs slowstart sni socks4 source ssl-max-ver ssl-min-ver
-    tcp-ut track verifyhost weight ws usesrc interface
-    """.split()  # noqa: SIM905 - a word list reads better as text
+    {
+        "addr", "agent-addr", "agent-inter", "agent-port", "agent-send", "alpn", "ca-file", "cc",
+        "check-alpn", "check-pool-conn-name", "check-proto", "check-sni", "ciphers", "ciphersuites",
+        "client-sigalgs", "cookie", "crl-file", "crt", "curves", "downinter", "error-limit", "fall",
+        "fastinter", "guid", "hash-key", "healthcheck", "id", "idle-ping", "init-addr", "init-state",
+        "inter", "interface", "ktls", "log-bufsize", "log-proto", "max-reuse", "maxconn", "maxqueue",
+        "minconn", "namespace", "npn", "observe", "on-error", "on-marked-down", "on-marked-up",
+        "pool-conn-name", "pool-low-conn", "pool-max-conn", "pool-purge-delay", "port", "proto",
+        "proxy-v2-options", "quic-cc-algo", "redir", "resolve-net", "resolve-opts", "resolve-prefer",
+        "resolvers", "rise", "shard", "sigalgs", "slowstart", "sni", "socks4", "source", "ssl-max-ver",
+        "ssl-min-ver", "tcp-md5sig", "tcp-ut", "track", "usesrc", "verify", "verifyhost", "weight", "ws",
+    }
 )
 
 
@@ -376,17 +380,6 @@ def _template_numbers(count: str) -> range:
     return range(max(first, 1), last + 1)
 
 
-def _default_flags(defaults: Section | None) -> ServerFlags:
-    """The flags the `default-server` lines of a defaults section give every server."""
-    flags = _NO_FLAGS
-    if defaults is not None:
-        for line in defaults.body:
-            words = line.words
-            if words and words[0] == "default-server":
-                flags = flags.apply(words[1:])
-    return flags
-
-
 def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, Line, ServerFlags]]:
     """Each `server` and `server-template` line of a backend's body that has its address: its
     index, the line, and the flags in force before its own parameters, starting from `flags`
@@ -415,6 +408,61 @@ def server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tup
 
 
 _NO_FLAGS = ServerFlags()
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What applies to a proxy, resolved the way HAProxy resolves it (cfgparse-listen.c):
+
+    - a proxy starts as a copy of its defaults section: the one it names with `from`, else
+      the last `defaults` section before it;
+    - a `defaults` section starts as a copy of the one it names with `from`, else from
+      HAProxy's built-in defaults: it does NOT inherit from the `defaults` before it;
+    - then the section's own lines apply in order, the last one of a keyword winning.
+
+    For a proxy, `server_defaults` holds the `default-server` flags its defaults pass on,
+    which its own server lines start from (its own `default-server` lines apply to the
+    server lines after them only); for a defaults section, the flags it passes on.
+    """
+
+    mode: str = "tcp"
+    balance: tuple[str, ...] = ("roundrobin",)  # the words after `balance`
+    all_backups: bool = False  # `option allbackups`
+    server_defaults: ServerFlags = _NO_FLAGS
+
+
+_BUILT_IN = ProxySettings()
+# The first words of the lines that change a ProxySettings; every other line is passed over.
+_SETTING_KEYWORDS = frozenset({"mode", "balance", "option", "no", "default", "default-server"})
+
+
+def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxySettings:
+    """`base` (what the section inherits) with the section's own lines applied."""
+    mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
+    changed = False
+    for line in body:
+        words = line.words
+        if not words or words[0] not in _SETTING_KEYWORDS:
+            continue
+        kw = words[0]
+        if kw == "mode" and len(words) > 1:
+            mode = words[1]
+        elif kw == "balance" and len(words) > 1:
+            balance = words[1:]
+        elif words[-1:] == ("allbackups",) and words[-2:-1] == ("option",):
+            # `option allbackups`, `no option allbackups`, `default option allbackups`
+            prefix = words[:-2]
+            all_backups = True if not prefix else False if prefix == ("no",) else base.all_backups
+        elif kw == "default-server" and is_defaults:
+            flags = flags.apply(words[1:])
+        else:
+            continue
+        changed = True
+    if not changed:
+        return base
+    return ProxySettings(mode, balance, all_backups, flags)
+
+
 # (the defaults' flags, a backend body's text) -> _server_line_flags of that body: nothing else
 # goes into it, so an edited line or `default-server` gives another key, never a stale entry.
 _SERVER_FLAGS: RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = RecentlyUsed()
@@ -471,8 +519,11 @@ class Config:
         return next((s for s in self.backends() if s.name == name), None)
 
     def defaults_for(self, proxy: Section) -> Section | None:
-        """The defaults section a proxy inherits from: its `from`, else the last one before it."""
+        """The defaults section a section starts from: its `from`, else (proxies only) the last
+        one before it. A defaults section without `from` starts from HAProxy's built-in values."""
         wanted = proxy.from_defaults
+        if wanted is None and proxy.kind == "defaults":
+            return None
         last: Section | None = None
         for section in self.sections:
             if section is proxy:
@@ -481,33 +532,47 @@ class Config:
                 last = section
         return last
 
+    def resolved(self) -> Iterator[tuple[Section, ProxySettings]]:
+        """Every defaults, frontend, backend and listen section with its ProxySettings, in
+        config order and one pass: `from` chains followed, defaults order as HAProxy reads it."""
+        last = _BUILT_IN  # what a proxy without `from` starts from
+        named: dict[str, ProxySettings] = {}
+        for section in self.sections:
+            kind = section.kind
+            if kind not in PROXY_KINDS:
+                continue
+            wanted = section.from_defaults
+            is_defaults = kind == "defaults"
+            # HAProxy refuses a `from` naming no defaults section before it; the model must
+            # not raise on what `haproxy -c` will reject with its own words.
+            base = named.get(wanted, _BUILT_IN) if wanted is not None else _BUILT_IN if is_defaults else last
+            settings = _resolve(base, section.body, is_defaults)
+            if is_defaults:
+                last = settings
+                if section.name:
+                    named[section.name] = settings
+            yield section, settings
+
+    def settings_of(self, proxy: Section) -> ProxySettings:
+        """What applies to one section (resolved() for a whole config: this walks from the top)."""
+        for section, settings in self.resolved():
+            if section is proxy:
+                return settings
+        return _BUILT_IN
+
+    def backends_with_settings(self) -> list[tuple[Section, ProxySettings]]:
+        """Each backend/listen section with its ProxySettings, in one pass."""
+        return [(s, settings) for s, settings in self.resolved() if s.kind in BACKEND_KINDS]
+
     def servers(self, backend: Section | None = None) -> list[Server]:
         """Every server of every backend (or of one), in config order, templates expanded."""
         if backend is not None:
-            return list(self._servers_of(backend, self.defaults_for(backend)))
+            return section_servers(backend, self.settings_of(backend))
         return [server for _, servers in self.servers_by_backend() for server in servers]
-
-    def backends_with_defaults(self) -> list[tuple[Section, Section | None]]:
-        """Each backend/listen with the defaults section it inherits from, in one pass."""
-        result: list[tuple[Section, Section | None]] = []
-        last_defaults: Section | None = None
-        named: dict[str, Section] = {}
-        for section in self.sections:
-            if section.kind == "defaults":
-                last_defaults = section
-                if section.name:
-                    named[section.name] = section
-            elif section.kind in BACKEND_KINDS:
-                wanted = section.from_defaults
-                result.append((section, named.get(wanted) if wanted is not None else last_defaults))
-        return result
 
     def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
         """Each backend/listen section with its servers, resolving defaults in one pass."""
-        return [
-            (section, list(self._servers_of(section, defaults)))
-            for section, defaults in self.backends_with_defaults()
-        ]
+        return [(section, section_servers(section, settings)) for section, settings in self.backends_with_settings()]
 
     def server_map(self) -> dict[str, Server]:
         """Servers keyed by "backend/name"."""
@@ -518,7 +583,8 @@ class Config:
         index in the body and the flags all its servers get: what servers_by_backend() tells
         about flags, without making a Server for each of 10,000 servers."""
         result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
-        for section, flags in self.backends_with_default_flags():
+        for section, settings in self.backends_with_settings():
+            flags = settings.server_defaults
             key = (flags, "".join([line.raw for line in section.body]))
             lines = _SERVER_FLAGS.get(key)
             if lines is None:
@@ -527,37 +593,9 @@ class Config:
             result.append((section, list(lines)))
         return result
 
-    def backends_with_default_flags(self) -> list[tuple[Section, ServerFlags]]:
-        """Each backend/listen section with the flags its defaults' `default-server` lines give."""
-        by_defaults: dict[int, ServerFlags] = {}  # by id: the sections live through this call
-        result: list[tuple[Section, ServerFlags]] = []
-        for section, defaults in self.backends_with_defaults():
-            flags = by_defaults.get(id(defaults))
-            if flags is None:
-                flags = by_defaults[id(defaults)] = _default_flags(defaults)
-            result.append((section, flags))
-        return result
-
-    def _servers_of(self, section: Section, defaults: Section | None) -> Iterator[Server]:
-        backend = section.name
-        for index, line, flags in _server_lines(section.body, _default_flags(defaults)):
-            words = line.words
-            if words[0] == "server":
-                yield _server(backend, words[1], words[2], words[3:], flags, False, index)
-            else:
-                params = words[4:]
-                for name in template_names(words[1], words[2]):
-                    yield _server(backend, name, words[3], params, flags, True, index)
-
     def mode_of(self, proxy: Section) -> str:
-        """`http` or `tcp` (HAProxy's default), from the proxy or its defaults."""
-        for source in (proxy, self.defaults_for(proxy)):
-            if source is None:
-                continue
-            for line in reversed(source.body):
-                if line.keyword == "mode" and len(line.words) > 1:
-                    return line.words[1]
-        return "tcp"
+        """`http` or `tcp` (HAProxy's default), as resolved by settings_of()."""
+        return self.settings_of(proxy).mode
 
     def global_setting(self, keyword: str) -> Line | None:
         for section in self.sections:
@@ -566,6 +604,21 @@ class Config:
                     if line.keyword == keyword:
                         return line
         return None
+
+
+def section_servers(section: Section, settings: ProxySettings) -> list[Server]:
+    """The servers of a backend/listen section that `settings` (Config.resolved()'s) apply to."""
+    backend = section.name
+    servers: list[Server] = []
+    for index, line, flags in _server_lines(section.body, settings.server_defaults):
+        words = line.words
+        if words[0] == "server":
+            servers.append(_server(backend, words[1], words[2], words[3:], flags, False, index))
+        else:
+            params = words[4:]
+            for name in template_names(words[1], words[2]):
+                servers.append(_server(backend, name, words[3], params, flags, True, index))
+    return servers
 
 
 def _server(

@@ -248,30 +248,29 @@ def _inject_guard(
     path is named, and the table returned stands for it without its text."""
     _GUARD_PLANS.new_generation()
     result = config.copy()
-    modes = proxy_modes(result)
-    plans: list[tuple[Section, _GuardPlan]] = []
-    for section, flags in result.backends_with_default_flags():
-        mode = modes[id(section)]
+    plans: list[tuple[Section, str, _GuardPlan]] = []
+    for section, settings in result.backends_with_settings():
+        mode, flags = settings.mode, settings.server_defaults
         key = (flags, mode, "".join([line.raw for line in section.body]))
         plan = _GUARD_PLANS.get(key)
         if plan is None:
             plan = _guard_plan(section.body, flags, mode)
             _GUARD_PLANS.put(key, plan)
-        plans.append((section, plan))
+        plans.append((section, mode, plan))
     if table_path is not None:
         table = SlotTable(table_path, "")
     else:
         assert directory is not None
-        table = SlotTable.of_rows([(s.name, list(plan.names)) for s, plan in plans if plan.names], directory)
+        table = SlotTable.of_rows([(s.name, list(plan.names)) for s, _, plan in plans if plan.names], directory)
     map_text, table_text = str(map_path), str(table.path)
     # The guard's lines differ only by mode, indentation and line ending: parse them once
     # for the 1,000 backends that share those (Lines are immutable, so they can be shared).
     blocks: dict[tuple[str, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
-    for section, plan in plans:
+    for section, mode, plan in plans:
         at = plan.at
         if at is None:
             continue
-        mode, indent = modes[id(section)], plan.indent
+        indent = plan.indent
         newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
@@ -292,29 +291,6 @@ def _inject_guard(
         use_server = use_server_alone if use_at == at else use_server_marked
         section.body = [*body[:at], *rules, *body[at:use_at], *use_server, *body[use_at:]]
     return result, table
-
-
-def proxy_modes(config: Config) -> dict[int, str]:
-    """id(section) -> Config.mode_of(section) for every section, in one pass: mode_of looks
-    the defaults up from the top each time, quadratic over thousands of backends."""
-    modes: dict[int, str] = {}
-    last: str | None = None  # mode set by the last defaults section
-    named: dict[str, str | None] = {}
-    for section in config.sections:
-        own: str | None = None
-        for line in reversed(section.body):
-            words = line.words
-            if len(words) > 1 and words[0] == "mode":
-                own = words[1]
-                break
-        wanted = section.from_defaults
-        inherited = named.get(wanted) if wanted is not None else last
-        modes[id(section)] = own or inherited or "tcp"
-        if section.kind == "defaults":
-            last = own
-            if section.name:
-                named[section.name] = own
-    return modes
 
 
 def _above_comments(body: list[Line], index: int) -> int:

@@ -263,10 +263,9 @@ def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | Non
     if config_skeleton(running) != config_skeleton(new):
         return None
     changes: list[ServerChange] = []
-    new_backends = [s for s in new.sections if s.kind in BACKEND_KINDS]
-    for old_section, new_section in zip(running.backends(), new_backends, strict=True):
-        old_servers = running.servers(old_section)
-        new_servers = new.servers(new_section)
+    for (old_section, old_servers), (new_section, new_servers) in zip(
+        running.servers_by_backend(), new.servers_by_backend(), strict=True
+    ):
         if [s.name for s in old_servers] != [s.name for s in new_servers]:
             return None  # same skeleton cannot give other names; refuse rather than guess
         for old, fresh in zip(old_servers, new_servers, strict=True):

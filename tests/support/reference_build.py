@@ -33,7 +33,6 @@ from supervisor.haproxy.inject import (
     guard_rules,
     guard_use_server,
     observe_directive,
-    proxy_modes,
 )
 from supervisor.settings import Settings
 
@@ -134,22 +133,40 @@ class Flags:
         return Flags(check, backup, observe, track)
 
 
-def defaults_for(config: Config, proxy: Section) -> Section | None:
-    wanted = proxy.from_defaults
+def defaults_for(config: Config, section: Section) -> Section | None:
+    """HAProxy's rule: the defaults named by `from`; else, for a proxy, the last defaults before
+    it; a defaults section without `from` inherits nothing."""
+    wanted = section.from_defaults
+    if wanted is None and section.kind == "defaults":
+        return None
     last: Section | None = None
-    for section in config.sections:
-        if section is proxy:
+    for other in config.sections:
+        if other is section:
             break
-        if section.kind == "defaults" and (wanted is None or section.name == wanted):
-            last = section
+        if other.kind == "defaults" and (wanted is None or other.name == wanted):
+            last = other
     return last
+
+
+def chain(config: Config, section: Section) -> list[Section]:
+    """The defaults sections a section inherits from, the farthest first."""
+    defaults = defaults_for(config, section)
+    return [] if defaults is None else [*chain(config, defaults), defaults]
+
+
+def mode_of(config: Config, section: Section) -> str:
+    mode = "tcp"
+    for source in [*chain(config, section), section]:
+        for line in source.body:
+            if line.keyword == "mode" and len(line.words) > 1:
+                mode = line.words[1]
+    return mode
 
 
 def servers(config: Config, section: Section) -> Iterator[tuple[int, Flags]]:
     """(line index, flags) of every server of a backend, one per server, templates expanded."""
     flags = Flags()
-    defaults = defaults_for(config, section)
-    if defaults is not None:
+    for defaults in chain(config, section):
         for line in defaults.body:
             if line.keyword == "default-server":
                 flags = flags.apply(line.words[1:])
@@ -237,12 +254,11 @@ def slot_table_path(config: Config, directory: Path) -> Path:
 
 def inject_guard(config: Config, map_path: str | Path, table_path: Path) -> Config:
     result = copy(config)
-    modes = proxy_modes(result)
     for section in backends(result):
         flags = [f for _, f in servers(result, section)]
         if all(f.backup for f in flags) or any(line.raw.strip() == GUARD_MARKER for line in section.body):
             continue
-        mode = modes[id(section)]
+        mode = mode_of(result, section)
         indent = next((line.indent for line in section.body if line.words), "") or "    "
         newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
         if section.header is not None and not section.header.raw.endswith("\n"):
