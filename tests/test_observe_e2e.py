@@ -37,10 +37,12 @@ backend app
 """
 
 
-async def _drain_on_old_worker(rundir, observe: bool) -> tuple[list[tuple[int, str, float]], str]:
+async def drain_on_old_worker(
+    rundir, observe: bool, rendered: str = RENDERED
+) -> tuple[list[tuple[int, str, float]], str]:
     front, r1_port = free_port(), free_port()
     with backends("fallback") as started:
-        rendered = RENDERED.format(front=front, r1=r1_port, fallback=started["fallback"].address)
+        rendered = rendered.format(front=front, r1=r1_port, fallback=started["fallback"].address)
         settings = Settings(
             observe=ObserveSettings(enabled=observe, error_limit=2),
             old_workers=OldWorkerSettings(guard=False),
@@ -84,7 +86,7 @@ async def _drain_on_old_worker(rundir, observe: bool) -> tuple[list[tuple[int, s
 
 
 async def test_old_worker_marks_vanished_server_down_and_uses_backup(rundir):
-    answers, state = await _drain_on_old_worker(rundir, observe=True)
+    answers, state = await drain_on_old_worker(rundir, observe=True)
     r1 = {s.name: s for s in parse_servers_state(state)}.get("r1")
     assert r1 is not None, (state, answers)
     assert r1.down, f"observe should have marked r1 DOWN in the old worker: {state}"
@@ -97,7 +99,7 @@ async def test_old_worker_marks_vanished_server_down_and_uses_backup(rundir):
 
 
 async def test_control_without_observe_old_worker_keeps_using_vanished_server(rundir):
-    answers, state = await _drain_on_old_worker(rundir, observe=False)
+    answers, state = await drain_on_old_worker(rundir, observe=False)
     r1 = {s.name: s for s in parse_servers_state(state)}.get("r1")
     assert r1 is not None, (state, answers)
     assert not r1.down, "without observe nothing can mark r1 down in an old worker"
