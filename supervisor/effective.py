@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import tempfile
 import time
@@ -19,8 +20,10 @@ from typing import TypeVar
 
 from .files import DEFAULT_MAX_READ_BYTES, FILE_MODE, create_if_missing, ensure_private_dir, read_regular, write_new
 from .haproxy.config import Config
-from .haproxy.inject import SLOT_TABLE_PREFIX, SlotTable, effective_config_and_table
+from .haproxy.inject import SLOT_TABLE_PREFIX, RefusedGlobal, SlotTable, effective_config_and_table, supervised_global
 from .settings import Settings, decode_text
+
+log = logging.getLogger(__name__)
 
 
 class RenderedConfigError(Exception):
@@ -59,8 +62,16 @@ def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> str:
 
 
 def build_effective(settings: Settings, rendered_text: str) -> Effective:
+    """The effective config: the rendered one without the global keywords that conflict with
+    being supervised (each drop logged; RenderedConfigError for a refused one), plus injections."""
     model = Config.parse(rendered_text)
-    effective, table = effective_config_and_table(model, settings)
+    try:
+        supervised, notes = supervised_global(model, settings.haproxy.master_socket_path)
+    except RefusedGlobal as exc:
+        raise RenderedConfigError(f"{settings.haproxy.config}: {exc}") from None
+    for note in notes:
+        log.warning("%s: %s", settings.haproxy.config, note)
+    effective, table = effective_config_and_table(supervised, settings)
     return Effective(rendered_text, sha256_text(rendered_text), model, effective.render(), effective, table)
 
 

@@ -105,6 +105,79 @@ def inject_server_state(config: Config, path: Path) -> Config:
     return result
 
 
+# ---------------------------------------------------------------- global keywords
+
+
+class RefusedGlobal(ValueError):
+    """The rendered config's global section holds a keyword the daemon cannot supervise. One line."""
+
+
+# Global keywords that conflict with being supervised, and why. The daemon starts HAProxy as
+# its own child, `haproxy -W -S <master.sock> -f <effective> -p <pid file>`, in the foreground.
+# Dropped: the keyword only fights the daemon for the master; without it HAProxy runs as the
+# rendered config means it to. Each drop is logged at every build.
+DROPPED_GLOBALS = {
+    "daemon": "the supervisor runs the HAProxy master in the foreground as its own child; "
+    "with `daemon` the master would fork away and run unsupervised",
+    "pidfile": "the supervisor passes its own pid file with -p, which overrides this one (HAProxy "
+    "never writes it); a controller must not signal HAProxy itself",
+}
+# `master-worker` alone only says what -W already says, and stays; with `no-exit-on-failure`
+# it would decide what a crashed worker does, which is the supervisor's decision.
+NO_EXIT_ON_FAILURE = "no-exit-on-failure"
+NO_EXIT_ON_FAILURE_WHY = (
+    "what a crashed worker does is the supervisor's decision, not the rendered config's "
+    "(HAProxy's default: the master exits and the supervisor restarts it)"
+)
+# Refused: no edit makes the config mean what its author meant under the supervisor.
+REFUSED_GLOBALS = {
+    "nbproc": "multi-process mode was removed in HAProxy 2.5 (threads replace it); "
+    "the supervisor tracks one worker per config",
+}
+
+
+def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list[str]]:
+    """The rendered config without the global lines that conflict with being supervised, and a
+    line saying so for each one dropped; RefusedGlobal for a line that cannot be supervised.
+
+    Lines are named by their line number in the rendered config.
+    """
+    number = 0
+    dropped: list[tuple[int, Line]] = []  # (index of the section, the line)
+    notes: list[str] = []
+    for index, section in enumerate(config.sections):
+        if section.header is not None:
+            number += 1
+        if section.kind != "global":
+            number += len(section.body)
+            continue
+        for line in section.body:
+            number += 1
+            words = line.words
+            keyword = words[0] if words else ""
+            if keyword in REFUSED_GLOBALS:
+                raise RefusedGlobal(f"line {number}: global `{keyword}` refused: {REFUSED_GLOBALS[keyword]}")
+            if keyword == "stats" and words[1:2] == ("socket",) and len(words) > 2:
+                path = words[2].removeprefix("unix@")
+                if Path(path) == master_socket:
+                    raise RefusedGlobal(
+                        f"line {number}: `stats socket {words[2]}` refused: it is the supervisor's master socket"
+                    )
+            why = DROPPED_GLOBALS.get(keyword)
+            if why is None and keyword == "master-worker" and NO_EXIT_ON_FAILURE in words[1:]:
+                why = NO_EXIT_ON_FAILURE_WHY
+            if why is not None:
+                dropped.append((index, line))
+                notes.append(f"line {number}: global `{' '.join(words)}` dropped from the effective config: {why}")
+    if not dropped:
+        return config, notes
+    result = config.copy()
+    for index, line in dropped:
+        edited = result.sections[index]
+        edited.body = [kept for kept in edited.body if kept is not line]
+    return result, notes
+
+
 # ---------------------------------------------------------------- displaced-worker guard
 
 GUARD_MARKER = "# haproxy-supervisor guard"

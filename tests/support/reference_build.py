@@ -33,6 +33,7 @@ from supervisor.haproxy.inject import (
     guard_rules,
     guard_use_server,
     observe_directive,
+    supervised_global,
 )
 from supervisor.settings import Settings
 
@@ -290,7 +291,8 @@ def inject_guard(config: Config, map_path: str | Path, table_path: Path) -> Conf
 
 def reference_effective(text: str, settings: Settings) -> tuple[str, Config]:
     """(effective text, effective model) the straightforward way."""
-    config = parse(text)
+    # The global policy is no part of the speed-up: the reference takes it as it is.
+    config, _ = supervised_global(parse(text), settings.haproxy.master_socket_path)
     table_path = slot_table_path(config, settings.haproxy.runtime_dir)
     if settings.observe.enabled:
         config = inject_observe(config, settings.observe.error_limit)
