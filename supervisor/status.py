@@ -541,6 +541,7 @@ class _Condition:
         self.every_s = every_s
         self.count = 0
         self._logged_at: float | None = None
+        self._reported = False  # logged, and not yet said to be over
 
     def happened(self, *args: object) -> None:
         self.count += 1
@@ -550,6 +551,13 @@ class _Condition:
             log.log(self.level, self.message + times, *args)
             self._logged_at = now
             self.count = 0
+            self._reported = True
+
+    def over(self, message: str, *args: object) -> None:
+        """Say the condition is over, once per report of it."""
+        if self._reported:
+            log.info(message, *args)
+            self._reported = False
 
 
 class ConnectionGuard:
@@ -566,7 +574,6 @@ class ConnectionGuard:
         self.header_timeout_s = header_timeout_s
         self.open: set[RequestHandler] = set()
         self.waiting: dict[RequestHandler, asyncio.TimerHandle] = {}  # oldest first
-        self._full = False
         self.at_limit = _Condition(
             logging.WARNING, "status: %d connections open (status.max_connections): closing the oldest "
             "idle ones and refusing the rest",
@@ -578,17 +585,14 @@ class ConnectionGuard:
 
     def admit(self, handler: RequestHandler) -> bool:
         if len(self.open) >= self.limit:
-            if not self._full:
-                self._full = True
             self.at_limit.happened(len(self.open))
             if not self.waiting:
                 return False
             oldest = next(iter(self.waiting))
             self._stop_waiting(oldest)
             oldest.force_close()
-        elif self._full and len(self.open) < self.limit // 2:
-            self._full = False
-            log.info("status: %d connections open, under the limit again", len(self.open))
+        elif len(self.open) < self.limit // 2:
+            self.at_limit.over("status: %d connections open, under the limit again", len(self.open))
         self.open.add(handler)
         loop = asyncio.get_running_loop()
         self.waiting[handler] = loop.call_later(self.header_timeout_s, self._header_timeout, handler)

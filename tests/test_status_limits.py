@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import time
@@ -195,3 +196,23 @@ def test_a_name_with_a_trailing_newline_is_refused(name: str):
 
 def test_control_a_plain_name_passes():
     assert validate_name("server", "s1.a:b-c_d") == "s1.a:b-c_d"
+
+
+# ---------------------------------------------------------------- out of descriptors (item 7)
+
+
+async def test_accept_out_of_descriptors_is_one_line_not_a_traceback_each(port: int, caplog):
+    # What asyncio's accept loop reports when accept() fails with EMFILE (selector_events).
+    loop = asyncio.get_running_loop()
+    for _ in range(50):
+        loop.call_exception_handler({
+            "message": "socket.accept() out of system resource",
+            "exception": OSError(errno.EMFILE, "Too many open files"),
+        })
+    words = ("out of system resource", "cannot accept")
+    lines = [r for r in caplog.records if any(w in r.getMessage() for w in words)]
+    assert len(lines) == 1 and "Too many open files" in lines[0].getMessage(), [r.getMessage() for r in lines]
+    assert not lines[0].exc_info
+    # Control: any other loop error still reaches the default handler.
+    loop.call_exception_handler({"message": "another loop error"})
+    assert any(r.getMessage() == "another loop error" for r in caplog.records)

@@ -1,0 +1,64 @@
+"""A big rendered config is read and parsed off the event loop (issue 13, item 5): while the
+daemon takes it in, /healthz keeps answering in a small fraction of the parse's time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from supervisor.effective import build_effective
+from supervisor.settings import load_settings
+from tests.support.daemon import tagged_config as config
+from tests.support.harness import backends, free_port
+
+pytestmark = pytest.mark.haproxy
+
+LINES = 600_000
+
+
+def big_config(front: int, server: str, tag: str) -> str:
+    """Big where only our parser pays: comment lines cost HAProxy next to nothing, and the
+    displaced-worker component (which also works on the loop per backend and server) no more
+    than for the small config; the time between the write and the reload is the read and parse."""
+    return config(front, server, tag) + "".join(f"    # line {i} of a long comment\n" for i in range(LINES))
+
+
+async def healthz_seconds(socket_path: str) -> float:
+    started = time.monotonic()
+    reader, writer = await asyncio.open_unix_connection(socket_path)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    return time.monotonic() - started
+
+
+async def test_healthz_answers_while_a_big_config_is_parsed(make):
+    front = free_port()
+    with backends("b1") as started:
+        b1 = started["b1"].address
+        d = make(config(front, b1, "small"))
+        d.start()
+        await d.wait_generation(1)
+        text = big_config(front, b1, "big")
+        # The parse on this machine, now: what /healthz would wait for if it ran on the loop.
+        settings = load_settings(d.settings_path, environ={})
+        began = time.monotonic()
+        build_effective(settings, text)
+        parse_s = time.monotonic() - began
+
+        socket_path = str(d.directory / "status.sock")
+        d.write(text)
+        latencies: list[float] = []
+        deadline = time.monotonic() + 60
+        while not d.count(r"reload (ok|invalid|failed)") and time.monotonic() < deadline:
+            latencies.append(await healthz_seconds(socket_path))
+            await asyncio.sleep(0.02)
+        await d.wait_generation(2, timeout=60)
+        worst = max(latencies)
+        assert len(latencies) > 5
+        assert worst < parse_s / 2, f"/healthz waited {worst:.2f}s; the parse takes {parse_s:.2f}s"

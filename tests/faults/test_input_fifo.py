@@ -1,0 +1,68 @@
+"""A FIFO as the rendered config (issue 13, item 5): refused in one line, while HAProxy keeps
+serving the last good config with no request lost and /healthz keeps answering at once;
+a good config written afterwards is loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from tests.support.daemon import RequestLoop
+from tests.support.daemon import tagged_config as config
+from tests.support.harness import backends, free_port
+
+pytestmark = pytest.mark.haproxy
+
+# Nobody writes into the FIFO: a daemon that opens it for reading waits forever. A /healthz
+# that has not answered after this long is stuck behind it.
+HEALTHZ_STUCK_S = 3.0
+
+
+async def healthz_seconds(socket_path: str) -> float:
+    """Time one GET /healthz on the daemon's unix socket; fails the test if it is stuck."""
+    started = time.monotonic()
+    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(socket_path), HEALTHZ_STUCK_S)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), HEALTHZ_STUCK_S)
+    except TimeoutError:
+        pytest.fail(f"/healthz did not answer within {HEALTHZ_STUCK_S}s")
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    return time.monotonic() - started
+
+
+async def test_a_fifo_as_the_rendered_config_blocks_nothing(make):
+    front = free_port()
+    with backends("b1") as started:
+        b1 = started["b1"].address
+        d = make(config(front, b1, "good"))
+        d.start()
+        await d.wait_generation(1)
+        socket_path = str(d.directory / "status.sock")
+        requests = RequestLoop(front, max_requests=4000, max_seconds=30).start()
+        try:
+            # Renamed into place, the way a controller writes its files.
+            fifo = d.rendered.with_name(".rendered.fifo")
+            os.mkfifo(fifo)
+            os.replace(fifo, d.rendered)
+            refusals = await d.wait_log(r"reload invalid: .*haproxy\.cfg: cannot read rendered config: a FIFO")
+            assert len(refusals) == 1 and "Traceback" not in d.run_log()
+            for _ in range(5):
+                await healthz_seconds(socket_path)
+                await asyncio.sleep(0.05)
+            served = len(requests.results)
+            await asyncio.sleep(0.3)
+            assert len(requests.results) > served, "HAProxy stopped serving"
+
+            d.write(config(front, b1, "back"))
+            await d.wait_generation(2)
+        finally:
+            results = await requests.stop()
+        assert results and not requests.failures, requests.failures[:5]
+        assert results[-1] == (200, "back")
+        assert d.count("Traceback") == 0
