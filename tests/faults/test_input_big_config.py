@@ -25,18 +25,6 @@ def big_config(front: int, server: str, tag: str) -> str:
     return config(front, server, tag) + "".join(f"    # line {i} of a long comment\n" for i in range(LINES))
 
 
-async def healthz_seconds(socket_path: str) -> float:
-    started = time.monotonic()
-    reader, writer = await asyncio.open_unix_connection(socket_path)
-    try:
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n")
-        answer = await asyncio.wait_for(reader.read(), 30)
-    finally:
-        writer.close()
-    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-    return time.monotonic() - started
-
-
 async def test_healthz_answers_while_a_big_config_is_parsed(make):
     front = free_port()
     with backends("b1") as started:
@@ -51,12 +39,11 @@ async def test_healthz_answers_while_a_big_config_is_parsed(make):
         build_effective(settings, text)
         parse_s = time.monotonic() - began
 
-        socket_path = str(d.directory / "status.sock")
         d.write(text)
         latencies: list[float] = []
         deadline = time.monotonic() + 60
         while not d.count(r"reload (ok|invalid|failed)") and time.monotonic() < deadline:
-            latencies.append(await healthz_seconds(socket_path))
+            latencies.append(await d.healthz_seconds(30))
             await asyncio.sleep(0.02)
         await d.wait_generation(2, timeout=60)
         worst = max(latencies)

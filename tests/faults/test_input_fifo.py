@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 
@@ -21,21 +20,6 @@ pytestmark = pytest.mark.haproxy
 HEALTHZ_STUCK_S = 3.0
 
 
-async def healthz_seconds(socket_path: str) -> float:
-    """Time one GET /healthz on the daemon's unix socket; fails the test if it is stuck."""
-    started = time.monotonic()
-    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(socket_path), HEALTHZ_STUCK_S)
-    try:
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n")
-        answer = await asyncio.wait_for(reader.read(), HEALTHZ_STUCK_S)
-    except TimeoutError:
-        pytest.fail(f"/healthz did not answer within {HEALTHZ_STUCK_S}s")
-    finally:
-        writer.close()
-    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-    return time.monotonic() - started
-
-
 async def test_a_fifo_as_the_rendered_config_blocks_nothing(make):
     front = free_port()
     with backends("b1") as started:
@@ -43,7 +27,6 @@ async def test_a_fifo_as_the_rendered_config_blocks_nothing(make):
         d = make(config(front, b1, "good"))
         d.start()
         await d.wait_generation(1)
-        socket_path = str(d.directory / "status.sock")
         requests = RequestLoop(front, max_requests=4000, max_seconds=30).start()
         try:
             # Renamed into place, the way a controller writes its files.
@@ -53,7 +36,7 @@ async def test_a_fifo_as_the_rendered_config_blocks_nothing(make):
             refusals = await d.wait_log(r"reload invalid: .*haproxy\.cfg: cannot read rendered config: a FIFO")
             assert len(refusals) == 1 and "Traceback" not in d.run_log()
             for _ in range(5):
-                await healthz_seconds(socket_path)
+                await d.healthz_seconds(HEALTHZ_STUCK_S)
                 await asyncio.sleep(0.05)
             served = len(requests.results)
             await asyncio.sleep(0.3)

@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port
+from tests.support.harness import backends, free_port, wait_for
 
 pytestmark = pytest.mark.haproxy
 
@@ -29,6 +29,8 @@ async def test_under_umask_000_nothing_in_runtime_dir_is_open_to_others(make):
         run = d.runtime
         paths = [run, run / "master.sock", run / "steer.map", run / "server-state", run / "haproxy.cfg",
                  run / "generations", run / "generations.json", run / "haproxy.pid", *run.glob("generations/*.cfg")]
+        # generations.json follows the generation's first log line by a moment.
+        wait_for(lambda: all(p.exists() for p in paths), what=" and ".join(p.name for p in paths))
         modes = {p.name: stat.S_IMODE(os.lstat(p).st_mode) for p in paths}
         assert not {name: oct(m) for name, m in modes.items() if m & 0o002}, "world-writable"
         sock = modes["master.sock"]

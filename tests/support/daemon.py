@@ -203,6 +203,24 @@ class Daemon:
         assert m
         return int(m[1])
 
+    async def healthz_seconds(self, stuck_after: float = 5.0) -> float:
+        """Time one GET /healthz on the status socket; fail the test when it is 200-less or
+        has not answered after `stuck_after` seconds (the event loop is blocked)."""
+        started = time.monotonic()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(self.directory / "status.sock")), stuck_after
+            )
+            try:
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n")
+                answer = await asyncio.wait_for(reader.read(), stuck_after)
+            finally:
+                writer.close()
+        except TimeoutError:
+            raise AssertionError(f"/healthz did not answer within {stuck_after}s") from None
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        return time.monotonic() - started
+
     # ------------------------------------------------------------ haproxy
 
     async def show_proc(self) -> ProcList:
