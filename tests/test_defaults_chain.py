@@ -17,7 +17,7 @@ from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import effective_config, inject_guard, inject_observe, slot_table
 from supervisor.haproxy.runtime import plan_runtime_apply
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
-from tests.conftest import corpus_files
+from tests.conftest import CORPUS, corpus_files
 from tests.support import reference_build as reference
 
 # The example: the mode comes from two defaults up.
@@ -205,3 +205,23 @@ def test_random_chains_agree_with_the_straightforward_rule():
             assert settings.mode == reference.mode_of(config, section), text
             expected = [(f.check, f.backup) for _, f in reference.servers(config, section)]
             assert [(s.check, s.backup) for s in config.servers(section)] == expected, text
+
+
+def test_the_chained_template_corpus_resolves_as_haproxy_reads_it():
+    config = Config.parse((CORPUS / "templates_chained.cfg").read_text())
+    settings = {s.name: st for s, st in config.resolved() if s.kind != "defaults"}
+    assert (settings["edge_http"].mode, settings["edge_http"].balance, settings["edge_http"].all_backups) == (
+        "http", ("leastconn",), True
+    )
+    assert (settings["raw_tcp"].mode, settings["mixed_slots"].all_backups) == ("tcp", False)
+    assert (settings["plain_slots"].mode, settings["plain_slots"].server_defaults.check) == ("http", False)
+    rows = dict(slot_table(config))
+    assert "maintenance_pages" not in rows  # every server a backup through the chain
+    assert rows["mixed_slots"] == ["LIVE_1", "LIVE_2", "LIVE_3"]
+    assert rows["edge_http"] == [f"APP_{i}" for i in range(1, 7)]
+    servers = config.server_map()
+    assert servers["raw_tcp/TCP_1"].check and not servers["plain_slots/SLOT_1"].check
+    ingress = Config.parse((CORPUS / "ingress_templates.cfg").read_text()).server_map()
+    assert (ingress["shop_web_8080/SRV_6"].check, ingress["shop_web_8080/SRV_6"].weight) == (True, 10)
+    assert (ingress["db_postgres_5432/SRV_3"].check, ingress["db_postgres_5432/SRV_3"].weight) == (True, None)
+    assert not ingress["default_local_service/SRV_1"].check

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime import (
     ServerChange,
+    apply_changes,
     config_skeleton,
     ordered_commands,
     plan_runtime_apply,
@@ -54,12 +56,12 @@ def test_enable_is_address_first_then_ready():
     ]
 
 
-def test_new_address_of_live_server_goes_through_maint():
-    commands = ordered_commands(change(to_address="10.0.0.7", to_port=80))
-    assert commands == [
-        "set server app/slot1 state maint",
-        "set server app/slot1 addr 10.0.0.7 port 80",
-        "set server app/slot1 state ready",
+def test_new_address_of_live_server_is_swapped_in_place():
+    """Never out of rotation (make before break), never at a placeholder."""
+    assert ordered_commands(change(to_address="10.0.0.7", to_port=80)) == ["set server app/slot1 addr 10.0.0.7 port 80"]
+    assert ordered_commands(change(to_port=81, to_weight=5)) == [
+        "set server app/slot1 addr 127.0.0.1 port 81",
+        "set server app/slot1 weight 5",
     ]
 
 
@@ -105,9 +107,9 @@ def test_no_change_no_command():
 
 
 def test_ipv6_and_portless_addresses():
-    assert ordered_commands(change(to_address="::1", to_port=8081))[1] == "set server app/slot1 addr ::1 port 8081"
+    assert ordered_commands(change(to_address="::1", to_port=8081)) == ["set server app/slot1 addr ::1 port 8081"]
     portless = change(from_port=None, to_port=None, to_address="127.0.0.2")
-    assert ordered_commands(portless)[1] == "set server app/slot1 addr 127.0.0.2"
+    assert ordered_commands(portless) == ["set server app/slot1 addr 127.0.0.2"]
 
 
 @pytest.mark.parametrize(
@@ -124,13 +126,16 @@ def test_order_invariants(was_enabled, enabled, readdress, reweight):
     commands = ordered_commands(c)
     kinds = [cmd.split()[3] for cmd in commands]  # state | addr | weight
     states = [cmd.split()[-1] for cmd in commands if cmd.split()[3] == "state"]
-    # Ready comes last, and only when the server ends enabled.
-    assert ("ready" in states) == (enabled and not (was_enabled and not readdress))
+    # Ready comes last, and only for a server that was out and ends in service.
+    assert ("ready" in states) == (enabled and not was_enabled)
     if "ready" in states:
         assert commands[-1].endswith("state ready")
+    # A server in service at both ends never leaves it: its new address is swapped in place.
+    if was_enabled and enabled:
+        assert "maint" not in states
     # Nothing is ever ready at an address before the address is set: addr precedes ready,
-    # and an address change always happens inside maint.
-    if readdress:
+    # and any other address change happens inside maint.
+    elif readdress:
         assert kinds.index("addr") > 0 and commands[0].endswith("state maint")
     # A server that ends disabled is put in maint before anything else.
     if was_enabled and not enabled:
@@ -260,7 +265,7 @@ def test_ipv6_endpoints():
     (c,) = plan(old, "backend b\n  server s ipv6@::2:81\n")
     assert (c.from_address, c.from_port, c.to_address, c.to_port) == ("::1", 80, "::2", 81)
     (c,) = plan(old, "backend b\n  server s 127.0.0.1:80\n")
-    assert ordered_commands(c)[1] == "set server b/s addr 127.0.0.1 port 80"
+    assert ordered_commands(c) == ["set server b/s addr 127.0.0.1 port 80"]
 
 
 @pytest.mark.parametrize(
@@ -401,3 +406,102 @@ def test_config_disabled_flag_alone_is_not_maint():
     states = {s.name: s for s in parse_servers_state(header + rows + "\n")}
     assert not states["slot1"].in_maint and states["slot1"].alive
     assert states["slot2"].in_maint and states["s1"].in_maint
+
+
+# ---------------------------------------------------------------- make before break
+
+
+class AnsweringCLI:
+    """Answers every command as HAProxy does when it accepts it; records what was sent, in order.
+    `refuse` names commands answered with a refusal instead."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+        self.commands: list[str] = []
+        self.refuse = refuse
+
+    async def execute(self, line: str) -> str:
+        answers = []
+        for command in line.split(";"):
+            command = command.split(" ", 1)[1]  # drop the @!<pid> prefix
+            self.commands.append(command)
+            if command in self.refuse:
+                answers.append("No such server.\n\n")
+            elif " addr " in command:
+                answers.append("no need to change the addr, port changed from '1' to '2' by 'stats socket command'\n\n")
+            else:
+                answers.append("\n")
+        return "".join(answers)
+
+
+def usable_counts(changes: list[ServerChange], commands: list[str]) -> dict[str, list[int]]:
+    """Per backend, how many servers are in service before the first command and after each."""
+    enabled = {c.key: c.was_enabled for c in changes}
+    counts = {b: [sum(v for k, v in enabled.items() if k.startswith(f"{b}/"))] for b in {c.backend for c in changes}}
+    for command in commands:
+        key = command.split()[2]
+        if command.endswith("state maint"):
+            enabled[key] = False
+        elif command.endswith("state ready"):
+            enabled[key] = True
+        backend = key.split("/")[0]
+        counts[backend].append(sum(v for k, v in enabled.items() if k.startswith(f"{backend}/")))
+    return counts
+
+
+def random_changes(rng) -> list[ServerChange]:
+    changes = []
+    for b in range(rng.randrange(1, 3)):
+        for s in range(rng.randrange(1, 5)):
+            was, now = rng.random() < 0.5, rng.random() < 0.5
+            readdress, reweight = rng.random() < 0.6, rng.random() < 0.3
+            if not (was != now or readdress or reweight):
+                readdress = True
+            changes.append(change(
+                backend=f"b{b}", server=f"s{s}", was_enabled=was, enabled=now,
+                to_port=9000 + s if readdress else 8080, to_weight=7 if reweight else 1,
+            ))
+    return changes
+
+
+async def test_a_backend_never_has_fewer_servers_during_a_change_than_at_its_ends():
+    rng = random.Random(15)
+    for _ in range(500):
+        changes = random_changes(rng)
+        cli = AnsweringCLI()
+        result = await apply_changes(cli, 1, changes, line_limit=200)  # a short limit: several lines a step
+        assert result.ok and sorted(c.key for c in result.applied) == sorted(c.key for c in changes)
+        for backend, counts in usable_counts(changes, cli.commands).items():
+            assert min(counts) >= min(counts[0], counts[-1]), (backend, changes, cli.commands)
+
+
+async def test_control_step_synchronous_order_empties_the_backend_on_a_hand_over():
+    hand_over = [
+        change(server="SRV_1", to_port=1, enabled=False),
+        change(server="SRV_2", from_port=1, to_port=8081, was_enabled=False),
+    ]
+    cli = AnsweringCLI()
+    assert (await apply_changes(cli, 1, hand_over, phased=False)).ok
+    assert min(usable_counts(hand_over, cli.commands)["app"]) == 0
+    cli = AnsweringCLI()
+    assert (await apply_changes(cli, 1, hand_over)).ok
+    assert cli.commands == [
+        "set server app/SRV_2 state maint",
+        "set server app/SRV_2 addr 127.0.0.1 port 8081",
+        "set server app/SRV_2 state ready",
+        "set server app/SRV_1 state maint",
+        "set server app/SRV_1 addr 127.0.0.1 port 1",
+    ]
+
+
+async def test_a_refused_enable_keeps_its_backends_disables_back():
+    changes = [
+        change(backend="a", server="in", from_port=1, to_port=8081, was_enabled=False),
+        change(backend="a", server="out", to_port=1, enabled=False),
+        change(backend="b", server="out", to_port=1, enabled=False),
+    ]
+    cli = AnsweringCLI(refuse=frozenset({"set server a/in addr 127.0.0.1 port 8081"}))
+    result = await apply_changes(cli, 1, changes)
+    assert [r.change.key for r in result.refused] == ["a/in"] and result.refused[0].left_in_maint
+    assert [c.key for c in result.skipped] == ["a/out"] and not result.ok
+    assert [c.key for c in result.applied] == ["b/out"]
+    assert not any(c.startswith("set server a/out") for c in cli.commands)

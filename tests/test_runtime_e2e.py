@@ -210,12 +210,12 @@ async def steady_load(
             group.create_task(one())
 
 
-async def under_load(rig: Rig, work, clients: int = 4) -> Load:
+async def under_load(rig: Rig, work, clients: int = 4, max_requests: int = 60_000) -> Load:
     """Run `work()` while clients hammer the frontend; the load starts warm and stops after."""
     load = Load()
     stop = asyncio.Event()
     async with asyncio.TaskGroup() as group:
-        group.create_task(steady_load(rig.front, stop, load, clients=clients))
+        group.create_task(steady_load(rig.front, stop, load, clients=clients, max_requests=max_requests))
         try:
             await wait_async(lambda: load.statuses[200] >= 50, what="load warm-up")
             await work()
@@ -540,8 +540,9 @@ async def test_refusal_mid_sequence_leaves_the_server_in_maint(rundir, caplog):
     assert weight.command == "set server app/slot1 weight 50" and "static LB algorithm" in weight.answer
     assert weight.left_in_maint and servers["slot1"].in_maint and servers["slot1"].port == p3.port
     assert addr.command == "set server app/s2 addr nosuch.invalid port 80" and "Invalid addr" in addr.answer
-    assert addr.left_in_maint and servers["s2"].in_maint and servers["s2"].port == p2.port
-    assert seen == Counter({(200, "pod0"): 10}), seen
+    # A live server's address is swapped in place (make before break): refused, it serves on as it was.
+    assert not addr.left_in_maint and not servers["s2"].in_maint and servers["s2"].port == p2.port
+    assert sum(seen.values()) == 10 and set(seen) <= {(200, "pod0"), (200, "pod1")}, seen
     messages = [r.getMessage() for r in caplog.records]
     assert any("app/slot1" in m and "left in maint" in m for m in messages), messages
 

@@ -17,11 +17,11 @@ Order of the commands for one server (`ordered_commands`):
   the address changes, an explicit `state maint` goes first even though a disabled
   server should already be in maint: if the address is then refused the server is
   known to be in maint, never ready at an address it should not have.
-- new address of an enabled server: `state maint`, address, weight, `state ready`.
-  A draining-free swap is not possible with one server: the slot is out of rotation
-  for the few milliseconds between the commands, which costs nothing (the other
-  servers take the requests), where the reverse order would send requests to the
-  old or the placeholder address.
+- new address of an enabled server: the address, then the weight, and the server stays
+  ready throughout. Requests balanced to it before the command go to the old address,
+  after it to the new one (HAProxy closes its idle connections to the old address on
+  the change); at no time is it routable at a placeholder, and it never leaves rotation,
+  which a maint/ready pair would do and which empties a backend of one server.
 - weight alone, address and enabled state unchanged: one `weight` command. Weight only
   shifts the proportion of requests between servers that are all at the right address,
   so no order of it can route wrongly. `weight 0` before a disable buys nothing
@@ -31,11 +31,20 @@ A refused command stops the sequence for that server: what was accepted stays, t
 rest is not sent. As `state ready` is always last, a server whose sequence began with
 `state maint` stays in maint. The reloader then reloads (the hook answers False).
 
-Commands are batched across servers, one step at a time: the first command of every
-server's sequence on one master-CLI line (`@!<pid> cmd;@!<pid> cmd;...`), every answer
-checked, then the second command of the servers whose first was accepted, and so on.
-One `;` line runs all its commands whatever each answers, so the commands of ONE server
-never share a line: a refusal can only stop what has not been sent yet.
+Make before break: the changes go out in two phases. First every change after which the
+server is in service (enables, new addresses and weights of live servers), then the
+disables. Within each backend the enables are complete (`state ready` accepted) before
+any disable begins, so a backend never has fewer usable servers during a change than at
+its start or at its end: a slot handing over to another in one write never leaves the
+backend with no server (`backend 'be' has no server available!`, 503s). When a first-phase
+command is refused in a backend, that backend's disables are not sent (the reload that
+follows does them): nothing is broken that was not made.
+
+Within a phase, commands are batched across servers, one step at a time: the first
+command of every server's sequence on one master-CLI line (`@!<pid> cmd;@!<pid> cmd;...`),
+every answer checked, then the second command of the servers whose first was accepted,
+and so on. One `;` line runs all its commands whatever each answers, so the commands of
+ONE server never share a line: a refusal can only stop what has not been sent yet.
 """
 
 from __future__ import annotations
@@ -150,6 +159,10 @@ def ordered_commands(change: ServerChange) -> list[str]:
             # Still in maint from the config's `disabled`: weight first, ready last.
             return [*weight, f"set server {target} state ready"]
         return weight
+    if not disabling and change.was_enabled:
+        # A live server's new address: swapped in place, never out of rotation (module doc).
+        port = f" port {change.to_port}" if change.to_port is not None else ""
+        return [f"set server {target} addr {change.to_address}{port}", *weight]
     commands = [f"set server {target} state maint"]
     if change.address_changed:
         port = f" port {change.to_port}" if change.to_port is not None else ""
@@ -388,12 +401,14 @@ class Refusal:
 class ApplyResult:
     applied: list[ServerChange] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
+    # Disables not sent because a first-phase command of their backend was refused.
+    skipped: list[ServerChange] = field(default_factory=list)
     commands_sent: int = 0
     lines_sent: int = 0
 
     @property
     def ok(self) -> bool:
-        return not self.refused
+        return not self.refused and not self.skipped
 
 
 async def _send_line(cli: MasterCLI, line: str, count: int) -> list[str | None]:
@@ -425,6 +440,19 @@ async def _send_step(
     return answers, len(lines)
 
 
+def takes_out(change: ServerChange) -> bool:
+    """Does the change take a server out of service (a disable)?"""
+    return change.was_enabled and not change.enabled
+
+
+def make_before_break(changes: Iterable[ServerChange]) -> list[list[ServerChange]]:
+    """The phases of a change (module doc): what leaves servers in service, then the disables."""
+    changes = list(changes)
+    making = [c for c in changes if not takes_out(c)]
+    breaking = [c for c in changes if takes_out(c)]
+    return [phase for phase in (making, breaking) if phase]
+
+
 async def apply_changes(
     cli: MasterCLI,
     worker_pid: int,
@@ -432,16 +460,45 @@ async def apply_changes(
     *,
     order: Callable[[ServerChange], list[str]] = ordered_commands,
     line_limit: int = DEFAULT_LINE_LIMIT,
+    phased: bool = True,
 ) -> ApplyResult:
-    """Apply changes to one worker, step by step across servers, checking every answer.
+    """Apply changes to one worker, make before break, step by step across servers, checking
+    every answer.
 
-    `order` exists so a test can drive the wrong order and show the window it opens.
+    `order` and `phased=False` (every change in one phase) exist so a test can drive the
+    wrong order and show the window it opens.
     """
     worker_pid = int(worker_pid)
+    result = ApplyResult()
+    changes = list(changes)
+    unmade: set[str] = set()  # backends where a first-phase command was refused
+    for phase in make_before_break(changes) if phased else [changes]:
+        skipped = [c for c in phase if c.backend in unmade]
+        if skipped:
+            result.skipped.extend(skipped)
+            log.warning(
+                "worker %d: %d disables not sent in backends %s, where an enable was refused",
+                worker_pid, len(skipped), ", ".join(sorted({c.backend for c in skipped})),
+            )
+        refused = await _apply_steps(cli, worker_pid, [c for c in phase if c.backend not in unmade], order,
+                                     line_limit, result)
+        unmade.update(r.change.backend for r in refused)
+    return result
+
+
+async def _apply_steps(
+    cli: MasterCLI,
+    worker_pid: int,
+    changes: list[ServerChange],
+    order: Callable[[ServerChange], list[str]],
+    line_limit: int,
+    result: ApplyResult,
+) -> list[Refusal]:
+    """One phase: every server's sequence, step by step across servers; adds to `result` and
+    returns this phase's refusals."""
     plans = [(change, order(change)) for change in changes]
     accepted: list[list[str]] = [[] for _ in plans]
     stopped: dict[int, Refusal] = {}
-    result = ApplyResult()
     step = 0
     while True:
         batch = [
@@ -474,7 +531,7 @@ async def apply_changes(
             result.refused.append(stopped[i])
         else:
             result.applied.append(change)
-    return result
+    return list(stopped.values())
 
 
 # ---------------------------------------------------------------- the reloader's hook
@@ -523,8 +580,9 @@ class RuntimeApplier:
         for refused in result.refused:
             self.forget.add(refused.change.key)
         log.info(
-            "runtime apply to worker %d: %d servers changed, %d refused, %d commands on %d lines",
-            current.worker_pid, len(result.applied), len(result.refused), result.commands_sent, result.lines_sent,
+            "runtime apply to worker %d: %d servers changed, %d refused, %d not sent, %d commands on %d lines",
+            current.worker_pid, len(result.applied), len(result.refused), len(result.skipped),
+            result.commands_sent, result.lines_sent,
         )
         return result.ok
 

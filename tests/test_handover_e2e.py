@@ -1,0 +1,152 @@
+"""Make before break against the real binary: one live slot hands over to another slot in the
+same config write, 40 times under steady keep-alive load, with no reload.
+
+Enables complete before any disable begins, so the backend always has a server: 0 non-200.
+The control sends the same changes step-synchronously (step 0 of every server together), as
+the runtime apply did before: the outgoing slot's `state maint` lands before the incoming
+slot's `state ready`, HAProxy logs `backend 'app' has no server available!`, clients get 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from supervisor.effective import build_effective
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.runtime import apply_changes, plan_runtime_apply
+from tests.support.harness import free_port
+from tests.test_runtime_e2e import (
+    HEAD,
+    PLACEHOLDER,
+    Load,
+    LogReceiver,
+    Rig,
+    failed_log_lines,
+    pods,
+    rendered_of,
+    running_rig,
+    steady_load,
+    under_load,
+)
+
+pytestmark = pytest.mark.haproxy
+
+SLOTS = 4
+HANDOVERS = 40
+WRITE_INTERVAL_S = 0.3
+# A bound on the load, far above what 4 clients send in the 12 s of hand-overs: the load runs
+# through all of them (each test asserts it was not cut short).
+MAX_REQUESTS = 400_000
+
+
+def handover_body(live: int, port: int) -> str:
+    """Ingress-style slots SRV_1..SRV_4 with checks; only slot `live` is in service."""
+    lines = ["", "backend app", "    balance roundrobin", "    default-server check inter 300ms"]
+    for slot in range(1, SLOTS + 1):
+        where = f"127.0.0.1:{port}" if slot == live else f"{PLACEHOLDER} disabled"
+        lines.append(f"    server SRV_{slot} {where}")
+    return "\n".join(lines) + "\n"
+
+
+def handovers(ports: list[int]) -> list[str]:
+    """Each write moves the one live slot to the next slot, and the replica to the next pod."""
+    return [handover_body(step % SLOTS + 1, ports[step % len(ports)]) for step in range(1, HANDOVERS + 1)]
+
+
+async def hand_over(rig: Rig, ports: list[int], apply: Callable[[str], Awaitable[None]]):
+    async def work() -> None:
+        for body in handovers(ports):
+            await apply(body)
+            await asyncio.sleep(WRITE_INTERVAL_S)
+
+    return await under_load(rig, work, max_requests=MAX_REQUESTS)
+
+
+async def test_a_live_slot_hands_over_40_times_without_a_non_200_or_a_reload(rundir):
+    with pods(2) as started:
+        ports = [p.port for p in started]
+        async with running_rig(rundir, handover_body(1, ports[0])) as rig:
+            reloads, worker = rig.reloads(), rig.worker
+
+            async def apply(body: str) -> None:
+                assert await rig.apply_rendered(rendered_of(rig, body))
+                result = rig.applier.last_result
+                assert result is not None and result.ok and len(result.applied) == 2, result
+
+            load = await hand_over(rig, ports, apply)
+            assert rig.reloads() == reloads and rig.worker == worker, "runtime apply must not reload"
+            servers = rig.servers()
+            lines = failed_log_lines(rig)
+    final_live = HANDOVERS % SLOTS + 1
+    assert [not servers[f"SRV_{slot}"].in_maint for slot in range(1, SLOTS + 1)] == [
+        slot == final_live for slot in range(1, SLOTS + 1)
+    ], servers
+    print(f"hand-over, make before break: {dict(load.statuses)}")
+    assert set(load.statuses) == {200} and not lines, (load.statuses, lines[:3])
+    assert 500 < load.requests < MAX_REQUESTS, load.statuses
+
+
+async def test_control_step_synchronous_handover_gives_503s(rundir):
+    with pods(2) as started:
+        ports = [p.port for p in started]
+        async with running_rig(rundir, handover_body(1, ports[0])) as rig:
+
+            async def apply(body: str) -> None:
+                new = Config.parse(build_effective(rig.settings, rendered_of(rig, body)).text)
+                changes = plan_runtime_apply(rig.generation.model, new)
+                assert changes is not None and len(changes) == 2
+                result = await apply_changes(rig.cli, rig.worker, changes, phased=False)
+                assert result.ok, result.refused
+                rig.generation.model = new
+
+            load = await hand_over(rig, ports, apply)
+            await asyncio.sleep(0.1)
+            lines = failed_log_lines(rig)
+    print(f"hand-over, step-synchronous: {dict(load.statuses)}")
+    assert load.requests < MAX_REQUESTS, load.statuses
+    assert load.statuses[503] > 0, f"step-synchronous hand-over should leave the backend empty: {load.statuses}"
+    assert lines, "no 503 logged"
+
+
+async def test_the_daemon_hands_over_on_config_writes_without_a_non_200_or_a_reload(make, rundir):
+    """The same hand-overs as written by a controller: the rendered file rewritten every 0.3 s."""
+    front = free_port()
+    logs = LogReceiver(rundir / "log.sock")
+    try:
+        with pods(2) as started:
+            ports = [p.port for p in started]
+            head = HEAD.format(log_socket=logs.path, front=front)
+            d = make(head + handover_body(1, ports[0]), {
+                "reload": {"runtime_apply": True, "debounce_ms": 20, "min_interval_ms": 0},
+            })
+            d.start()
+            await d.wait_generation(1)
+            reloads_before = (await d.show_proc()).master.reloads
+            load, stop = Load(), asyncio.Event()
+            runner = asyncio.create_task(
+                steady_load(front, stop, load, clients=4, max_requests=MAX_REQUESTS, max_seconds=90)
+            )
+            try:
+                deadline = time.monotonic() + 10
+                while load.statuses[200] < 50 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                for step, body in enumerate(handovers(ports), start=1):
+                    d.write(head + body)
+                    await d.wait_log(r"reload runtime_applied", count=step, timeout=10)
+                    await asyncio.sleep(WRITE_INTERVAL_S)
+            finally:
+                stop.set()
+                await runner
+            procs = await d.show_proc()
+            failures = [line for line in logs.drain() if " 503 " in line]
+    finally:
+        logs.close()
+    print(f"hand-over through the daemon: {dict(load.statuses)}")
+    assert procs.master.reloads == reloads_before and not procs.old_workers, "runtime apply must not reload"
+    assert set(load.statuses) == {200} and not failures, (load.statuses, failures[:3])
+    assert 500 < load.requests < MAX_REQUESTS, load.statuses
+    assert d.log().count("reload runtime_applied") == HANDOVERS
