@@ -5,14 +5,11 @@ The address-first control lives in tests/test_runtime_e2e.py."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
 from supervisor.haproxy.api import parse_servers_state
 from tests.support.harness import free_port
-from tests.test_runtime_e2e import HEAD, Load, LogReceiver, pods, rolling_body, rolling_deployment, steady_load
+from tests.test_runtime_e2e import HEAD, LogReceiver, daemon_applies_under_load, pods, rolling_body, rolling_deployment
 from tests.test_runtime_e2e import initial_assignment as first_assignment
 
 pytestmark = pytest.mark.haproxy
@@ -33,19 +30,8 @@ async def test_daemon_rolls_slots_at_runtime_without_503_or_reload(make, rundir)
             d.start()
             await d.wait_generation(1)
             reloads_before = (await d.show_proc()).master.reloads
-            load, stop = Load(), asyncio.Event()
-            runner = asyncio.create_task(steady_load(front, stop, load, clients=4, max_seconds=90))
-            try:
-                deadline = time.monotonic() + 10
-                while load.statuses[200] < 50 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-                for step, assignment in enumerate(rolling_deployment(ports, STEPS), start=1):
-                    d.write(head + rolling_body(assignment))
-                    await d.wait_log(r"reload runtime_applied", count=step, timeout=10)
-                await asyncio.sleep(0.2)
-            finally:
-                stop.set()
-                await runner
+            texts = [head + rolling_body(assignment) for assignment in rolling_deployment(ports, STEPS)]
+            load = await daemon_applies_under_load(d, front, texts)
             procs = await d.show_proc()
             final = list(rolling_deployment(ports, STEPS))[-1]
             worker = procs.current_worker.pid

@@ -10,7 +10,6 @@ slot's `state ready`, HAProxy logs `backend 'app' has no server available!`, cli
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -22,14 +21,13 @@ from tests.support.harness import free_port
 from tests.test_runtime_e2e import (
     HEAD,
     PLACEHOLDER,
-    Load,
     LogReceiver,
     Rig,
+    daemon_applies_under_load,
     failed_log_lines,
     pods,
     rendered_of,
     running_rig,
-    steady_load,
     under_load,
 )
 
@@ -126,21 +124,8 @@ async def test_the_daemon_hands_over_on_config_writes_without_a_non_200_or_a_rel
             d.start()
             await d.wait_generation(1)
             reloads_before = (await d.show_proc()).master.reloads
-            load, stop = Load(), asyncio.Event()
-            runner = asyncio.create_task(
-                steady_load(front, stop, load, clients=4, max_requests=MAX_REQUESTS, max_seconds=90)
-            )
-            try:
-                deadline = time.monotonic() + 10
-                while load.statuses[200] < 50 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-                for step, body in enumerate(handovers(ports), start=1):
-                    d.write(head + body)
-                    await d.wait_log(r"reload runtime_applied", count=step, timeout=10)
-                    await asyncio.sleep(WRITE_INTERVAL_S)
-            finally:
-                stop.set()
-                await runner
+            texts = [head + body for body in handovers(ports)]
+            load = await daemon_applies_under_load(d, front, texts, WRITE_INTERVAL_S, MAX_REQUESTS)
             procs = await d.show_proc()
             failures = [line for line in logs.drain() if " 503 " in line]
     finally:

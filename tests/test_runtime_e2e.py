@@ -16,7 +16,7 @@ import logging
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,6 +222,27 @@ async def under_load(rig: Rig, work, clients: int = 4, max_requests: int = 60_00
             await asyncio.sleep(0.2)
         finally:
             stop.set()
+    return load
+
+
+async def daemon_applies_under_load(
+    daemon, front: int, texts: Iterable[str], interval_s: float = 0.0, max_requests: int = 60_000
+) -> Load:
+    """Write each rendered text and wait for the daemon to apply it at runtime (`reload
+    runtime_applied`), while 4 keep-alive clients load the frontend from before the first
+    write (warm) to after the last."""
+    load, stop = Load(), asyncio.Event()
+    runner = asyncio.create_task(steady_load(front, stop, load, clients=4, max_requests=max_requests, max_seconds=90))
+    try:
+        await wait_async(lambda: load.statuses[200] >= 50, what="load warm-up")
+        for step, text in enumerate(texts, start=1):
+            daemon.write(text)
+            await daemon.wait_log(r"reload runtime_applied", count=step, timeout=10)
+            await asyncio.sleep(interval_s)
+        await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await runner
     return load
 
 
