@@ -35,6 +35,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__
+from .files import read_regular
 from .haproxy.api import validate_name
 from .page import BackendSizes, page_of
 from .settings import Settings, StatusSettings, listen_address
@@ -43,6 +44,7 @@ from .state import DurationHistogram, OldWorker, ReloadRecord, State, rfc3339, u
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
+MAX_TOKEN_BYTES = 64 * 1024
 UNIX_SOCKET_MODE = 0o660
 # The classic text format: every Prometheus version parses it (1.0.0 needs Prometheus 3).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -279,7 +281,7 @@ def load_token(token_file: Path | None) -> tuple[bytes | None, str]:
     if token_file is None:
         return None, "no status.token_file is configured: POST and DELETE are refused over TCP"
     try:
-        token = token_file.read_bytes().strip()
+        token = read_regular(token_file, MAX_TOKEN_BYTES).strip()  # a FIFO there must not hang the start
         mode = token_file.stat().st_mode
     except OSError as exc:
         log.error("status.token_file %s: cannot read: %s; POST and DELETE over TCP will answer 403",

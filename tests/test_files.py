@@ -175,3 +175,13 @@ def _settings(tmp_path: Path):
     path = tmp_path / "settings.yaml"
     path.write_text(f"haproxy:\n  runtime_dir: {tmp_path / 'run'}\n")
     return load_settings(path, environ={})
+
+
+def test_a_fifo_as_the_token_file_does_not_hang_the_status_server(tmp_path, caplog):
+    from supervisor.status import load_token
+
+    path = tmp_path / "token"
+    os.mkfifo(path)
+    token, problem = returns_within(2, lambda: load_token(path))
+    assert token is None and "could not be read" in problem
+    assert "a FIFO, not a regular file" in caplog.text
