@@ -28,6 +28,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -243,6 +244,14 @@ async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
     if info.get("Pid") != str(pid):
         return False  # `Can't find the target PID matching the prefix`: not reachable yet
     return ports <= _listening_ports(pid)
+
+
+def process_started_at(pid: int) -> datetime | None:
+    """When a process started (wall clock), or None if it is gone or hidden."""
+    try:
+        return datetime.fromtimestamp(psutil.Process(pid).create_time(), UTC)
+    except psutil.Error:
+        return None
 
 
 def read_pid_file(path: Path) -> int | None:

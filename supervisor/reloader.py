@@ -19,7 +19,6 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -44,7 +43,7 @@ from .gcpolicy import collector_paused, settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
 from .haproxy.config import Config
-from .master import MasterProcess, bind_ports, worker_ready
+from .master import MasterProcess, bind_ports, process_started_at, worker_ready
 from .notify import Notifier, summary_line
 from .settings import Settings
 from .state import Generation, ReloadRecord, ReloadResult, State, utcnow
@@ -763,7 +762,7 @@ class Reloader:
             log.warning("current worker %d has no recorded generation: assuming it runs %s",
                         worker.pid, self.settings.haproxy.effective_config)
             current = self._new_generation(Config.parse(text), sha256_text(text), "", None, worker.pid)
-            current.started_at = _process_start(worker.pid) or current.started_at
+            current.started_at = process_started_at(worker.pid) or current.started_at
             self.store.write_config(current.number, text)
         if current is None:
             return None
@@ -803,9 +802,3 @@ class Reloader:
             log.info("inputs changed while %s: change scheduled", why)
             self.changed()
 
-
-def _process_start(pid: int) -> datetime | None:
-    try:
-        return datetime.fromtimestamp(psutil.Process(pid).create_time(), UTC)
-    except psutil.Error:
-        return None

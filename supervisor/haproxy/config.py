@@ -9,6 +9,7 @@ rendered one.
 from __future__ import annotations
 
 import functools
+import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -296,6 +297,16 @@ def split_address(spec: str) -> tuple[str, int | None]:
         host, port_text = spec, ""
     port = int(port_text) if port_text.isdigit() else None
     return family + host if family not in ("", "ipv4@", "ipv6@") else host, port
+
+
+@functools.lru_cache(maxsize=65536)  # a drain digests a hundred new sections; their hosts repeat
+def is_ip(address: str) -> bool:
+    """Whether a server's address is an IP address (not a host name resolved at run time)."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
 
 
 # The words ServerFlags.apply acts on; every other word of a server line is passed over.

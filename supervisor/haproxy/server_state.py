@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..effective import write_atomically
 from .api import CLIError, MasterCLI
-from .config import Config, Server
+from .config import Config, Server, is_ip
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,6 @@ def _same_ip(a: str, b: str) -> bool:
         return False
 
 
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def _config_identity(server: Server) -> tuple[str, int | None, bool, int]:
     return server.address, server.port, server.disabled, 1 if server.weight is None else server.weight
 
@@ -93,7 +85,7 @@ def _carries_over(
     port = row.get("srv_port", "")
     if port != str(after.port if after.port is not None else 0):
         return False
-    if _is_ip(after.address):
+    if is_ip(after.address):
         return _same_ip(row.get("srv_addr", ""), after.address)
     return True  # a host name: the file holds what it resolved to
 
