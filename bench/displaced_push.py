@@ -6,7 +6,7 @@ loopback ports), each round drains one "node": 1% of the servers, one per backen
 to new addresses in a new rendered config. Each pass over the backends drains another of
 their replicas, so every round kills servers that every old worker still routes to: a
 first dead primary in a backend, or a second one. The round runs what the reloader does around
-a reload, with DisplacedWorkers.run() polling beside it:
+a reload, with OldWorkers.run() polling beside it:
 
     build the effective config -> `haproxy -c`, and prepare (the steering worked out) while
     it runs -> before_reload (steer every worker, make-before-break) -> reload on the master
@@ -50,13 +50,16 @@ from pathlib import Path
 import psutil
 
 from supervisor.daemon import watch_children_without_threads
-from supervisor.displaced import DisplacedWorkers, known_dead_servers, map_entries, steer_map_entries
 from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
 from supervisor.gcpolicy import collector_paused, settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import Generation, State, utcnow
+from supervisor.steering.dead import Sections, known_dead_servers
+from supervisor.steering.entries import steer_entries
+from supervisor.steering.mapdiff import map_entries
+from supervisor.steering.workers import OldWorkers
 from tests.support.harness import free_port, haproxy_binary, kill_tree, short_tmpdir
 
 PER_BACKEND = 10
@@ -176,14 +179,14 @@ class Bench:
         self.state.generations[number] = Generation(number, model, effective_sha, "", utcnow(), pid)
         self.state.current_generation = number
 
-    async def reload(self, cli: MasterCLI, displaced: DisplacedWorkers, text: str, figures: Figures | None) -> None:
+    async def reload(self, cli: MasterCLI, displaced: OldWorkers, text: str, figures: Figures | None) -> None:
         # The reloader's gc policy: no collection in the cycle, then collect and freeze.
         with collector_paused() if self.gc_policy else contextlib.nullcontext():
             await self._reload(cli, displaced, text, figures)
         if self.gc_policy:
             settle_after_reload()
 
-    async def _reload(self, cli: MasterCLI, displaced: DisplacedWorkers, text: str, figures: Figures | None) -> None:
+    async def _reload(self, cli: MasterCLI, displaced: OldWorkers, text: str, figures: Figures | None) -> None:
         started = time.monotonic()
         effective = build_effective(self.settings, text)
         model = effective.effective_model  # what the reloader uses
@@ -258,7 +261,7 @@ class Bench:
         for pid in self.state.old_workers:
             generation = by_pid[pid]
             dead = known_dead_servers(generation.model, current.model, [], ())
-            expected = steer_map_entries(generation.model, dead, self.settings.old_workers.no_backup)
+            expected = steer_entries(Sections().digest(generation.model), dead, self.settings.old_workers.no_backup)
             got = map_entries(await cli.on(pid, f"show map {self.settings.haproxy.steer_map}"))
             differ = sorted(set(got.items()) ^ set(expected.items()))[:4]
             assert got == expected, f"worker {pid}: its map differs from the decision: {differ}"
@@ -272,7 +275,7 @@ class Bench:
         self.master = Master(self.settings.haproxy.effective_config, self.rundir)
         try:
             cli = MasterCLI(self.master.socket, timeout=30)
-            displaced = DisplacedWorkers(self.settings, self.state, cli)
+            displaced = OldWorkers(self.settings, self.state, cli)
             pid = await self.master.first_worker(cli)
             self.register(effective.effective_model, effective.sha256, pid)
             poller = asyncio.create_task(displaced.run())

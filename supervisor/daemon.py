@@ -38,11 +38,13 @@ class Component(Protocol):
 
 
 class DisplacedComponent(ReloadHooks, Component, Protocol):
-    """The displaced-worker component (displaced.py)."""
+    """The displaced-worker component (steering/workers.py)."""
 
     def mark_dead(self, key: str) -> None: ...
 
     def unmark_dead(self, key: str) -> None: ...
+
+    def has_server(self, key: str) -> bool: ...
 
 
 class DaemonActions:
@@ -71,6 +73,8 @@ class DaemonActions:
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in the config an old worker still runs."""
         key = f"{backend}/{server}"
+        if self._daemon.displaced is not None:
+            return self._daemon.displaced.has_server(key)
         return any(key in g.model.server_map() for g in self._daemon.state.generations.values())
 
 
@@ -79,7 +83,7 @@ class Extensions:
     """Factories for the components other parts of the project provide. All optional: without
     them the daemon runs HAProxy, watches and reloads on its own."""
 
-    # displaced.py: DisplacedWorkers(settings, state, cli) -> hooks around reloads + run() task
+    # steering/workers.py: OldWorkers(settings, state, cli) -> hooks around reloads + run() task
     displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
     # status.py: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
     # something whose run() serves until cancelled
@@ -141,11 +145,6 @@ class Daemon:
     # ------------------------------------------------------------ main
 
     async def run(self) -> int:
-        if sys.version_info < (3, 12):
-            # 3.11's default child watcher waits in a thread per child (`haproxy -c`): pidfds need none.
-            watcher = asyncio.PidfdChildWatcher()
-            watcher.attach_loop(asyncio.get_running_loop())
-            asyncio.set_child_watcher(watcher)
         settings = self.settings
         try:
             prepare_runtime_dir(settings)
@@ -233,10 +232,10 @@ async def haproxy_version(binary: str) -> str | None:
 
 def default_extensions() -> Extensions:
     """Every component the project ships, as `haproxy-supervisor run` uses them."""
-    from .displaced import DisplacedWorkers
     from .status import StatusServer
+    from .steering.workers import OldWorkers
 
-    return Extensions(displaced=DisplacedWorkers, status=StatusServer)
+    return Extensions(displaced=OldWorkers, status=StatusServer)
 
 
 def watch_children_without_threads() -> None:

@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from supervisor.displaced import ConfigDigest
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import effective_config, inject_guard, inject_observe, slot_table
 from supervisor.haproxy.runtime import plan_runtime_apply
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
+from supervisor.steering.dead import Sections
 from tests.conftest import CORPUS, corpus_files
 from tests.support import reference_build as reference
 
@@ -123,7 +123,7 @@ def test_allbackups_from_the_chain_and_no_option_in_the_backend():
         "backend refuses from web\n    no option allbackups\n    server s 127.0.0.1:1\n"
         "backend plain\n    server s 127.0.0.1:1\n"
     )
-    digest = ConfigDigest.of(Config.parse(text))
+    digest = Sections().digest(Config.parse(text))
     assert digest.sections["inherits"].all_backups
     assert not digest.sections["refuses"].all_backups
     # `plain` takes the last defaults (web), which copied base's option.
@@ -135,7 +135,8 @@ def test_steering_digest_is_not_shared_across_different_chains():
     body = "    server s1 127.0.0.1:1\n"
     one = "defaults a\n    default-server backup\ndefaults b from a\n    mode http\nbackend x from b\n" + body
     two = "defaults a\n    mode http\ndefaults b from a\n    mode http\nbackend x from b\n" + body
-    digests = [ConfigDigest.of(Config.parse(text)) for text in (one, two)]
+    cache = Sections()
+    digests = [cache.digest(Config.parse(text)) for text in (one, two)]
     assert [d.sections["x"].servers[0].backup for d in digests] == [True, False]
 
 

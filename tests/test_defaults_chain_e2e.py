@@ -15,11 +15,11 @@ import dataclasses
 
 import pytest
 
-from supervisor.displaced import Phase, phase_lines
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.haproxy.api import MasterCLI, parse_servers_state
 from supervisor.haproxy.inject import guard_rules
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, Settings
+from supervisor.steering.mapdiff import Phase, phase_lines
 from tests.support.harness import HAProxyMaster, KeepAliveClient, backends, free_port
 from tests.test_observe_e2e import drain_on_old_worker
 

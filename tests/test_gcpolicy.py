@@ -6,10 +6,11 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from supervisor.displaced import ConfigDigest, SectionCache, known_dead_servers, steer_map_entries
 from supervisor.effective import build_effective
 from supervisor.gcpolicy import collector_paused, settle_after_reload
 from supervisor.settings import HAProxySettings, Settings
+from supervisor.steering.dead import Sections, known_dead_servers
+from supervisor.steering.entries import steer_entries
 
 CORPUS = Path(__file__).parent / "corpus"
 
@@ -30,13 +31,13 @@ def test_a_generations_models_and_digests_are_freed_by_reference_counting(tmp_pa
     texts = [p.read_text() for p in sorted(CORPUS.glob("*.cfg"))]
 
     def one_generation_each() -> None:
-        cache = SectionCache()
+        cache = Sections()
         for text in texts:
             effective = build_effective(settings, text)
             model = effective.effective_model
-            digest = ConfigDigest.of(model, cache)
+            digest = cache.digest(model)
             dead = known_dead_servers(model, effective.model, [], set())
-            steer_map_entries(model, dead, "fail-fast")
+            steer_entries(digest, dead, "fail-fast")
             del effective, model, digest
 
     assert cyclic_garbage_of(one_generation_each) == 0

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from supervisor.binary import resolve_binary
-from supervisor.displaced import map_entries
+from supervisor.steering.mapdiff import map_entries
 from tests.support.daemon import Daemon, http_get
 from tests.support.daemon import tagged_config as config
 from tests.support.harness import KeepAliveClient, backends, free_port

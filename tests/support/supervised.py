@@ -3,7 +3,7 @@
 The reloader and daemon live elsewhere; this fixture does what architecture.md says
 they do around a reload (build the effective config, `haproxy -c` with prepare while it
 runs, before_reload, write, `reload` on the master CLI, confirm with `show proc`, register
-the generation, after_reload) so the end-to-end tests exercise DisplacedWorkers exactly
+the generation, after_reload) so the end-to-end tests exercise OldWorkers exactly
 through its contract. tests/support/daemon.py runs the real daemon instead.
 """
 
@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.displaced import DisplacedWorkers, map_entries
 from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import Settings
 from supervisor.state import Generation, State, utcnow
+from supervisor.steering.mapdiff import map_entries
+from supervisor.steering.workers import OldWorkers
 from tests.support.harness import HAProxyMaster
 
 
@@ -31,7 +32,7 @@ class Supervised:
     state: State
     master: HAProxyMaster
     cli: MasterCLI
-    displaced: DisplacedWorkers
+    displaced: OldWorkers
     task: asyncio.Task | None = None
     reload_seconds: list[float] = field(default_factory=list)
 
@@ -47,7 +48,7 @@ class Supervised:
 
     async def restart_displaced(self, reconcile_interval_s: float | None = None) -> None:
         """What a daemon restart leaves: the generations (recovered from runtime_dir), nothing
-        else; a new DisplacedWorkers that must learn the old workers' maps from HAProxy."""
+        else; a new OldWorkers that must learn the old workers' maps from HAProxy."""
         await self.stop_displaced()
         self.state = State(
             generations=self.state.generations,
@@ -55,7 +56,7 @@ class Supervised:
             last_good_sha256=self.state.last_good_sha256,
             master_up=True,
         )
-        self.displaced = DisplacedWorkers(self.settings, self.state, self.cli, reconcile_interval_s)
+        self.displaced = OldWorkers(self.settings, self.state, self.cli, reconcile_interval_s)
         self.start_displaced()
 
     async def map_of(self, pid: int) -> dict[str, str]:
@@ -143,7 +144,7 @@ class Supervised:
 
 @contextlib.asynccontextmanager
 async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervised]:
-    """Start HAProxy on `rendered` (plus injections) and run DisplacedWorkers beside it."""
+    """Start HAProxy on `rendered` (plus injections) and run OldWorkers beside it."""
     prepare_runtime_dir(settings)
     effective = build_effective(settings, rendered)
     write_effective(settings.haproxy.effective_config, effective)
@@ -152,7 +153,7 @@ async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervi
     try:
         cli = MasterCLI(master.socket)
         state = State()
-        displaced = DisplacedWorkers(settings, state, cli)
+        displaced = OldWorkers(settings, state, cli)
         sup = Supervised(settings, state, master, cli, displaced)
         pid, _ = master.worker_pids()
         assert pid is not None

@@ -2,54 +2,44 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from supervisor.displaced import (
-    FAIL_FAST,
-    ROUTING_PHASES,
-    BackendDelta,
-    ConfigDigest,
-    DeltaBatch,
-    Phase,
-    SectionCache,
-    answer_problem,
-    backend_of_key,
-    by_backend_of,
-    changed_backends,
-    dead_groups_in,
-    dead_in,
-    delta_lines,
-    diff_map,
-    diff_phases,
-    dropped_groups,
-    dropped_groups_since,
-    dropped_in_section,
-    is_whole_answer,
-    known_dead_servers,
-    line_limit,
-    live_view,
-    map_commands,
-    map_entries,
-    parse_live_states,
-    phase_lines,
-    split_show_info,
-    steer_entries,
-    steer_map_entries,
-    steered_by_parts,
-    steered_servers,
-    stuck_sessions,
-    summarize_states,
-    worker_generations,
-)
 from supervisor.haproxy.api import Proc, ProcList, ServerState, parse_servers_state
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import inject_guard, slot_table
 from supervisor.state import Generation
+from supervisor.steering.dead import (
+    ConfigDigest,
+    LiveStates,
+    Sections,
+    dead_groups,
+    known_dead_servers,
+    line_limit,
+    live_view,
+    parse_live_states,
+    summarize_states,
+)
+from supervisor.steering.entries import FAIL_FAST, backend_of_key, steer_entries, steered_servers
+from supervisor.steering.mapdiff import (
+    ROUTING_PHASES,
+    BackendDelta,
+    Phase,
+    answer_problem,
+    backend_delta,
+    delta_lines,
+    diff_map,
+    diff_phases,
+    is_whole_answer,
+    map_commands,
+    map_entries,
+    phase_lines,
+)
+from supervisor.steering.plan import Planner
+from supervisor.steering.procs import split_show_info, stuck_sessions, worker_generations
 
 MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0.map"
@@ -113,6 +103,20 @@ def model(text: str) -> Config:
     return inject_guard(Config.parse(text), MAP, TABLE)
 
 
+def digest(config: Config, cache: Sections | None = None) -> ConfigDigest:
+    return (cache if cache is not None else Sections()).digest(config)
+
+
+def steer_map_entries(
+    config: Config, dead: frozenset[str], no_backup: str, unusable: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    return steer_entries(digest(config), dead, no_backup, unusable)  # type: ignore[arg-type]
+
+
+def dead_in(generation: ConfigDigest, latest: ConfigDigest, view) -> frozenset[str]:
+    return frozenset().union(*dead_groups(generation, latest, view).values())
+
+
 def state(key: str, address: str, op: int = 2, admin: int = 0, weight: int = 1) -> ServerState:
     backend, _, name = key.partition("/")
     host, _, port = address.partition(":")
@@ -135,51 +139,53 @@ def test_a_servers_dropped_or_moved_by_the_latest_config_are_dead():
     # p1 is disabled in the old worker's own config: never routed to, never counted
 
 
-def test_dead_groups_compare_only_the_sections_that_differ_from_the_latest():
-    cache = SectionCache()
-    old, new = ConfigDigest.of(model(OLD), cache), ConfigDigest.of(model(NEW), cache)
+def test_dead_groups_per_backend():
+    cache = Sections()
+    old, new = digest(model(OLD), cache), digest(model(NEW), cache)
     view = live_view(new, summarize_states(live_of(NEW)), {"wide/wide_r2"})
-    asked: list[str] = []
-
-    def dropped(section, latest):
-        asked.append(section.name)
-        return dropped_in_section(section, latest)
-
-    groups = dead_groups_in(old, view, dropped)
-    assert sorted(asked) == ["echo", "highscale", "nobackup", "parked", "wide"]
-    assert groups == {
+    assert dead_groups(old, new, view) == {
         "echo": {"echo/echo_r1"},
         "highscale": {"highscale/hs_r1", "highscale/hs_r2"},
         "wide": {"wide/wide_r1", "wide/wide_r2"},  # wide_r2 by the operator
         "nobackup": {"nobackup/nb_r1"},
     }
-    asked.clear()
-    # the latest config against itself: every section is shared, nothing to compare
-    assert dead_groups_in(new, view, dropped) == {"wide": {"wide/wide_r2"}} and asked == []
+    # the latest config against itself: only the operator's mark
+    assert dead_groups(new, new, view) == {"wide": {"wide/wide_r2"}}
 
 
-def test_dropped_groups_since_an_older_latest_equal_the_whole_comparison():
-    rng = random.Random(11)
-    cache = SectionCache()
+def random_config(rng: random.Random, cache: Sections) -> ConfigDigest:
+    text = "defaults\n    mode http\n"
+    for b in rng.sample(range(8), rng.randint(1, 8)):
+        servers = [f"    server s{r} 10.0.{rng.randint(0, 2)}.{r}:80\n" for r in range(rng.randint(1, 3))]
+        text += f"backend be{b}\n" + "".join(servers) + ("    server bk 10.9.9.9:80 backup\n" if b % 2 else "")
+    return digest(model(text), cache)
 
-    def config() -> ConfigDigest:
-        text = "defaults\n    mode http\n"
-        for b in rng.sample(range(8), rng.randint(1, 8)):
-            text += f"backend be{b}\n" + "".join(
-                f"    server s{r} 10.0.{rng.randint(0, 2)}.{r}:80\n" for r in range(rng.randint(1, 3))
-            )
-        return ConfigDigest.of(model(text), cache)
 
-    generations = [config() for _ in range(6)]
-    latest = config()
-    known = {g: dropped_groups(g, latest) for g in generations}
-    for _ in range(40):
-        new_latest = rng.choice([config(), latest, generations[0]])
-        changed = changed_backends(latest, new_latest)
-        for g in generations:
-            known[g] = dropped_groups_since(known[g], g, new_latest, changed)
-            assert known[g] == dropped_groups(g, new_latest)
-        latest = new_latest
+@pytest.mark.parametrize("seed", range(6))
+def test_a_plan_worked_out_from_the_last_one_equals_one_worked_out_afresh(seed):
+    """The planner works a plan out from the last one for the same worker, backend by backend
+    where something can have changed. Whatever the drains, evidence, operator marks and the
+    servers a worker skips, it must equal a plan made from nothing, and the straight decision."""
+    rng = random.Random(seed)
+    cache = Sections()
+    generations = [random_config(rng, cache) for _ in range(5)]
+    planner = Planner("fail-fast")
+    latest = random_config(rng, cache)
+    for _ in range(30):
+        latest = rng.choice([random_config(rng, cache), latest, rng.choice(generations)])
+        servers = [s for d in generations for sd in d.sections.values() for s in sd.servers]
+        down = frozenset(f"{s.backend} {s.endpoint}" for s in rng.sample(servers, rng.randint(0, 4)))
+        marked = {s.key for s in rng.sample(servers, rng.randint(0, 2))}
+        view = live_view(latest, LiveStates(down=down), marked)
+        skipped = frozenset(s.key for s in rng.sample(servers, rng.randint(0, 1)))
+        workers = {pid: (g, skipped if pid % 2 else frozenset()) for pid, g in enumerate(generations)}
+        plans = planner.plan(latest, view, workers)
+        afresh = Planner("fail-fast").plan(latest, view, workers)
+        for pid, (generation, unusable) in workers.items():
+            assert dict(plans[pid].groups) == dict(afresh[pid].groups) == dead_groups(generation, latest, view)
+            assert plans[pid].entries() == afresh[pid].entries()
+            assert plans[pid].entries() == steer_entries(generation, plans[pid].dead, "fail-fast", unusable)
+            assert plans[pid].steered == steered_servers(plans[pid].dead, plans[pid].entries())
 
 
 def test_a_same_name_at_another_port_is_dead_and_a_new_name_at_the_same_address_is_not():
@@ -323,16 +329,12 @@ def test_every_usable_primary_keeps_its_slot_and_dead_slots_go_to_usable_ones():
             assert sorted(got) == sorted(expected), (lines, dead, unusable, entries)
 
 
-def test_steered_by_parts_agrees_with_the_whole_map():
+def test_steered_servers_are_the_dead_ones_whose_backend_has_entries():
     old = model(OLD)
     dead = known_dead_servers(old, model(NEW), live_of(NEW), set()) | {"keeponly/k1"}
-    parts = {
-        backend: (keys, frozenset(), steer_map_entries(old, keys, "keep"))
-        for backend, keys in by_backend_of(dead).items()
-    }
-    entries = {k: v for _, _, e in parts.values() for k, v in e.items()}
-    assert steered_by_parts(parts) == steered_servers(dead, entries)
-    assert "keeponly/k1" not in steered_by_parts(parts)  # dead, but nothing steers its backend
+    steered = steered_servers(dead, steer_map_entries(old, dead, "keep"))
+    assert "echo/echo_r1" in steered
+    assert "keeponly/k1" not in steered  # dead, but nothing steers its backend
 
 
 def test_no_primary_and_no_backup_fails_fast_or_is_left_alone():
@@ -606,7 +608,7 @@ def test_delta_lines_merge_backends_and_reach_the_desired_map():
                 n = rng.choice([None, 0, 1, 2, 5, 40])
                 slots = {f"{b}_{i}": f"srv{rng.randint(0, 9)}" for i in range(n or 0)}
                 side[b] = {} if n is None else {**slots, f"{b}_n": str(n)}
-        deltas = [BackendDelta.of(before[b], after[b]) for b in backends]
+        deltas = [backend_delta(tuple(sorted(before[b].items())), tuple(sorted(after[b].items()))) for b in backends]
         limit = rng.choice([300, 1000, 16000])
         ranks = delta_lines(9, MAP, deltas, limit)
         assert all(len(line.encode()) <= limit for lines in ranks for line in lines)
@@ -617,26 +619,17 @@ def test_delta_lines_merge_backends_and_reach_the_desired_map():
         whole = diff_map(current, desired)
         assert sum(d.changes for d in deltas) == sum(len(p.adds) + len(p.sets) + len(p.dels) for p in whole)
         # the same maps diffed whole, as a worker without per-backend parts is pushed
-        whole = [BackendDelta.between(current, desired, None)]
+        whole = [BackendDelta.between(current, desired)]
         whole_lines = delta_lines(9, MAP, whole, limit)
         routing = len(delta_lines(9, MAP, whole, limit, range(ROUTING_PHASES)))
         assert run_lines(current, whole_lines, 9, rng, desired, routing) == desired
-        # made once for many workers: each gets its own PID in lines of the same lengths
-        pid = rng.choice([7, 4321, 1234567])
-        batch = DeltaBatch.of(deltas, MAP, limit, len(str(pid)))
-        assert batch.lines_for(pid) == delta_lines(pid, MAP, deltas, limit)
-        assert batch.routing_ranks == len(delta_lines(pid, MAP, deltas, limit, range(ROUTING_PHASES)))
-        known = dict(current)
-        batch.apply(known)
-        assert known == desired
-        assert (batch.changes, batch.singles) == (sum(d.changes for d in deltas), sum(d.singles for d in deltas))
 
 
 def test_a_newly_steered_backend_travels_in_one_payload_line():
     entries = {"app_0": "r2", "app_1": "r3", "app_n": "2"}
-    ranks = delta_lines(5, MAP, [BackendDelta.of({}, entries)])
+    ranks = delta_lines(5, MAP, [BackendDelta.between({}, entries)])
     assert ranks == [[f"@!5 add map {MAP} <<\napp_0 r2\napp_1 r3\napp_n 2\n"]]
-    assert delta_lines(5, MAP, [BackendDelta.of(entries, entries)]) == []
+    assert delta_lines(5, MAP, [BackendDelta.between(entries, entries)]) == []
 
 
 def test_map_entries_from_show_map():
@@ -722,20 +715,20 @@ def test_parse_live_states_agrees_with_the_plain_parser_on_op_and_admin_states()
 
 def test_a_dead_endpoint_stays_dead_until_the_new_worker_has_checked_it():
     text = "backend app\n  server up 127.0.0.1:35137 check\n  server dead 127.0.0.1:43157 check\n"
-    cfg = ConfigDigest.of(model(text))
+    cfg = digest(model(text))
     fresh = parse_live_states(SERVERS_STATE.replace("2 app 3 nocheck", "#"))
     was_down = frozenset({"app 127.0.0.1:43157"})
-    assert dead_in(cfg, live_view(cfg, fresh, (), was_down)) == {"app/dead"}
-    assert dead_in(cfg, live_view(cfg, fresh, ())) == frozenset()  # never seen down: no evidence
+    assert dead_in(cfg, cfg, live_view(cfg, fresh, (), was_down)) == {"app/dead"}
+    assert dead_in(cfg, cfg, live_view(cfg, fresh, ())) == frozenset()  # never seen down: no evidence
 
 
 def test_digest_based_decisions_match_the_plain_ones():
     old, new = model(OLD), model(NEW)
     live = live_of(NEW, down={"wide/wide_r2"})
-    view = live_view(ConfigDigest.of(new), summarize_states(live), {"echo/fallback"})
-    assert dead_in(ConfigDigest.of(old), view) == known_dead_servers(old, new, live, {"echo/fallback"})
-    dead = dead_in(ConfigDigest.of(old), view)
-    assert steer_entries(ConfigDigest.of(old), dead, "fail-fast") == steer_map_entries(old, dead, "fail-fast")
+    view = live_view(digest(new), summarize_states(live), {"echo/fallback"})
+    assert dead_in(digest(old), digest(new), view) == known_dead_servers(old, new, live, {"echo/fallback"})
+    dead = dead_in(digest(old), digest(new), view)
+    assert steer_entries(digest(old), dead, "fail-fast") == steer_map_entries(old, dead, "fail-fast")
 
 
 def test_a_backend_too_big_for_one_line_gets_its_count_in_a_later_phase():
@@ -750,19 +743,19 @@ def test_a_backend_too_big_for_one_line_gets_its_count_in_a_later_phase():
 
 
 def test_section_cache_shares_unchanged_sections_between_configs():
-    cache = SectionCache()
-    old, new = ConfigDigest.of(model(OLD), cache), ConfigDigest.of(model(NEW), cache)
-    again = ConfigDigest.of(model(OLD), cache)
+    cache = Sections()
+    old, new = digest(model(OLD), cache), digest(model(NEW), cache)
+    again = digest(model(OLD), cache)
     assert all(again.sections[name] is section for name, section in old.sections.items())
     changed = {s.name for s in old.section_set - new.section_set}
     assert changed == {"echo", "highscale", "wide", "nobackup", "parked"}
     same = NEW.replace("backend parked\n    server p2 10.0.0.2:8006\n", "backend parked\n    server p2 10.0.0.2:8006\n")
-    assert ConfigDigest.of(model(same), cache).sections["echo"] is new.sections["echo"]
+    assert digest(model(same), cache).sections["echo"] is new.sections["echo"]
 
 
 def test_a_new_slot_table_name_does_not_unshare_the_sections_that_did_not_change(tmp_path: Path):
     """A moved replica renames the slot table in every guarded section's rules: the sections
-    whose servers did not change must keep their digest (identity is how changes are found)."""
+    whose servers did not change must keep their digest (one copy per distinct section)."""
     from supervisor.effective import build_effective
     from supervisor.settings import HAProxySettings, Settings
 
@@ -770,13 +763,13 @@ def test_a_new_slot_table_name_does_not_unshare_the_sections_that_did_not_change
     old, new = build_effective(settings, OLD), build_effective(settings, NEW)
     assert old.slot_table is not None and new.slot_table is not None
     assert old.slot_table.path != new.slot_table.path
-    cache = SectionCache()
-    before = ConfigDigest.of(old.effective_model, cache)
-    after = ConfigDigest.of(new.effective_model, cache)
+    cache = Sections()
+    before = digest(old.effective_model, cache)
+    after = digest(new.effective_model, cache)
     changed = {s.name for s in before.section_set - after.section_set}
     assert changed == {"echo", "highscale", "wide", "nobackup", "parked"}
     same = build_effective(settings, OLD.replace("server echo_r1 10.0.0.1:8001", "server echo_r7 10.0.0.1:8001"))
-    again = ConfigDigest.of(same.effective_model, cache)
+    again = digest(same.effective_model, cache)
     assert {s.name for s in again.section_set - before.section_set} == {"echo"}
 
 
@@ -794,14 +787,15 @@ def test_dead_sets_are_the_same_with_shared_and_separate_digests():
             out += "    server bk 10.9.9.9:80 backup\n"
         return out
 
-    cache = SectionCache()
+    cache = Sections()
     for _ in range(30):
         gen_drop = {(rng.randrange(12), rng.randrange(4)) for _ in range(rng.randrange(4))}
         new_drop = gen_drop | {(rng.randrange(12), rng.randrange(4)) for _ in range(rng.randrange(6))}
         g, n = model(text(gen_drop)), model(text(new_drop))
         operator = {f"b{rng.randrange(12)}/s{rng.randrange(4)}"}
         live = summarize_states([])
-        shared = dead_in(ConfigDigest.of(g, cache), live_view(ConfigDigest.of(n, cache), live, operator))
+        latest = digest(n, cache)
+        shared = dead_in(digest(g, cache), latest, live_view(latest, live, operator))
         assert shared == known_dead_servers(g, n, [], operator)
         assert len(shared) >= len(new_drop - gen_drop)
 
@@ -821,224 +815,3 @@ def test_a_show_map_answer_cut_off_is_told_from_a_whole_one():
     assert is_whole_answer(whole) and is_whole_answer("\n")
     for cut in (whole[:-1], whole[:25], whole[: whole.index("\n") + 1], ""):
         assert not is_whole_answer(cut), repr(cut)
-
-
-# ---------------------------------------------------------------- reads a reload calls off
-
-
-class _DownCLI:
-    """A master CLI that cannot be reached: before_reload gives up on it at once."""
-
-    async def show_proc(self):
-        from supervisor.haproxy.api import CLIError
-
-        raise CLIError("master CLI down")
-
-
-async def test_a_reload_calls_off_the_polls_reads_and_only_those():
-    from supervisor.displaced import DisplacedWorkers, _Interrupted
-    from supervisor.settings import Settings
-    from supervisor.state import State
-
-    workers = DisplacedWorkers(Settings(), State(), _DownCLI())
-    seen: list[str] = []
-
-    async def slow_read() -> str:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            seen.append("called off")
-            raise
-        return "answer"
-
-    poll = asyncio.ensure_future(workers._interruptible(slow_read()))
-    await asyncio.sleep(0.01)
-    await workers.before_reload(model(NEW))
-    with pytest.raises(_Interrupted):
-        await poll
-    assert seen == ["called off"] and not workers._reads
-
-    # Control: the poll itself cancelled (daemon stopping) is a cancellation, not a reload's call.
-    poll = asyncio.ensure_future(workers._interruptible(slow_read()))
-    await asyncio.sleep(0.01)
-    poll.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await poll
-    # A read left alone finishes with its answer.
-    assert await workers._interruptible(asyncio.sleep(0, "answer")) == "answer"
-
-
-# ---------------------------------------------------------------- how often the poll reads server states
-
-
-def test_live_read_interval_keeps_the_reads_a_small_share_of_the_time():
-    from supervisor.displaced import LIVE_READ_SHARE, live_read_interval
-
-    assert live_read_interval(0.001, 0.25) == 0.25  # a small config: every poll
-    assert live_read_interval(0.035, 0.25) == pytest.approx(0.035 * LIVE_READ_SHARE)  # 10,000 servers
-    assert live_read_interval(0.035, 0.25) * 0.05 >= 0.035 * 0.99  # at most 1/20 of the time
-
-
-def test_the_poll_reads_server_states_when_due_or_from_another_worker():
-    import time
-
-    from supervisor.displaced import DisplacedWorkers, LiveStates, _Live
-    from supervisor.settings import OldWorkerSettings, Settings
-    from supervisor.state import Generation, State, utcnow
-
-    state = State()
-    state.generations[1] = Generation(1, model(OLD), "sha", "", utcnow(), 42)
-    state.current_generation = 1
-    workers = DisplacedWorkers(Settings(old_workers=OldWorkerSettings(poll_interval_ms=100)), state, _DownCLI())
-    assert workers._live_due()  # nothing read yet
-    states = LiveStates(frozenset(), frozenset(), frozenset(), {})
-    now = time.monotonic()
-    workers._live = _Live(42, now, states, {}, 0.05)  # a slow read: every second, not every poll
-    assert not workers._live_due()
-    workers._live = _Live(42, now - 0.5, states, {}, 0.05)
-    assert not workers._live_due()
-    workers._live = _Live(42, now - 1.01, states, {}, 0.05)
-    assert workers._live_due()
-    workers._live = _Live(42, now - 0.15, states, {}, 0.001)  # a quick one: every poll
-    assert workers._live_due()
-    workers._live = _Live(7, now, states, {}, 0.05)  # read from the worker that was current before
-    assert workers._live_due()
-
-
-# ---------------------------------------------------------------- which backends a round looks at
-
-
-def test_the_backends_noted_as_changed_hold_every_dead_group_that_changed():
-    """_dead_groups notes, per config, which backends can differ from its last dead groups;
-    _update_desired then looks at those only. Whatever the drains, live views and operator
-    marks, a backend whose group changed is never missing from the note."""
-    from supervisor.displaced import DisplacedWorkers, LiveStates
-    from supervisor.settings import Settings
-    from supervisor.state import State
-
-    rng = random.Random(11)
-    workers = DisplacedWorkers(Settings(), State(), _DownCLI())
-
-    def config(where: dict[tuple[int, int], int]) -> ConfigDigest:
-        lines = []
-        for b in range(6):
-            lines.append(f"backend b{b}\n")
-            lines += [f"  server s{r}_{where[(b, r)]} 10.0.{where[(b, r)]}.{r}:80\n" for r in range(3)]
-        text = "".join(lines)
-        return ConfigDigest.of(model(text), workers._sections)  # sections shared as in the daemon
-
-    where = {(b, r): 0 for b in range(6) for r in range(3)}
-    generations = [config(where)]
-    views = []
-    noted_rounds = 0
-    for _ in range(80):
-        if views and rng.random() < 0.3:
-            latest, view = rng.choice(views[-2:])  # back to a view whose groups are kept
-        else:
-            for _ in range(rng.randint(0, 3)):  # a drain moves some replicas
-                where[(rng.randrange(6), rng.randrange(3))] += 1
-            latest = config(where)
-            if rng.random() < 0.3:
-                generations = [*generations[-4:], latest]
-            ats = sorted(a for d in generations for s in d.sections.values() for a in s.at_keys)
-            down = frozenset(rng.sample(ats, 2)) if rng.random() < 0.5 else frozenset()
-            marked = {f"b{rng.randrange(6)}/s0_0"} if rng.random() < 0.3 else set()
-            view = live_view(latest, LiveStates(down, frozenset(), frozenset(), {}), marked)
-            views.append((latest, view))
-        given = {d: workers._last_groups.get(d) for d in generations}
-        now = workers._dead_groups_under(view, latest, generations)
-        for digest in generations:
-            last, groups = given[digest], now[digest].groups
-            since = workers._groups_since.get(id(groups))
-            if since is None:
-                continue
-            # A note says: these groups differ from `base` only in these backends. It is used
-            # when a worker's last groups are `base`; a cached view's note may name an older one.
-            assert since[0] is groups
-            base = since[1]
-            changed = {b for b in groups.keys() | base.keys() if base.get(b) is not groups.get(b)}
-            assert changed <= since[2], (changed, since[2])
-            noted_rounds += last is not None and base is last.groups
-    assert noted_rounds > 100  # the note applied to the groups last given, most of the time
-
-
-def test_an_update_worked_out_beforehand_equals_the_one_made_in_place_and_changes_nothing():
-    """prepare() works each worker's next entries out on copies (_work_out_update with
-    in_place=False); _update_desired takes that result when the worker is still as it was.
-    Over random drains, views and pushes: working it out beforehand leaves the worker as it
-    was, the result is what the in-place update makes, and a worker changed in between
-    (here: pushed, or given other groups) no longer fits."""
-    import copy
-    import dataclasses
-
-    from supervisor.displaced import DisplacedWorkers, LiveStates, _Worker
-    from supervisor.settings import Settings
-    from supervisor.state import State
-
-    rng = random.Random(5)
-    workers = DisplacedWorkers(Settings(), State(), _DownCLI())
-
-    def config(where: dict[tuple[int, int], int]) -> ConfigDigest:
-        text = "".join(
-            f"backend b{b}\n"
-            + "".join(f"  server s{r}_{where[(b, r)]} 10.0.{where[(b, r)]}.{r}:80\n" for r in range(3))
-            + "  server bk 10.9.9.9:80 backup\n"
-            for b in range(6)
-        )
-        return ConfigDigest.of(model(text), workers._sections)
-
-    def plain(transitions: dict | None) -> dict | None:
-        return None if transitions is None else {b: (dict(x), dict(y)) for b, (x, y) in transitions.items()}
-
-    def state_of(worker: _Worker) -> tuple:
-        identities = tuple(map(id, worker.parts_from or ()))  # digests and groups: compared by identity
-        return identities, copy.deepcopy((worker.parts, worker.desired, worker.dirty)), plain(worker.transitions)
-
-    def twin_of(worker: _Worker) -> _Worker:
-        """A copy to update in place: what it edits in place is its own."""
-        return dataclasses.replace(
-            worker,
-            desired=None if worker.desired is None else dict(worker.desired),
-            dirty=None if worker.dirty is None else set(worker.dirty),
-            transitions=None if worker.transitions is None else dict(worker.transitions),
-            prepared=None,
-        )
-
-    where = {(b, r): 0 for b in range(6) for r in range(3)}
-    generation = config(where)
-    worker = _Worker(1, 1)
-    fits_seen = unfit_seen = 0
-    for _ in range(120):
-        for _ in range(rng.randint(0, 2)):
-            where[(rng.randrange(6), rng.randrange(3))] += 1
-        latest = config(where)
-        down = frozenset(rng.sample(sorted(a for s in generation.sections.values() for a in s.at_keys), 1))
-        down = down if rng.random() < 0.3 else frozenset()
-        view = live_view(latest, LiveStates(down, frozenset(), frozenset(), {}), ())
-        groups = workers._dead_groups_under(view, latest, [generation], given=False)[generation].groups
-        before = state_of(worker)
-        prepared = workers._work_out_update(worker, generation, in_place=False, groups=groups)
-        assert state_of(worker) == before, "working it out beforehand changed the worker"
-        if rng.random() < 0.3:  # something happens in between: a push, or other groups
-            worker.dirty, worker.transitions = set(), {}
-        if rng.random() < 0.2:
-            groups = dict(groups)
-        worker.dead_groups = groups
-        if prepared.fits(worker, generation):
-            fits_seen += 1
-            twin = twin_of(worker)
-            workers._update_desired(twin, generation)  # made in place, nothing prepared
-            worker.prepared = prepared
-            workers._update_desired(worker, generation)
-            assert worker.prepared is None
-            assert (worker.parts, worker.desired, worker.dirty, plain(worker.transitions)) == (
-                twin.parts, twin.desired, twin.dirty, plain(twin.transitions)
-            )
-        else:
-            unfit_seen += 1
-            worker.prepared = prepared
-            workers._update_desired(worker, generation)  # recomputed in place
-        assert worker.desired == steer_map_entries(generation.model, frozenset().union(*groups.values()), "fail-fast")
-        if rng.random() < 0.5:  # pushed: the map holds what it wants
-            worker.known, worker.dirty, worker.transitions = dict(worker.desired), set(), {}
-    assert fits_seen > 50 and unfit_seen > 20, (fits_seen, unfit_seen)

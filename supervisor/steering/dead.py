@@ -1,0 +1,348 @@
+"""Which servers are dead, per generation.
+
+A config is digested per backend section, and a section's digest is interned by its
+content (its text and its defaults' text): consecutive rendered configs differ in a few
+backends, so fifty generations hold one copy of each distinct section, and every cache
+downstream is keyed by that content. Servers are matched by backend and address: a replica
+that moves gets a new address, and one re-added at the same address is the same process.
+
+Three rules make a server of a generation dead:
+(a) the latest config has nothing at its address and port in its backend any more;
+(b) the current worker reports every server at that backend and address DOWN or MAINT
+    (a server whose check has not concluded yet is evidence of nothing: "dead until checked"
+    keeps an endpoint dead across a reload until the new worker has checked it);
+(c) an operator marked it (or the latest config's server of that name) dead.
+A server its own config disables is never routed to by that worker, so it is left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ..haproxy.api import ADMIN_MAINT_MASK, DEFAULT_LINE_LIMIT, ServerState
+from ..haproxy.config import Config, Section, Server, is_ip, section_servers
+from ..haproxy.inject import SLOT_TABLE_PREFIX, is_guarded
+
+# Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
+# strings cache their hash, and sets of thousands of them are compared on every drain.
+At = str
+DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
+
+
+def endpoint(address: str, port: int | None) -> str:
+    return f"{address}:{port}" if port is not None else address
+
+
+def at(backend: str, address: str) -> At:
+    return f"{backend} {address}"
+
+
+@dataclass(frozen=True)
+class SectionDigest:
+    """One backend or listen section's servers, as the decisions need them. Equal (and hashed)
+    by `key` alone, its content: the rest is worked out from it."""
+
+    key: str  # the section's text and what applies to it from its defaults, minus the slot table's name
+    fingerprint: bytes = field(compare=False)  # a hash of `key`, for the config's key
+    name: str = field(compare=False)
+    servers: tuple[Server, ...] = field(compare=False)
+    by_name: dict[str, Server] = field(compare=False)
+    at_keys: dict[At, tuple[str, ...]] = field(compare=False)  # enabled servers per (backend, endpoint)
+    present: frozenset[At] = field(compare=False)  # the same, as a set: where this section routes to
+    named_hosts: tuple[Server, ...] = field(compare=False)  # given by host name: the live address differs
+    slots: tuple[Server, ...] = field(compare=False)  # the primaries; slot i is slots[i] (inject.slot_table)
+    guarded: bool = field(compare=False)
+    all_backups: bool = field(compare=False)  # `option allbackups`
+
+    @classmethod
+    def of(cls, key: str, servers: list[Server], section: Section, all_backups: bool) -> SectionDigest:
+        at_keys: dict[At, list[str]] = {}
+        for s in servers:
+            if not s.disabled:
+                at_keys.setdefault(at(s.backend, s.endpoint), []).append(s.key)
+        return cls(
+            key=key,
+            fingerprint=hashlib.blake2b(key.encode(), digest_size=16).digest(),
+            name=section.name,
+            servers=tuple(servers),
+            by_name={s.name: s for s in servers},
+            at_keys={where: tuple(keys) for where, keys in at_keys.items()},
+            present=frozenset(at_keys),
+            named_hosts=tuple(s for s in servers if s.port is not None and not is_ip(s.address)),
+            slots=tuple(s for s in servers if not s.backup),
+            guarded=is_guarded(section),
+            all_backups=all_backups,
+        )
+
+
+@dataclass(frozen=True)
+class ConfigDigest:
+    """What the decisions need from one config: its sections by name (interned), and a key
+    that names its content."""
+
+    key: str  # a hash of its sections' keys, in order
+    sections: dict[str, SectionDigest] = field(compare=False)
+    section_set: frozenset[SectionDigest] = field(compare=False)
+    named_hosts: tuple[Server, ...] = field(compare=False)
+    guarded: bool = field(compare=False)  # some section has the guard: the worker can be steered
+    limit: int = field(compare=False)  # the longest CLI line its processes accept
+
+    def server(self, key: str) -> Server | None:
+        backend, _, name = key.partition("/")
+        section = self.sections.get(backend)
+        return section.by_name.get(name) if section is not None else None
+
+
+_SLOT_TABLE_NAME = re.compile(re.escape(SLOT_TABLE_PREFIX) + r"[0-9a-f]+\.map")
+
+
+class Sections:
+    """Section digests interned by content (the section's text, and what applies to it from
+    its defaults chain): a section identical in two configs is digested and stored once."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, SectionDigest] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def digest(self, model: Config) -> ConfigDigest:
+        sections: dict[str, SectionDigest] = {}
+        applied: dict[object, str] = {}  # one ProxySettings serves hundreds of backends: one repr
+        for section, settings in model.backends_with_settings():
+            inherited = applied.get(settings)
+            if inherited is None:
+                inherited = applied[settings] = repr(settings) + "\n"
+            header = section.header.raw if section.header is not None else ""
+            text = header + "".join([line.raw for line in section.body])
+            # Every reload that moves a replica names a new slot table in every guarded
+            # section; the digest does not depend on the name, and must stay shared.
+            key = inherited + (_SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text)
+            digest = self._by_key.get(key)
+            if digest is None:
+                servers = section_servers(section, settings)
+                digest = self._by_key[key] = SectionDigest.of(key, servers, section, settings.all_backups)
+            sections[section.name] = digest
+        fingerprint = hashlib.blake2b(b"".join(sd.fingerprint for sd in sections.values()), digest_size=16)
+        return ConfigDigest(
+            key=fingerprint.hexdigest(),
+            sections=sections,
+            section_set=frozenset(sections.values()),
+            named_hosts=tuple(s for sd in sections.values() for s in sd.named_hosts),
+            guarded=any(sd.guarded for sd in sections.values()),
+            limit=line_limit(model),
+        )
+
+    def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
+        """Forget the sections none of these configs holds."""
+        used = {sd.key for d in digests for sd in d.section_set}
+        self._by_key = {k: v for k, v in self._by_key.items() if k in used}
+
+
+def line_limit(model: Config | None) -> int:
+    """The longest CLI line the processes accept: tune.bufsize (16384 unless set) minus room."""
+    line = model.global_setting("tune.bufsize") if model is not None else None
+    if line is not None and len(line.words) > 1 and line.words[1].isdigit():
+        return min(DEFAULT_LINE_LIMIT, int(line.words[1]) - 384)
+    return DEFAULT_LINE_LIMIT
+
+
+# ---------------------------------------------------------------- the current worker's evidence
+
+
+@dataclass(frozen=True)
+class LiveStates:
+    """The current worker's `show servers state`, boiled down to evidence per endpoint."""
+
+    down: frozenset[At] = frozenset()  # endpoints where servers are DOWN or MAINT and none is alive
+    pending: frozenset[At] = frozenset()  # endpoints whose only servers have not been checked yet
+    # Verdicts by "backend/server": every server that is not plainly alive, and those
+    # configured by host name (their live address differs from the configured one).
+    alive_by_key: dict[str, bool | None] = field(default_factory=dict)
+
+    def unusable(self) -> frozenset[str]:
+        """Its servers that are DOWN or in maintenance: a `use-server` rule skips them."""
+        return frozenset(k for k, verdict in self.alive_by_key.items() if verdict is False)
+
+
+def summarize_states(states: Iterable[ServerState]) -> LiveStates:
+    """From parsed states (no check details: op and admin state are the evidence)."""
+    down: set[At] = set()
+    up: set[At] = set()
+    by_key: dict[str, bool | None] = {}
+    for st in states:
+        where = at(st.backend, endpoint(st.address, st.port))
+        (up if st.alive else down).add(where)
+        by_key[st.key] = st.alive
+    return LiveStates(frozenset(down - up), frozenset(), by_key)
+
+
+_LIVE_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port", "srv_op_state", "srv_admin_state",
+                 "srv_check_state", "srv_check_result", "srv_fqdn")  # fmt: skip
+_CHECK_RUNNING = 0x02 | 0x04  # CHK_ST_CONFIGURED | CHK_ST_ENABLED
+_RUNNING_CHECK_STATES = frozenset(str(v) for v in range(256) if v & _CHECK_RUNNING == _CHECK_RUNNING)
+_CHECK_UNKNOWN = "0"  # the check result before the first check concluded
+
+
+def parse_live_states(text: str) -> LiveStates:
+    """`show servers state` straight to LiveStates: one regex pass (in C) over the whole text,
+    then a loop that does next to nothing for the usual line (alive)."""
+    down: set[tuple[str, str, str]] = set()
+    up: set[tuple[str, str, str]] = set()
+    pending: set[tuple[str, str, str]] = set()
+    by_key: dict[str, bool | None] = {}
+    start = text.find("# be_id")
+    while start != -1:
+        end = text.find("\n", start)
+        header = text[start : end if end != -1 else len(text)]
+        columns = header[2:].split()
+        pattern = re.compile(
+            "^" + r"[ \t]+".join(r"(\S+)" if c in _LIVE_COLUMNS else r"\S+" for c in columns) + r"[ \t]*$", re.M
+        )
+        col = {name: i for i, name in enumerate(c for c in columns if c in _LIVE_COLUMNS)}
+        following = text.find("# be_id", start + 1)
+        block = text[end + 1 : following if following != -1 else len(text)] if end != -1 else ""
+        i_be, i_name, i_addr = col["be_name"], col["srv_name"], col["srv_addr"]
+        i_port, i_op, i_admin = col.get("srv_port"), col["srv_op_state"], col["srv_admin_state"]
+        i_cstate, i_cres, i_fqdn = col.get("srv_check_state"), col.get("srv_check_result"), col.get("srv_fqdn")
+        for v in pattern.findall(block):
+            where = (v[i_be], v[i_addr], v[i_port] if i_port is not None else "")
+            admin = v[i_admin]
+            verdict: bool | None
+            if v[i_op] == "0" or (admin != "0" and int(admin) & ADMIN_MAINT_MASK):
+                verdict = False
+                down.add(where)
+            elif i_cstate is not None and v[i_cres] == _CHECK_UNKNOWN and v[i_cstate] in _RUNNING_CHECK_STATES:
+                verdict = None
+                pending.add(where)
+            else:
+                up.add(where)
+                if i_fqdn is None or v[i_fqdn] == "-":
+                    continue  # the usual case: nothing more to note
+                verdict = True
+            by_key[f"{v[i_be]}/{v[i_name]}"] = verdict
+        start = following
+
+    def ats(raw: set[tuple[str, str, str]]) -> frozenset[At]:
+        return frozenset(f"{b} {a}:{p}" if p.isdigit() else f"{b} {a}" for b, a, p in raw)
+
+    return LiveStates(ats(down - up), ats(pending - up - down), by_key)
+
+
+@dataclass(frozen=True)
+class LiveView:
+    """What the latest config, the current worker and the operator say, per (backend, endpoint).
+    Compared by content: two rounds with the same view and configs have the same dead sets."""
+
+    down: frozenset[At] = frozenset()  # where the current worker has servers and none is alive
+    operator: frozenset[str] = frozenset()  # "backend/server" marked dead by an operator
+    operator_at: frozenset[At] = frozenset()  # where those servers live in the latest config
+    # per backend: its endpoints in `down` or `operator_at`, and its keys in `operator`
+    by_backend: dict[str, tuple[frozenset[At], frozenset[str]]] = field(compare=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        wheres: dict[str, set[At]] = {}
+        for where in self.down | self.operator_at:
+            wheres.setdefault(where.partition(" ")[0], set()).add(where)
+        keys = by_backend_of(self.operator)
+        index = {b: (frozenset(wheres.get(b, ())), keys.get(b, frozenset())) for b in wheres.keys() | keys.keys()}
+        object.__setattr__(self, "by_backend", index)
+
+
+def live_view(
+    latest: ConfigDigest, live: LiveStates, operator_dead: Iterable[str], previous_down: frozenset[At] = frozenset()
+) -> LiveView:
+    """Combine the evidence. `previous_down`: the last view's `down`; an endpoint stays down
+    while the current worker has no verdict on it yet (right after a reload)."""
+    operator = frozenset(operator_dead)
+    down = set(live.down) | (previous_down & live.pending)
+    for s in latest.named_hosts:
+        # The live state shows the resolved address: carry the verdict over by name. Only for
+        # host names: during a make-before-break the live states come from the worker that
+        # runs the older config, where the same name may sit at another address.
+        verdict = live.alive_by_key.get(s.key)
+        where = at(s.backend, s.endpoint)
+        if verdict is False or (verdict is None and where in previous_down):
+            down.add(where)
+    for s in latest.named_hosts:
+        if live.alive_by_key.get(s.key):
+            down.discard(at(s.backend, s.endpoint))
+    operator_at = frozenset(at(s.backend, s.endpoint) for k in operator if (s := latest.server(k)) is not None)
+    return LiveView(frozenset(down), operator, operator_at)
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:
+    """Rule (a) for one backend: servers of `section` with nothing left at their address in the
+    latest config's section of the same name (None: the latest config has no such backend)."""
+    present = latest.present if latest is not None else frozenset()
+    return frozenset(key for where, keys in section.at_keys.items() if where not in present for key in keys)
+
+
+def changed_backends(old_latest: ConfigDigest, new_latest: ConfigDigest) -> frozenset[str]:
+    """Names of the backends whose section differs between two configs (or is in one only)."""
+    return frozenset(s.name for s in old_latest.section_set ^ new_latest.section_set)
+
+
+def view_extra(
+    digest: ConfigDigest, view: LiveView, backends: Iterable[str] | None = None
+) -> dict[str, frozenset[str]]:
+    """Rules (b) and (c) for the config of `digest`, per backend (only `backends`, if given)."""
+    extra: dict[str, frozenset[str]] = {}
+    for name in view.by_backend if backends is None else backends:
+        section = digest.sections.get(name)
+        if section is None or name not in view.by_backend:
+            continue
+        wheres, marked = view.by_backend[name]
+        keys = {key for where in wheres for key in section.at_keys.get(where, ())}
+        keys.update(k for k in marked if (s := section.by_name.get(k.partition("/")[2])) is not None and not s.disabled)
+        if keys:
+            extra[name] = frozenset(keys)
+    return extra
+
+
+def dead_group(digest: ConfigDigest, latest: ConfigDigest, view: LiveView, backend: str) -> frozenset[str]:
+    """The dead servers of one backend of `digest`, by the three rules."""
+    section = digest.sections.get(backend)
+    if section is None:
+        return frozenset()
+    latest_section = latest.sections.get(backend)
+    dropped = dropped_in_section(section, latest_section) if section != latest_section else frozenset()
+    return dropped | view_extra(digest, view, (backend,)).get(backend, frozenset())
+
+
+def dead_groups(digest: ConfigDigest, latest: ConfigDigest, view: LiveView) -> dict[str, frozenset[str]]:
+    """Every backend's dead servers, backends without any left out. Sections identical to the
+    latest config's route to the same endpoints: only the others can hold dropped servers."""
+    groups: dict[str, frozenset[str]] = {}
+    for section in digest.section_set - latest.section_set:
+        keys = dropped_in_section(section, latest.sections.get(section.name))
+        if keys:
+            groups[section.name] = keys
+    for name, keys in view_extra(digest, view).items():
+        groups[name] = groups.get(name, frozenset()) | keys
+    return groups
+
+
+def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
+    """"backend/server" keys grouped by backend."""
+    groups: dict[str, set[str]] = {}
+    for key in keys:
+        groups.setdefault(key.partition("/")[0], set()).add(key)
+    return {backend: frozenset(members) for backend, members in groups.items()}
+
+
+def known_dead_servers(
+    generation_model: Config, latest_model: Config, live_states: Iterable[ServerState], operator_dead: Iterable[str]
+) -> frozenset[str]:
+    """The dead servers of `generation_model` as "backend/server", straight from the models:
+    the reference the memoised plan is checked against."""
+    sections = Sections()
+    latest = sections.digest(latest_model)
+    view = live_view(latest, summarize_states(live_states), operator_dead)
+    return frozenset().union(*dead_groups(sections.digest(generation_model), latest, view).values())

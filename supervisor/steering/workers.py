@@ -1,0 +1,605 @@
+"""The I/O shell: keeps every old worker's steer map equal to its plan, through the master CLI.
+
+Each round lists the workers (`show proc`), plans (plan.py, memoised by content) and pushes
+what differs. A push counts once HAProxy answered every command cleanly; the poll loop then
+reads the map back to verify it, and again every RECONCILE_INTERVAL_S to repair drift. A
+failing worker backs off exponentially. After a daemon restart nothing is known: each map
+is read first and only the difference is pushed. The current worker's map stays empty,
+except while it is about to become old (make-before-break), and is emptied again if the
+reload fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import psutil
+
+from ..haproxy.api import CLIError, MasterCLI, ProcList, on_process, validate_name
+from ..haproxy.config import Config
+from ..master import process_started_at
+from ..settings import Settings
+from ..state import Generation, OldWorker, PushState, State, utcnow
+from .dead import ConfigDigest, LiveStates, LiveView, Sections, live_view, parse_live_states
+from .entries import Entries
+from .mapdiff import (
+    PHASES,
+    ROUTING_PHASES,
+    BackendDelta,
+    Phase,
+    answer_problem,
+    backend_delta,
+    delta_lines,
+    is_whole_answer,
+    map_entries,
+    phase_lines,
+    valid_entry,
+)
+from .plan import Planner, Steering, nothing_steered
+from .procs import split_show_info, stuck_sessions, worker_generations
+
+log = logging.getLogger("supervisor.steering")
+R = TypeVar("R")
+_GONE = "Can't find the target PID"
+
+
+class PushError(Exception):
+    """A push or its read-back did not give the map we wanted. One line."""
+
+
+class _Interrupted(Exception):
+    """A poll's read was called off for a reload."""
+
+
+def live_read_interval(cost_s: float, poll_s: float) -> float:
+    """How often the current worker's server states are read: every poll, unless one read
+    cost more than a twentieth of that."""
+    return max(poll_s, 20 * cost_s)
+
+
+@dataclass
+class _Live:
+    pid: int
+    at: float  # monotonic
+    states: LiveStates
+    cost_s: float
+    unusable: frozenset[str]  # its servers that are DOWN or in maintenance
+
+
+@dataclass
+class _Worker:
+    pid: int
+    generation: int | None
+    current: bool = False
+    held: Mapping[str, Entries] | None = None  # its map per backend, as pushed or read; None: read it
+    wanted: Steering | None = None  # what it needs; None: leave its map alone
+    pending: set[str] | None = None  # backends where held may differ from wanted; None: any
+    unusable: frozenset[str] | None = None  # servers it sees down itself; None: ask it
+    pushes: int = 0  # moves at the start and the end of a push: a read-back overlapping one proves nothing
+    verify: bool = True  # read its map back (after a push, or for a reconcile)
+    verified_at: float = 0.0  # monotonic
+    unread: int = 0  # read-backs in a row without a whole answer
+    failures: int = 0
+    retry_at: float = 0.0  # monotonic
+    swept: frozenset[str] = field(default_factory=frozenset)  # dead set whose stuck streams were ended
+
+    def want(self, steering: Steering | None) -> None:
+        """Take a new plan; note which backends can now differ from what its map holds."""
+        before, self.wanted = self.wanted, steering
+        if steering is None or before is None or self.pending is None:
+            self.pending = None
+        elif steering.previous == before.basis and steering.digest == before.digest:
+            self.pending |= steering.changed
+        elif not (steering.basis == before.basis and steering.digest == before.digest):
+            self.pending = None
+
+    def deltas(self) -> list[BackendDelta] | None:
+        """The changes its map needs, per backend (None: its map is unknown)."""
+        if self.held is None or self.wanted is None:
+            return None
+        held, parts = self.held, self.wanted.parts
+        backends = self.pending if self.pending is not None else held.keys() | parts.keys()
+        deltas = [backend_delta(held.get(b, ()), parts.get(b, ())) for b in backends if held.get(b) != parts.get(b)]
+        if not deltas:
+            self.held, self.pending = parts, set()
+        return deltas
+
+    def in_sync(self) -> bool:
+        return self.wanted is not None and self.deltas() == []
+
+
+class OldWorkers:
+    """Keeps every old worker steered away from the servers known to be dead."""
+
+    STATS_INTERVAL_S = 1.0
+    RECONCILE_INTERVAL_S = 5.0
+    MAX_BACKOFF_S = 5.0
+    WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
+    # Above this many `set map`/`del map` commands for one worker the whole map is replaced
+    # (prepare/commit): each such command is a CLI round of its own, while a replacement
+    # ships every entry in a few payloads and switches atomically.
+    REPLACE_ABOVE = 64
+    UNREAD_LIMIT = 3  # read-backs in a row without a whole answer before it counts as failed
+
+    def __init__(
+        self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
+    ) -> None:
+        if reconcile_interval_s is not None:
+            self.RECONCILE_INTERVAL_S = reconcile_interval_s
+        self.settings = settings
+        self.state = state
+        self.cli = cli
+        self.map_path = str(settings.haproxy.steer_map)
+        self.poll_s = settings.old_workers.poll_interval_ms / 1000
+        self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
+        self._workers: dict[int, _Worker] = {}
+        self._sections = Sections()
+        self._digests: dict[tuple[int, str], ConfigDigest] = {}  # (generation, effective sha) -> digest
+        self._planner = Planner(settings.old_workers.no_backup)
+        self._live: _Live | None = None
+        self._down: frozenset[str] = frozenset()  # the last view's down endpoints
+        self._next: ConfigDigest | None = None  # set between before_reload and after_reload
+        self._leaving_pid: int | None = None  # the worker about to become old
+        self._dead_key: object = None  # what state.dead_servers was last made from
+        self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._stats_at = 0.0
+
+    # ------------------------------------------------------------ the contract
+
+    async def run(self) -> None:
+        """Poll, steer, verify and reconcile until cancelled."""
+        failing_since: float | None = None
+        while True:
+            try:
+                await self.sync(fresh=self._live_due())
+                await self._interruptible(self._verify_some())
+                await self._interruptible(self._read_unusable())
+                if time.monotonic() >= self._stats_at:
+                    self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
+                    await self._interruptible(self._update_stats())
+                failing_since = None
+            except _Interrupted:
+                log.debug("old workers: poll interrupted by a reload")
+            except CLIError as exc:
+                # The master socket resets connections while the master re-executes on a
+                # reload (seconds with a big config): only a lasting failure is worth a warning.
+                now = time.monotonic()
+                failing_since = failing_since or now
+                level = logging.WARNING if now - failing_since > self.WARN_AFTER_S else logging.DEBUG
+                log.log(level, "old workers: %s", exc)
+            except Exception:
+                log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            self._wake.clear()
+
+    async def prepare(self, next_model: Config) -> None:
+        """Work out the next config's plans while `haproxy -c` checks it: before_reload then
+        finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
+        async with self._lock:
+            latest = self._sections.digest(next_model)
+            current = self.state.current
+            leaving = current.worker_pid if current is not None else None
+            judged = self._judged(leaving)
+            if judged:
+                with contextlib.suppress(CLIError):
+                    view = await self._live_view(latest, leaving, reuse=True)
+                    self._planner.plan(latest, view, judged)
+
+    async def before_reload(self, next_model: Config) -> None:
+        """Make-before-break: steer the worker about to become old (and the old ones) away from
+        the servers `next_model` drops, before the reload is sent."""
+        current = self.state.current
+        self._next = self._sections.digest(next_model)
+        self._leaving_pid = current.worker_pid if current is not None else None
+        for task in self._reads:  # the master relays one answer at a time: the pushes come first
+            task.cancel()
+        try:
+            await self.sync()
+        except CLIError as exc:
+            log.warning("make-before-break steering failed: %s", exc)  # after_reload pushes again
+
+    async def after_reload(self, ok: bool) -> None:
+        """After a confirmed reload, steer the new old worker at once; after a failed one, undo
+        the make-before-break steering of the worker that stays current."""
+        self._next, self._leaving_pid = None, None
+        try:
+            await self.sync()
+        except CLIError as exc:
+            log.warning("steering after %s reload failed: %s", "the" if ok else "a failed", exc)
+
+    async def refresh(self) -> None:
+        """Recompute and push now: a runtime change altered the current config in place."""
+        self._digests.clear()
+        await self.sync(fresh=True)
+
+    def mark_dead(self, key: str) -> None:
+        self.state.operator_dead.add(_check_key(key))
+        self._wake.set()
+
+    def unmark_dead(self, key: str) -> None:
+        self.state.operator_dead.discard(_check_key(key))
+        self._wake.set()
+
+    def has_server(self, key: str) -> bool:
+        """Whether the current config or one an old worker runs has this server: an index
+        lookup per distinct config."""
+        backend, _, name = key.partition("/")
+        for generation in list(self.state.generations.values()):
+            section = self._digest(generation).sections.get(backend)
+            if section is not None and name in section.by_name:
+                return True
+        return False
+
+    # ------------------------------------------------------------ one round
+
+    async def sync(self, fresh: bool = False) -> None:
+        """One round: list the workers, plan, push what differs. `fresh`: read the current
+        worker's server states first (outside the lock: a reload does not wait on it)."""
+        current = self.state.current
+        if fresh and self._next is None and current is not None and current.worker_pid is not None:
+            await self._interruptible(self._fetch_live(current.worker_pid))
+        async with self._lock:
+            procs = await self.cli.show_proc()
+            if procs.master is None and not procs.workers:
+                raise CLIError("show proc: no answer")  # the master dropped the connection mid-reload
+            self._track(procs)
+            await self._steer(procs)
+
+    def _digest(self, generation: Generation) -> ConfigDigest:
+        key = (generation.number, generation.effective_sha256)
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = self._digests[key] = self._sections.digest(generation.model)
+        return digest
+
+    def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
+        """The workers that get a plan (old ones and the one about to become old): their config
+        and the servers they skip themselves."""
+        judged = {}
+        for worker in self._workers.values():
+            generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
+            if generation is not None and (not worker.current or worker.pid == leaving):
+                judged[worker.pid] = (self._digest(generation), worker.unusable or frozenset())
+        return judged
+
+    def _track(self, procs: ProcList) -> None:
+        generations = worker_generations(procs, self.state.generations)
+        current = procs.current_worker
+        old_pids = {p.pid for p in procs.old_workers}
+        targets = old_pids | ({current.pid} if current is not None else set())
+        for pid in [pid for pid in self._workers if pid not in targets]:
+            del self._workers[pid]
+        live = self._live
+        for pid in targets:
+            worker = self._workers.setdefault(pid, _Worker(pid, generations.get(pid)))
+            if worker.generation is None:
+                worker.generation = generations.get(pid)
+            worker.current = current is not None and pid == current.pid
+            if live is not None and live.pid == pid and (worker.current or worker.unusable is None):
+                # An old worker starts from its view as last seen while it was current: health
+                # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
+                worker.unusable = live.unusable
+        for pid in [pid for pid in self.state.old_workers if pid not in old_pids]:
+            del self.state.old_workers[pid]
+        for pid in old_pids:
+            record = self.state.old_workers.get(pid)
+            if record is None:
+                self.state.old_workers[pid] = OldWorker(pid, generations.get(pid), process_started_at(pid))
+            elif record.generation is None:
+                record.generation = generations.get(pid)
+        self.state.note_old_workers()
+
+    async def _steer(self, procs: ProcList) -> None:
+        current = self.state.current
+        latest = self._next if self._next is not None else (self._digest(current) if current is not None else None)
+        if latest is None:
+            self.state.dead_servers = set()
+            return
+        leaving = self._leaving_pid if self._next is not None else None
+        judged = self._judged(leaving)
+        for worker in self._workers.values():
+            generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
+            if generation is None:
+                worker.want(None)
+                self._record(worker, "failed", "the config this worker runs is unknown: it cannot be steered")
+            elif worker.pid not in judged:
+                digest = self._digest(generation)
+                worker.want(nothing_steered(digest, latest, (latest.key, LiveView())) if digest.guarded else None)
+        plans: dict[int, Steering] = {}
+        if judged:
+            current_worker = procs.current_worker
+            view = await self._live_view(latest, current_worker.pid if current_worker else None)
+            self._down = view.down
+            plans = self._planner.plan(latest, view, judged)
+            for pid, steering in plans.items():
+                worker = self._workers[pid]
+                if steering.digest.guarded:
+                    worker.want(steering)
+                else:
+                    worker.want(None)
+                    self._record(worker, "failed", "its config has no guard: it cannot be steered")
+        await self._push_all()
+        # Bookkeeping for the status API, after the pushes.
+        dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
+        if dead_key != self._dead_key:
+            self._dead_key = dead_key
+            self.state.dead_servers = set().union(*(s.dead for s in plans.values()))
+            self._sections.keep_only([latest, *(self._digest(g) for g in self.state.generations.values())])
+            self._planner.keep_only([latest, *(self._digest(g) for g in self.state.generations.values())])
+            alive = {(g.number, g.effective_sha256) for g in self.state.generations.values()}
+            self._digests = {k: v for k, v in self._digests.items() if k in alive}
+        if self.settings.old_workers.shutdown_stuck_sessions:
+            await self._sweep()
+
+    # ------------------------------------------------------------ the current worker's evidence
+
+    async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
+        live = self._live
+        # Around a reload the last answer will do, whatever its age: the steering must not wait
+        # on a 10,000-line answer, and a new worker reports every server UP until it checked them.
+        stale = live is None or time.monotonic() - live.at > 2 * live_read_interval(live.cost_s, self.poll_s)
+        if current_pid is not None and (live is None or (stale and not reuse and self._next is None)):
+            live = await self._fetch_live(current_pid)
+        states = live.states if live is not None else LiveStates()
+        return live_view(latest, states, self.state.operator_dead, self._down)
+
+    def _live_due(self) -> bool:
+        live, current = self._live, self.state.current
+        if live is None or current is None or live.pid != current.worker_pid:
+            return True
+        return time.monotonic() - live.at >= live_read_interval(live.cost_s, self.poll_s)
+
+    async def _fetch_live(self, pid: int) -> _Live:
+        started = time.monotonic()
+        answer = await self.cli.on(pid, "show servers state")
+        if "# be_id" not in answer:
+            raise CLIError(f"show servers state: no answer from worker {pid}")
+        now = time.monotonic()
+        states = parse_live_states(answer)
+        self._live = _Live(pid, now, states, now - started, states.unusable())
+        return self._live
+
+    async def _interruptible(self, read: Coroutine[object, object, R]) -> R:
+        """Run a poll's read so that before_reload can call it off (raising _Interrupted). Only
+        reads: what they learn is applied after they return, so none is left half done."""
+        task = asyncio.ensure_future(read)
+        self._reads.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                raise _Interrupted from None
+            raise
+        finally:
+            self._reads.discard(task)
+
+    async def _read_unusable(self, budget: int = 4) -> None:
+        """Ask old workers not asked yet which servers they skip themselves (DOWN or MAINT in
+        their own view): no use as targets. Not in the critical path: a worker is steered
+        first with what is known, and corrected when the answer differs."""
+
+        async def one(worker: _Worker) -> None:
+            with contextlib.suppress(CLIError):
+                answer = await self.cli.on(worker.pid, "show servers state")
+                if "# be_id" in answer:
+                    worker.unusable = parse_live_states(answer).unusable()
+                    self._wake.set()
+
+        wanted = [w for w in self._workers.values() if w.unusable is None and not w.current][:budget]
+        await asyncio.gather(*(one(w) for w in wanted))
+
+    async def _update_stats(self) -> None:
+        pids = list(self.state.old_workers)
+        if not pids:
+            return
+        answers = await self.cli.execute_many([on_process(pid, "show info") for pid in pids])
+        infos = split_show_info("\n".join(answers))
+        for pid in pids:
+            record = self.state.old_workers.get(pid)
+            if record is None:
+                continue
+            conns = infos.get(pid, {}).get("CurrConns", "")
+            record.connections = int(conns) if conns.isdigit() else record.connections
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                record.rss_bytes = psutil.Process(pid).memory_info().rss
+
+    # ------------------------------------------------------------ pushes
+
+    async def _push_all(self) -> None:
+        """Push to every worker whose map differs from its plan, all at once."""
+        started = time.monotonic()
+        steered_at: dict[int, float] = {}
+        changes = [0]
+        now = time.monotonic()
+        due = []
+        for worker in self._workers.values():
+            if worker.wanted is None:
+                continue
+            if worker.in_sync():
+                self._record(worker, "ok")
+            elif worker.retry_at <= now:
+                self._record(worker, "pending")
+                due.append(worker)
+
+        async def one(worker: _Worker) -> None:
+            try:
+                changes[0] += await self._push(worker, steered_at)
+            except (CLIError, PushError, ValueError) as exc:
+                worker.held = None  # somewhere in between: read it back before the next try
+                self._failed(worker, str(exc))
+            else:
+                worker.failures, worker.retry_at = 0, 0.0
+                self._record(worker, "ok")
+
+        await asyncio.gather(*(one(w) for w in due))
+        if steered_at:
+            self.state.push_duration.observe(time.monotonic() - started)
+            self.last_push = {
+                "workers": len(steered_at),
+                "changes": changes[0],
+                "steered_s": max(steered_at.values()) - started,
+                "steered_at": max(steered_at.values()),  # monotonic, when the last one was answered
+            }
+
+    async def _push(self, worker: _Worker, steered_at: dict[int, float]) -> int:
+        """Bring one worker's map to its plan; the number of changes sent."""
+        wanted = worker.wanted
+        assert wanted is not None
+        if worker.held is None:
+            held = await self._read_map(worker.pid)
+            worker.verified_at = time.monotonic()
+            deltas = [BackendDelta.between(held, wanted.entries())]
+            if not deltas[0].changes:
+                worker.held, worker.pending = wanted.parts, set()
+                return 0
+        else:
+            deltas = worker.deltas() or []
+            if not deltas:
+                return 0
+        worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
+        limit = wanted.digest.limit
+        if sum(d.singles for d in deltas) > self.REPLACE_ABOVE:
+            sent = await self._replace(worker.pid, wanted.entries(), limit)
+        else:
+            sent = sum(d.changes for d in deltas)
+            for lines in delta_lines(worker.pid, self.map_path, deltas, limit, PHASES[:ROUTING_PHASES]):
+                await self._send(worker.pid, lines)
+            steered_at[worker.pid] = time.monotonic()
+            for lines in delta_lines(worker.pid, self.map_path, deltas, limit, PHASES[ROUTING_PHASES:]):
+                await self._send(worker.pid, lines)
+        steered_at.setdefault(worker.pid, time.monotonic())
+        worker.held, worker.pending, worker.verify = wanted.parts, set(), True
+        worker.pushes += 1
+        return sent
+
+    async def _replace(self, pid: int, entries: dict[str, str], limit: int) -> int:
+        """Swap the whole map at once: a new version filled by payloads, then committed."""
+        answer = await self.cli.on(pid, f"prepare map {self.map_path}")
+        m = re.search(r"New version created: (\d+)", answer)
+        if m is None:
+            raise PushError(f"worker {pid}: prepare map: {answer.strip()[:200]}")
+        version = int(m[1])
+        phase = Phase(adds=tuple(valid_entry(k, v) for k, v in entries.items()))
+        await self._send(pid, phase_lines(pid, self.map_path, phase, limit, version=version))
+        await self._send(pid, [on_process(pid, f"commit map @{version} {self.map_path}")])
+        return len(entries)
+
+    async def _send(self, pid: int, lines: list[str]) -> None:
+        answers = await asyncio.gather(*(self.cli.execute(line) for line in lines))
+        for line, answer in zip(lines, answers, strict=True):
+            problem = answer_problem(line, answer)
+            if problem:
+                raise PushError(f"worker {pid}: {problem}")
+
+    async def _verify_some(self) -> None:
+        """Read back the maps just pushed, then those verified longest ago: each map at least
+        every RECONCILE_INTERVAL_S, a bounded number per poll."""
+        now = time.monotonic()
+        due = [
+            w
+            for w in self._workers.values()
+            if w.wanted is not None
+            and w.held is not None
+            and (w.verify or now - w.verified_at >= self.RECONCILE_INTERVAL_S)
+        ]
+        due.sort(key=lambda w: (not w.verify, w.verified_at))
+        per_poll = max(4, -(-len(self._workers) * self.poll_s // self.RECONCILE_INTERVAL_S))
+
+        async def one(worker: _Worker) -> tuple[_Worker, int, Mapping[str, Entries], dict[str, str] | Exception]:
+            pushes, held = worker.pushes, worker.held
+            assert held is not None
+            try:
+                return worker, pushes, held, await self._read_map(worker.pid)
+            except (CLIError, PushError) as exc:
+                return worker, pushes, held, exc
+
+        results = await asyncio.gather(*(one(w) for w in due[: int(per_poll)]))
+        async with self._lock:
+            for worker, pushes, held, got in results:
+                if self._workers.get(worker.pid) is not worker or worker.pushes != pushes or worker.held is not held:
+                    continue  # pushed again (or gone) meanwhile: this read proves nothing
+                if isinstance(got, Exception):
+                    worker.unread += 1
+                    if worker.unread < self.UNREAD_LIMIT:
+                        log.info("reading old worker %d's map back failed, will retry: %s", worker.pid, got)
+                        continue
+                    self._failed(worker, str(got))
+                after_push = worker.verify
+                worker.unread, worker.verify, worker.verified_at = 0, False, time.monotonic()
+                if isinstance(got, Exception):
+                    continue
+                if not after_push:
+                    # A reconcile also sweeps stuck streams again and, with `observe` (the only
+                    # thing that marks servers down in an old worker), re-reads its own view.
+                    worker.swept = frozenset()
+                    if self.settings.observe.enabled and not worker.current:
+                        worker.unusable = None
+                expected = {key: value for part in held.values() for key, value in part}
+                if got != expected:
+                    missing = sorted(set(expected.items()) - set(got.items()))[:3]
+                    extra = sorted(set(got.items()) - set(expected.items()))[:3]
+                    worker.held = None
+                    self._failed(worker, f"worker {worker.pid}: map differs: missing {missing}, unexpected {extra}")
+                    self._wake.set()
+
+    async def _read_map(self, pid: int) -> dict[str, str]:
+        answer = await self.cli.on(pid, f"show map {self.map_path}")
+        if not answer:
+            # Not even the blank line of an empty map: the master dropped the connection.
+            raise PushError(f"worker {pid}: show map: no answer")
+        if answer.startswith(_GONE) or "Unknown map" in answer:
+            raise PushError(f"worker {pid}: {answer.strip().splitlines()[0]}")
+        if not is_whole_answer(answer):
+            raise PushError(f"worker {pid}: show map: answer cut off after {len(answer)} bytes")
+        return map_entries(answer)
+
+    def _failed(self, worker: _Worker, error: str) -> None:
+        worker.failures += 1
+        worker.retry_at = time.monotonic() + min(self.MAX_BACKOFF_S, 0.1 * 2**worker.failures)
+        if _GONE not in error:
+            self.state.push_failures += 1
+            log.warning("steering old worker %d failed (attempt %d): %s", worker.pid, worker.failures, error)
+        self._record(worker, "failed", error)
+
+    def _record(self, worker: _Worker, result: Literal["ok", "pending", "failed"], error: str | None = None) -> None:
+        record = self.state.old_workers.get(worker.pid)
+        if record is None:
+            return  # the worker about to become old: not listed as old yet
+        if result == "ok":
+            record.steered = worker.wanted.steered if worker.wanted is not None else []
+            if record.push.state == "ok":
+                return  # keep the time of the push that made it so
+        record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)
+
+    async def _sweep(self) -> None:
+        """End the streams of old workers that still wait on a dead server."""
+        for worker in self._workers.values():
+            dead = worker.wanted.dead if worker.wanted is not None else frozenset()
+            if not dead or worker.swept == dead or worker.current or not worker.in_sync():
+                continue
+            try:
+                ids = stuck_sessions(await self.cli.on(worker.pid, "show sess"), dead)
+                if ids:
+                    await self.cli.execute_many([on_process(worker.pid, f"shutdown session {i}") for i in ids])
+                    log.info("old worker %d: ended %d streams stuck on dead servers", worker.pid, len(ids))
+                worker.swept = dead
+            except CLIError as exc:
+                log.warning("old worker %d: cannot end stuck streams: %s", worker.pid, exc)
+
+
+def _check_key(key: str) -> str:
+    backend, sep, server = key.partition("/")
+    if not sep:
+        raise ValueError(f"invalid server key {key!r}: expected backend/server")
+    return f"{validate_name('backend', backend)}/{validate_name('server', server)}"
