@@ -103,13 +103,28 @@ class Sections:
     """Section digests interned by content (the section's text, and what applies to it from
     its defaults chain): a section identical in two configs is digested and stored once."""
 
+    RECENT_CONFIGS = 3  # whole configs remembered by their text: the next one, the current one
+
     def __init__(self) -> None:
         self._by_key: dict[str, SectionDigest] = {}
+        self._by_text: dict[str, ConfigDigest] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
     def digest(self, model: Config) -> ConfigDigest:
+        """The config's digest. A config seen lately is found by its whole text, which costs
+        a fraction of resolving its sections again (prepare, then before_reload)."""
+        text = model.render()
+        found = self._by_text.pop(text, None)
+        if found is None:
+            found = self._digest(model)
+        self._by_text[text] = found  # most recent last
+        while len(self._by_text) > self.RECENT_CONFIGS:
+            del self._by_text[next(iter(self._by_text))]
+        return found
+
+    def _digest(self, model: Config) -> ConfigDigest:
         sections: dict[str, SectionDigest] = {}
         applied: dict[object, str] = {}  # one ProxySettings serves hundreds of backends: one repr
         for section, settings in model.backends_with_settings():
@@ -138,8 +153,11 @@ class Sections:
 
     def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
         """Forget the sections none of these configs holds."""
-        used = {sd.key for d in digests for sd in d.section_set}
+        kept = list(digests)
+        used = {sd.key for d in kept for sd in d.section_set}
         self._by_key = {k: v for k, v in self._by_key.items() if k in used}
+        keys = {d.key for d in kept}
+        self._by_text = {t: d for t, d in self._by_text.items() if d.key in keys}
 
 
 def line_limit(model: Config | None) -> int:

@@ -283,20 +283,21 @@ class BackendDelta:
 
     phases: tuple[Phase, ...]
     payloads: tuple[tuple[str, ...], ...]  # each phase's adds: "key value\n" per backend
+    changes: int  # entries added, set or deleted
+    singles: int  # changes that need a command each (`set map`, `del map`): no payload for those
+    single_phases: frozenset[int]  # the phases that have some
 
     @classmethod
     def between(cls, current: Mapping[str, str], desired: Mapping[str, str]) -> BackendDelta:
         phases = diff_phases(current, desired)
-        return cls(phases, tuple(map(_payload, phases)))
-
-    @property
-    def changes(self) -> int:
-        return sum(len(p.adds) + len(p.sets) + len(p.dels) for p in self.phases)
-
-    @property
-    def singles(self) -> int:
-        """Changes that need a command each (`set map`, `del map`): no payload for those."""
-        return sum(len(p.sets) + len(p.dels) for p in self.phases)
+        singles = [len(p.sets) + len(p.dels) for p in phases]
+        return cls(
+            phases,
+            tuple(map(_payload, phases)),
+            changes=sum(singles) + sum(len(p.adds) for p in phases),
+            singles=sum(singles),
+            single_phases=frozenset(i for i, n in enumerate(singles) if n),
+        )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -322,14 +323,12 @@ def delta_lines(
     head = on_process(pid, f"add map {path} <<\n")
     ranks: list[list[str]] = []
     for rank in phases:
-        individual = [
-            command
-            for delta in deltas
-            for command in (
-                *(on_process(pid, f"set map {path} {k} {v}") for k, v in delta.phases[rank].sets),
-                *(on_process(pid, f"del map {path} {k}") for k in delta.phases[rank].dels),
-            )
-        ]
+        individual: list[str] = []
+        for delta in deltas:
+            if rank in delta.single_phases:
+                phase = delta.phases[rank]
+                individual += [on_process(pid, f"set map {path} {k} {v}") for k, v in phase.sets]
+                individual += [on_process(pid, f"del map {path} {k}") for k in phase.dels]
         lines = batch_lines(individual, limit) if individual else []
         late: list[str] = []
         groups = [group for delta in deltas for group in delta.payloads[rank]]

@@ -146,6 +146,7 @@ class OldWorkers:
         self._live: _Live | None = None
         self._down: frozenset[str] = frozenset()  # the last view's down endpoints
         self._next: ConfigDigest | None = None  # set between before_reload and after_reload
+        self._prepared: ConfigDigest | None = None  # the config prepare() planned for, until after_reload
         self._leaving_pid: int | None = None  # the worker about to become old
         self._dead_key: object = None  # what state.dead_servers was last made from
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
@@ -186,7 +187,7 @@ class OldWorkers:
         """Work out the next config's plans while `haproxy -c` checks it: before_reload then
         finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
         async with self._lock:
-            latest = self._sections.digest(next_model)
+            latest = self._prepared = self._sections.digest(next_model)
             current = self.state.current
             leaving = current.worker_pid if current is not None else None
             judged = self._judged(leaving)
@@ -211,7 +212,7 @@ class OldWorkers:
     async def after_reload(self, ok: bool) -> None:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
         the make-before-break steering of the worker that stays current."""
-        self._next, self._leaving_pid = None, None
+        self._next, self._leaving_pid, self._prepared = None, None, None
         try:
             await self.sync()
         except CLIError as exc:
@@ -220,6 +221,7 @@ class OldWorkers:
     async def refresh(self) -> None:
         """Recompute and push now: a runtime change altered the current config in place."""
         self._digests.clear()
+        self._prepared = None  # a runtime apply took the place of the reload it was for
         await self.sync(fresh=True)
 
     def mark_dead(self, key: str) -> None:
@@ -334,8 +336,10 @@ class OldWorkers:
         if dead_key != self._dead_key:
             self._dead_key = dead_key
             self.state.dead_servers = set().union(*(s.dead for s in plans.values()))
-            self._sections.keep_only([latest, *(self._digest(g) for g in self.state.generations.values())])
-            self._planner.keep_only([latest, *(self._digest(g) for g in self.state.generations.values())])
+            kept = [latest, *(self._digest(g) for g in self.state.generations.values())]
+            kept += [self._prepared] if self._prepared is not None else []
+            self._sections.keep_only(kept)
+            self._planner.keep_only(kept)
             alive = {(g.number, g.effective_sha256) for g in self.state.generations.values()}
             self._digests = {k: v for k, v in self._digests.items() if k in alive}
         if self.settings.old_workers.shutdown_stuck_sessions:
