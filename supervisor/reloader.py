@@ -431,7 +431,8 @@ class Reloader:
             error = f"{self.settings.haproxy.config}: cannot build the effective config: {exc}"
             log.error("reload invalid: %s", error)
             return self._record("invalid", started, error)
-        inputs = inputs_digest(self.settings.haproxy.watch)
+        watch = self.settings.haproxy.watch
+        inputs = await off_the_loop(lambda: inputs_digest(watch))  # maps and certificates can be big
         self.state.rendered_sha256 = effective.rendered_sha256
         if not self.master.wanted:
             return await self._first_start(effective, inputs, started)

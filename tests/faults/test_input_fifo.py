@@ -49,3 +49,20 @@ async def test_a_fifo_as_the_rendered_config_blocks_nothing(make):
         assert results and not requests.failures, requests.failures[:5]
         assert results[-1] == (200, "back")
         assert d.count("Traceback") == 0
+
+
+async def test_a_fifo_among_the_watched_files_blocks_nothing(make, tmp_path):
+    front = free_port()
+    maps = tmp_path / "maps"
+    maps.mkdir()
+    (maps / "hosts.map").write_text("a b\n")
+    with backends("b1") as started:
+        b1 = started["b1"].address
+        d = make(config(front, b1, "good"), {"haproxy": {"watch": [str(maps)]}})
+        d.start()
+        await d.wait_generation(1)
+        os.mkfifo(maps / "dropped.fifo")
+        (maps / "hosts.map").write_text("a c\n")  # a watched change: a reload, which digests the directory
+        await d.wait_generation(2)
+        await d.healthz_seconds(HEALTHZ_STUCK_S)
+        assert d.count("Traceback") == 0
