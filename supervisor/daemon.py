@@ -55,7 +55,7 @@ class DaemonActions:
 
     async def reload_now(self) -> ReloadRecord | None:
         assert self._daemon.reloader is not None
-        return await self._daemon.reloader.reload_now(force=True, reason="POST /reload")
+        return await self._daemon.reloader.reload_now(reason="POST /reload")
 
     def _displaced(self) -> Any:
         displaced = self._daemon.displaced
@@ -124,7 +124,8 @@ class Daemon:
         log.info("SIGHUP: reload requested")
         if self.reloader is None or self._stop.is_set():
             return
-        task = asyncio.get_running_loop().create_task(self.reloader.reload_now(force=True, reason="SIGHUP"))
+        # Coalesced with every other forced reload due (reload.min_interval_ms).
+        task = asyncio.get_running_loop().create_task(self.reloader.reload_now(reason="SIGHUP"))
         self._signal_tasks.add(task)
         task.add_done_callback(self._signal_tasks.discard)
 
@@ -198,7 +199,7 @@ class Daemon:
                 tasks.append(group.create_task(make()))
             # -----------------------------------------------------------------------------------
             if adopted is None:
-                tasks.append(group.create_task(self.reloader.apply_change(force=True, reason="startup")))
+                tasks.append(group.create_task(self.reloader.reload_now(reason="startup")))
 
             await self._stop.wait()
             self.notifier.stopping()

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+HEALTHY_UPTIME_S = 10.0
 HARD_STOP_WAIT_S = 5.0
 POLL_S = 0.05
 
@@ -68,11 +69,12 @@ def master_command(settings: Settings) -> list[str]:
 
 
 def next_backoff(previous: float | None, uptime_s: float | None) -> float:
-    """1 s, 2 s, 4 s ... up to 30 s between restarts; back to 1 s after a master that ran
-    longer than the cap (its death is then news, not a crash loop)."""
-    if previous is None or (uptime_s is not None and uptime_s >= BACKOFF_MAX_S):
-        return BACKOFF_FIRST_S
-    return min(previous * 2, BACKOFF_MAX_S)
+    """At once after a master that ran for HEALTHY_UPTIME_S (its death is news, not a crash
+    loop: a kill -9 of the current worker takes the master down with it, and every second
+    waited is a second without a listener); then 1 s, 2 s, 4 s ... up to 30 s."""
+    if previous is None or (uptime_s is not None and uptime_s >= HEALTHY_UPTIME_S):
+        return 0.0
+    return min(max(previous * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
 
 
 def _arg_after(args: Sequence[str], flag: str) -> str | None:
@@ -477,6 +479,29 @@ class MasterProcess:
         )
         return procs
 
+    async def reexec(self, before: ProcList | None) -> ProcList | None:
+        """Make the master re-execute itself (SIGUSR2), with master.lock held: it reads its config
+        from disk again, binds its socket again and starts a new worker. The one road to a master
+        whose socket file was deleted. Returns `show proc` once the new worker is listed, else None."""
+        pid = self.pid
+        if pid is None or not self.alive or not self._is_our_haproxy(pid):
+            return None
+        known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()
+        log.warning("master pid=%d: SIGUSR2, to read its config and bind %s again",
+                    pid, self.settings.haproxy.master_socket_path)
+        self._signal(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + self.settings.reload.timeout_s
+        while time.monotonic() < deadline and self.alive:
+            with contextlib.suppress(CLIError):
+                procs = await self.cli.show_proc()
+                worker = procs.current_worker
+                listed = procs.master is not None and procs.master.pid == pid
+                if listed and worker is not None and worker.pid not in known:
+                    return procs
+            await self._wait_exit(POLL_S)
+        log.error("master pid=%d listed no new worker within %gs of SIGUSR2", pid, self.settings.reload.timeout_s)
+        return None
+
     # ------------------------------------------------------------ supervision
 
     async def run(self) -> None:
@@ -512,7 +537,7 @@ class MasterProcess:
 
     async def _backoff(self, delay: float) -> None:
         self.state.master_restarts += 1
-        log.warning("master restart in %.0fs restarts=%d", delay, self.state.master_restarts)
+        log.warning("master restart in %gs restarts=%d", delay, self.state.master_restarts)
         await asyncio.sleep(delay)
 
     # ------------------------------------------------------------ stop

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -30,6 +33,7 @@ from .effective import (
     RenderedConfigError,
     load_effective,
     off_the_loop,
+    prepare_runtime_dir,
     read_rendered,
     remove_stale_slot_tables,
     sha256_text,
@@ -37,12 +41,14 @@ from .effective import (
     validate,
     write_atomically,
     write_effective,
+    write_slot_table,
 )
 from .files import read_regular
 from .gcpolicy import collector_paused, settle_after_reload
 from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
 from .haproxy.config import Config
+from .haproxy.inject import SLOT_TABLE_PREFIX, SlotTable
 from .master import MasterProcess, bind_ports, process_started_at, worker_ready
 from .notify import Notifier, summary_line
 from .settings import Settings
@@ -94,51 +100,88 @@ SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
 # ---------------------------------------------------------------- pure decisions
 
 
+Cause = Literal["forced", "change", "retry"]
+
+
 @dataclass
 class ReloadScheduler:
-    """When the next reload is due: `debounce_s` after the last change of a burst, and at
-    least `min_interval_s` after the previous reload; changes in between coalesce.
+    """When the next cycle is due, and why.
 
-    Fed with monotonic timestamps, so it is tested without clocks or files.
+    A change is due `debounce_s` after the last write of a burst; a forced reload (SIGHUP,
+    POST /reload) at once; a retry (the node has not converged) at the time it was set for.
+    None of them before `min_interval_s` after the previous reload. Whatever is pending when
+    one is due coalesces into it: the cycle reads every file afresh. Fed with monotonic
+    timestamps, so it is tested without clocks or files.
     """
 
     debounce_s: float
     min_interval_s: float
     last_change: float | None = None  # newest change not yet handled
     last_reload: float | None = None  # when the previous reload was issued
+    forced: bool = False  # a forced reload is asked for
+    retry_at: float | None = None  # when to try again to converge
 
     def changed(self, now: float) -> None:
         self.last_change = now
 
+    def force(self) -> None:
+        self.forced = True
+
+    def retry(self, at: float | None) -> None:
+        self.retry_at = at
+
     @property
     def pending(self) -> bool:
-        return self.last_change is not None
+        return self.forced or self.last_change is not None or self.retry_at is not None
+
+    def _cause_and_time(self) -> tuple[Cause, float] | None:
+        if self.forced:
+            return "forced", float("-inf")
+        if self.last_change is not None:
+            # A retry never reads a file that is still being written: the change's debounce wins.
+            return "change", self.last_change + self.debounce_s
+        if self.retry_at is not None:
+            return "retry", self.retry_at
+        return None
 
     def due_at(self) -> float | None:
-        if self.last_change is None:
-            return None
-        return max(self.last_change + self.debounce_s, self.earliest_reload())
+        due = self._cause_and_time()
+        return None if due is None else max(due[1], self.earliest_reload())
 
     def earliest_reload(self) -> float:
         return float("-inf") if self.last_reload is None else self.last_reload + self.min_interval_s
 
-    def take(self, now: float) -> bool:
-        """True (and the pending change consumed) when a change is due at `now`."""
-        due = self.due_at()
-        if due is None or now < due:
-            return False
-        self.last_change = None
-        return True
+    def take(self, now: float) -> Cause | None:
+        """What is due at `now` (and everything pending consumed), or None."""
+        due = self._cause_and_time()
+        if due is None or now < max(due[1], self.earliest_reload()):
+            return None
+        self.clear()
+        return due[0]
 
     def clear(self) -> None:
-        """A forced reload reads the files afresh, so it handles what is pending."""
         self.last_change = None
+        self.forced = False
+        self.retry_at = None
 
     def reloaded(self, now: float) -> None:
         self.last_reload = now
 
 
-Verdict = Literal["ok", "failed", "pending"]
+RETRY_FIRST_S = 0.5
+
+
+def retry_delay(attempts: int, max_s: float) -> float:
+    """0.5 s before the first retry, then twice as long each time, up to `max_s`."""
+    return min(max_s, RETRY_FIRST_S * 2 ** min(attempts, 32))
+
+
+def runs_goal(goal: tuple[str, str | None] | None, current: tuple[str, str | None] | None) -> bool:
+    """Does the current worker run the goal? Both are (effective sha256, watched files' digest)."""
+    return goal is not None and current is not None and goal == current
+
+
+Verdict = Literal["ok", "failed", "pending", "unknown"]
 
 
 def confirm_reload(before: ProcList, after: ProcList) -> Verdict:
@@ -276,10 +319,57 @@ class LoadedConfig:
     text: str
     rendered_sha256: str
     inputs_sha256: str | None
+    slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss
 
     @property
     def sha256(self) -> str:
         return sha256_text(self.text)
+
+    @classmethod
+    def of(cls, effective: Effective, inputs: str | None) -> LoadedConfig:
+        return cls(effective.text, effective.rendered_sha256, inputs, effective.slot_table)
+
+
+@dataclass
+class Unconfirmed:
+    """A reload HAProxy did not confirm within reload.timeout_s: it may still take (a big
+    config loads for a minute), so the new config stays on disk until `show proc` settles it."""
+
+    before: ProcList
+    effective: Effective
+    inputs: str
+    sent: float  # monotonic
+
+
+# Errors of the disk, not of the daemon: one log line each, no traceback.
+EXPECTED_IO_ERRORS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO,
+    errno.EMFILE, errno.ENFILE,
+})
+
+
+def io_error_line(exc: OSError) -> str:
+    """`<file>: <strerror>`, the way the shell says it."""
+    what = exc.strerror or str(exc)
+    return f"{exc.filename}: {what}" if exc.filename else what
+
+
+class ProblemLog:
+    """One log line when a condition starts, or changes, and one when it is over; not one per try."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, str] = {}
+
+    def report(self, key: str, message: str) -> None:
+        if self.active.get(key) == message:
+            log.debug("%s", message)
+            return
+        self.active[key] = message
+        log.error("%s", message)
+
+    def clear(self, key: str) -> None:
+        if self.active.pop(key, None) is not None:
+            log.info("%s: works again", key)
 
 
 class Reloader:
@@ -315,6 +405,13 @@ class Reloader:
         self._persisted: Snapshot | None = None
         self._terminated: set[int] = set()  # old workers we sent SIGTERM, until they are gone
         self._status_sent = ""
+        # What the node should run: (effective sha256, watched files' digest) of the rendered config.
+        self._goal: tuple[str, str | None] | None = None
+        self._unconfirmed: Unconfirmed | None = None
+        self._forced: asyncio.Future[ReloadRecord | None] | None = None  # the forced reload requests join
+        self._forced_by: list[str] = []
+        self._on_disk_sha: str | None = None  # the effective config last written to disk
+        self.problems = ProblemLog()
         state.rendered_path = str(settings.haproxy.config)
         state.effective_path = str(settings.haproxy.effective_config)
 
@@ -328,6 +425,8 @@ class Reloader:
 
     def changed(self, now: float | None = None) -> None:
         self.scheduler.changed(time.monotonic() if now is None else now)
+        if self.state.convergence.converged:
+            self.state.convergence.missed("a change is pending", retrying=True)
         self._wake.set()
 
     async def _watch(self) -> None:
@@ -368,38 +467,93 @@ class Reloader:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), None if due is None else due - now)
                 continue
-            self.scheduler.take(now)
-            await self._guarded(self.apply_change(force=False, reason="change"))
+            cause = self.scheduler.take(now)
+            if cause is not None:
+                await self._cycle(cause)
+
+    async def _cycle(self, cause: Cause) -> ReloadRecord | None:
+        """One cycle toward the goal; then convergence is assessed and a retry set when needed."""
+        waiters: asyncio.Future[ReloadRecord | None] | None = None
+        reason: str = cause
+        if cause == "forced":
+            waiters, self._forced = self._forced, None
+            by, self._forced_by = self._forced_by, []
+            reason = by[0] if len(by) == 1 else f"{by[0]} and {len(by) - 1} more requests"
+        elif cause == "retry":
+            convergence = self.state.convergence
+            reason = f"retry {convergence.attempts}"
+            log.warning("converge: attempt %d, not converged for %.1fs: %s",
+                        convergence.attempts, convergence.unconverged_s(utcnow()), convergence.reason)
+        record: ReloadRecord | None = None
+        try:
+            record = await self._guarded(self.apply_change(force=cause == "forced", reason=reason))
+        finally:
+            if waiters is not None and not waiters.done():
+                waiters.set_result(record)
+        self._assess(record)
+        return record
 
     async def _housekeeping(self) -> None:
-        """Prune generations whose worker is gone and enforce old_workers.max, between reloads."""
+        """Between reloads: settle an unconfirmed reload, prune generations whose worker is gone,
+        enforce old_workers.max, put back what was lost from runtime_dir, assess convergence."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            if not self.master.up or self.master.lock.locked():
-                continue
-            async with self.master.lock:
-                if not self.master.up:
-                    continue
-                try:
-                    procs = await self.cli.show_proc()
-                except CLIError as exc:
-                    log.debug("housekeeping: %s", exc)
-                    continue
-                self._observe(procs)
+            if self.master.up and not self.master.lock.locked():
+                async with self.master.lock:
+                    await self._look_after_master()
+            self._assess(None)
             status = summary_line(self.state, self._old_count())
             if status != self._status_sent:
                 self._status_sent = status
                 self.notifier.status(status)
 
+    async def _look_after_master(self) -> None:
+        """One housekeeping round, with master.lock held."""
+        if not self.master.up:
+            return
+        if not self.settings.haproxy.master_socket_path.exists():
+            await self._recover_runtime_dir()
+            return
+        try:
+            procs = await self.cli.show_proc()
+        except CLIError as exc:
+            log.debug("housekeeping: %s", exc)
+            return
+        await self._settle(procs)
+        self._observe(procs)
+        if self._unconfirmed is None:
+            self._write_back()
+
+    def _write_back(self) -> None:
+        """The effective config on disk is what a restarted master loads: keep it what runs."""
+        loaded = self.loaded
+        if loaded is None or loaded.sha256 == self._on_disk_sha:
+            return
+        try:
+            write_slot_table(loaded.slot_table)
+            self._write_effective_text(loaded.text)
+        except OSError as exc:
+            self.problems.report("effective config", f"cannot write back the running config: {io_error_line(exc)}")
+            return
+        self.problems.clear("effective config")
+
+    def _write_effective_text(self, text: str) -> None:
+        write_atomically(self.settings.haproxy.effective_config, text)
+        self._on_disk_sha = sha256_text(text)
+
     # ------------------------------------------------------------ requests
 
-    async def reload_now(self, force: bool = True, reason: str = "requested") -> ReloadRecord | None:
-        """Reload at once (SIGHUP, POST /reload), even when nothing changed; still honours min_interval_ms."""
-        wait = self.scheduler.earliest_reload() - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        self.scheduler.clear()
-        return await self._guarded(self.apply_change(force=force, reason=reason))
+    async def reload_now(self, reason: str = "requested") -> ReloadRecord | None:
+        """Reload even when nothing changed (SIGHUP, POST /reload), as soon as reload.min_interval_ms
+        allows. Requests made before that reload starts join it and get its record."""
+        if self._forced is None:
+            self._forced = asyncio.get_running_loop().create_future()
+            self.scheduler.force()
+            self._wake.set()
+        else:
+            log.info("reload requested (%s): joins the reload already due", reason)
+        self._forced_by.append(reason)
+        return await asyncio.shield(self._forced)
 
     async def _guarded(self, cycle: Awaitable[ReloadRecord | None]) -> ReloadRecord | None:
         """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the
@@ -407,6 +561,13 @@ class Reloader:
         started = time.monotonic()
         try:
             return await cycle
+        except OSError as exc:
+            if exc.errno not in EXPECTED_IO_ERRORS:
+                log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+                return self._record("failed", started, f"{type(exc).__name__}: {exc}")
+            error = io_error_line(exc)
+            log.error("reload failed: %s", error)
+            return self._record("failed", started, error)
         except Exception as exc:
             log.exception("reload failed: the cycle raised %s", type(exc).__name__)
             return self._record("failed", started, f"{type(exc).__name__}: {exc}")
@@ -426,14 +587,17 @@ class Reloader:
                 effective = await off_the_loop(lambda: load_effective(settings))
         except RenderedConfigError as exc:
             log.error("reload invalid: %s", exc)
+            self._goal = None
             return self._record("invalid", started, str(exc))
         except Exception as exc:  # our parser choking on input must not take the daemon down
             error = f"{self.settings.haproxy.config}: cannot build the effective config: {exc}"
             log.error("reload invalid: %s", error)
+            self._goal = None
             return self._record("invalid", started, error)
         watch = self.settings.haproxy.watch
         inputs = await off_the_loop(lambda: inputs_digest(watch))  # maps and certificates can be big
         self.state.rendered_sha256 = effective.rendered_sha256
+        self._goal = (effective.sha256, inputs)
         if not self.master.wanted:
             return await self._first_start(effective, inputs, started)
         while True:
@@ -450,6 +614,18 @@ class Reloader:
     async def _change_locked(
         self, effective: Effective, inputs: str, force: bool, reason: str, started: float
     ) -> ReloadRecord:
+        if self._unconfirmed is not None:
+            # Settle the previous reload first: a second one must not be sent while HAProxy may
+            # still be loading the first.
+            try:
+                await self._settle(await self._show_proc_until(started + self.settings.reload.timeout_s))
+            except CLIError as exc:
+                error = f"HAProxy has not settled the previous reload: {exc}"
+                log.error("reload failed: %s", error)
+                return self._record("failed", started, error)
+            if self._unconfirmed is not None:
+                log.info("reload still unconfirmed after %.1fs: sending it again",
+                         time.monotonic() - self._unconfirmed.sent)
         current = self.state.current
         unchanged = (
             current is not None
@@ -491,13 +667,14 @@ class Reloader:
     async def _runtime_applied(
         self, current: Generation, model: Config, effective: Effective, inputs: str, started: float
     ) -> ReloadRecord:
-        write_effective(self.settings.haproxy.effective_config, effective)
         current.model = model
         current.effective_sha256 = effective.sha256
         current.rendered_sha256 = effective.rendered_sha256
-        self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
+        self.loaded = LoadedConfig.of(effective, inputs)
         self.state.last_good_sha256 = effective.sha256
-        self.store.write_config(current.number, effective.text)
+        # HAProxy runs the change already: a failed write is retried by housekeeping, not undone.
+        self._write_back()
+        self._write_generation_config(current.number, effective.text)
         self._persist()
         self._remove_stale_slot_tables(effective)
         record = self._record("runtime_applied", started)
@@ -514,41 +691,59 @@ class Reloader:
     ) -> ReloadRecord:
         deadline = started + self.settings.reload.timeout_s
         try:
-            before = await self.cli.show_proc()
+            before = await self._show_proc_until(deadline)
         except CLIError as exc:
             log.error("reload failed: %s", exc)
             return self._record("failed", started, str(exc))
         await self._call_hook("before_reload", model)
-        current = self.state.current
-        if self.save_server_state is not None and current is not None:
-            try:
-                await self.save_server_state(current, model, self.settings.haproxy.server_state_file)
-            except Exception:  # a missing state file costs states, not the reload
-                log.exception("saving server state failed; the new worker starts from the config")
-        self.notifier.reloading(f"reloading: {reason}")
-        write_effective(self.settings.haproxy.effective_config, effective)
-        self.scheduler.reloaded(time.monotonic())
-        error: str | None = None
         verdict: Verdict = "pending"
-        after: ProcList | None = None
         try:
-            answer = await self.cli.reload()
-            if answer.success is False:
-                verdict, error = "failed", answer.log or "reload answered Success=0"
-        except CLIError as exc:
-            # 2.6 closes the connection as the master re-executes; `show proc` decides.
-            log.debug("reload command: %s", exc)
-        if verdict == "pending":
-            verdict, after, error = await self._confirm(before, deadline, bind_ports(model))
-        if verdict == "ok" and after is not None and after.current_worker is not None:
-            record = self._reload_ok(effective, model, inputs, after, started)
-        else:
-            record = self._reload_failed(before, error or "reload failed", started)
-        await self._call_hook("after_reload", verdict == "ok")
+            current = self.state.current
+            if self.save_server_state is not None and current is not None:
+                try:
+                    await self.save_server_state(current, model, self.settings.haproxy.server_state_file)
+                except OSError as exc:
+                    log.error("saving server state failed: %s; the new worker starts from the config",
+                              io_error_line(exc))
+                except Exception:  # a missing state file costs states, not the reload
+                    log.exception("saving server state failed; the new worker starts from the config")
+            self.notifier.reloading(f"reloading: {reason}")
+            write_effective(self.settings.haproxy.effective_config, effective)
+            self._on_disk_sha = effective.sha256
+            self.scheduler.reloaded(time.monotonic())
+            error: str | None = None
+            after: ProcList | None = None
+            try:
+                # Bounded by reload.timeout_s: a stopped master accepts the connection and never answers.
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    answer = await self.cli.reload()
+                if answer.success is False:
+                    verdict, error = "failed", answer.log or "reload answered Success=0"
+            except (CLIError, TimeoutError) as exc:
+                # 2.6 closes the connection as the master re-executes; `show proc` decides.
+                log.debug("reload command: %s", exc or "timed out")
+            if verdict == "pending":
+                verdict, after, error = await self._confirm(before, deadline, bind_ports(model))
+            if verdict == "ok" and after is not None and after.current_worker is not None:
+                record = self._reload_ok(effective, inputs, after, started)
+            elif verdict == "unknown":
+                record = self._reload_unknown(before, effective, inputs, error or "unconfirmed", started)
+            else:
+                record = self._reload_failed(before, error or "reload failed", started)
+        finally:
+            await self._call_hook("after_reload", verdict == "ok")
         self.notifier.ready(summary_line(self.state, self._old_count()))
         if verdict == "ok":
             settle_after_reload()  # after the old workers are steered, never before
         return record
+
+    async def _show_proc_until(self, deadline: float) -> ProcList:
+        """`show proc`, given up at `deadline`: a stopped master accepts a connection and never answers."""
+        try:
+            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                return await self.cli.show_proc()
+        except TimeoutError:
+            raise CLIError("show proc: no answer within reload.timeout_s") from None
 
     async def _confirm(
         self, before: ProcList, deadline: float, ports: set[int]
@@ -558,7 +753,7 @@ class Reloader:
             if not self.master.alive:
                 return "failed", after, "haproxy master exited during the reload"
             try:
-                after = await self.cli.show_proc()
+                after = await self._show_proc_until(deadline)
                 verdict = confirm_reload(before, after)
                 worker = after.current_worker
                 if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
@@ -574,25 +769,77 @@ class Reloader:
                     "its reason is in HAProxy's own log lines on the daemon's stderr"
                 )
             if time.monotonic() > deadline:
-                return "failed", after, f"no new worker in `show proc` within {self.settings.reload.timeout_s}s"
+                return "unknown", after, (
+                    f"no new worker in `show proc` within reload.timeout_s={self.settings.reload.timeout_s:g}s"
+                )
             await asyncio.sleep(CONFIRM_POLL_S)
 
-    def _reload_ok(
-        self, effective: Effective, model: Config, inputs: str, after: ProcList, started: float
-    ) -> ReloadRecord:
-        worker = after.current_worker
-        assert worker is not None
-        generation = self._new_generation(model, effective.sha256, effective.rendered_sha256, inputs, worker.pid)
-        self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
-        self.store.write_config(generation.number, effective.text)
-        self._remove_stale_slot_tables(effective)
+    def _reload_ok(self, effective: Effective, inputs: str, after: ProcList, started: float) -> ReloadRecord:
+        generation = self._loaded_by(effective, inputs, after)
         record = self._record("ok", started)
         log.info(
-            "reload ok generation=%d worker=%d duration_ms=%d",
-            generation.number, worker.pid, record.duration_ms,
+            "reload ok generation=%d worker=%s duration_ms=%d",
+            generation.number, generation.worker_pid, record.duration_ms,
         )
-        self._observe(after)
         return record
+
+    def _loaded_by(self, effective: Effective, inputs: str, after: ProcList) -> Generation:
+        """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation.
+        What HAProxy runs is decided; the writes that follow are bookkeeping, and their failure
+        (a full disk) changes nothing of it."""
+        worker = after.current_worker
+        assert worker is not None
+        generation = self._new_generation(
+            effective.effective_model, effective.sha256, effective.rendered_sha256, inputs, worker.pid
+        )
+        self.loaded = LoadedConfig.of(effective, inputs)
+        self._write_generation_config(generation.number, effective.text)
+        self._remove_stale_slot_tables(effective)
+        self._observe(after)
+        return generation
+
+    def _write_generation_config(self, number: int, text: str) -> None:
+        try:
+            self.store.write_config(number, text)
+        except OSError as exc:
+            self.problems.report("generation configs", (
+                f"cannot record generation {number}'s config: {io_error_line(exc)} "
+                "(HAProxy runs it; a daemon restarted now would not know its text)"
+            ))
+            return
+        self.problems.clear("generation configs")
+
+    def _reload_unknown(
+        self, before: ProcList, effective: Effective, inputs: str, error: str, started: float
+    ) -> ReloadRecord:
+        self._unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic())
+        record = self._record("unknown", started, error)
+        log.warning(
+            "reload unknown duration_ms=%d: %s; HAProxy may still be loading it: %s keeps the new config "
+            "and `show proc` settles it",
+            record.duration_ms, error, self.settings.haproxy.effective_config,
+        )
+        return record
+
+    async def _settle(self, procs: ProcList) -> None:
+        """Decide an unconfirmed reload from a later `show proc` (with master.lock held)."""
+        pending = self._unconfirmed
+        if pending is None:
+            return
+        verdict = confirm_reload(pending.before, procs)
+        if verdict == "pending":
+            return
+        self._unconfirmed = None
+        waited = time.monotonic() - pending.sent
+        if verdict == "ok":
+            generation = self._loaded_by(pending.effective, pending.inputs, procs)
+            log.info("reload settled ok generation=%d worker=%s: confirmed %.1fs after it was sent",
+                     generation.number, generation.worker_pid, waited)
+            await self._call_hook("after_reload", True)
+        else:
+            log.error("reload settled failed: HAProxy could not load the new config (show proc: failed=%d)",
+                      procs.master_failed)
+            self._restore_loaded()
 
     def _remove_stale_slot_tables(self, running: Effective) -> None:
         try:
@@ -604,16 +851,22 @@ class Reloader:
             log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
 
     def _reload_failed(self, before: ProcList, error: str, started: float) -> ReloadRecord:
-        if self.loaded is not None:
-            write_atomically(self.settings.haproxy.effective_config, self.loaded.text)
+        restored = self._restore_loaded()
         current = before.current_worker
         record = self._record("failed", started, error)
         log.error(
-            "reload failed duration_ms=%d: %s; worker %s keeps serving; %s restored to the last good config",
+            "reload failed duration_ms=%d: %s; worker %s keeps serving; %s %s",
             record.duration_ms, one_line(error), current.pid if current else None,
             self.settings.haproxy.effective_config,
+            "restored to the last good config" if restored else "to be restored to the last good config",
         )
         return record
+
+    def _restore_loaded(self) -> bool:
+        """Put the config that runs back on disk, for a master restart to load."""
+        self._on_disk_sha = None
+        self._write_back()
+        return self.loaded is None or self._on_disk_sha == self.loaded.sha256
 
     async def _call_hook(self, name: str, *args: object) -> None:
         # A component's failure must not stop a reload that protects the fleet from stale configs.
@@ -644,7 +897,9 @@ class Reloader:
             self.store.save(snapshot)
             self._persisted = snapshot
         except OSError as exc:
-            log.error("cannot write %s: %s", self.store.index, exc.strerror or exc)
+            self.problems.report("generations index", f"cannot record the generations: {io_error_line(exc)}")
+            return
+        self.problems.clear("generations index")
 
     def _observe(self, procs: ProcList) -> None:
         """Prune dead generations and enforce old_workers.max from one `show proc` answer."""
@@ -687,7 +942,8 @@ class Reloader:
         ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir)).verdict()
         if ok:
             write_effective(h.effective_config, effective)
-            self.loaded = LoadedConfig(effective.text, effective.rendered_sha256, inputs)
+            self._on_disk_sha = effective.sha256
+            self.loaded = LoadedConfig.of(effective, inputs)
             log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
             self.master.request_start()
             return None
@@ -699,7 +955,8 @@ class Reloader:
             if ok:
                 log.warning("starting haproxy on the previous effective config %s until a valid one is rendered",
                             h.effective_config)
-                self.loaded = LoadedConfig(fallback, "", None)
+                self.loaded = LoadedConfig(fallback, "", None, self._slot_table_named(fallback))
+                self._on_disk_sha = sha256_text(fallback)
                 self.master.request_start()
                 return record
         log.error("no valid config to start haproxy with: waiting for %s to change", h.config)
@@ -718,17 +975,22 @@ class Reloader:
         if worker is None:
             return None
         # Called by MasterProcess.run() with master.lock held, before any reload can run.
+        if self._unconfirmed is not None:
+            # It started on the disk's config: the one whose reload was never confirmed.
+            self.loaded = LoadedConfig.of(self._unconfirmed.effective, self._unconfirmed.inputs)
+            self._unconfirmed = None
         loaded = self.loaded
         if loaded is None:
             text = self._previous_effective() or ""
-            loaded = self.loaded = LoadedConfig(text, "", None)
+            loaded = self.loaded = LoadedConfig(text, "", None, self._slot_table_named(text))
         generation = self._new_generation(
             Config.parse(loaded.text), loaded.sha256, loaded.rendered_sha256, loaded.inputs_sha256, worker.pid
         )
-        self.store.write_config(generation.number, loaded.text)
+        self._write_generation_config(generation.number, loaded.text)
         log.info("generation started generation=%d worker=%d (master start)", generation.number, worker.pid)
         self._observe(procs)  # the workers of a previous master are gone: prune their generations
         self._check_inputs_since_loaded("the master was starting")
+        self._assess(None)
         return generation
 
     def rebuild(self, procs: ProcList) -> Generation | None:
@@ -764,7 +1026,7 @@ class Reloader:
                         worker.pid, self.settings.haproxy.effective_config)
             current = self._new_generation(Config.parse(text), sha256_text(text), "", None, worker.pid)
             current.started_at = process_started_at(worker.pid) or current.started_at
-            self.store.write_config(current.number, text)
+            self._write_generation_config(current.number, text)
         if current is None:
             return None
         self.state.current_generation = current.number
@@ -774,8 +1036,12 @@ class Reloader:
             # Died mid-reload with a config on disk that never took: disk must be what runs.
             log.warning("%s differs from what worker %s runs: restored", self.settings.haproxy.effective_config,
                         current.worker_pid)
-            write_atomically(self.settings.haproxy.effective_config, text)
-        self.loaded = LoadedConfig(text, current.rendered_sha256, self._inputs.get(current.number))
+        else:
+            self._on_disk_sha = sha256_text(text)
+        self.loaded = LoadedConfig(
+            text, current.rendered_sha256, self._inputs.get(current.number), self._slot_table_named(text)
+        )
+        self._write_back()
         for record in plan.drop:
             log.info("generation pruned generation=%d worker=%s: worker gone", record.number, record.worker_pid)
         self.store.remove_configs([r.number for r in plan.drop])
@@ -802,4 +1068,96 @@ class Reloader:
         ):
             log.info("inputs changed while %s: change scheduled", why)
             self.changed()
+        elif loaded is not None:
+            self._goal = (loaded.sha256, loaded.inputs_sha256)
+
+    def _slot_table_named(self, text: str) -> SlotTable | None:
+        """The slot table file a config names, read from runtime_dir (to write it back with it)."""
+        match = re.search(rf"{re.escape(str(self.settings.haproxy.runtime_dir))}/{SLOT_TABLE_PREFIX}[0-9a-f]+\.map",
+                          text)
+        if match is None:
+            return None
+        path = Path(match[0])
+        try:
+            return SlotTable(path, path.read_text())
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    # ------------------------------------------------------------ convergence
+
+    def _assess(self, record: ReloadRecord | None) -> None:
+        """Compare what the current worker runs (from `show proc`) with the goal; when they differ
+        after a failed or unconfirmed attempt, set the next attempt, with backoff."""
+        convergence = self.state.convergence
+        current = self.state.current
+        runs = None if current is None else (current.effective_sha256, self._inputs.get(current.number))
+        if (
+            self.master.up
+            and self.state.master_socket_ok
+            and self._unconfirmed is None
+            and not self.scheduler.pending
+            and runs_goal(self._goal, runs)
+        ):
+            if not convergence.converged:
+                log.info("converged: worker %s runs the rendered config (sha256=%s) after %.1fs, %d retries",
+                         current.worker_pid if current else None, self._goal[0][:12] if self._goal else None,
+                         convergence.unconverged_s(utcnow()), convergence.attempts)
+            convergence.reached()
+            return
+        if record is not None and record.result == "invalid":
+            self.scheduler.retry(None)
+            convergence.missed(f"the rendered config is invalid: {one_line(record.error or '', 200)}", retrying=False)
+            return
+        if not self.master.up:
+            convergence.missed("the HAProxy master is not running", retrying=True)
+        elif not self.state.master_socket_ok:
+            convergence.missed(f"{self.settings.haproxy.master_socket_path} is missing", retrying=True)
+        elif record is not None and record.result in ("failed", "unknown"):
+            convergence.missed(f"reload {record.result}: {one_line(record.error or '', 200)}", retrying=True)
+        elif self._unconfirmed is not None:
+            convergence.missed("HAProxy has not confirmed the last reload yet", retrying=True)
+        elif convergence.converged or record is not None:
+            why = "the current worker does not run the rendered config"
+            convergence.missed("a change is pending" if self.scheduler.pending else why, retrying=True)
+        if record is not None and record.result in ("failed", "unknown") and self.scheduler.retry_at is None:
+            delay = retry_delay(convergence.attempts, self.settings.reload.retry_max_s)
+            convergence.attempts += 1
+            convergence.next_attempt_at = utcnow() + timedelta(seconds=delay)
+            self.scheduler.retry(time.monotonic() + delay)
+            self._wake.set()
+            log.warning("not converged for %.1fs: %s; attempt %d in %.1fs",
+                        convergence.unconverged_s(utcnow()), convergence.reason, convergence.attempts, delay)
+
+    async def _recover_runtime_dir(self) -> None:
+        """The master's socket is gone (runtime_dir deleted under us): recreate what the daemon
+        owns, then make the master re-execute, which binds its socket again, with master.lock held."""
+        h = self.settings.haproxy
+        if self.state.master_socket_ok:
+            log.error("%s is missing (runtime_dir deleted?): recreating %s, then making master pid=%s bind it again",
+                      h.master_socket_path, h.runtime_dir, self.master.pid)
+            self.state.master_socket_ok = False
+            self._assess(None)
+        try:
+            prepare_runtime_dir(self.settings)
+            self._on_disk_sha = None
+            self._write_back()
+            if self._on_disk_sha is None:
+                return
+            for number, generation in self.state.generations.items():
+                self._write_generation_config(number, generation.model.render())
+            self._persisted = None
+            self._persist()
+        except OSError as exc:
+            self.problems.report("runtime_dir", f"cannot recreate {h.runtime_dir}: {io_error_line(exc)}")
+            return
+        self.problems.clear("runtime_dir")
+        before = self.last_procs
+        procs = await self.master.reexec(before)
+        if procs is None:
+            return
+        self.state.master_socket_ok = True
+        generation = await self.on_master_started(procs)
+        log.info("runtime_dir recreated: master pid=%s answers on %s again; generation=%s worker=%s",
+                 self.master.pid, h.master_socket_path, generation.number if generation else None,
+                 generation.worker_pid if generation else None)
 

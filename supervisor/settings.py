@@ -65,6 +65,11 @@ class ReloadSettings:
     runtime_apply: bool = True
     # Save `show servers state` before each reload and make the new worker load it.
     preserve_server_state: bool = True
+    # While the current worker does not run the rendered config, try again after 0.5 s, 1 s,
+    # 2 s ... up to this many seconds between attempts.
+    retry_max_s: float = 30
+    # /readyz says 503 once the node has not run the rendered config for this long.
+    converge_grace_s: float = 60
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,7 @@ _POSITIVE = {
     "haproxy.stop_timeout_s",
     "reload.debounce_ms",
     "reload.timeout_s",
+    "reload.retry_max_s",
     "old_workers.max",
     "old_workers.poll_interval_ms",
     "observe.error_limit",
@@ -124,7 +130,7 @@ _POSITIVE = {
     "status.max_connections",
 }
 # Keys that may be zero but not negative.
-_NON_NEGATIVE = {"reload.min_interval_ms"}
+_NON_NEGATIVE = {"reload.min_interval_ms", "reload.converge_grace_s"}
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
 # Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or

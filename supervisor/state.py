@@ -15,7 +15,8 @@ from typing import Literal
 
 from .haproxy.config import Config
 
-ReloadResult = Literal["ok", "failed", "invalid", "skipped_unchanged", "runtime_applied"]
+# unknown: HAProxy did not confirm within reload.timeout_s; `show proc` settles it later.
+ReloadResult = Literal["ok", "failed", "invalid", "skipped_unchanged", "runtime_applied", "unknown"]
 PushStateName = Literal["ok", "pending", "failed"]
 # Points each of the status page's charts keeps: memory stays bounded however long the daemon runs.
 CHART_POINTS = 240
@@ -62,6 +63,7 @@ class ReloadStats:
     invalid: int = 0
     skipped_unchanged: int = 0
     runtime_applied: int = 0
+    unknown: int = 0
     last: ReloadRecord | None = None
     history: list[ReloadRecord] = field(default_factory=list)  # newest last, bounded
     chart: deque[ReloadRecord] = field(default_factory=chart_series)  # the page's chart, newest last
@@ -123,6 +125,48 @@ class DurationHistogram:
 
 
 @dataclass
+class Convergence:
+    """Whether the current worker runs what the rendered config asks for, and since when not.
+
+    The goal is the effective config built from the rendered config (and the digest of the
+    watched files); the truth is what `show proc` says the current worker runs. While the two
+    differ the reloader keeps trying, with backoff (see README, "What happens when").
+    """
+
+    unconverged_since: datetime | None = field(default_factory=utcnow)  # None while converged
+    reason: str | None = "starting"
+    # False when only a new rendered config can help (it is invalid): /readyz then stays 200,
+    # since HAProxy serves the last good config and every node of the fleet would be in the same case.
+    retrying: bool = True
+    attempts: int = 0  # attempts since the node last converged
+    next_attempt_at: datetime | None = None
+
+    @property
+    def converged(self) -> bool:
+        return self.unconverged_since is None
+
+    def unconverged_s(self, now: datetime) -> float:
+        if self.unconverged_since is None:
+            return 0.0
+        return max(0.0, (now - self.unconverged_since).total_seconds())
+
+    def reached(self) -> None:
+        self.unconverged_since = None
+        self.reason = None
+        self.retrying = True
+        self.attempts = 0
+        self.next_attempt_at = None
+
+    def missed(self, reason: str, retrying: bool, now: datetime | None = None) -> None:
+        if self.unconverged_since is None:
+            self.unconverged_since = now or utcnow()
+        self.reason = reason
+        self.retrying = retrying
+        if not retrying:
+            self.next_attempt_at = None
+
+
+@dataclass
 class State:
     """Everything /status, /metrics and the page show."""
 
@@ -146,6 +190,10 @@ class State:
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
     push_failures: int = 0
     push_duration: DurationHistogram = field(default_factory=lambda: DurationHistogram())
+    convergence: Convergence = field(default_factory=Convergence)
+    # False while the master's socket is missing from runtime_dir (deleted under us): the daemon
+    # cannot reach HAProxy until it has recreated runtime_dir and made the master rebind it.
+    master_socket_ok: bool = True
     old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
 
     # A steady count is noted again after this long, so its line reaches the present.

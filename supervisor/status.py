@@ -39,7 +39,7 @@ from .files import read_regular
 from .haproxy.api import validate_name
 from .page import BackendSizes, page_of
 from .settings import Settings, StatusSettings, listen_address
-from .state import DurationHistogram, OldWorker, ReloadRecord, State, rfc3339, utcnow
+from .state import Convergence, DurationHistogram, OldWorker, ReloadRecord, State, rfc3339, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ UNIX_SOCKET_MODE = 0o660
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Reload results that mean "the config HAProxy runs is what was asked for".
 RELOAD_SUCCESS = frozenset({"ok", "runtime_applied", "skipped_unchanged"})
-RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied")
+RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied", "unknown")
 
 
 class StatusActions(Protocol):
@@ -118,7 +118,7 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "pid": state.supervisor_pid,
             "version": __version__,
             "uptime_s": _seconds(max(0.0, (now - state.started_at).total_seconds())),
-            "ready": state.ready,
+            "ready": not_ready_reason(state, settings.reload.converge_grace_s, now) is None,
         },
         "haproxy": {
             "version": state.haproxy_version,
@@ -144,22 +144,49 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "effective_path": state.effective_path or str(settings.haproxy.effective_config),
             "last_good_sha256": state.last_good_sha256,
         },
+        "convergence": _convergence_json(state.convergence, now),
         "observe": {"enabled": settings.observe.enabled, "error_limit": settings.observe.error_limit},
         "dead_servers": sorted(state.dead_servers),
         "operator_dead": sorted(state.operator_dead),
     }
 
 
-def not_ready_reason(state: State) -> str | None:
-    """Why /readyz says 503, or None when ready."""
-    if state.ready:
-        return None
-    if not state.master_up:
-        return "HAProxy master is not running"
-    current = state.current
-    if current is None or current.worker_pid is None:
-        return "no current worker yet"
-    return "the current worker does not run the last good config"
+def _convergence_json(convergence: Convergence, now: datetime) -> dict[str, Any]:
+    return {
+        "converged": convergence.converged,
+        "unconverged_s": _seconds(convergence.unconverged_s(now)),
+        "since": rfc3339(convergence.unconverged_since),
+        "reason": convergence.reason,
+        "retrying": convergence.retrying,
+        "attempts": convergence.attempts,
+        "next_attempt_at": rfc3339(convergence.next_attempt_at),
+    }
+
+
+SOCKET_MISSING = "the HAProxy master's socket is missing from runtime_dir: the daemon is recreating it"
+
+
+def not_ready_reason(state: State, grace_s: float = float("inf"), now: datetime | None = None) -> str | None:
+    """Why /readyz says 503, or None when ready.
+
+    Not converged for longer than `grace_s` (reload.converge_grace_s) is a reason, unless only a
+    new rendered config can help (it is invalid): HAProxy then serves the last good config, and a
+    controller that rendered a bad config everywhere would otherwise empty the whole fleet.
+    """
+    if not state.master_socket_ok:
+        return SOCKET_MISSING
+    if not state.ready:
+        if not state.master_up:
+            return "HAProxy master is not running"
+        current = state.current
+        if current is None or current.worker_pid is None:
+            return "no current worker yet"
+        return "the current worker does not run the last good config"
+    convergence = state.convergence
+    waited = convergence.unconverged_s(now or utcnow())
+    if convergence.retrying and waited > grace_s:
+        return f"not converged for {waited:.0f}s (reload.converge_grace_s={grace_s:g}): {convergence.reason}"
+    return None
 
 
 # ---------------------------------------------------------------- /metrics
@@ -175,9 +202,10 @@ def _histogram_buckets(histogram: DurationHistogram) -> list[tuple[str, float]]:
 class StateCollector(Collector):
     """Builds every haproxy_supervisor_* metric from State at scrape time; no global registry."""
 
-    def __init__(self, state: State, clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(self, state: State, clock: Callable[[], datetime] = utcnow, grace_s: float = float("inf")) -> None:
         self.state = state
         self.clock = clock
+        self.grace_s = grace_s
 
     def collect(self) -> Iterator[Metric]:
         state, now = self.state, self.clock()
@@ -189,8 +217,18 @@ class StateCollector(Collector):
             value=1 if state.master_up else 0,
         )
         yield GaugeMetricFamily(
-            "haproxy_supervisor_ready", "1 while a current worker runs the last good config (/readyz), else 0.",
-            value=1 if state.ready else 0,
+            "haproxy_supervisor_ready", "1 while /readyz says 200, else 0.",
+            value=1 if not_ready_reason(state, self.grace_s, now) is None else 0,
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_converged",
+            "1 while the current worker runs the effective config built from the rendered config, else 0.",
+            value=1 if state.convergence.converged else 0,
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_unconverged_seconds",
+            "Seconds the node has not run the rendered config; 0 when converged.",
+            value=state.convergence.unconverged_s(now),
         )
         family = CounterMetricFamily(
             "haproxy_supervisor_reloads", "Config changes handled, by result.", labels=["result"],
@@ -252,10 +290,12 @@ class StateCollector(Collector):
         )
 
 
-def metrics_registry(state: State, clock: Callable[[], datetime] = utcnow) -> CollectorRegistry:
+def metrics_registry(
+    state: State, clock: Callable[[], datetime] = utcnow, grace_s: float = float("inf")
+) -> CollectorRegistry:
     """A private registry: the State collector plus this process's own process_* metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(state, clock))
+    registry.register(StateCollector(state, clock, grace_s))
     ProcessCollector(registry=registry)
     return registry
 
@@ -371,7 +411,7 @@ class _Endpoints:
         self.actions = actions
         self.clock = clock
         self.token, self.token_problem = load_token(settings.status.token_file)
-        self.registry = metrics_registry(state, clock)
+        self.registry = metrics_registry(state, clock, settings.reload.converge_grace_s)
         self.backend_sizes = BackendSizes()
 
     # -- reads
@@ -387,10 +427,12 @@ class _Endpoints:
     async def healthz(self, request: web.Request) -> web.Response:
         if not self.state.master_up:
             return _error_json(503, "HAProxy master is not running")
+        if not self.state.master_socket_ok:
+            return _error_json(503, SOCKET_MISSING)
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        reason = not_ready_reason(self.state)
+        reason = not_ready_reason(self.state, self.settings.reload.converge_grace_s, self.clock())
         if reason is not None:
             return _error_json(503, reason)
         return web.json_response({"status": "ready"})

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from supervisor.haproxy.config import Config
 from supervisor.master import (
+    HEALTHY_UPTIME_S,
     bind_ports,
     describe_exit,
     is_our_master,
@@ -22,14 +23,15 @@ def settings() -> Settings:
     return Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/hs"), binary="haproxy"))
 
 
-def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run():
+def test_backoff_restarts_at_once_then_doubles_to_the_cap_and_resets_after_a_healthy_run():
     delays = []
     delay = None
     for _ in range(8):
         delay = next_backoff(delay, uptime_s=0.5)
         delays.append(delay)
-    assert delays == [1, 2, 4, 8, 16, 30, 30, 30]
-    assert next_backoff(30, uptime_s=31) == 1
+    assert delays == [0, 1, 2, 4, 8, 16, 30, 30]
+    assert next_backoff(30, uptime_s=HEALTHY_UPTIME_S) == 0
+    assert next_backoff(30, uptime_s=HEALTHY_UPTIME_S - 1) == 30
     assert next_backoff(4, uptime_s=None) == 8
 
 

@@ -3,7 +3,7 @@
 prepare gets the next effective model while `haproxy -c` checks it (whatever the verdict),
 before_reload gets it again before the reload, after_reload the outcome;
 a runtime_apply that returns True replaces the reload (no new worker, the generation
-updated in place, `runtime_applied` recorded); reload_now(force=True) reloads unchanged
+updated in place, `runtime_applied` recorded); reload_now() reloads unchanged
 content and returns its record.
 """
 
@@ -170,7 +170,7 @@ async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
         assert [s.key for s in state.current.model.servers()] == ["app/s2"]
         # Forced: same content, still a reload, never offered to runtime_apply.
         asked = len(applied)
-        record = await reloader.reload_now(force=True, reason="test")
+        record = await reloader.reload_now(reason="test")
         assert record is not None and record.result == "ok"
         assert len(applied) == asked
         assert state.current.number == 3

@@ -1,0 +1,66 @@
+"""Fault: HAProxy's master is stopped (SIGSTOP) across a write of the rendered config.
+
+The worker is untouched, so no request may be lost. While the master cannot answer, the
+reload cannot be confirmed; the change must not be lost: once the master runs again the
+node converges to the rendered config (within the stated time), and while it has not,
+/readyz, /status and the metrics say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.support.daemon import RequestLoop
+from tests.support.daemon import tagged_config as config
+from tests.support.faults import FAST_CONVERGE, metrics, status, wait_converged, wait_unready
+from tests.support.harness import backends, free_port
+
+pytestmark = pytest.mark.haproxy
+
+STOPPED_S = 3.0
+# After SIGCONT: the next attempt is at most reload.retry_max_s (1 s) away, plus a reload.
+CONVERGE_WITHIN_S = 8.0
+
+
+async def test_a_change_written_while_the_master_is_stopped_is_loaded_once_it_runs_again(make):
+    front = free_port()
+    with backends("b1") as started:
+        b1 = started["b1"].address
+        d = make(config(front, b1, "v1"), FAST_CONVERGE)
+        d.start()
+        await d.wait_generation(1)
+        master = d.master_pid()
+        assert master is not None
+        loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
+        await asyncio.sleep(0.3)
+        os.kill(master, signal.SIGSTOP)
+        try:
+            d.write(config(front, b1, "v2"))
+            await d.wait_log(r"reload (failed|unknown)", timeout=10)
+            reason = await wait_unready(d, timeout=10)
+            assert "not converged" in reason, reason
+            values = await metrics(d)
+            assert values["haproxy_supervisor_converged"] == 0
+            assert values["haproxy_supervisor_unconverged_seconds"] > 1
+            doc = await status(d)
+            assert doc["convergence"]["converged"] is False and doc["convergence"]["retrying"] is True
+            await asyncio.sleep(max(0.0, STOPPED_S - 2))
+        finally:
+            os.kill(master, signal.SIGCONT)
+        took = await wait_converged(d, front, "v2", timeout=CONVERGE_WITHIN_S)
+        await asyncio.sleep(0.3)
+        results = await loop.stop()
+        values = await metrics(d)
+    print(f"converged {took:.2f}s after SIGCONT; {len(results)} requests")
+    assert values["haproxy_supervisor_converged"] == 1 and values["haproxy_supervisor_unconverged_seconds"] == 0
+    assert (await d.show_proc()).master.pid == master, "the same master: nothing was restarted"
+    assert d.count(r"converge: attempt \d+") >= 1, "each attempt is logged"
+    assert d.count("Traceback") == 0
+    assert len(results) > 50, len(results)
+    assert not loop.failures, loop.failures[:5]
+    tags = [t for _, t in results]
+    assert tags[0] == "v1" and tags[-1] == "v2" and set(tags) == {"v1", "v2"}

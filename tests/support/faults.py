@@ -1,0 +1,143 @@
+"""Helpers for the fault suite (tests/faults/): a small filesystem to fill or make read-only,
+and the daemon's own view of convergence, read over its status socket.
+
+Everything stays on this machine: the filesystems are tmpfs mounts under the test's own
+directory (unmounted by the test), the daemon is reached on its unix socket, traffic goes
+to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.support.daemon import Daemon, _metric_values, http_get
+
+# Settings that make every fault quick to show and to clear: a short reload timeout, retries at
+# most a second apart, /readyz 503 after a second without the rendered config.
+FAST_CONVERGE = {"reload": {"timeout_s": 1, "retry_max_s": 1, "converge_grace_s": 1}}
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, check=False)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str = "4m") -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (created), unmounted lazily afterwards: the daemon and
+    HAProxy may still hold files in it when the test ends; the kernel frees it once they are gone."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path))
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        _run("umount", "--lazy", str(path))
+
+
+def remount(path: Path, mode: str) -> None:
+    """`ro` or `rw`."""
+    done = _run("mount", "-o", f"remount,{mode}", str(path))
+    assert done.returncode == 0, done.stderr
+
+
+def fill(directory: Path) -> Path:
+    """Fill the filesystem holding `directory` to the last byte; returns the filler file."""
+    filler = directory / ".filler"
+    chunk = b"\0" * 65536
+    with filler.open("wb") as f:
+        while True:
+            try:
+                f.write(chunk)
+                f.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                break
+        # Whatever buffered bytes remain would fail again on close: drop them.
+        with contextlib.suppress(OSError):
+            os.ftruncate(f.fileno(), f.tell())
+    for size in (4096, 512, 1):  # the odd tail the 64 KiB writes left
+        with contextlib.suppress(OSError), filler.open("ab") as f:
+            while True:
+                f.write(b"\0" * size)
+                f.flush()
+    return filler
+
+
+# ---------------------------------------------------------------- the daemon's view
+
+
+async def get(daemon: Daemon, path: str) -> tuple[int, str]:
+    connector = aiohttp.UnixConnector(path=str(daemon.directory / "status.sock"))
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, session.get(
+        f"http://daemon{path}"
+    ) as r:
+        return r.status, await r.text()
+
+
+async def status(daemon: Daemon) -> dict:
+    code, text = await get(daemon, "/status")
+    assert code == 200, text
+    return json.loads(text)
+
+
+async def metrics(daemon: Daemon) -> dict[str, float]:
+    code, text = await get(daemon, "/metrics")
+    assert code == 200, text
+    return _metric_values(text)
+
+
+async def readyz(daemon: Daemon) -> tuple[int, str]:
+    code, text = await get(daemon, "/readyz")
+    return code, json.loads(text).get("error", "")
+
+
+async def wait_unready(daemon: Daemon, timeout: float = 10) -> str:
+    """Wait for /readyz 503; returns its reason."""
+    deadline = time.monotonic() + timeout
+    while True:
+        code, reason = await readyz(daemon)
+        if code == 503:
+            return reason
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"/readyz still 200 after {timeout}s\n{daemon.run_log()}")
+        await asyncio.sleep(0.1)
+
+
+async def wait_converged(daemon: Daemon, front: int, tag: str, timeout: float) -> float:
+    """Wait until the node runs the rendered config: HAProxy answers with `tag`, the daemon says
+    converged, /readyz is 200, and /status names the worker `show proc` lists as current.
+    Returns the seconds it took."""
+    started = time.monotonic()
+    deadline = started + timeout
+    seen = ""
+    while True:
+        _, headers, _ = await http_get(front, timeout=2)
+        if headers.get("x-tag") == tag:
+            doc = await status(daemon)
+            procs = await daemon.show_proc()
+            current = procs.current_worker
+            ready, _ = await readyz(daemon)
+            seen = f"convergence={doc['convergence']} worker={doc['worker']} show proc current={current}"
+            if (
+                doc["convergence"]["converged"]
+                and ready == 200
+                and current is not None
+                and doc["worker"]["pid"] == current.pid
+            ):
+                return time.monotonic() - started
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not converged to {tag!r} within {timeout}s: {seen}\n{daemon.run_log()}")
+        await asyncio.sleep(0.1)
