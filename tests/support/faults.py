@@ -55,23 +55,18 @@ def remount(path: Path, mode: str) -> None:
 def fill(directory: Path) -> Path:
     """Fill the filesystem holding `directory` to the last byte; returns the filler file."""
     filler = directory / ".filler"
-    chunk = b"\0" * 65536
-    with filler.open("wb") as f:
-        while True:
-            try:
-                f.write(chunk)
-                f.flush()
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-                break
-        # Whatever buffered bytes remain would fail again on close: drop them.
-        with contextlib.suppress(OSError):
-            os.ftruncate(f.fileno(), f.tell())
-    for size in (4096, 512, 1):  # the odd tail the 64 KiB writes left
-        with contextlib.suppress(OSError), filler.open("ab") as f:
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for size in (65536, 4096, 1):
+            chunk = b"\0" * size
             while True:
-                f.write(b"\0" * size)
-                f.flush()
+                try:
+                    os.write(fd, chunk)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+    finally:
+        os.close(fd)
     return filler
 
 
