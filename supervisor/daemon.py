@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .effective import prepare_runtime_dir
+from .effective import prepare_runtime_dir, remove_stale_checks
 from .haproxy.api import MasterCLI, ProcList
 from .haproxy.runtime import RuntimeApplier
 from .logs import setup_logging
@@ -149,6 +149,8 @@ class Daemon:
         settings = self.settings
         try:
             prepare_runtime_dir(settings)
+            for stale in remove_stale_checks(settings.haproxy.runtime_dir):
+                log.info("removed %s: left by a daemon killed during `haproxy -c`", stale)
         except OSError as exc:
             log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
             return EXIT_CRASHED

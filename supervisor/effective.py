@@ -7,6 +7,7 @@ effective config (rendered + injections) lives in runtime_dir.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -184,10 +185,24 @@ async def start_effective_check(binary: str, effective: Effective, directory: Pa
     return await start_check(binary, effective.text, directory)
 
 
+CHECK_PREFIX, CHECK_SUFFIX = ".validate.", ".cfg"
+
+
+def remove_stale_checks(directory: Path) -> list[Path]:
+    """Delete the copies `haproxy -c` was checking when a daemon was killed. At start-up only:
+    no check of this daemon runs yet, and one daemon owns a runtime_dir."""
+    removed = []
+    for path in directory.glob(f"{CHECK_PREFIX}*{CHECK_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
     must ask for the verdict: that reaps the process and removes the copy."""
-    fd, name = tempfile.mkstemp(dir=directory, prefix=".validate.", suffix=".cfg")
+    fd, name = tempfile.mkstemp(dir=directory, prefix=CHECK_PREFIX, suffix=CHECK_SUFFIX)
     tmp = Path(name)
     try:
         with os.fdopen(fd, "w") as f:

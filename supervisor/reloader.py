@@ -982,7 +982,7 @@ class Reloader:
         loaded = self.loaded
         if loaded is None:
             text = self._previous_effective() or ""
-            loaded = self.loaded = LoadedConfig(text, "", None, self._slot_table_named(text))
+            loaded = self.loaded = LoadedConfig(text, "", self._unknown_inputs(), self._slot_table_named(text))
         generation = self._new_generation(
             Config.parse(loaded.text), loaded.sha256, loaded.rendered_sha256, loaded.inputs_sha256, worker.pid
         )
@@ -1024,7 +1024,9 @@ class Reloader:
             text = disk or ""
             log.warning("current worker %d has no recorded generation: assuming it runs %s",
                         worker.pid, self.settings.haproxy.effective_config)
-            current = self._new_generation(Config.parse(text), sha256_text(text), "", None, worker.pid)
+            current = self._new_generation(
+                Config.parse(text), sha256_text(text), "", self._unknown_inputs(), worker.pid
+            )
             current.started_at = process_started_at(worker.pid) or current.started_at
             self._write_generation_config(current.number, text)
         if current is None:
@@ -1070,6 +1072,12 @@ class Reloader:
             self.changed()
         elif loaded is not None:
             self._goal = (loaded.sha256, loaded.inputs_sha256)
+
+    def _unknown_inputs(self) -> str | None:
+        """The watched files' digest for a config whose loading nobody recorded: known when no
+        file is watched (there is nothing else it could depend on), else unknown (None), and
+        the next change reloads to be sure."""
+        return None if self.settings.haproxy.watch else inputs_digest(())
 
     def _slot_table_named(self, text: str) -> SlotTable | None:
         """The slot table file a config names, read from runtime_dir (to write it back with it)."""

@@ -1,0 +1,73 @@
+"""End to end: what a daemon killed at a bad moment leaves behind is tidied, and costs no reload.
+
+- `.validate.*.cfg` copies of a `haproxy -c` cut short by a kill are removed at start-up;
+- after a kill between the reload and its bookkeeping (the new worker runs, generations.json
+  does not know it), the next daemon adopts without one more reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from supervisor.effective import load_effective
+from supervisor.settings import load_settings
+from tests.support.daemon import RequestLoop, write_atomic
+from tests.support.daemon import tagged_config as config
+from tests.support.harness import backends, free_port
+
+pytestmark = pytest.mark.haproxy
+
+
+async def test_copies_left_by_a_kill_during_haproxy_check_are_removed_at_start(make):
+    front = free_port()
+    with backends("b1") as started:
+        d = make(config(front, started["b1"].address, "v1"))
+        d.runtime.mkdir(mode=0o750, parents=True, exist_ok=True)
+        left = [d.runtime / ".validate.k1ll3d.cfg", d.runtime / ".validate.x.cfg"]
+        for path in left:
+            path.write_text("global\n")
+        keep = d.runtime / "operator-notes.cfg"
+        keep.write_text("# not ours to remove\n")
+        d.start()
+        await d.wait_generation(1)
+    assert not any(path.exists() for path in left)
+    assert keep.exists()
+    assert d.count(r"removed .*\.validate\..*\.cfg: left by a daemon killed during `haproxy -c`") == 2
+
+
+async def test_adoption_after_a_kill_between_reload_and_bookkeeping_makes_no_reload(make):
+    front = free_port()
+    with backends("b1") as started:
+        b1 = started["b1"].address
+        d = make(config(front, b1, "v1"))
+        d.start()
+        await d.wait_generation(1)
+        loop = RequestLoop(front, max_requests=3000, max_seconds=30).start()
+        # The daemon goes (and HAProxy stays); then, as if it had been killed in the middle of a
+        # reload: the new effective config on disk, HAProxy reloaded on it, nothing recorded.
+        d.signal(signal.SIGQUIT)
+        assert await d.wait_exit() == 3
+        d.write(config(front, b1, "v2"))
+        effective = load_effective(load_settings(d.settings_path))
+        write_atomic(d.runtime / "haproxy.cfg", effective.text)
+        before = await d.show_proc()
+        await d.cli.execute("reload")
+        for _ in range(100):
+            procs = await d.show_proc()
+            if procs.current_worker is not None and procs.current_worker.pid != before.current_worker.pid:
+                break
+            await asyncio.sleep(0.05)
+        reloads = procs.master.reloads
+        d.start()
+        await d.wait_log(r"generations rebuilt")
+        await asyncio.sleep(2.5)  # debounce, the check, and a reload if one were made
+        results = await loop.stop()
+        after = await d.show_proc()
+    assert after.master.pid == before.master.pid
+    assert after.master.reloads == reloads, d.run_log()
+    assert d.count(r"reload ok") == 0
+    assert not [r for r in results if r[0] != 200]
+    assert results[-1] == (200, "v2")
