@@ -13,10 +13,7 @@ import shutil
 
 import pytest
 
-from tests.support.daemon import RequestLoop
-from tests.support.daemon import tagged_config as config
-from tests.support.faults import FAST_CONVERGE, wait_converged
-from tests.support.harness import backends, free_port
+from tests.support.faults import serving, wait_converged
 
 pytestmark = pytest.mark.haproxy
 
@@ -24,15 +21,9 @@ CONVERGE_WITHIN_S = 10.0
 
 
 async def test_runtime_dir_deleted_under_a_running_daemon_is_recreated_and_haproxy_reached_again(make):
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"), FAST_CONVERGE)
-        d.start()
-        await d.wait_generation(1)
+    async with serving(make) as node:
+        d = node.daemon
         master = d.master_pid()
-        loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
-        await asyncio.sleep(0.3)
         shutil.rmtree(d.runtime)
         await d.wait_log(r"master\.sock is missing")
         await d.wait_log(r"runtime_dir recreated")
@@ -40,14 +31,12 @@ async def test_runtime_dir_deleted_under_a_running_daemon_is_recreated_and_hapro
             assert (d.runtime / name).exists(), name
         procs = await d.show_proc()
         assert procs.master is not None and procs.master.pid == master, "the same master, reached again"
-        d.write(config(front, b1, "v2"))
-        took = await wait_converged(d, front, "v2", timeout=CONVERGE_WITHIN_S)
+        node.write("v2")
+        took = await wait_converged(d, node.front, "v2", timeout=CONVERGE_WITHIN_S)
         await asyncio.sleep(0.3)
-        results = await loop.stop()
-    print(f"recreated, then converged on a change in {took:.2f}s; {len(results)} requests")
+    print(f"recreated, then converged on a change in {took:.2f}s; {len(node.loop.results)} requests")
     assert d.count("Traceback") == 0
-    assert len(results) > 50
-    assert not loop.failures, loop.failures[:5]
-    tags = [t for _, t in results]
+    assert len(node.loop.results) > 50
+    assert not node.loop.failures, node.loop.failures[:5]
+    tags = node.tags()
     assert tags[0] == "v1" and tags[-1] == "v2" and set(tags) == {"v1", "v2"}
-

@@ -14,10 +14,7 @@ import signal
 
 import pytest
 
-from tests.support.daemon import RequestLoop
-from tests.support.daemon import tagged_config as config
-from tests.support.faults import FAST_CONVERGE, metrics, status, wait_converged, wait_unready
-from tests.support.harness import backends, free_port
+from tests.support.faults import metrics, serving, status, wait_converged, wait_unready
 
 pytestmark = pytest.mark.haproxy
 
@@ -27,19 +24,13 @@ CONVERGE_WITHIN_S = 8.0
 
 
 async def test_a_change_written_while_the_master_is_stopped_is_loaded_once_it_runs_again(make):
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"), FAST_CONVERGE)
-        d.start()
-        await d.wait_generation(1)
+    async with serving(make) as node:
+        d = node.daemon
         master = d.master_pid()
         assert master is not None
-        loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
-        await asyncio.sleep(0.3)
         os.kill(master, signal.SIGSTOP)
         try:
-            d.write(config(front, b1, "v2"))
+            node.write("v2")
             await d.wait_log(r"reload (failed|unknown)", timeout=10)
             reason = await wait_unready(d, timeout=10)
             assert "not converged" in reason, reason
@@ -51,16 +42,16 @@ async def test_a_change_written_while_the_master_is_stopped_is_loaded_once_it_ru
             await asyncio.sleep(max(0.0, STOPPED_S - 2))
         finally:
             os.kill(master, signal.SIGCONT)
-        took = await wait_converged(d, front, "v2", timeout=CONVERGE_WITHIN_S)
+        took = await wait_converged(d, node.front, "v2", timeout=CONVERGE_WITHIN_S)
         await asyncio.sleep(0.3)
-        results = await loop.stop()
-        values = await metrics(d)
+    values = await metrics(d)
+    results = node.loop.results
     print(f"converged {took:.2f}s after SIGCONT; {len(results)} requests")
     assert values["haproxy_supervisor_converged"] == 1 and values["haproxy_supervisor_unconverged_seconds"] == 0
     assert (await d.show_proc()).master.pid == master, "the same master: nothing was restarted"
     assert d.count(r"converge: attempt \d+") >= 1, "each attempt is logged"
     assert d.count("Traceback") == 0
     assert len(results) > 50, len(results)
-    assert not loop.failures, loop.failures[:5]
-    tags = [t for _, t in results]
+    assert not node.loop.failures, node.loop.failures[:5]
+    tags = node.tags()
     assert tags[0] == "v1" and tags[-1] == "v2" and set(tags) == {"v1", "v2"}

@@ -13,10 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import RequestLoop
-from tests.support.daemon import tagged_config as config
-from tests.support.faults import FAST_CONVERGE, status, wait_converged
-from tests.support.harness import backends, free_port
+from tests.support.faults import serving, status, wait_converged
 
 pytestmark = pytest.mark.haproxy
 
@@ -36,22 +33,16 @@ def slow(text: str, lua: Path) -> str:
 
 
 async def test_a_reload_slower_than_the_timeout_is_settled_by_show_proc_not_undone(make, rundir: Path):
-    front = free_port()
     lua = rundir / "slow.lua"
     lua.write_text(SLOW_LUA)
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"), FAST_CONVERGE)
-        d.start()
-        await d.wait_generation(1)
+    async with serving(make) as node:
+        d = node.daemon
         effective = d.runtime / "haproxy.cfg"
-        loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
-        await asyncio.sleep(0.3)
-        d.write(slow(config(front, b1, "v2"), lua))
+        node.write("v2", lambda text: slow(text, lua))
         lines = await d.wait_log(r"reload (unknown|failed|ok)", timeout=15)
         assert "reload unknown" in lines[0], lines
         assert "x-tag v2" in effective.read_text(), "the new config must stay on disk while HAProxy may load it"
-        took = await wait_converged(d, front, "v2", timeout=CONVERGE_WITHIN_S)
+        took = await wait_converged(d, node.front, "v2", timeout=CONVERGE_WITHIN_S)
         assert "x-tag v2" in effective.read_text()
         doc = await status(d)
         procs = await d.show_proc()
@@ -59,11 +50,11 @@ async def test_a_reload_slower_than_the_timeout_is_settled_by_show_proc_not_undo
         assert doc["config"]["last_good_sha256"] == doc["worker"]["config_sha256"]
         assert doc["reloads"]["unknown"] >= 1
         await asyncio.sleep(0.3)
-        results = await loop.stop()
+    results = node.loop.results
     print(f"converged {took:.2f}s after the reload went unknown; {len(results)} requests")
     assert d.count(r"reload settled ok|reload ok") >= 1
     assert d.count("Traceback") == 0
     assert len(results) > 50, len(results)
-    assert not loop.failures, loop.failures[:5]
-    tags = [t for _, t in results]
+    assert not node.loop.failures, node.loop.failures[:5]
+    tags = node.tags()
     assert tags[0] == "v1" and tags[-1] == "v2" and set(tags) == {"v1", "v2"}

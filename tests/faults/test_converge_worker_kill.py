@@ -15,10 +15,7 @@ import time
 
 import pytest
 
-from tests.support.daemon import RequestLoop
-from tests.support.daemon import tagged_config as config
-from tests.support.faults import FAST_CONVERGE, metrics, wait_converged
-from tests.support.harness import backends, free_port
+from tests.support.faults import metrics, serving, wait_converged
 
 pytestmark = pytest.mark.haproxy
 
@@ -26,13 +23,8 @@ CONVERGE_WITHIN_S = 6.0
 
 
 async def test_kill9_of_the_current_worker_restarts_haproxy_at_once_then_backs_off(make):
-    front = free_port()
-    with backends("b1") as started:
-        d = make(config(front, started["b1"].address, "v1"), FAST_CONVERGE)
-        d.start()
-        await d.wait_generation(1)
-        loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
-        await asyncio.sleep(0.3)
+    async with serving(make) as node:
+        d = node.daemon
         took: list[float] = []
         for kill, delay in ((1, "0s"), (2, "1s")):
             procs = await d.show_proc()
@@ -44,17 +36,16 @@ async def test_kill9_of_the_current_worker_restarts_haproxy_at_once_then_backs_o
             # The first death after a healthy run is restarted at once; the second, seconds later,
             # looks like a crash loop and waits.
             assert f"master restart in {delay} restarts={kill}" in lines[0], lines
-            await wait_converged(d, front, "v1", timeout=CONVERGE_WITHIN_S)
+            await wait_converged(d, node.front, "v1", timeout=CONVERGE_WITHIN_S)
             took.append(time.monotonic() - killed_at)
             new_master = (await d.show_proc()).master
             assert new_master is not None and new_master.pid != procs.master.pid
             d.remember_master()
         await asyncio.sleep(0.3)
-        results = await loop.stop()
-        values = await metrics(d)
-    lost = len(loop.failures)
+    values = await metrics(d)
+    results = node.loop.results
     print(f"back on the rendered config {took[0]:.2f}s after the 1st kill, {took[1]:.2f}s after the 2nd; "
-          f"{lost} of {len(results)} requests failed")
+          f"{len(node.loop.failures)} of {len(results)} requests failed")
     assert values["haproxy_supervisor_master_restarts_total"] == 2
     assert values["haproxy_supervisor_converged"] == 1
     assert results[-1] == (200, "v1")

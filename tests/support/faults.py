@@ -15,13 +15,15 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.support.daemon import Daemon, _metric_values, http_get
+from tests.support.daemon import Daemon, RequestLoop, _metric_values, http_get, tagged_config
+from tests.support.harness import backends, free_port
 
 # Settings that make every fault quick to show and to clear: a short reload timeout, retries at
 # most a second apart, /readyz 503 after a second without the rendered config.
@@ -136,3 +138,39 @@ async def wait_converged(daemon: Daemon, front: int, tag: str, timeout: float) -
         if time.monotonic() > deadline:
             raise TimeoutError(f"not converged to {tag!r} within {timeout}s: {seen}\n{daemon.run_log()}")
         await asyncio.sleep(0.1)
+
+
+# ---------------------------------------------------------------- a node under a request loop
+
+
+@dataclass
+class Node:
+    daemon: Daemon
+    front: int  # HAProxy's frontend port
+    backend: str  # the one backend server's address
+    loop: RequestLoop  # requests through HAProxy, running
+
+    def write(self, tag: str, edit: Callable[[str], str] = lambda text: text) -> None:
+        """Render the config that stamps `tag` on responses (through `edit`)."""
+        self.daemon.write(edit(tagged_config(self.front, self.backend, tag)))
+
+    def tags(self) -> list[str]:
+        return [tag for _, tag in self.loop.results]
+
+
+@contextlib.asynccontextmanager
+async def serving(make, settings: dict | None = None) -> AsyncIterator[Node]:
+    """A daemon on config "v1" with FAST_CONVERGE settings, its first worker serving, and a
+    bounded request loop through it (stopped on the way out)."""
+    front = free_port()
+    with backends("b1") as started:
+        address = started["b1"].address
+        d = make(tagged_config(front, address, "v1"), settings or FAST_CONVERGE)
+        d.start()
+        await d.wait_generation(1)
+        loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
+        await asyncio.sleep(0.3)
+        try:
+            yield Node(d, front, address, loop)
+        finally:
+            await loop.stop()
