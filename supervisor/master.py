@@ -484,7 +484,7 @@ class MasterProcess:
         from disk again, binds its socket again and starts a new worker. The one road to a master
         whose socket file was deleted. Returns `show proc` once the new worker is listed, else None."""
         pid = self.pid
-        if pid is None or not self.alive or not self._is_our_haproxy(pid):
+        if pid is None or not self.alive or pid not in find_masters(self.settings):
             return None
         known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()
         log.warning("master pid=%d: SIGUSR2, to read its config and bind %s again",

@@ -339,6 +339,7 @@ class Unconfirmed:
     effective: Effective
     inputs: str
     sent: float  # monotonic
+    ports: set[int]  # the config's listening ports: a new worker is ready once it listens on them
 
 
 # Errors of the disk, not of the daemon: one log line each, no traceback.
@@ -727,7 +728,7 @@ class Reloader:
             if verdict == "ok" and after is not None and after.current_worker is not None:
                 record = self._reload_ok(effective, inputs, after, started)
             elif verdict == "unknown":
-                record = self._reload_unknown(before, effective, inputs, error or "unconfirmed", started)
+                record = self._reload_unknown(before, effective, inputs, error or "unconfirmed", started, model)
             else:
                 record = self._reload_failed(before, error or "reload failed", started)
         finally:
@@ -810,9 +811,9 @@ class Reloader:
         self.problems.clear("generation configs")
 
     def _reload_unknown(
-        self, before: ProcList, effective: Effective, inputs: str, error: str, started: float
+        self, before: ProcList, effective: Effective, inputs: str, error: str, started: float, model: Config
     ) -> ReloadRecord:
-        self._unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic())
+        self._unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(), bind_ports(model))
         record = self._record("unknown", started, error)
         log.warning(
             "reload unknown duration_ms=%d: %s; HAProxy may still be loading it: %s keeps the new config "
@@ -827,6 +828,9 @@ class Reloader:
         if pending is None:
             return
         verdict = confirm_reload(pending.before, procs)
+        worker = procs.current_worker
+        if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, pending.ports):
+            return  # 3.1+ lists the new worker before it has loaded and bound
         if verdict == "pending":
             return
         self._unconfirmed = None
