@@ -412,6 +412,7 @@ class Reloader:
         self._forced: asyncio.Future[ReloadRecord | None] | None = None  # the forced reload requests join
         self._forced_by: list[str] = []
         self._on_disk_sha: str | None = None  # the effective config last written to disk
+        self._refused = False  # the last reload failed because HAProxy could not load the config
         self.problems = ProblemLog()
         state.rendered_path = str(settings.haproxy.config)
         state.effective_path = str(settings.haproxy.effective_config)
@@ -427,7 +428,7 @@ class Reloader:
     def changed(self, now: float | None = None) -> None:
         self.scheduler.changed(time.monotonic() if now is None else now)
         if self.state.convergence.converged:
-            self.state.convergence.missed("a change is pending", retrying=True)
+            self.state.convergence.missed("a change is pending", transient=True)
         self._wake.set()
 
     async def _watch(self) -> None:
@@ -486,6 +487,7 @@ class Reloader:
             log.warning("converge: attempt %d, not converged for %.1fs: %s",
                         convergence.attempts, convergence.unconverged_s(utcnow()), convergence.reason)
         record: ReloadRecord | None = None
+        self._refused = False
         try:
             record = await self._guarded(self.apply_change(force=cause == "forced", reason=reason))
         finally:
@@ -720,6 +722,7 @@ class Reloader:
                     answer = await self.cli.reload()
                 if answer.success is False:
                     verdict, error = "failed", answer.log or "reload answered Success=0"
+                    self._refused = True
             except (CLIError, TimeoutError) as exc:
                 # 2.6 closes the connection as the master re-executes; `show proc` decides.
                 log.debug("reload command: %s", exc or "timed out")
@@ -765,6 +768,7 @@ class Reloader:
                 return "ok", after, None
             if verdict == "failed":
                 assert after is not None
+                self._refused = True
                 return "failed", after, (
                     f"HAProxy could not load the new config (show proc: failed={after.master_failed}); "
                     "its reason is in HAProxy's own log lines on the daemon's stderr"
@@ -841,9 +845,11 @@ class Reloader:
                      generation.number, generation.worker_pid, waited)
             await self._call_hook("after_reload", True)
         else:
-            log.error("reload settled failed: HAProxy could not load the new config (show proc: failed=%d)",
-                      procs.master_failed)
+            error = f"HAProxy could not load the new config (show proc: failed={procs.master_failed})"
+            log.error("reload settled failed: %s", error)
             self._restore_loaded()
+            self._refused = True
+            self._assess(self._record("failed", pending.sent, error))
 
     def _remove_stale_slot_tables(self, running: Effective) -> None:
         try:
@@ -1118,19 +1124,31 @@ class Reloader:
             return
         if record is not None and record.result == "invalid":
             self.scheduler.retry(None)
-            convergence.missed(f"the rendered config is invalid: {one_line(record.error or '', 200)}", retrying=False)
+            convergence.next_attempt_at = None
+            convergence.missed(f"the rendered config is invalid: {one_line(record.error or '', 200)}", transient=False)
             return
         if not self.master.up:
-            convergence.missed("the HAProxy master is not running", retrying=True)
+            convergence.missed("the HAProxy master is not running", transient=True)
         elif not self.state.master_socket_ok:
-            convergence.missed(f"{self.settings.haproxy.master_socket_path} is missing", retrying=True)
+            convergence.missed(f"{self.settings.haproxy.master_socket_path} is missing", transient=True)
         elif record is not None and record.result in ("failed", "unknown"):
-            convergence.missed(f"reload {record.result}: {one_line(record.error or '', 200)}", retrying=True)
+            error = one_line(record.error or "", 200)
+            why = f"HAProxy refused the new config: {error}" if self._refused else f"reload {record.result}: {error}"
+            convergence.missed(why, transient=not self._refused)
         elif self._unconfirmed is not None:
-            convergence.missed("HAProxy has not confirmed the last reload yet", retrying=True)
+            convergence.missed("HAProxy has not confirmed the last reload yet", transient=True)
         elif convergence.converged or record is not None:
             why = "the current worker does not run the rendered config"
-            convergence.missed("a change is pending" if self.scheduler.pending else why, retrying=True)
+            convergence.missed("a change is pending" if self.scheduler.pending else why, transient=True)
+        if self._refused and record is not None and record.result == "failed":
+            # Not retried by itself: HAProxy refused the config (a port in use), and while it tries
+            # one (2.6: "Paused frontend") the serving worker's listeners accept nothing. The next
+            # change, SIGHUP or POST /reload tries again.
+            self.scheduler.retry(None)
+            convergence.next_attempt_at = None
+            log.warning("not converged: %s; not retried until the config changes or a reload is asked for",
+                        convergence.reason)
+            return
         if record is not None and record.result in ("failed", "unknown") and self.scheduler.retry_at is None:
             delay = retry_delay(convergence.attempts, self.settings.reload.retry_max_s)
             convergence.attempts += 1

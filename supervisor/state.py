@@ -135,9 +135,11 @@ class Convergence:
 
     unconverged_since: datetime | None = field(default_factory=utcnow)  # None while converged
     reason: str | None = "starting"
-    # False when only a new rendered config can help (it is invalid): /readyz then stays 200,
-    # since HAProxy serves the last good config and every node of the fleet would be in the same case.
-    retrying: bool = True
+    # A passing failure (HAProxy unreachable, the disk, file descriptors, a pending change):
+    # retried quickly, and /readyz says 503 once it lasts. False when the config itself is the
+    # problem (invalid, or refused by HAProxy): HAProxy serves the last good config, and a bad
+    # config rendered for the whole fleet must not take every node out of its load balancer.
+    transient: bool = True
     attempts: int = 0  # attempts since the node last converged
     next_attempt_at: datetime | None = None
 
@@ -153,17 +155,15 @@ class Convergence:
     def reached(self) -> None:
         self.unconverged_since = None
         self.reason = None
-        self.retrying = True
+        self.transient = True
         self.attempts = 0
         self.next_attempt_at = None
 
-    def missed(self, reason: str, retrying: bool, now: datetime | None = None) -> None:
+    def missed(self, reason: str, transient: bool, now: datetime | None = None) -> None:
         if self.unconverged_since is None:
             self.unconverged_since = now or utcnow()
         self.reason = reason
-        self.retrying = retrying
-        if not retrying:
-            self.next_attempt_at = None
+        self.transient = transient
 
 
 @dataclass

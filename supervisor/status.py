@@ -157,7 +157,7 @@ def _convergence_json(convergence: Convergence, now: datetime) -> dict[str, Any]
         "unconverged_s": _seconds(convergence.unconverged_s(now)),
         "since": rfc3339(convergence.unconverged_since),
         "reason": convergence.reason,
-        "retrying": convergence.retrying,
+        "transient": convergence.transient,
         "attempts": convergence.attempts,
         "next_attempt_at": rfc3339(convergence.next_attempt_at),
     }
@@ -169,9 +169,10 @@ SOCKET_MISSING = "the HAProxy master's socket is missing from runtime_dir: the d
 def not_ready_reason(state: State, grace_s: float = float("inf"), now: datetime | None = None) -> str | None:
     """Why /readyz says 503, or None when ready.
 
-    Not converged for longer than `grace_s` (reload.converge_grace_s) is a reason, unless only a
-    new rendered config can help (it is invalid): HAProxy then serves the last good config, and a
-    controller that rendered a bad config everywhere would otherwise empty the whole fleet.
+    Not converged for longer than `grace_s` (reload.converge_grace_s) is a reason when what stands
+    in the way passes (convergence.transient), not when the config itself is the problem (invalid,
+    or refused by HAProxy): HAProxy then serves the last good config, and a controller that
+    rendered a bad config everywhere would otherwise empty the whole fleet.
     """
     if not state.master_socket_ok:
         return SOCKET_MISSING
@@ -184,7 +185,7 @@ def not_ready_reason(state: State, grace_s: float = float("inf"), now: datetime 
         return "the current worker does not run the last good config"
     convergence = state.convergence
     waited = convergence.unconverged_s(now or utcnow())
-    if convergence.retrying and waited > grace_s:
+    if convergence.transient and waited > grace_s:
         return f"not converged for {waited:.0f}s (reload.converge_grace_s={grace_s:g}): {convergence.reason}"
     return None
 

@@ -41,7 +41,7 @@ async def _fault_then_clear(d: Daemon, front: int, b1: str, fault: str) -> float
         reason = await wait_unready(d, timeout=10)
         assert "not converged" in reason and expected in reason, reason
         doc = await status(d)
-        assert doc["convergence"]["converged"] is False and doc["convergence"]["retrying"] is True
+        assert doc["convergence"]["converged"] is False and doc["convergence"]["transient"] is True
         assert doc["worker"]["pid"] == (await d.show_proc()).current_worker.pid
         await d.wait_log(r"converge: attempt 2", timeout=10)  # it keeps trying
     finally:

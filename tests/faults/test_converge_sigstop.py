@@ -38,7 +38,7 @@ async def test_a_change_written_while_the_master_is_stopped_is_loaded_once_it_ru
             assert values["haproxy_supervisor_converged"] == 0
             assert values["haproxy_supervisor_unconverged_seconds"] > 1
             doc = await status(d)
-            assert doc["convergence"]["converged"] is False and doc["convergence"]["retrying"] is True
+            assert doc["convergence"]["converged"] is False and doc["convergence"]["transient"] is True
             await asyncio.sleep(max(0.0, STOPPED_S - 2))
         finally:
             os.kill(master, signal.SIGCONT)
