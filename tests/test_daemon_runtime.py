@@ -50,3 +50,18 @@ async def test_daemon_rolls_slots_at_runtime_without_503_or_reload(make, rundir)
             if port is not None:
                 assert servers[slot].port == port
     assert d.log().count("reload runtime_applied") == STEPS
+
+
+async def test_a_change_the_runtime_api_cannot_make_reloads_and_the_log_says_why(make, rundir):
+    front = free_port()
+    with pods(2) as (p1, p2):
+        body = f"\nbackend app\n    server s1 {p1.address}\n"
+        head = HEAD.format(log_socket=rundir / "log.sock", front=front)
+        d = make(head + body, {"reload": {"runtime_apply": True, "debounce_ms": 20, "min_interval_ms": 0}})
+        d.start()
+        await d.wait_generation(1)
+        d.write(head + body + f"    server s2 {p2.address}\n")
+        await d.wait_generation(2)
+    (line,) = await d.wait_log(r"runtime apply not possible")
+    assert line.endswith("runtime apply not possible, reloading: backend app: `server s2 <address>` "
+                         "differs beyond what the Runtime API sets"), line

@@ -15,6 +15,7 @@ from supervisor.haproxy.runtime import (
     ordered_commands,
     plan_runtime_apply,
     refusal,
+    runtime_plan,
     split_answers,
 )
 from tests.conftest import CORPUS
@@ -304,6 +305,34 @@ def test_ipv6_endpoints():
 )
 def test_anything_else_needs_a_reload(old, new):
     assert plan(INGRESS, edit(INGRESS, old, new)) is None
+    why = runtime_plan(Config.parse(INGRESS), Config.parse(edit(INGRESS, old, new))).why_reload
+    assert why and "\n" not in why and len(why) < 200, why
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "why"),
+    [
+        ("server srv005 127.0.0.1:1 disabled weight 1\n", "server srv005 127.0.0.1:1 disabled weight 1\n"
+         "    server srv006 127.0.0.1:1 disabled weight 1\n",
+         "backend default_api_8080: `server srv006 <address>` differs beyond what the Runtime API sets"),
+        ("maxconn 2048", "maxconn 4096", "global: `maxconn 4096` differs beyond what the Runtime API sets"),
+        ("server srv001 127.0.0.1:18120", "server srv001 app.example.local:18120",
+         "default_api_8080/srv001: address app.example.local:18120 cannot be set at runtime"
+         " (an IP literal and a port can)"),
+        ("server srv001 127.0.0.1:18120", "server srv001 127.0.0.1",
+         "default_api_8080/srv001: a port cannot be added to or dropped from a server at runtime"),
+        ("server srv001 127.0.0.1:18120 weight 100", "server srv001 127.0.0.1:18120 weight 300",
+         "invalid server weight 300: must be an integer from 0 to 256"),
+    ],
+)
+def test_why_a_reload_is_needed_in_one_line(old, new, why):
+    assert runtime_plan(Config.parse(INGRESS), Config.parse(edit(INGRESS, old, new))).why_reload == why
+
+
+def test_why_names_a_line_that_is_gone():
+    text = "backend b\n  server s 127.0.0.1:1\n  retries 2\n"
+    plan_ = runtime_plan(Config.parse(text), Config.parse(text.replace("  retries 2\n", "")))
+    assert plan_.changes is None and plan_.why_reload == "backend b: `retries 2` is gone"
 
 
 def test_servers_outside_backends_are_not_runtime_servers():

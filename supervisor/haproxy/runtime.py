@@ -267,31 +267,60 @@ def _weight(server: Server) -> int:
     return DEFAULT_WEIGHT if server.weight is None else server.weight
 
 
+@dataclass(frozen=True, slots=True)
+class RuntimePlan:
+    """The runtime changes that turn one config into another, or (changes None) why only a
+    reload can: one line, for the log."""
+
+    changes: list[ServerChange] | None
+    why_reload: str = ""
+
+
 def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | None:
     """The runtime changes that turn `running` into `new`, or None when only a reload can.
 
     [] means nothing HAProxy sees differs (comments, spacing). Pass like with like:
     both effective configs (or both rendered), so injections compare equal.
     """
-    if config_skeleton(running) != config_skeleton(new):
-        return None
+    return runtime_plan(running, new).changes
+
+
+def runtime_plan(running: Config, new: Config) -> RuntimePlan:
+    """plan_runtime_apply(), with the reason when it is None."""
+    old_skeleton, new_skeleton = config_skeleton(running), config_skeleton(new)
+    if old_skeleton != new_skeleton:
+        return RuntimePlan(None, _first_difference(old_skeleton, new_skeleton))
     changes: list[ServerChange] = []
     for (old_section, old_servers), (new_section, new_servers) in zip(
         running.servers_by_backend(), new.servers_by_backend(), strict=True
     ):
         if [s.name for s in old_servers] != [s.name for s in new_servers]:
-            return None  # same skeleton cannot give other names; refuse rather than guess
+            # The same skeleton cannot give other names; refuse rather than guess.
+            return RuntimePlan(None, f"{new_section.kind} {new_section.name}: its servers differ")
         for old, fresh in zip(old_servers, new_servers, strict=True):
             change = _server_change(old_section, old, new_section, fresh)
-            if change is False:
-                return None
+            if isinstance(change, str):
+                return RuntimePlan(None, change)
             if change is not None:
                 changes.append(change)
-    return changes
+    return RuntimePlan(changes)
 
 
-def _server_change(old_section: Section, old: Server, new_section: Section, new: Server) -> ServerChange | bool | None:
-    """The change for one server; None when it does not change; False when it needs a reload."""
+def _first_difference(old: list[tuple[str, ...]], new: list[tuple[str, ...]]) -> str:
+    """Where two skeletons first differ, as the line of the new config (or the one it lacks)."""
+    index = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    skeleton, what = (new, "") if index < len(new) else (old, " is gone")
+    line = skeleton[index]
+    section = next((s for s in reversed(skeleton[: index + 1]) if s[:1] == ("<section>",)), None)
+    where = f"{' '.join(section[1:3])}: " if section is not None and section is not line else ""
+    text = " ".join(line[1:] if line[:1] == ("<section>",) else line)
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return f"{where}`{text}`{what or ' differs beyond what the Runtime API sets'}"
+
+
+def _server_change(old_section: Section, old: Server, new_section: Section, new: Server) -> ServerChange | str | None:
+    """The change for one server; None when it does not change; why, when it needs a reload."""
     old_words = old_section.body[old.line_index].words
     new_words = new_section.body[new.line_index].words
     old_word = old_words[_address_index(old_words)]
@@ -301,9 +330,10 @@ def _server_change(old_section: Section, old: Server, new_section: Section, new:
     else:
         parsed_old, parsed_new = _runtime_endpoint(old_word), _runtime_endpoint(new_word)
         if parsed_old is None or parsed_new is None:
-            return False
+            unset = new_word if parsed_new is None else old_word
+            return f"{new.key}: address {unset} cannot be set at runtime (an IP literal and a port can)"
         if (parsed_old[1] is None) != (parsed_new[1] is None):
-            return False  # a port mapping cannot be switched on or off at runtime
+            return f"{new.key}: a port cannot be added to or dropped from a server at runtime"
         old_endpoint, new_endpoint = parsed_old, parsed_new
     if (
         old_word == new_word
@@ -325,8 +355,7 @@ def _server_change(old_section: Section, old: Server, new_section: Section, new:
             enabled=not new.disabled,
         )
     except ValueError as exc:
-        log.info("runtime apply not possible, reloading instead: %s", exc)
-        return False
+        return str(exc)
     if not change.address_changed and not change.weight_changed and change.was_enabled == change.enabled:
         return None  # the address was only spelled differently
     return change
@@ -568,8 +597,10 @@ class RuntimeApplier:
         new = effective.effective_model if effective is not None else new_model
         if current.worker_pid is None:
             return False
-        changes = plan_runtime_apply(current.model, new)
+        plan = runtime_plan(current.model, new)
+        changes = plan.changes
         if changes is None:
+            log.info("runtime apply not possible, reloading: %s", plan.why_reload)
             return False
         if not changes:
             return True
