@@ -35,7 +35,7 @@ class RenderedConfigError(Exception):
 class Effective:
     rendered_text: str
     rendered_sha256: str
-    model: Config  # the parsed rendered config, before injections
+    model: Config  # the parsed rendered config, before the global policy and the injections
     text: str  # the effective config
     # The effective config as a model: the same thing Config.parse(text) gives (injections edit
     # whole lines through parse_line), kept so a 10,000-server config is not parsed twice more.

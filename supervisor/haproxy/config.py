@@ -529,20 +529,6 @@ class Config:
     def backend(self, name: str) -> Section | None:
         return next((s for s in self.backends() if s.name == name), None)
 
-    def defaults_for(self, proxy: Section) -> Section | None:
-        """The defaults section a section starts from: its `from`, else (proxies only) the last
-        one before it. A defaults section without `from` starts from HAProxy's built-in values."""
-        wanted = proxy.from_defaults
-        if wanted is None and proxy.kind == "defaults":
-            return None
-        last: Section | None = None
-        for section in self.sections:
-            if section is proxy:
-                break
-            if section.kind == "defaults" and (wanted is None or section.name == wanted):
-                last = section
-        return last
-
     def resolved(self) -> Iterator[tuple[Section, ProxySettings]]:
         """Every defaults, frontend, backend and listen section with its ProxySettings, in
         config order and one pass: `from` chains followed, defaults order as HAProxy reads it."""
