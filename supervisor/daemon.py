@@ -22,7 +22,7 @@ from .effective import prepare_runtime_dir, remove_stale_checks
 from .haproxy.api import MasterCLI, ProcList
 from .haproxy.runtime import RuntimeApplier
 from .logs import setup_logging
-from .master import MasterError, MasterProcess
+from .master import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
 from .reloader import NoHooks, Reloader, ReloadHooks
 from .settings import Settings
@@ -176,7 +176,10 @@ class Daemon:
             settings.haproxy.runtime_dir,
         )
         try:
-            adopted = await self.master.adopt()
+            try:
+                adopted = await self.master.adopt()
+            except MasterSocketGone as gone:
+                adopted = await self.reloader.take_back(gone.pid)
         except MasterError as exc:
             log.error("%s", exc)
             return EXIT_CRASHED

@@ -53,6 +53,16 @@ class MasterError(Exception):
     """The master could not be started or adopted. One line."""
 
 
+class MasterSocketGone(MasterError):
+    """Our master lives, but its socket file was removed (runtime_dir deleted while no daemon
+    ran): reachable again only once it re-executes (MasterProcess.take_back)."""
+
+    def __init__(self, pid: int, path: Path) -> None:
+        super().__init__(f"haproxy master pid={pid} still holds {path}, which was removed: "
+                         "refusing to start a second HAProxy")
+        self.pid = pid
+
+
 # The master CLI can change what every worker routes: its owner and group only, whatever the
 # umask (HAProxy creates the socket; `-S path,mode,660` is a bind option of its own).
 MASTER_SOCKET_MODE = "660"
@@ -448,10 +458,7 @@ class MasterProcess:
         if pid is None:
             return None
         if not h.master_socket_path.exists():
-            raise MasterError(
-                f"haproxy master pid={pid} still holds {h.master_socket_path}, which was removed: "
-                "refusing to start a second HAProxy"
-            )
+            raise MasterSocketGone(pid, h.master_socket_path)
         ports = self._config_ports()
         deadline = time.monotonic() + self.settings.reload.timeout_s
         while True:
@@ -480,25 +487,44 @@ class MasterProcess:
         return procs
 
     async def reexec(self, before: ProcList | None) -> ProcList | None:
-        """Make the master re-execute itself (SIGUSR2), with master.lock held: it reads its config
-        from disk again, binds its socket again and starts a new worker. The one road to a master
-        whose socket file was deleted. Returns `show proc` once the new worker is listed, else None."""
-        pid = self.pid
-        if pid is None or not self.alive or pid not in find_masters(self.settings):
+        """Make our master re-execute itself, with master.lock held: it reads its config from disk
+        again, binds its socket again and starts a new worker. The one road to a master whose
+        socket file was deleted. Returns `show proc` once the new worker is listed, else None."""
+        if self.pid is None or not self.alive:
             return None
         known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()
+        return await self._reexec(self.pid, known)
+
+    async def take_back(self, pid: int) -> ProcList | None:
+        """Adopt master `pid`, whose socket file was removed while no daemon ran (MasterSocketGone),
+        once the effective config it is to load is on disk: it re-executes, binds its socket
+        again, and is adopted like any other."""
+        try:
+            known = {child.pid for child in psutil.Process(pid).children()}
+        except psutil.Error:
+            known = set()
+        if await self._reexec(pid, known) is None:
+            raise MasterError(
+                f"haproxy master pid={pid} holds {self.settings.haproxy.master_socket_path}, which was removed, "
+                "and did not bind it again on SIGUSR2: refusing to start a second HAProxy"
+            )
+        return await self.adopt()
+
+    async def _reexec(self, pid: int, known: set[int]) -> ProcList | None:
+        if pid not in find_masters(self.settings):
+            return None
         log.warning("master pid=%d: SIGUSR2, to read its config and bind %s again",
                     pid, self.settings.haproxy.master_socket_path)
         self._signal(pid, signal.SIGUSR2)
         deadline = time.monotonic() + self.settings.reload.timeout_s
-        while time.monotonic() < deadline and self.alive:
+        while time.monotonic() < deadline and _alive(pid):
             with contextlib.suppress(CLIError):
                 procs = await self.cli.show_proc()
                 worker = procs.current_worker
                 listed = procs.master is not None and procs.master.pid == pid
                 if listed and worker is not None and worker.pid not in known:
                     return procs
-            await self._wait_exit(POLL_S)
+            await asyncio.sleep(POLL_S)
         log.error("master pid=%d listed no new worker within %gs of SIGUSR2", pid, self.settings.reload.timeout_s)
         return None
 

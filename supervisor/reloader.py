@@ -49,7 +49,7 @@ from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, reco
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
 from .haproxy.config import Config
 from .haproxy.inject import SLOT_TABLE_PREFIX, SlotTable
-from .master import MasterProcess, bind_ports, process_started_at, worker_ready
+from .master import MasterError, MasterProcess, bind_ports, process_started_at, worker_ready
 from .notify import Notifier, summary_line
 from .settings import Settings
 from .state import Generation, ReloadRecord, ReloadResult, State, utcnow
@@ -945,6 +945,28 @@ class Reloader:
 
     def _old_count(self) -> int | None:
         return len(self.last_procs.old_workers) if self.last_procs is not None else None
+
+    async def take_back(self, pid: int) -> ProcList | None:
+        """Our master `pid` lives but its socket file is gone (runtime_dir deleted while no daemon
+        ran). What it runs is unknown; the effective config of the rendered config, once valid,
+        goes on disk for it to re-execute on, and it is adopted. MasterError when there is no
+        valid config to give it: a second HAProxy must never start beside it."""
+        h = self.settings.haproxy
+        log.warning("haproxy master pid=%d lives but %s was removed: taking it back on the rendered config",
+                    pid, h.master_socket_path)
+        settings = self.settings
+        try:
+            effective = await off_the_loop(lambda: load_effective(settings))
+        except Exception as exc:
+            raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config cannot be "
+                              f"used ({exc}): refusing to start a second HAProxy") from None
+        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir)).verdict()
+        if not ok:
+            raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config is invalid "
+                              f"({one_line(message, 200)}): refusing to start a second HAProxy")
+        write_effective(h.effective_config, effective)
+        self._on_disk_sha = effective.sha256
+        return await self.master.take_back(pid)
 
     async def _first_start(self, effective: Effective, inputs: str, started: float) -> ReloadRecord | None:
         """No master yet: validate, write the effective config, and let the master start on it."""

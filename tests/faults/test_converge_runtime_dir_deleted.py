@@ -3,17 +3,21 @@
 The master keeps running and its worker keeps serving (no request may be lost), but its socket
 file is gone, so nobody can reach it. The daemon notices, recreates what it owns, and makes
 the master bind its socket again (it re-executes on SIGUSR2); /healthz says 503 until it has.
-Changes then go through again.
+Changes then go through again. And a daemon started while the socket file is gone must find
+the master by process facts and take it back, never start a second HAProxy beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 
 import pytest
 
-from tests.support.faults import serving, wait_converged
+from supervisor.master import find_masters
+from supervisor.settings import load_settings
+from tests.support.faults import serving, status, wait_converged
 
 pytestmark = pytest.mark.haproxy
 
@@ -23,7 +27,7 @@ CONVERGE_WITHIN_S = 10.0
 async def test_runtime_dir_deleted_under_a_running_daemon_is_recreated_and_haproxy_reached_again(make):
     async with serving(make) as node:
         d = node.daemon
-        master = d.master_pid()
+        master = d.remember_master()  # stopped by the test's cleanup whatever happens: the pid file goes too
         shutil.rmtree(d.runtime)
         await d.wait_log(r"master\.sock is missing")
         await d.wait_log(r"runtime_dir recreated")
@@ -37,6 +41,30 @@ async def test_runtime_dir_deleted_under_a_running_daemon_is_recreated_and_hapro
     print(f"recreated, then converged on a change in {took:.2f}s; {len(node.loop.results)} requests")
     assert d.count("Traceback") == 0
     assert len(node.loop.results) > 50
+    assert not node.loop.failures, node.loop.failures[:5]
+    tags = node.tags()
+    assert tags[0] == "v1" and tags[-1] == "v2" and set(tags) == {"v1", "v2"}
+
+
+async def test_a_daemon_started_after_runtime_dir_was_deleted_takes_the_running_master_back(make):
+    async with serving(make) as node:
+        d = node.daemon
+        master = d.remember_master()
+        # The daemon is stopped before it can notice, and killed: nothing recreates runtime_dir.
+        d.signal(signal.SIGSTOP)
+        shutil.rmtree(d.runtime)
+        d.kill9()
+        node.write("v2")
+        d.start()
+        took = await wait_converged(d, node.front, "v2", timeout=CONVERGE_WITHIN_S)
+        await asyncio.sleep(0.3)
+        masters = find_masters(load_settings(d.settings_path))
+        doc = await status(d)
+    print(f"taken back and converged in {took:.2f}s; {len(node.loop.results)} requests")
+    assert masters == [master], f"one HAProxy master for this runtime_dir, the one that ran: {masters}"
+    assert doc["haproxy"]["master_pid"] == master
+    assert d.count(r"starting haproxy master") == 0, d.run_log()
+    assert d.count("Traceback") == 0
     assert not node.loop.failures, node.loop.failures[:5]
     tags = node.tags()
     assert tags[0] == "v1" and tags[-1] == "v2" and set(tags) == {"v1", "v2"}

@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from supervisor.haproxy.api import CLIError
 from tests.support.daemon import Daemon, RequestLoop, _metric_values, http_get, tagged_config
 from tests.support.harness import backends, free_port
 
@@ -123,13 +124,19 @@ async def wait_converged(daemon: Daemon, front: int, tag: str, timeout: float) -
     while True:
         _, headers, _ = await http_get(front, timeout=2)
         if headers.get("x-tag") == tag:
-            doc = await status(daemon)
-            procs = await daemon.show_proc()
-            current = procs.current_worker
-            ready, _ = await readyz(daemon)
-            seen = f"convergence={doc['convergence']} worker={doc['worker']} show proc current={current}"
+            try:
+                doc = await status(daemon)
+                procs = await daemon.show_proc()
+                ready, _ = await readyz(daemon)
+            except (aiohttp.ClientError, CLIError) as exc:  # a daemon starting, a master re-executing
+                doc, procs, ready = None, None, 0
+                seen = str(exc)
+            current = procs.current_worker if procs is not None else None
+            if doc is not None:
+                seen = f"convergence={doc['convergence']} worker={doc['worker']} show proc current={current}"
             if (
-                doc["convergence"]["converged"]
+                doc is not None
+                and doc["convergence"]["converged"]
                 and ready == 200
                 and current is not None
                 and doc["worker"]["pid"] == current.pid
