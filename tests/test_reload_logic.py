@@ -14,6 +14,8 @@ from supervisor.reloader import (
     inputs_digest,
     old_workers_over_max,
     one_line,
+    retry_delay,
+    runs_goal,
     split_watch,
     watch_roots,
 )
@@ -243,3 +245,59 @@ def test_one_line_prefers_alerts():
     assert one_line(text) == "[ALERT] (1) : config : bad thing | [ALERT] (1) : fatal"
     assert one_line("plain") == "plain"
     assert one_line("x" * 1000, limit=20).endswith("...")
+
+
+# ---------------------------------------------------------------- forced reloads and retries
+
+
+def test_a_forced_reload_is_due_at_once_but_not_before_min_interval():
+    s = ReloadScheduler(debounce_s=0.2, min_interval_s=1.0)
+    s.force()
+    assert s.take(0.0) == "forced"
+    s.reloaded(0.0)
+    s.force()
+    s.force()  # a second request before the reload starts: the same reload
+    assert s.take(0.5) is None
+    assert s.take(1.0) == "forced"
+    assert s.take(5.0) is None, "both requests were served by one reload"
+
+
+def test_a_forced_reload_takes_a_pending_change_and_retry_with_it():
+    s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0)
+    s.changed(0.0)
+    s.retry(0.05)
+    s.force()
+    assert s.take(0.01) == "forced"
+    assert not s.pending and s.take(10.0) is None
+
+
+def test_a_retry_waits_for_its_time_and_for_a_change_still_being_written():
+    s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0)
+    s.retry(1.0)
+    assert s.take(0.9) is None
+    s.changed(0.95)  # a write in progress: no retry may read it half-written
+    assert s.take(1.0) is None
+    assert s.take(1.15) == "change"
+    assert not s.pending
+
+
+def test_a_retry_honours_min_interval():
+    s = ReloadScheduler(debounce_s=0.2, min_interval_s=2.0)
+    s.reloaded(0.0)
+    s.retry(0.5)
+    assert s.due_at() == 2.0
+    assert s.take(1.9) is None and s.take(2.0) == "retry"
+
+
+def test_retry_delays_double_from_half_a_second_to_the_cap():
+    assert [retry_delay(n, 30) for n in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert retry_delay(1000, 30) == 30
+    assert retry_delay(0, 0.2) == 0.2
+
+
+def test_the_goal_is_run_only_with_the_same_config_and_watched_files():
+    assert runs_goal(("a", "w"), ("a", "w"))
+    assert not runs_goal(("a", "w"), ("b", "w"))
+    assert not runs_goal(("a", "w"), ("a", None)), "unknown watched files are not the goal's"
+    assert not runs_goal(None, ("a", "w"))
+    assert not runs_goal(("a", "w"), None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import stat
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,39 @@ def test_not_ready_reasons():
     assert not_ready_reason(state) == "no current worker yet"
     state.master_up = False
     assert not_ready_reason(state) == "HAProxy master is not running"
+
+
+def test_not_ready_once_unconverged_for_longer_than_the_grace_period_unless_the_config_is_the_problem():
+    state = running_state(NOW)
+    state.convergence.reached()
+    assert not_ready_reason(state, grace_s=60, now=NOW) is None
+    state.convergence.missed("reload failed: show proc: no answer", transient=True, now=NOW)
+    assert not_ready_reason(state, grace_s=60, now=NOW + timedelta(seconds=59)) is None
+    reason = not_ready_reason(state, grace_s=60, now=NOW + timedelta(seconds=61))
+    assert reason == "not converged for 61s (reload.converge_grace_s=60): reload failed: show proc: no answer"
+    state.convergence.missed("the rendered config is invalid: bad", transient=False)
+    assert not_ready_reason(state, grace_s=60, now=NOW + timedelta(hours=1)) is None
+    state.master_socket_ok = False
+    assert "socket is missing" in (not_ready_reason(state) or "")
+
+
+def test_convergence_in_status_and_metrics():
+    state = running_state(NOW)
+    state.convergence.reached()
+    state.convergence.missed("a change is pending", transient=True, now=NOW - timedelta(seconds=90))
+    doc = status_document(state, Settings(), NOW)
+    assert doc["convergence"] == {
+        "converged": False, "unconverged_s": 90.0, "since": "2025-01-02T03:02:35.000Z",
+        "reason": "a change is pending", "transient": True, "attempts": 0, "next_attempt_at": None,
+    }
+    assert doc["supervisor"]["ready"] is False  # 90 s > the default grace of 60 s
+    def value(name: str) -> float:
+        return scrape(state)[name].samples[0].value
+
+    assert value("haproxy_supervisor_converged") == 0
+    assert value("haproxy_supervisor_unconverged_seconds") == 90
+    state.convergence.reached()
+    assert value("haproxy_supervisor_converged") == 1 and value("haproxy_supervisor_unconverged_seconds") == 0
 
 
 # ---------------------------------------------------------------- metrics
