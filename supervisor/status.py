@@ -203,10 +203,17 @@ def _histogram_buckets(histogram: DurationHistogram) -> list[tuple[str, float]]:
 class StateCollector(Collector):
     """Builds every haproxy_supervisor_* metric from State at scrape time; no global registry."""
 
-    def __init__(self, state: State, clock: Callable[[], datetime] = utcnow, grace_s: float = float("inf")) -> None:
+    def __init__(
+        self,
+        state: State,
+        clock: Callable[[], datetime] = utcnow,
+        grace_s: float = float("inf"),
+        old_workers_max: int | None = None,
+    ) -> None:
         self.state = state
         self.clock = clock
         self.grace_s = grace_s
+        self.old_workers_max = old_workers_max
 
     def collect(self) -> Iterator[Metric]:
         state, now = self.state, self.clock()
@@ -251,6 +258,13 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             "haproxy_supervisor_old_workers", "Old (soft-stopped, draining) HAProxy workers alive.", value=len(workers),
         )
+        if self.old_workers_max is not None:
+            # Exported so that an alert can compare against the node's own cap, whatever it is set to.
+            yield GaugeMetricFamily(
+                "haproxy_supervisor_old_workers_max",
+                "old_workers.max: past it the oldest old workers are sent SIGTERM.",
+                value=self.old_workers_max,
+            )
         ages = [age for w in workers if (age := w.age_s(now)) is not None]
         yield GaugeMetricFamily(
             "haproxy_supervisor_old_worker_oldest_age_seconds",
@@ -292,11 +306,14 @@ class StateCollector(Collector):
 
 
 def metrics_registry(
-    state: State, clock: Callable[[], datetime] = utcnow, grace_s: float = float("inf")
+    state: State,
+    clock: Callable[[], datetime] = utcnow,
+    grace_s: float = float("inf"),
+    old_workers_max: int | None = None,
 ) -> CollectorRegistry:
     """A private registry: the State collector plus this process's own process_* metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(state, clock, grace_s))
+    registry.register(StateCollector(state, clock, grace_s, old_workers_max))
     ProcessCollector(registry=registry)
     return registry
 
@@ -412,7 +429,7 @@ class _Endpoints:
         self.actions = actions
         self.clock = clock
         self.token, self.token_problem = load_token(settings.status.token_file)
-        self.registry = metrics_registry(state, clock, settings.reload.converge_grace_s)
+        self.registry = metrics_registry(state, clock, settings.reload.converge_grace_s, settings.old_workers.max)
         self.backend_sizes = BackendSizes()
 
     # -- reads

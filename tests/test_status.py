@@ -191,8 +191,15 @@ def test_metrics_from_a_running_state():
     assert families["haproxy_supervisor_push_duration_seconds"].type == "histogram"
     assert families["haproxy_supervisor_reloads"].type == "counter"
     assert families["haproxy_supervisor_old_workers"].type == "gauge"
+    assert "haproxy_supervisor_old_workers_max" not in families  # only where the cap is known
     # The daemon's own process metrics come along from the same private registry.
     assert sample(families, "process_resident_memory_bytes") > 0
+
+
+def test_the_old_workers_cap_is_exported_for_the_piling_up_alert():
+    text = generate_latest(metrics_registry(running_state(NOW), lambda: NOW, old_workers_max=8)).decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert sample(families, "haproxy_supervisor_old_workers_max") == 8
 
 
 def test_push_duration_histogram_is_cumulative():
