@@ -25,6 +25,8 @@ import logging
 import os
 import shlex
 import signal
+import socket
+import struct
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -148,17 +150,16 @@ def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int
     return found
 
 
-def _holds_socket(pid: int, inode: int) -> bool:
-    target = f"socket:[{inode}]"
-    try:
-        with os.scandir(f"/proc/{pid}/fd") as fds:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    if os.readlink(fd.path) == target:
-                        return True
-    except OSError:
-        return False
-    return False
+def _socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` holds (its /proc/<pid>/fd links `socket:[N]`)."""
+    inodes: set[int] = set()
+    with contextlib.suppress(OSError), os.scandir(f"/proc/{pid}/fd") as fds:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd.path)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    return inodes
 
 
 def _alive(pid: int) -> bool:
@@ -183,10 +184,10 @@ def find_masters(settings: Settings) -> list[int]:
         return []
     pids: set[int] = set()
     for inode, named in master_socket_candidates(net_unix, settings.haproxy.master_socket_path):
-        if named is not None and _holds_socket(named, inode):
+        if named is not None and inode in _socket_inodes(named):
             holders = [named]
         else:  # not bound under a `.<pid>.tmp` name, or that PID was reused: look at every process
-            holders = [pid for pid in psutil.pids() if _holds_socket(pid, inode)]
+            holders = [pid for pid in psutil.pids() if inode in _socket_inodes(pid)]
         pids.update(pid for pid in holders if _alive(pid))
 
     def started(pid: int) -> float:
@@ -235,12 +236,52 @@ def bind_ports(config: Config) -> set[int]:
     return ports
 
 
-def _listening_ports(pid: int) -> set[int]:
+# sock_diag (netlink): the kernel lists only the listening TCP sockets, however many
+# connections the node holds; /proc/net/tcp would have to be read whole, with every connection.
+_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _TCP_LISTEN = 4, 20, 10
+_NLM_F_REQUEST, _NLM_F_DUMP, _NLMSG_ERROR, _NLMSG_DONE = 0x1, 0x300, 2, 3
+_NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, seq, pid
+_DIAG_PORT_AT, _DIAG_INODE_AT = 4, 68  # in struct inet_diag_msg: idiag_sport (big endian), idiag_inode
+
+
+def _listening_tcp_sockets() -> dict[int, int]:
+    """{socket inode: port} of every listening TCP socket (IPv4 and IPv6) of this network namespace."""
+    found: dict[int, int] = {}
+    for family in (socket.AF_INET, socket.AF_INET6):
+        # struct inet_diag_req_v2: family, protocol, ext, pad, states, then a zeroed inet_diag_sockid.
+        request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_LISTEN) + bytes(48)
+        header = _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY,
+                                    _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as sock:
+            sock.settimeout(1)
+            sock.send(header + request)
+            done = False
+            while not done:
+                data = sock.recv(1 << 16)
+                offset = 0
+                while offset + _NLMSG_HEADER.size <= len(data):
+                    length, kind, _, _, _ = _NLMSG_HEADER.unpack_from(data, offset)
+                    if kind == _NLMSG_DONE or length < _NLMSG_HEADER.size:
+                        done = True
+                        break
+                    if kind == _NLMSG_ERROR:
+                        raise OSError("sock_diag answered an error")
+                    body = offset + _NLMSG_HEADER.size
+                    (port,) = struct.unpack_from(">H", data, body + _DIAG_PORT_AT)
+                    (inode,) = struct.unpack_from("=I", data, body + _DIAG_INODE_AT)
+                    found[inode] = port
+                    offset += (length + 3) & ~3
+    return found
+
+
+def listening_ports(pid: int) -> set[int] | None:
+    """The TCP ports process `pid` holds a listening socket on; None when the kernel cannot say."""
     try:
-        return {c.laddr.port for c in psutil.Process(pid).net_connections("inet")
-                if c.status == psutil.CONN_LISTEN and c.laddr}
-    except psutil.Error:
-        return set()
+        listening = _listening_tcp_sockets()
+    except OSError as exc:
+        log.debug("sock_diag unavailable (%s): listeners not checked", exc)
+        return None
+    return {listening[inode] for inode in _socket_inodes(pid) if inode in listening}
 
 
 async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
@@ -248,6 +289,8 @@ async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
 
     Being listed by `show proc` is not enough: from 3.1 on the master lists a new worker before
     that worker has loaded its config, bound its ports or can be reached through the master.
+    The listening sockets come from the kernel (sock_diag), matched to the worker's own fds;
+    a fresh worker holds few, so this stays cheap on a node with many connections.
     """
     try:
         info = parse_show_info(await cli.on(pid, "show info", timeout=2))
@@ -255,7 +298,10 @@ async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
         return False
     if info.get("Pid") != str(pid):
         return False  # `Can't find the target PID matching the prefix`: not reachable yet
-    return ports <= _listening_ports(pid)
+    if not ports:
+        return True
+    held = listening_ports(pid)
+    return held is None or ports <= held
 
 
 def process_started_at(pid: int) -> datetime | None:

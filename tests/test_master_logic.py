@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 from supervisor.haproxy.config import Config
@@ -11,6 +13,7 @@ from supervisor.master import (
     describe_exit,
     is_our_master,
     is_our_master_worker,
+    listening_ports,
     master_command,
     master_socket_candidates,
     next_backoff,
@@ -107,3 +110,19 @@ def test_bind_ports():
         "backend be\n    server s 127.0.0.1:80\n"
     )
     assert bind_ports(config) == {8080, 8443, 8444, 9100}
+
+
+def test_listening_ports_are_the_kernels_listeners_held_by_the_process():
+    with socket.socket() as listener, socket.socket() as bound_only, socket.socket(socket.AF_INET6) as six:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        bound_only.bind(("127.0.0.1", 0))  # bound, not listening: accepts nothing
+        six.bind(("::1", 0))
+        six.listen(1)
+        port = listener.getsockname()[1]
+        ports = listening_ports(os.getpid())
+        assert ports is not None
+        assert port in ports and six.getsockname()[1] in ports
+        assert bound_only.getsockname()[1] not in ports
+    assert port not in (listening_ports(os.getpid()) or set()), "closed: no longer listening"
+    assert listening_ports(1) is not None and port not in (listening_ports(1) or set()), "not pid 1's"
