@@ -15,11 +15,11 @@ import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
-import psutil
 import pytest
 
-from supervisor.effective import Effective, prepare_runtime_dir
+from supervisor.effective import ConfigCheck, Effective, prepare_runtime_dir, start_effective_check
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.master import MasterProcess
@@ -50,12 +50,15 @@ backend app
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
-        self.checking: list[bool] = []  # per prepare: was `haproxy -c` running meanwhile
+        self.checking: list[bool] = []  # per prepare: was a `haproxy -c` started and its verdict not taken
+        self.pending_checks = 0
         self.collecting: list[bool] = []  # per prepare: was the garbage collector on
 
     async def prepare(self, next_model: Config) -> None:
         self.calls.append(("prepare", [s.key for s in next_model.servers()]))
-        self.checking.append(any(_is_check(child) for child in psutil.Process().children()))
+        # By the check's own life, not by looking for the process: a small config's `haproxy -c`
+        # can be done (and reaped) in a few ms, before prepare runs, on a fast build such as 3.0.
+        self.checking.append(self.pending_checks > 0)
         self.collecting.append(gc.isenabled())
 
     async def before_reload(self, next_model: Config) -> None:
@@ -68,14 +71,24 @@ class Recorder:
         self.calls.append(("refresh", None))
 
 
-def _is_check(process: psutil.Process) -> bool:
-    """An `haproxy -c` child whose verdict was not taken yet (it may have just ended)."""
-    try:
-        return "-c" in process.cmdline()
-    except psutil.ZombieProcess:
-        return process.name() == "haproxy"  # the master never ends while the test runs
-    except psutil.Error:
-        return False
+def counting_checks(hooks: Recorder):
+    """start_effective_check as the reloader calls it, counting the checks whose verdict is pending."""
+
+    async def start(*args: object) -> ConfigCheck:
+        check = await start_effective_check(*args)  # type: ignore[arg-type]
+        hooks.pending_checks += 1
+        verdict = check.verdict
+
+        async def taken() -> tuple[bool, str]:
+            try:
+                return await verdict()
+            finally:
+                hooks.pending_checks -= 1
+
+        check.verdict = taken  # type: ignore[method-assign]
+        return check
+
+    return start
 
 
 async def wait_until(predicate, timeout: float = 10) -> None:
@@ -122,6 +135,8 @@ async def running(rundir: Path, apply_at_runtime: bool):
     master = MasterProcess(settings, state, cli)
     reloader = Reloader(settings, state, cli, master, hooks=hooks, runtime_apply=runtime_apply)
     master.on_started = reloader.on_master_started
+    patched = mock.patch("supervisor.reloader.start_effective_check", counting_checks(hooks))
+    patched.start()
     tasks = [asyncio.create_task(master.run()), asyncio.create_task(reloader.run())]
     try:
         await reloader.apply_change(force=True, reason="startup")
@@ -132,6 +147,7 @@ async def running(rundir: Path, apply_at_runtime: bool):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        patched.stop()
 
 
 async def test_runtime_apply_true_replaces_the_reload(rundir: Path):
