@@ -191,7 +191,7 @@ class HAProxyMaster:
         wait_for(lambda: self.socket.exists() or self.proc.poll() is not None, what="master socket")
         if self.proc.poll() is not None:
             raise RuntimeError(f"haproxy exited: {self.stderr_path.read_text(errors='replace')}")
-        wait_for(lambda: self.command("show proc").count("worker") >= 1, what="first worker")
+        wait_for(self.ready_worker, what="first worker ready")
         return self
 
     def command(self, line: str, timeout: float = 5.0) -> str:
@@ -233,14 +233,26 @@ class HAProxyMaster:
         current = procs.current_worker
         return (current.pid if current else None), [p.pid for p in procs.old_workers]
 
+    def ready_worker(self) -> int | None:
+        """The current worker's PID once it answers through the master: from 3.1 on, `show proc`
+        lists a worker before it has loaded its config and bound its ports."""
+        pid, _ = self.worker_pids()
+        if pid is None:
+            return None
+        try:
+            info = self.command(f"@!{pid} show info", timeout=1)
+        except OSError:  # a timeout: the worker cannot answer yet
+            return None
+        return pid if f"\nPid: {pid}\n" in f"\n{info}" else None
+
     def reload(self) -> int:
-        """Reload and wait for a new worker; returns its PID."""
+        """Reload and wait for a new worker, ready; returns its PID."""
         before, _ = self.worker_pids()
         self.command("reload")
         return wait_for(
-            lambda: (pid := self.worker_pids()[0]) not in (None, before) and pid,
+            lambda: (pid := self.ready_worker()) not in (None, before) and pid,
             timeout=10,
-            what="new worker after reload",
+            what="new worker ready after reload",
         )
 
     def stop(self) -> None:
