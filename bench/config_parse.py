@@ -10,9 +10,8 @@ import statistics
 import time
 
 from bench.displaced_push import rendered
-from supervisor.effective import build_effective
+from supervisor.effective import build_effective, effective_config
 from supervisor.haproxy.config import Config, clear_caches
-from supervisor.haproxy.inject import effective_config
 from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
 
 

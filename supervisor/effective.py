@@ -19,10 +19,24 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-from .files import DEFAULT_MAX_READ_BYTES, FILE_MODE, create_if_missing, ensure_private_dir, read_regular, write_new
+from .files import (
+    DEFAULT_MAX_READ_BYTES,
+    create_if_missing,
+    ensure_private_dir,
+    read_regular,
+    write_atomically,
+)
 from .haproxy.config import Config
-from .haproxy.inject import SLOT_TABLE_PREFIX, RefusedGlobal, SlotTable, effective_config_and_table, supervised_global
-from .settings import Settings, decode_text
+from .haproxy.inject import (
+    SLOT_TABLE_PREFIX,
+    RefusedGlobal,
+    SlotTable,
+    inject_guard_and_table,
+    inject_observe,
+    inject_server_state,
+    supervised_global,
+)
+from .settings import Settings, SettingsError, decode_text
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +74,29 @@ def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> str:
         raise RenderedConfigError(f"{path}: cannot read rendered config: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise RenderedConfigError(f"{path}: rendered config {exc}") from None
+
+
+def effective_config(rendered: Config, settings: Settings) -> Config:
+    """The rendered config after every injection that the settings switch on."""
+    return effective_config_and_table(rendered, settings)[0]
+
+
+def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Config, SlotTable | None]:
+    """effective_config(), and the slot table file it names (None with the guard off)."""
+    config = rendered
+    if settings.observe.enabled:
+        config = inject_observe(config, settings.observe.error_limit)
+    if settings.reload.preserve_server_state:
+        config = inject_server_state(config, settings.haproxy.server_state_file)
+    table = None
+    if settings.old_workers.guard:
+        # The injections above leave every server's name and `backup` flag as they were:
+        # the table is the rendered config's.
+        try:
+            config, table = inject_guard_and_table(config, settings.haproxy.steer_map, settings.haproxy.runtime_dir)
+        except ValueError as exc:  # a runtime_dir no map() argument can name
+            raise SettingsError(str(exc)) from None
+    return config, table
 
 
 def build_effective(settings: Settings, rendered_text: str) -> Effective:
@@ -144,11 +181,6 @@ def prepare_runtime_dir(settings: Settings) -> None:
     if settings.reload.preserve_server_state:
         # A state file with no server (haproxy.server_state.EMPTY_STATE): loads without a warning.
         create_if_missing(settings.haproxy.server_state_file, b"1\n")
-
-
-def write_atomically(path: Path, text: str, mode: int = FILE_MODE) -> None:
-    """Replace `path` with `text`, never through a symlink, with `mode` whatever the umask."""
-    write_new(path, text.encode(), mode)
 
 
 async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:

@@ -134,3 +134,8 @@ def create_if_missing(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
     except FileNotFoundError:
         pass
     write_new(path, data, mode)
+
+
+def write_atomically(path: Path, text: str, mode: int = FILE_MODE) -> None:
+    """Replace `path` with `text`, never through a symlink, with `mode` whatever the umask."""
+    write_new(path, text.encode(), mode)

@@ -12,8 +12,9 @@ import random
 
 import pytest
 
+from supervisor.effective import effective_config
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import effective_config, inject_guard, inject_observe, slot_table
+from supervisor.haproxy.inject import inject_guard, inject_observe, slot_table
 from supervisor.haproxy.runtime import plan_runtime_apply
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.steering.dead import Sections

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.effective import effective_config, effective_config_and_table
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import (
     GUARD_MARKER,
     SlotTable,
-    effective_config,
-    effective_config_and_table,
     guard_block,
     guarded_backends,
     inject_guard,
@@ -123,8 +122,12 @@ def test_rest_of_config_is_untouched():
 
 
 def test_unsafe_map_path_is_refused_with_one_line():
-    with pytest.raises(SettingsError, match=r"map path '/run/my dir,x/steer\.map'"):
+    with pytest.raises(ValueError, match=r"map path '/run/my dir,x/steer\.map'"):
         inject_guard(Config.parse("backend b\n  server s 127.0.0.1:1\n"), "/run/my dir,x/steer.map", TABLE)
+    # Through the settings it is a settings error: `run` and `check` say so in one line.
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/my dir,x")))
+    with pytest.raises(SettingsError, match=r"map path '/run/my dir,x/steer\.map'"):
+        effective_config(Config.parse("backend b\n  server s 127.0.0.1:1\n"), settings)
 
 
 def test_effective_config_applies_guard_only_when_on():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.effective import build_effective
+from supervisor.effective import build_effective, effective_config
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import effective_config, inject_server_state
+from supervisor.haproxy.inject import inject_server_state
 from supervisor.haproxy.server_state import EMPTY_STATE, filter_server_state, server_state_target
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import corpus_files

@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..settings import Settings, SettingsError
 from .config import (
     PROXY_KINDS,
     Config,
@@ -216,9 +215,7 @@ def guard_rules(mode: str, map_path: str, slot_table_path: str) -> list[str]:
     """
     for path in (map_path, slot_table_path):
         if not _SAFE_MAP_PATH.match(path):
-            raise SettingsError(
-                f"map path {path!r}: only letters, digits and _ . / - can go into a map() argument"
-            )
+            raise ValueError(f"map path {path!r}: only letters, digits and _ . / - can go into a map() argument")
     rule = "http-request" if mode == "http" else "tcp-request content"
     refuse = "return status 503" if mode == "http" else "reject"
     n, slot, srv, hop = _VARS
@@ -444,23 +441,3 @@ class SlotTable:
         text = slot_table_text(rows)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return cls(directory / f"{SLOT_TABLE_PREFIX}{digest}.map", text)
-
-
-def effective_config(rendered: Config, settings: Settings) -> Config:
-    """The rendered config after every injection that the settings switch on."""
-    return effective_config_and_table(rendered, settings)[0]
-
-
-def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Config, SlotTable | None]:
-    """effective_config(), and the slot table file it names (None with the guard off)."""
-    config = rendered
-    if settings.observe.enabled:
-        config = inject_observe(config, settings.observe.error_limit)
-    if settings.reload.preserve_server_state:
-        config = inject_server_state(config, settings.haproxy.server_state_file)
-    table = None
-    if settings.old_workers.guard:
-        # The injections above leave every server's name and `backup` flag as they were:
-        # the table is the rendered config's.
-        config, table = inject_guard_and_table(config, settings.haproxy.steer_map, settings.haproxy.runtime_dir)
-    return config, table

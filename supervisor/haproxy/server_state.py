@@ -32,7 +32,7 @@ import logging
 from collections.abc import Collection
 from pathlib import Path
 
-from ..effective import write_atomically
+from ..files import write_atomically
 from .api import CLIError, MasterCLI
 from .config import Config, Server, is_ip
 
