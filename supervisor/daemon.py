@@ -22,6 +22,7 @@ from .effective import prepare_runtime_dir, remove_stale_checks
 from .haproxy.api import MasterCLI, ProcList
 from .haproxy.runtime import RuntimeApplier
 from .logs import setup_logging
+from .looplag import LoopLag
 from .master import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
 from .reloader import NoHooks, Reloader, ReloadHooks
@@ -193,6 +194,7 @@ class Daemon:
                 group.create_task(self.master.run(), name="master"),
                 group.create_task(self.reloader.run(), name="reloader"),
                 group.create_task(self.notifier.run_watchdog(), name="watchdog"),
+                group.create_task(LoopLag(self.state).run(), name="event loop lag"),
             ]
             # ---- components built elsewhere start here: displaced workers, status server ----
             if self.displaced is not None:

@@ -194,6 +194,7 @@ class State:
     # False while the master's socket is missing from runtime_dir (deleted under us): the daemon
     # cannot reach HAProxy until it has recreated runtime_dir and made the master rebind it.
     master_socket_ok: bool = True
+    event_loop_lag_s: float = 0.0  # the worst delay of the event loop lately (looplag.py)
     old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
 
     # A steady count is noted again after this long, so its line reaches the present.

@@ -303,6 +303,11 @@ class StateCollector(Collector):
             "haproxy_supervisor_master_restarts", "Times the HAProxy master was restarted after it died.",
             value=state.master_restarts,
         )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_event_loop_lag_seconds",
+            "The worst delay of the daemon's event loop over the last 10 to 20 s: how late any task ran.",
+            value=state.event_loop_lag_s,
+        )
 
 
 def metrics_registry(
