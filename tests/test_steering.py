@@ -815,3 +815,41 @@ def test_a_show_map_answer_cut_off_is_told_from_a_whole_one():
     assert is_whole_answer(whole) and is_whole_answer("\n")
     for cut in (whole[:-1], whole[:25], whole[: whole.index("\n") + 1], ""):
         assert not is_whole_answer(cut), repr(cut)
+
+
+# ---------------------------------------------------------------- the server index, the read policy
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_server_index_holds_exactly_the_servers_of_the_configs_in_use(seed):
+    from supervisor.steering.dead import ServerIndex
+
+    rng = random.Random(seed)
+    cache = Sections()
+    index = ServerIndex()
+    in_use: list[ConfigDigest] = []
+    for _ in range(60):
+        if in_use and rng.random() < 0.4:
+            index.remove(in_use.pop(rng.randrange(len(in_use))))
+        else:
+            config = random_config(rng, cache)
+            in_use.append(config)  # the same config may be in use twice: counted twice
+            index.add(config)
+        for b in range(8):
+            for name in ("s0", "s1", "s2", "bk"):
+                key = f"be{b}/{name}"
+                assert (key in index) == any(d.server(key) is not None for d in in_use), key
+
+
+def test_server_states_are_read_often_only_where_they_can_change_by_themselves():
+    from supervisor.steering.live import SAFETY_NET_S, live_read_interval
+
+    plain = digest(model("backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80 backup\n"))
+    checked = digest(model("backend b\n  server s1 10.0.0.1:80 check\n"))
+    observed = digest(model("backend b\n  server s1 10.0.0.1:80 check observe layer4\n"))
+    agent = digest(model("backend b\n  server s1 10.0.0.1:80 agent-check agent-port 9\n"))
+    assert not plain.changes_alone
+    assert checked.changes_alone and observed.changes_alone and agent.changes_alone
+    assert live_read_interval(0.001, 0.25, plain.changes_alone) == SAFETY_NET_S
+    assert live_read_interval(0.001, 0.25, checked.changes_alone) == 0.25  # every poll
+    assert live_read_interval(0.05, 0.25, checked.changes_alone) == pytest.approx(1.0)  # a costly read: less often

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class SectionDigest:
     slots: tuple[Server, ...] = field(compare=False)  # the primaries; slot i is slots[i] (inject.slot_table)
     guarded: bool = field(compare=False)
     all_backups: bool = field(compare=False)  # `option allbackups`
+    changes_alone: bool = field(compare=False)  # some server is checked or observed: its state can change
 
     @classmethod
     def of(cls, key: str, servers: list[Server], section: Section, all_backups: bool) -> SectionDigest:
@@ -75,6 +77,7 @@ class SectionDigest:
             slots=tuple(s for s in servers if not s.backup),
             guarded=is_guarded(section),
             all_backups=all_backups,
+            changes_alone=any(s.check or s.observe or "agent-check" in s.params for s in servers),
         )
 
 
@@ -88,6 +91,7 @@ class ConfigDigest:
     section_set: frozenset[SectionDigest] = field(compare=False)
     named_hosts: tuple[Server, ...] = field(compare=False)
     guarded: bool = field(compare=False)  # some section has the guard: the worker can be steered
+    changes_alone: bool = field(compare=False)  # some server's state can change by itself (checks)
     limit: int = field(compare=False)  # the longest CLI line its processes accept
 
     def server(self, key: str) -> Server | None:
@@ -148,6 +152,7 @@ class Sections:
             section_set=frozenset(sections.values()),
             named_hosts=tuple(s for sd in sections.values() for s in sd.named_hosts),
             guarded=any(sd.guarded for sd in sections.values()),
+            changes_alone=any(sd.changes_alone for sd in sections.values()),
             limit=line_limit(model),
         )
 
@@ -158,6 +163,34 @@ class Sections:
         self._by_key = {k: v for k, v in self._by_key.items() if k in used}
         keys = {d.key for d in kept}
         self._by_text = {t: d for t, d in self._by_text.items() if d.key in keys}
+
+
+class ServerIndex:
+    """Which "backend/server" some config in use has, in one lookup. Counted per section in
+    use: a config added costs only its sections no other config holds."""
+
+    def __init__(self) -> None:
+        self._sections: Counter[str] = Counter()
+        self._servers: Counter[str] = Counter()
+
+    def add(self, digest: ConfigDigest) -> None:
+        for section in digest.section_set:
+            self._sections[section.key] += 1
+            if self._sections[section.key] == 1:
+                self._servers.update(s.key for s in section.servers)
+
+    def remove(self, digest: ConfigDigest) -> None:
+        for section in digest.section_set:
+            self._sections[section.key] -= 1
+            if self._sections[section.key] == 0:
+                del self._sections[section.key]
+                self._servers.subtract(s.key for s in section.servers)
+                for s in section.servers:
+                    if self._servers[s.key] <= 0:
+                        del self._servers[s.key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._servers
 
 
 def line_limit(model: Config | None) -> int:

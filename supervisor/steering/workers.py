@@ -14,105 +14,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field
-from typing import Literal, TypeVar
-
-import psutil
+from typing import TypeVar
 
 from ..haproxy.api import CLIError, MasterCLI, ProcList, on_process, validate_name
 from ..haproxy.config import Config
 from ..master import process_started_at
 from ..settings import Settings
-from ..state import Generation, OldWorker, PushState, State, utcnow
-from .dead import ConfigDigest, LiveStates, LiveView, Sections, live_view, parse_live_states
+from ..state import Generation, OldWorker, PushState, PushStateName, State, utcnow
+from .dead import ConfigDigest, LiveStates, LiveView, Sections, ServerIndex, live_view
 from .entries import Entries
-from .mapdiff import (
-    PHASES,
-    ROUTING_PHASES,
-    BackendDelta,
-    Phase,
-    answer_problem,
-    backend_delta,
-    delta_lines,
-    is_whole_answer,
-    map_entries,
-    phase_lines,
-    valid_entry,
-)
+from .live import LiveRead, read_states, read_stats
 from .plan import Planner, Steering, nothing_steered
-from .procs import split_show_info, stuck_sessions, worker_generations
+from .procs import stuck_sessions, worker_generations
+from .push import GONE, PushError, push, read_map
+from .record import WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
 R = TypeVar("R")
-_GONE = "Can't find the target PID"
-
-
-class PushError(Exception):
-    """A push or its read-back did not give the map we wanted. One line."""
 
 
 class _Interrupted(Exception):
     """A poll's read was called off for a reload."""
-
-
-def live_read_interval(cost_s: float, poll_s: float) -> float:
-    """How often the current worker's server states are read: every poll, unless one read
-    cost more than a twentieth of that."""
-    return max(poll_s, 20 * cost_s)
-
-
-@dataclass
-class _Live:
-    pid: int
-    at: float  # monotonic
-    states: LiveStates
-    cost_s: float
-    unusable: frozenset[str]  # its servers that are DOWN or in maintenance
-
-
-@dataclass
-class _Worker:
-    pid: int
-    generation: int | None
-    current: bool = False
-    held: Mapping[str, Entries] | None = None  # its map per backend, as pushed or read; None: read it
-    wanted: Steering | None = None  # what it needs; None: leave its map alone
-    pending: set[str] | None = None  # backends where held may differ from wanted; None: any
-    unusable: frozenset[str] | None = None  # servers it sees down itself; None: ask it
-    pushes: int = 0  # moves at the start and the end of a push: a read-back overlapping one proves nothing
-    verify: bool = True  # read its map back (after a push, or for a reconcile)
-    verified_at: float = 0.0  # monotonic
-    unread: int = 0  # read-backs in a row without a whole answer
-    failures: int = 0
-    retry_at: float = 0.0  # monotonic
-    swept: frozenset[str] = field(default_factory=frozenset)  # dead set whose stuck streams were ended
-
-    def want(self, steering: Steering | None) -> None:
-        """Take a new plan; note which backends can now differ from what its map holds."""
-        before, self.wanted = self.wanted, steering
-        if steering is None or before is None or self.pending is None:
-            self.pending = None
-        elif steering.previous == before.basis and steering.digest == before.digest:
-            self.pending |= steering.changed
-        elif not (steering.basis == before.basis and steering.digest == before.digest):
-            self.pending = None
-
-    def deltas(self) -> list[BackendDelta] | None:
-        """The changes its map needs, per backend (None: its map is unknown)."""
-        if self.held is None or self.wanted is None:
-            return None
-        held, parts = self.held, self.wanted.parts
-        backends = self.pending if self.pending is not None else held.keys() | parts.keys()
-        deltas = [backend_delta(held.get(b, ()), parts.get(b, ())) for b in backends if held.get(b) != parts.get(b)]
-        if not deltas:
-            self.held, self.pending = parts, set()
-        return deltas
-
-    def in_sync(self) -> bool:
-        return self.wanted is not None and self.deltas() == []
 
 
 class OldWorkers:
@@ -122,10 +46,6 @@ class OldWorkers:
     RECONCILE_INTERVAL_S = 5.0
     MAX_BACKOFF_S = 5.0
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
-    # Above this many `set map`/`del map` commands for one worker the whole map is replaced
-    # (prepare/commit): each such command is a CLI round of its own, while a replacement
-    # ships every entry in a few payloads and switches atomically.
-    REPLACE_ABOVE = 64
     UNREAD_LIMIT = 3  # read-backs in a row without a whole answer before it counts as failed
 
     def __init__(
@@ -139,11 +59,12 @@ class OldWorkers:
         self.map_path = str(settings.haproxy.steer_map)
         self.poll_s = settings.old_workers.poll_interval_ms / 1000
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
-        self._workers: dict[int, _Worker] = {}
+        self._workers: dict[int, WorkerRecord] = {}
         self._sections = Sections()
         self._digests: dict[tuple[int, str], ConfigDigest] = {}  # (generation, effective sha) -> digest
+        self._servers = ServerIndex()  # the servers of every generation's config
         self._planner = Planner(settings.old_workers.no_backup)
-        self._live: _Live | None = None
+        self._live: LiveRead | None = None
         self._down: frozenset[str] = frozenset()  # the last view's down endpoints
         self._next: ConfigDigest | None = None  # set between before_reload and after_reload
         self._prepared: ConfigDigest | None = None  # the config prepare() planned for, until after_reload
@@ -220,7 +141,7 @@ class OldWorkers:
 
     async def refresh(self) -> None:
         """Recompute and push now: a runtime change altered the current config in place."""
-        self._digests.clear()
+        self._forget_digests(set())
         self._prepared = None  # a runtime apply took the place of the reload it was for
         await self.sync(fresh=True)
 
@@ -233,14 +154,12 @@ class OldWorkers:
         self._wake.set()
 
     def has_server(self, key: str) -> bool:
-        """Whether the current config or one an old worker runs has this server: an index
-        lookup per distinct config."""
-        backend, _, name = key.partition("/")
-        for generation in list(self.state.generations.values()):
-            section = self._digest(generation).sections.get(backend)
-            if section is not None and name in section.by_name:
-                return True
-        return False
+        """Whether the current config or one an old worker runs has this server: one lookup in
+        an index kept as generations come and go."""
+        if len(self._digests) != len(self.state.generations):
+            for generation in list(self.state.generations.values()):
+                self._digest(generation)
+        return key in self._servers
 
     # ------------------------------------------------------------ one round
 
@@ -262,7 +181,12 @@ class OldWorkers:
         digest = self._digests.get(key)
         if digest is None:
             digest = self._digests[key] = self._sections.digest(generation.model)
+            self._servers.add(digest)
         return digest
+
+    def _forget_digests(self, keep: set[tuple[int, str]]) -> None:
+        for key in [k for k in self._digests if k not in keep]:
+            self._servers.remove(self._digests.pop(key))
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
         """The workers that get a plan (old ones and the one about to become old): their config
@@ -283,7 +207,7 @@ class OldWorkers:
             del self._workers[pid]
         live = self._live
         for pid in targets:
-            worker = self._workers.setdefault(pid, _Worker(pid, generations.get(pid)))
+            worker = self._workers.setdefault(pid, WorkerRecord(pid, generations.get(pid)))
             if worker.generation is None:
                 worker.generation = generations.get(pid)
             worker.current = current is not None and pid == current.pid
@@ -340,38 +264,28 @@ class OldWorkers:
             kept += [self._prepared] if self._prepared is not None else []
             self._sections.keep_only(kept)
             self._planner.keep_only(kept)
-            alive = {(g.number, g.effective_sha256) for g in self.state.generations.values()}
-            self._digests = {k: v for k, v in self._digests.items() if k in alive}
+            self._forget_digests({(g.number, g.effective_sha256) for g in self.state.generations.values()})
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
 
     # ------------------------------------------------------------ the current worker's evidence
 
     async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
-        live = self._live
         # Around a reload the last answer will do, whatever its age: the steering must not wait
         # on a 10,000-line answer, and a new worker reports every server UP until it checked them.
-        stale = live is None or time.monotonic() - live.at > 2 * live_read_interval(live.cost_s, self.poll_s)
-        if current_pid is not None and (live is None or (stale and not reuse and self._next is None)):
-            live = await self._fetch_live(current_pid)
-        states = live.states if live is not None else LiveStates()
+        if current_pid is not None and (self._live is None or (not reuse and self._next is None and self._live_due())):
+            await self._fetch_live(current_pid)
+        states = self._live.states if self._live is not None else LiveStates()
         return live_view(latest, states, self.state.operator_dead, self._down)
 
     def _live_due(self) -> bool:
-        live, current = self._live, self.state.current
-        if live is None or current is None or live.pid != current.worker_pid:
+        current = self.state.current
+        if self._live is None or current is None:
             return True
-        return time.monotonic() - live.at >= live_read_interval(live.cost_s, self.poll_s)
+        return self._live.due(current.worker_pid, self.poll_s, self._digest(current).changes_alone, time.monotonic())
 
-    async def _fetch_live(self, pid: int) -> _Live:
-        started = time.monotonic()
-        answer = await self.cli.on(pid, "show servers state")
-        if "# be_id" not in answer:
-            raise CLIError(f"show servers state: no answer from worker {pid}")
-        now = time.monotonic()
-        states = parse_live_states(answer)
-        self._live = _Live(pid, now, states, now - started, states.unusable())
-        return self._live
+    async def _fetch_live(self, pid: int) -> None:
+        self._live = await read_states(self.cli, pid)
 
     async def _interruptible(self, read: Coroutine[object, object, R]) -> R:
         """Run a poll's read so that before_reload can call it off (raising _Interrupted). Only
@@ -393,30 +307,21 @@ class OldWorkers:
         their own view): no use as targets. Not in the critical path: a worker is steered
         first with what is known, and corrected when the answer differs."""
 
-        async def one(worker: _Worker) -> None:
+        async def one(worker: WorkerRecord) -> None:
             with contextlib.suppress(CLIError):
-                answer = await self.cli.on(worker.pid, "show servers state")
-                if "# be_id" in answer:
-                    worker.unusable = parse_live_states(answer).unusable()
-                    self._wake.set()
+                worker.unusable = (await read_states(self.cli, worker.pid)).unusable
+                self._wake.set()
 
         wanted = [w for w in self._workers.values() if w.unusable is None and not w.current][:budget]
         await asyncio.gather(*(one(w) for w in wanted))
 
     async def _update_stats(self) -> None:
-        pids = list(self.state.old_workers)
-        if not pids:
-            return
-        answers = await self.cli.execute_many([on_process(pid, "show info") for pid in pids])
-        infos = split_show_info("\n".join(answers))
-        for pid in pids:
-            record = self.state.old_workers.get(pid)
-            if record is None:
-                continue
-            conns = infos.get(pid, {}).get("CurrConns", "")
-            record.connections = int(conns) if conns.isdigit() else record.connections
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                record.rss_bytes = psutil.Process(pid).memory_info().rss
+        if self.state.old_workers:
+            for pid, (connections, rss) in (await read_stats(self.cli, list(self.state.old_workers))).items():
+                record = self.state.old_workers.get(pid)
+                if record is not None:
+                    record.connections = connections if connections is not None else record.connections
+                    record.rss_bytes = rss if rss is not None else record.rss_bytes
 
     # ------------------------------------------------------------ pushes
 
@@ -436,9 +341,9 @@ class OldWorkers:
                 self._record(worker, "pending")
                 due.append(worker)
 
-        async def one(worker: _Worker) -> None:
+        async def one(worker: WorkerRecord) -> None:
             try:
-                changes[0] += await self._push(worker, steered_at)
+                changes[0] += await push(self.cli, self.map_path, worker, steered_at)
             except (CLIError, PushError, ValueError) as exc:
                 worker.held = None  # somewhere in between: read it back before the next try
                 self._failed(worker, str(exc))
@@ -456,56 +361,6 @@ class OldWorkers:
                 "steered_at": max(steered_at.values()),  # monotonic, when the last one was answered
             }
 
-    async def _push(self, worker: _Worker, steered_at: dict[int, float]) -> int:
-        """Bring one worker's map to its plan; the number of changes sent."""
-        wanted = worker.wanted
-        assert wanted is not None
-        if worker.held is None:
-            held = await self._read_map(worker.pid)
-            worker.verified_at = time.monotonic()
-            deltas = [BackendDelta.between(held, wanted.entries())]
-            if not deltas[0].changes:
-                worker.held, worker.pending = wanted.parts, set()
-                return 0
-        else:
-            deltas = worker.deltas() or []
-            if not deltas:
-                return 0
-        worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
-        limit = wanted.digest.limit
-        if sum(d.singles for d in deltas) > self.REPLACE_ABOVE:
-            sent = await self._replace(worker.pid, wanted.entries(), limit)
-        else:
-            sent = sum(d.changes for d in deltas)
-            for lines in delta_lines(worker.pid, self.map_path, deltas, limit, PHASES[:ROUTING_PHASES]):
-                await self._send(worker.pid, lines)
-            steered_at[worker.pid] = time.monotonic()
-            for lines in delta_lines(worker.pid, self.map_path, deltas, limit, PHASES[ROUTING_PHASES:]):
-                await self._send(worker.pid, lines)
-        steered_at.setdefault(worker.pid, time.monotonic())
-        worker.held, worker.pending, worker.verify = wanted.parts, set(), True
-        worker.pushes += 1
-        return sent
-
-    async def _replace(self, pid: int, entries: dict[str, str], limit: int) -> int:
-        """Swap the whole map at once: a new version filled by payloads, then committed."""
-        answer = await self.cli.on(pid, f"prepare map {self.map_path}")
-        m = re.search(r"New version created: (\d+)", answer)
-        if m is None:
-            raise PushError(f"worker {pid}: prepare map: {answer.strip()[:200]}")
-        version = int(m[1])
-        phase = Phase(adds=tuple(valid_entry(k, v) for k, v in entries.items()))
-        await self._send(pid, phase_lines(pid, self.map_path, phase, limit, version=version))
-        await self._send(pid, [on_process(pid, f"commit map @{version} {self.map_path}")])
-        return len(entries)
-
-    async def _send(self, pid: int, lines: list[str]) -> None:
-        answers = await asyncio.gather(*(self.cli.execute(line) for line in lines))
-        for line, answer in zip(lines, answers, strict=True):
-            problem = answer_problem(line, answer)
-            if problem:
-                raise PushError(f"worker {pid}: {problem}")
-
     async def _verify_some(self) -> None:
         """Read back the maps just pushed, then those verified longest ago: each map at least
         every RECONCILE_INTERVAL_S, a bounded number per poll."""
@@ -520,11 +375,13 @@ class OldWorkers:
         due.sort(key=lambda w: (not w.verify, w.verified_at))
         per_poll = max(4, -(-len(self._workers) * self.poll_s // self.RECONCILE_INTERVAL_S))
 
-        async def one(worker: _Worker) -> tuple[_Worker, int, Mapping[str, Entries], dict[str, str] | Exception]:
+        Read = tuple[WorkerRecord, int, Mapping[str, Entries], dict[str, str] | Exception]
+
+        async def one(worker: WorkerRecord) -> Read:
             pushes, held = worker.pushes, worker.held
             assert held is not None
             try:
-                return worker, pushes, held, await self._read_map(worker.pid)
+                return worker, pushes, held, await read_map(self.cli, self.map_path, worker.pid)
             except (CLIError, PushError) as exc:
                 return worker, pushes, held, exc
 
@@ -557,26 +414,15 @@ class OldWorkers:
                     self._failed(worker, f"worker {worker.pid}: map differs: missing {missing}, unexpected {extra}")
                     self._wake.set()
 
-    async def _read_map(self, pid: int) -> dict[str, str]:
-        answer = await self.cli.on(pid, f"show map {self.map_path}")
-        if not answer:
-            # Not even the blank line of an empty map: the master dropped the connection.
-            raise PushError(f"worker {pid}: show map: no answer")
-        if answer.startswith(_GONE) or "Unknown map" in answer:
-            raise PushError(f"worker {pid}: {answer.strip().splitlines()[0]}")
-        if not is_whole_answer(answer):
-            raise PushError(f"worker {pid}: show map: answer cut off after {len(answer)} bytes")
-        return map_entries(answer)
-
-    def _failed(self, worker: _Worker, error: str) -> None:
+    def _failed(self, worker: WorkerRecord, error: str) -> None:
         worker.failures += 1
         worker.retry_at = time.monotonic() + min(self.MAX_BACKOFF_S, 0.1 * 2**worker.failures)
-        if _GONE not in error:
+        if GONE not in error:
             self.state.push_failures += 1
             log.warning("steering old worker %d failed (attempt %d): %s", worker.pid, worker.failures, error)
         self._record(worker, "failed", error)
 
-    def _record(self, worker: _Worker, result: Literal["ok", "pending", "failed"], error: str | None = None) -> None:
+    def _record(self, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
         record = self.state.old_workers.get(worker.pid)
         if record is None:
             return  # the worker about to become old: not listed as old yet

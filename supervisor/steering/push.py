@@ -1,0 +1,106 @@
+"""One worker's map brought to its plan through the master CLI, and read back.
+
+A push sends only what differs, backend by backend, in the phases of mapdiff.diff_phases()
+(it counts as steered once the routing phases are answered), or, above REPLACE_ABOVE
+commands, replaces the whole map atomically. It counts once HAProxy answered every command
+cleanly; until then the worker's map is unknown and is read before the next try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from ..haproxy.api import MasterCLI, on_process
+from .mapdiff import (
+    PHASES,
+    ROUTING_PHASES,
+    BackendDelta,
+    Phase,
+    answer_problem,
+    delta_lines,
+    is_whole_answer,
+    map_entries,
+    phase_lines,
+    valid_entry,
+)
+from .record import WorkerRecord
+
+# Above this many `set map`/`del map` commands for one worker the whole map is replaced
+# (prepare/commit): each such command is a CLI round of its own, while a replacement ships
+# every entry in a few payloads and switches atomically.
+REPLACE_ABOVE = 64
+GONE = "Can't find the target PID"  # the master's answer for a worker that exited
+
+
+class PushError(Exception):
+    """A push or its read-back did not give the map we wanted. One line."""
+
+
+async def push(cli: MasterCLI, map_path: str, worker: WorkerRecord, steered_at: dict[int, float]) -> int:
+    """Bring one worker's map to its plan; the number of changes sent. `steered_at`: when its
+    routing phases were answered, by PID (only for workers that were sent anything)."""
+    wanted = worker.wanted
+    assert wanted is not None
+    if worker.held is None:
+        held = await read_map(cli, map_path, worker.pid)
+        worker.verified_at = time.monotonic()
+        deltas = [BackendDelta.between(held, wanted.entries())]
+        if not deltas[0].changes:
+            worker.held, worker.pending = wanted.parts, set()
+            return 0
+    else:
+        deltas = worker.deltas() or []
+        if not deltas:
+            return 0
+    worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
+    limit, pid = wanted.digest.limit, worker.pid
+    if sum(d.singles for d in deltas) > REPLACE_ABOVE:
+        sent = await replace_map(cli, map_path, pid, wanted.entries(), limit)
+    else:
+        sent = sum(d.changes for d in deltas)
+        for lines in delta_lines(pid, map_path, deltas, limit, PHASES[:ROUTING_PHASES]):
+            await send(cli, pid, lines)
+        steered_at[pid] = time.monotonic()
+        for lines in delta_lines(pid, map_path, deltas, limit, PHASES[ROUTING_PHASES:]):
+            await send(cli, pid, lines)
+    steered_at.setdefault(pid, time.monotonic())
+    # A read-back that overlapped the push proves nothing: `pushes` moves again.
+    worker.held, worker.pending, worker.verify = wanted.parts, set(), True
+    worker.pushes += 1
+    return sent
+
+
+async def replace_map(cli: MasterCLI, map_path: str, pid: int, entries: dict[str, str], limit: int) -> int:
+    """Swap the whole map at once: a new version filled by payloads, then committed."""
+    answer = await cli.on(pid, f"prepare map {map_path}")
+    m = re.search(r"New version created: (\d+)", answer)
+    if m is None:
+        raise PushError(f"worker {pid}: prepare map: {answer.strip()[:200]}")
+    version = int(m[1])
+    phase = Phase(adds=tuple(valid_entry(k, v) for k, v in entries.items()))
+    await send(cli, pid, phase_lines(pid, map_path, phase, limit, version=version))
+    await send(cli, pid, [on_process(pid, f"commit map @{version} {map_path}")])
+    return len(entries)
+
+
+async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
+    """Lines that may run in any order, at once; every command must answer cleanly."""
+    answers = await asyncio.gather(*(cli.execute(line) for line in lines))
+    for line, answer in zip(lines, answers, strict=True):
+        problem = answer_problem(line, answer)
+        if problem:
+            raise PushError(f"worker {pid}: {problem}")
+
+
+async def read_map(cli: MasterCLI, map_path: str, pid: int) -> dict[str, str]:
+    answer = await cli.on(pid, f"show map {map_path}")
+    if not answer:
+        # Not even the blank line of an empty map: the master dropped the connection.
+        raise PushError(f"worker {pid}: show map: no answer")
+    if answer.startswith(GONE) or "Unknown map" in answer:
+        raise PushError(f"worker {pid}: {answer.strip().splitlines()[0]}")
+    if not is_whole_answer(answer):
+        raise PushError(f"worker {pid}: show map: answer cut off after {len(answer)} bytes")
+    return map_entries(answer)
