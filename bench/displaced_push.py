@@ -26,7 +26,9 @@ and measures, from the moment the new rendered text is in hand:
     reload    HAProxy's own reload, `reload` sent -> new worker in `show proc`
     after     reload confirmed -> every old worker confirmed steered
 A second measure needs no reload: an operator marks the next node's servers dead;
-`marked` is the time until every old worker is steered and verified.
+`marked` is the time until every old worker is steered and verified. `lag` is the event
+loop's worst delay through each measured round (the reload and its push rounds), sampled
+every 5 ms: how long anything else the daemon does (the operator API) may have waited.
 
     python -m bench.displaced_push                  # the full matrix (a few minutes)
     python -m bench.displaced_push --quick          # small sizes, a few rounds
@@ -56,6 +58,7 @@ from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import Generation, State, utcnow
+from supervisor.steering import mapdiff
 from supervisor.steering.dead import Sections, known_dead_servers
 from supervisor.steering.entries import steer_entries
 from supervisor.steering.mapdiff import map_entries
@@ -115,6 +118,7 @@ class Figures:
     reload: list[float] = field(default_factory=list)
     after: list[float] = field(default_factory=list)
     marked: list[float] = field(default_factory=list)
+    lag: list[float] = field(default_factory=list)  # the event loop's worst lag through each round
     entries: list[int] = field(default_factory=list)
     rss_mb: float = 0.0
 
@@ -123,6 +127,22 @@ def percentile(samples: list[float], q: float) -> float:
     """Nearest rank: with fewer than 100 samples the p99 is the maximum."""
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, max(0, int(-(-q * len(ordered) // 1)) - 1))]
+
+
+class LagProbe:
+    """The event loop's worst lag since the last reset, sampled every few milliseconds."""
+
+    INTERVAL_S = 0.005
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.INTERVAL_S
+            await asyncio.sleep(self.INTERVAL_S)
+            self.worst = max(self.worst, loop.time() - due)
 
 
 class Master:
@@ -279,6 +299,8 @@ class Bench:
             pid = await self.master.first_worker(cli)
             self.register(effective.effective_model, effective.sha256, pid)
             poller = asyncio.create_task(displaced.run())
+            probe = LagProbe()
+            prober = asyncio.create_task(probe.run())
             try:
                 # W old workers, each kept alive by one idle connection.
                 for i in range(self.workers):
@@ -288,7 +310,9 @@ class Bench:
                     for server in drained(self.servers, round_no):
                         self.moved[server] = round_no + 1
                     self.hold(self.state.current.worker_pid)
+                    probe.worst = 0.0
                     await self.reload(cli, displaced, rendered(self.servers, self.front, self.moved), figures)
+                    figures.lag.append(probe.worst)
                     assert self.all_steered(), [(w.pid, w.push) for w in self.state.old_workers.values()]
                     await self.check_maps(cli)
                     await self.release_oldest()
@@ -310,9 +334,10 @@ class Bench:
                 pids = [*self.state.old_workers, self.state.current.worker_pid]
                 figures.rss_mb = sum(psutil.Process(p).memory_info().rss for p in pids) / 2**20
             finally:
-                poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await poller
+                for task in (poller, prober):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         finally:
             for _, sock in self.holders:
                 sock.close()
@@ -328,9 +353,25 @@ def report(workers: int, servers: int, f: Figures) -> None:
     print(
         f"{workers:>4} {servers:>6} {len(f.overhead):>3}  {ms(f.to_steered)}  {ms(f.overhead)}  {ms(f.build)}"
         f"  {ms(f.prepare)}  {ms(f.check)}  {ms(f.steered)}  {ms(f.reload)}  {ms(f.after)}  {ms(f.marked)}"
-        f"  {f.rss_mb:8.0f}",
+        f"  {ms(f.lag)}  {f.rss_mb:8.0f}",
         flush=True,
     )
+
+
+def without_hops() -> None:
+    """Every server that overrides leave is left by changing the overrides themselves, in the
+    routing phases (what diff_phases does where a hop cannot be had), instead of by a hop."""
+    real = mapdiff._hops
+
+    def no_hops(current, desired, slot_sets, slots_gone):  # type: ignore[no-untyped-def]
+        hops, urgent = real(current, desired, slot_sets, slots_gone)
+        for hop in hops:
+            backend, _, server = hop.partition("/")
+            urgent.setdefault(backend, set()).add(server)
+        return {}, urgent
+
+    mapdiff._hops = no_hops
+    mapdiff.backend_delta.cache_clear()
 
 
 def _stop_on_sigterm(signum: int, frame: object) -> None:
@@ -349,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the control: skip the daemon's gc policy (collector paused in the cycle, then gc.freeze)",
     )
+    parser.add_argument(
+        "--no-hops",
+        action="store_true",
+        help="the control: an override whose target dies is changed with `set map` in the routing phases, no hop",
+    )
     parser.add_argument("--line-only", action="store_true", help=argparse.SUPPRESS)  # one line, no header
     args = parser.parse_args(argv or [])
     if args.quick:
@@ -362,9 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "   W      S   n  to-steer p50/p99  overhead p50/p99    build p50/p99  prepare p50/p99    check p50/p99"
             "  steered p50/p99   reload p50/p99"
-            "    after p50/p99   marked p50/p99  RSS MB",
+            "    after p50/p99   marked p50/p99      lag p50/p99  RSS MB",
             flush=True,
         )
+    if args.no_hops:
+        without_hops()
     if len(combinations) == 1:
         workers, servers = combinations[0]
         watch_children_without_threads()  # as `haproxy-supervisor run` does
@@ -378,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--workers", str(workers), "--servers", str(servers)]
         if args.no_gc_policy:
             command.append("--no-gc-policy")
+        if args.no_hops:
+            command.append("--no-hops")
         child = subprocess.Popen(command)
         try:
             code = child.wait()

@@ -1,0 +1,161 @@
+"""The real daemon at fleet size: idle CPU and memory, the operator API, the event loop's lag.
+
+`haproxy-supervisor run` (a subprocess, default settings, the guard on, its status API on a
+unix socket) supervises a rendered config of S servers in bench.displaced_push's shape
+(backends of 10 primaries and a backup, no health checks) with W old workers alive, each
+held by an idle connection. Then, one phase after another, each longer than the lag
+gauge's window (so each reading covers that phase only):
+
+    idle     the daemon's CPU over IDLE_S seconds, as a share of one core, and its RSS
+    POST     POST then DELETE /servers/<b>/<s>/dead for N servers that exist, one after
+             another (each wakes a push round to every old worker), and for a server
+             that does not exist (404): latency, median and worst
+    lag      haproxy_supervisor_event_loop_lag_seconds (worst delay of the event loop)
+             scraped after the idle phase, after the POSTs and their push rounds, and
+             after a reload that drains 1% of the servers, once every old worker is
+             steered
+
+    python -m bench.daemon_idle                          # 16 old workers, 10,000 servers
+    python -m bench.daemon_idle --workers 5 --servers 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from bench.displaced_push import drained, rendered, server_name
+from tests.support.daemon import Daemon
+from tests.support.harness import free_port, short_tmpdir
+
+IDLE_S = 30.0
+SETTLE_S = 22.0  # longer than the lag gauge's window (10 to 20 s)
+
+
+async def request(sock: Path, method: str, path: str) -> tuple[int, str]:
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    try:
+        head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        writer.write(head.encode())
+        await writer.drain()
+        raw = (await asyncio.wait_for(reader.read(), 30)).decode(errors="replace")
+    finally:
+        writer.close()
+    return int(raw.split(" ", 2)[1]), raw.partition("\r\n\r\n")[2]
+
+
+async def metric(sock: Path, name: str) -> float:
+    _, body = await request(sock, "GET", "/metrics")
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.2)
+
+
+async def run(workers: int, servers: int, posts: int) -> dict[str, float]:
+    directory = short_tmpdir("hsi-")
+    front = free_port()
+    base = rendered(servers, front, {})
+    daemon = Daemon(directory, base, {"old_workers": {"guard": True}, "reload": {"timeout_s": 60}})
+    sock = directory / "status.sock"
+    holders: list[socket.socket] = []
+    figures: dict[str, float] = {}
+    try:
+        daemon.start()
+        await daemon.wait_generation(1, timeout=120)
+        for i in range(workers):
+            holders.append(socket.create_connection(("127.0.0.1", front)))
+            await asyncio.sleep(0.05)  # accepted by the current worker before it is replaced
+            daemon.write(base.replace("maxconn 2000", f"maxconn {2001 + i}"))
+            await daemon.wait_generation(i + 2, timeout=120)
+
+        async def all_old() -> bool:
+            return await metric(sock, "haproxy_supervisor_old_workers") == workers
+
+        await until(all_old, 120, "old workers listed")
+        await asyncio.sleep(SETTLE_S)
+        process = psutil.Process(daemon.pid)
+        cpu, started = process.cpu_times(), time.monotonic()
+        await asyncio.sleep(IDLE_S)
+        after, elapsed = process.cpu_times(), time.monotonic() - started
+        figures["idle_cpu_pct"] = 100 * (after.user + after.system - cpu.user - cpu.system) / elapsed
+        figures["rss_mb"] = process.memory_info().rss / 2**20
+        figures["lag_idle_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
+
+        await asyncio.sleep(SETTLE_S)
+        post, delete = [], []
+        for b in range(posts):
+            path = f"/servers/app{b}/{server_name(b, 3, {})}/dead"
+            for method, samples in (("POST", post), ("DELETE", delete)):
+                t = time.perf_counter()
+                status, _ = await request(sock, method, path)
+                samples.append(time.perf_counter() - t)
+                assert status == 200, (method, path, status)
+        t = time.perf_counter()
+        status, _ = await request(sock, "POST", "/servers/app0/no_such_server/dead")
+        figures["post_unknown_ms"] = 1000 * (time.perf_counter() - t)
+        assert status == 404, status
+        await asyncio.sleep(2)  # the push rounds the marks woke
+        figures["post_p50_ms"], figures["post_max_ms"] = 1000 * statistics.median(post), 1000 * max(post)
+        figures["delete_p50_ms"], figures["delete_max_ms"] = 1000 * statistics.median(delete), 1000 * max(delete)
+        figures["lag_post_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
+
+        await asyncio.sleep(SETTLE_S)
+        moved = {server: 1 for server in drained(servers, 0)}
+        daemon.write(rendered(servers, front, moved).replace("maxconn 2000", f"maxconn {2001 + workers}"))
+        await daemon.wait_generation(workers + 2, timeout=120)
+
+        async def steered() -> bool:
+            _, body = await request(sock, "GET", "/status")
+            return '"pending"' not in body and '"failed"' not in body
+
+        await until(steered, 60, "old workers steered after the drain")
+        figures["lag_reload_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
+    finally:
+        for holder in holders:
+            holder.close()
+        daemon.cleanup()
+        shutil.rmtree(directory, ignore_errors=True)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.daemon_idle", description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=16, help="old workers alive")
+    parser.add_argument("--servers", type=int, default=10000, help="servers in the rendered config")
+    parser.add_argument("--posts", type=int, default=20, help="servers marked dead and back, one after another")
+    args = parser.parse_args(argv or [])
+    f = asyncio.run(run(args.workers, args.servers, args.posts))
+    print(
+        f"daemon at rest: {args.workers} old workers, {args.servers} servers\n"
+        f"  idle CPU {f['idle_cpu_pct']:.2f} % of a core, RSS {f['rss_mb']:.0f} MB\n"
+        f"  POST p50 {f['post_p50_ms']:.1f} ms max {f['post_max_ms']:.1f} ms; "
+        f"DELETE p50 {f['delete_p50_ms']:.1f} ms max {f['delete_max_ms']:.1f} ms; "
+        f"POST unknown server (404) {f['post_unknown_ms']:.1f} ms\n"
+        f"  worst event-loop lag: idle {f['lag_idle_ms']:.1f} ms, POSTs and their pushes {f['lag_post_ms']:.1f} ms, "
+        f"a drain's reload and push {f['lag_reload_ms']:.1f} ms",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        raise SystemExit(main(sys.argv[1:]))
