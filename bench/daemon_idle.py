@@ -54,11 +54,12 @@ async def request(sock: Path, method: str, path: str) -> tuple[int, str]:
 
 
 async def metric(sock: Path, name: str) -> float:
+    """A gauge's value; NaN where the daemon has no such metric (a version before it)."""
     _, body = await request(sock, "GET", "/metrics")
     for line in body.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
-    raise KeyError(name)
+    return float("nan")
 
 
 async def until(predicate, timeout: float, what: str) -> None:
