@@ -17,7 +17,10 @@ import pytest
 
 from supervisor.master import find_masters
 from supervisor.settings import load_settings
-from tests.support.faults import serving, status, wait_converged
+from tests.support.daemon import RequestLoop
+from tests.support.daemon import tagged_config as config
+from tests.support.faults import FAST_CONVERGE, fill, get, serving, status, tmpfs, wait_converged
+from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 
@@ -68,3 +71,38 @@ async def test_a_daemon_started_after_runtime_dir_was_deleted_takes_the_running_
     assert not node.loop.failures, node.loop.failures[:5]
     tags = node.tags()
     assert tags[0] == "v1" and tags[-1] == "v2" and set(tags) == {"v1", "v2"}
+
+
+async def test_health_says_so_while_the_master_socket_cannot_be_brought_back(make):
+    """The socket file is removed and runtime_dir cannot be written (full): the daemon
+    cannot reach HAProxy until it can write again, and /healthz and /readyz say so meanwhile;
+    HAProxy's worker keeps serving."""
+    front = free_port()
+    with backends("b1") as started:
+        d = make(config(front, started["b1"].address, "v1"), FAST_CONVERGE)
+        with tmpfs(d.runtime, size="2m"):
+            d.start()
+            await d.wait_generation(1)
+            master = d.remember_master()
+            loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
+            (d.runtime / "master.sock").unlink()
+            filler = fill(d.runtime)
+            try:
+                await d.wait_log(r"master\.sock is missing")
+                lines = await d.wait_log(r"cannot write back the running config")
+                assert "No space left on device" in lines[0]
+                for endpoint in ("/healthz", "/readyz"):
+                    code, text = await get(d, endpoint)
+                    assert code == 503 and "socket is missing" in text, (endpoint, code, text)
+                await asyncio.sleep(1.5)  # more rounds, no more lines
+            finally:
+                filler.unlink()
+            await d.wait_log(r"runtime_dir recreated")
+            assert (await get(d, "/healthz"))[0] == 200
+            await wait_converged(d, front, "v1", timeout=CONVERGE_WITHIN_S)
+            assert (await d.show_proc()).master.pid == master
+            results = await loop.stop()
+            d.cleanup()
+    assert d.count(r"cannot write back the running config", whole=True) == 1, "one line per condition"
+    assert d.count("Traceback", whole=True) == 0
+    assert len(results) > 50 and not loop.failures, loop.failures[:5]
