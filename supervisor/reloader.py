@@ -361,11 +361,13 @@ class ProblemLog:
     def __init__(self) -> None:
         self.active: dict[str, str] = {}
 
-    def report(self, key: str, message: str) -> None:
-        if self.active.get(key) == message:
+    def report(self, key: str, exc: OSError, message: str) -> None:
+        """`message` at error level, unless `key` already failed with the same error."""
+        condition = io_error_line(exc)
+        if self.active.get(key) == condition:
             log.debug("%s", message)
             return
-        self.active[key] = message
+        self.active[key] = condition
         log.error("%s", message)
 
     def clear(self, key: str) -> None:
@@ -536,7 +538,7 @@ class Reloader:
             write_slot_table(loaded.slot_table)
             self._write_effective_text(loaded.text)
         except OSError as exc:
-            self.problems.report("effective config", f"cannot write back the running config: {io_error_line(exc)}")
+            self.problems.report("effective config", exc, f"cannot write back the running config: {io_error_line(exc)}")
             return
         self.problems.clear("effective config")
 
@@ -807,7 +809,7 @@ class Reloader:
         try:
             self.store.write_config(number, text)
         except OSError as exc:
-            self.problems.report("generation configs", (
+            self.problems.report("generation configs", exc, (
                 f"cannot record generation {number}'s config: {io_error_line(exc)} "
                 "(HAProxy runs it; a daemon restarted now would not know its text)"
             ))
@@ -907,7 +909,7 @@ class Reloader:
             self.store.save(snapshot)
             self._persisted = snapshot
         except OSError as exc:
-            self.problems.report("generations index", f"cannot record the generations: {io_error_line(exc)}")
+            self.problems.report("generations index", exc, f"cannot record the generations: {io_error_line(exc)}")
             return
         self.problems.clear("generations index")
 
@@ -1139,9 +1141,12 @@ class Reloader:
             and runs_goal(self._goal, runs)
         ):
             if not convergence.converged:
-                log.info("converged: worker %s runs the rendered config (sha256=%s) after %.1fs, %d retries",
-                         current.worker_pid if current else None, self._goal[0][:12] if self._goal else None,
-                         convergence.unconverged_s(utcnow()), convergence.attempts)
+                # A write that changed nothing, or a reload that went through, says so itself.
+                routine = convergence.attempts == 0 and convergence.reason == "a change is pending"
+                log.log(logging.DEBUG if routine else logging.INFO,
+                        "converged: worker %s runs the rendered config (sha256=%s) after %.1fs, %d retries",
+                        current.worker_pid if current else None, self._goal[0][:12] if self._goal else None,
+                        convergence.unconverged_s(utcnow()), convergence.attempts)
             convergence.reached()
             return
         if record is not None and record.result == "invalid":
@@ -1200,7 +1205,7 @@ class Reloader:
             self._persisted = None
             self._persist()
         except OSError as exc:
-            self.problems.report("runtime_dir", f"cannot recreate {h.runtime_dir}: {io_error_line(exc)}")
+            self.problems.report("runtime_dir", exc, f"cannot recreate {h.runtime_dir}: {io_error_line(exc)}")
             return
         self.problems.clear("runtime_dir")
         before = self.last_procs
