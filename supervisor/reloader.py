@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import cached_property
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -321,8 +322,9 @@ class LoadedConfig:
     inputs_sha256: str | None
     slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss
 
-    @property
+    @cached_property
     def sha256(self) -> str:
+        # Compared every housekeeping round: a 50 MB config is hashed once, not every second.
         return sha256_text(self.text)
 
     @classmethod
