@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -41,6 +42,10 @@ from .settings import Settings, SettingsError, decode_text
 log = logging.getLogger(__name__)
 
 
+# Out of file descriptors or memory: the daemon's shortage, which passes, not a bad input.
+SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
 class RenderedConfigError(Exception):
     """The rendered config cannot be read. One line, names the file."""
 
@@ -71,6 +76,8 @@ def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> str:
     try:
         return decode_text(read_regular(path, limit))
     except OSError as exc:
+        if exc.errno in SHORTAGE_ERRNOS:
+            raise  # the daemon's own shortage, not the file's fault: the reloader retries
         raise RenderedConfigError(f"{path}: cannot read rendered config: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise RenderedConfigError(f"{path}: rendered config {exc}") from None

@@ -588,18 +588,19 @@ class Reloader:
         started = time.monotonic()
         if self.master.stopping:
             return None
+        self._goal = None  # read afresh: until then, what the node should run is not known
         try:
             with collector_paused():  # gcpolicy: no collection on the way to steering
                 settings = self.settings
                 effective = await off_the_loop(lambda: load_effective(settings))
         except RenderedConfigError as exc:
             log.error("reload invalid: %s", exc)
-            self._goal = None
             return self._record("invalid", started, str(exc))
+        except OSError:  # the daemon short of descriptors or memory: a passing failure, retried
+            raise
         except Exception as exc:  # our parser choking on input must not take the daemon down
             error = f"{self.settings.haproxy.config}: cannot build the effective config: {exc}"
             log.error("reload invalid: %s", error)
-            self._goal = None
             return self._record("invalid", started, error)
         watch = self.settings.haproxy.watch
         inputs = await off_the_loop(lambda: inputs_digest(watch))  # maps and certificates can be big
