@@ -55,8 +55,9 @@ _SERVER_KEYWORDS_WITH_ARG = frozenset(
         "minconn", "namespace", "npn", "observe", "on-error", "on-marked-down", "on-marked-up",
         "pool-conn-name", "pool-low-conn", "pool-max-conn", "pool-purge-delay", "port", "proto",
         "proxy-v2-options", "quic-cc-algo", "redir", "resolve-net", "resolve-opts", "resolve-prefer",
-        "resolvers", "rise", "shard", "sigalgs", "slowstart", "sni", "socks4", "source", "ssl-max-ver",
-        "ssl-min-ver", "tcp-md5sig", "tcp-ut", "track", "usesrc", "verify", "verifyhost", "weight", "ws",
+        "resolvers", "rise", "set-proxy-v2-tlv-fmt", "shard", "sigalgs", "slowstart", "sni", "socks4",
+        "source", "ssl-max-ver", "ssl-min-ver", "tcp-md5sig", "tcp-ut", "track", "usesrc", "verify",
+        "verifyhost", "weight", "ws",
     }
 )
 
