@@ -57,8 +57,9 @@ $(VENV)/.ray: $(BIN)/haproxy-supervisor
 haproxy-ray: $(VENV)/.ray
 
 build-tools:
-	@command -v gcc >/dev/null && command -v make >/dev/null || \
-	  { $(APT) update -qq && $(APT) install -y -qq gcc make libc6-dev >/dev/null; }
+	@command -v gcc >/dev/null && command -v make >/dev/null && [ -f /usr/include/openssl/ssl.h ] && \
+	  [ -f /usr/include/lua5.4/lua.h ] || \
+	  { $(APT) update -qq && $(APT) install -y -qq gcc make libc6-dev libssl-dev liblua5.4-dev >/dev/null; }
 
 # HAProxy 3.0.11 LTS, from Debian trixie's source tarball on the apt sources' mirror; built once.
 haproxy-3.0: build-tools

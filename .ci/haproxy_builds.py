@@ -71,7 +71,7 @@ def download(target: Path) -> None:
 
 def build_30(cache: Path) -> Path:
     binary = cache / f"haproxy-{VERSION}" / "haproxy"
-    if binary.is_file() and os.access(binary, os.X_OK):
+    if binary.is_file() and os.access(binary, os.X_OK) and _has_features(binary, "+OPENSSL", "+LUA"):
         return binary
     cache.mkdir(parents=True, exist_ok=True)
     tarball = cache / TARBALL
@@ -85,9 +85,16 @@ def build_30(cache: Path) -> Path:
         else:
             archive.extractall(cache)  # the tarball's sha256 is checked above
     jobs = str(min(2, os.cpu_count() or 1))
-    subprocess.run(["make", "-j", jobs, "TARGET=linux-glibc"], cwd=source, check=True,
-                   stdout=subprocess.DEVNULL)
+    # OpenSSL and Lua, as the fleets' builds have them (Debian's, Ray Serve's): tests use both.
+    subprocess.run(["make", "-j", jobs, "TARGET=linux-glibc", "USE_OPENSSL=1", "USE_LUA=1"], cwd=source,
+                   check=True, stdout=subprocess.DEVNULL)
     return binary
+
+
+def _has_features(binary: Path, *features: str) -> bool:
+    """Was the cached build made with these features (`haproxy -vv`'s feature list)?"""
+    listing = subprocess.run([str(binary), "-vv"], capture_output=True, text=True, timeout=30).stdout
+    return all(f in listing.split() for f in features)
 
 
 def main(argv: list[str]) -> int:
