@@ -822,7 +822,7 @@ def test_a_show_map_answer_cut_off_is_told_from_a_whole_one():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_server_index_holds_exactly_the_servers_of_the_configs_in_use(seed):
-    from supervisor.steering.dead import ServerIndex
+    from supervisor.steering.digests import ServerIndex
 
     rng = random.Random(seed)
     cache = Sections()
@@ -853,3 +853,31 @@ def test_server_states_are_read_often_only_where_they_can_change_by_themselves()
     assert live_read_interval(0.001, 0.25, plain.changes_alone) == SAFETY_NET_S
     assert live_read_interval(0.001, 0.25, checked.changes_alone) == 0.25  # every poll
     assert live_read_interval(0.05, 0.25, checked.changes_alone) == pytest.approx(1.0)  # a costly read: less often
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_worker_record_knows_every_backend_its_map_may_differ_in(seed):
+    """Plans arrive one after another (drains, evidence, the servers the worker skips, the next
+    config and the current one taking turns) while pushes succeed now and then: whatever the
+    sequence, every backend where the map differs from the plan is one the record will push."""
+    from supervisor.steering.record import WorkerRecord
+
+    rng = random.Random(seed)
+    cache = Sections()
+    generation = random_config(rng, cache)
+    servers = [s for sd in generation.sections.values() for s in sd.servers]
+    planner = Planner("fail-fast")
+    latests = [random_config(rng, cache) for _ in range(3)]
+    record = WorkerRecord(1, 1, held={}, pending=set())
+    for _ in range(60):
+        latest = rng.choice(latests)
+        down = frozenset(f"{s.backend} {s.endpoint}" for s in rng.sample(servers, rng.randint(0, 2)))
+        skipped = frozenset(s.key for s in rng.sample(servers, rng.randint(0, 1)))
+        steering = planner.plan(latest, live_view(latest, LiveStates(down=down), ()), {1: (generation, skipped)})[1]
+        record.want(steering)
+        held = record.held
+        assert held is not None
+        differ = {b for b in held.keys() | steering.parts.keys() if held.get(b) != steering.parts.get(b)}
+        assert record.pending is None or differ <= record.pending, (differ, record.pending)
+        if rng.random() < 0.3:  # a push went through
+            record.held, record.pending = steering.parts, set()

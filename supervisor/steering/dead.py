@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -163,34 +162,6 @@ class Sections:
         self._by_key = {k: v for k, v in self._by_key.items() if k in used}
         keys = {d.key for d in kept}
         self._by_text = {t: d for t, d in self._by_text.items() if d.key in keys}
-
-
-class ServerIndex:
-    """Which "backend/server" some config in use has, in one lookup. Counted per section in
-    use: a config added costs only its sections no other config holds."""
-
-    def __init__(self) -> None:
-        self._sections: Counter[str] = Counter()
-        self._servers: Counter[str] = Counter()
-
-    def add(self, digest: ConfigDigest) -> None:
-        for section in digest.section_set:
-            self._sections[section.key] += 1
-            if self._sections[section.key] == 1:
-                self._servers.update(s.key for s in section.servers)
-
-    def remove(self, digest: ConfigDigest) -> None:
-        for section in digest.section_set:
-            self._sections[section.key] -= 1
-            if self._sections[section.key] == 0:
-                del self._sections[section.key]
-                self._servers.subtract(s.key for s in section.servers)
-                for s in section.servers:
-                    if self._servers[s.key] <= 0:
-                        del self._servers[s.key]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._servers
 
 
 def line_limit(model: Config | None) -> int:

@@ -9,15 +9,19 @@ worker's states is only a slow safety net.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import psutil
 
 from ..haproxy.api import CLIError, MasterCLI, on_process
+from ..state import State
 from .dead import LiveStates, parse_live_states
 from .procs import split_show_info
+from .record import WorkerRecord
 
 SAFETY_NET_S = 15.0  # a read at least this often whatever the config: an operator's admin command
 COST_SHARE = 20  # reads take at most 1/COST_SHARE of the time
@@ -52,15 +56,33 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     return LiveRead(pid, now, states, now - started, states.unusable())
 
 
-async def read_stats(cli: MasterCLI, pids: list[int]) -> dict[int, tuple[int | None, int | None]]:
-    """Per old worker: its current connections (`show info`) and resident memory."""
+async def read_unusable(cli: MasterCLI, workers: Iterable[WorkerRecord], budget: int = 4) -> bool:
+    """Ask a few old workers not asked yet which servers they skip themselves (DOWN or MAINT in
+    their own view): no use as targets. Not in the critical path: a worker is steered first
+    with what is known, and corrected when the answer comes. Whether any answered."""
+
+    async def one(worker: WorkerRecord) -> bool:
+        with contextlib.suppress(CLIError):
+            worker.unusable = (await read_states(cli, worker.pid)).unusable
+            return True
+        return False
+
+    wanted = [w for w in workers if w.unusable is None and not w.current][:budget]
+    return any(await asyncio.gather(*(one(w) for w in wanted)))
+
+
+async def update_stats(cli: MasterCLI, state: State) -> None:
+    """Each old worker's current connections (`show info`) and resident memory, for status."""
+    pids = list(state.old_workers)
+    if not pids:
+        return
     answers = await cli.execute_many([on_process(pid, "show info") for pid in pids])
     infos = split_show_info("\n".join(answers))
-    stats: dict[int, tuple[int | None, int | None]] = {}
     for pid in pids:
+        record = state.old_workers.get(pid)
+        if record is None:
+            continue
         conns = infos.get(pid, {}).get("CurrConns", "")
-        rss = None
+        record.connections = int(conns) if conns.isdigit() else record.connections
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            rss = psutil.Process(pid).memory_info().rss
-        stats[pid] = (int(conns) if conns.isdigit() else None, rss)
-    return stats
+            record.rss_bytes = psutil.Process(pid).memory_info().rss

@@ -28,6 +28,7 @@ class Steering:
     """What one worker needs under one basis: its dead servers and its entries, per backend."""
 
     basis: Basis
+    source: tuple[str, frozenset[str]] = field(compare=False)  # the worker's config key, the servers it skips
     digest: ConfigDigest = field(compare=False)  # the config the worker runs
     latest: ConfigDigest = field(compare=False)
     groups: DeadGroups = field(compare=False)  # backend -> dead servers (backends without any left out)
@@ -51,7 +52,7 @@ class Steering:
 
 def nothing_steered(digest: ConfigDigest, latest: ConfigDigest, basis: Basis) -> Steering:
     """An empty map: what the current worker holds (unless it is about to become old)."""
-    return Steering(basis, digest, latest, {}, {})
+    return Steering(basis, ("nothing steered", frozenset()), digest, latest, {}, {})
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -78,7 +79,8 @@ class Planner:
     def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
         """Forget the plans of configs no worker runs any more."""
         keys = {d.key for d in digests}
-        self._recent = {k: v for k, v in self._recent.items() if k[0] in keys}
+        if any(k[0] not in keys for k in self._recent):
+            self._recent = {k: v for k, v in self._recent.items() if k[0] in keys}
 
     def _one(
         self, digest: ConfigDigest, unusable: frozenset[str], latest: ConfigDigest, view: LiveView, basis: Basis
@@ -111,7 +113,7 @@ class Planner:
         if last is None:
             groups = dead_groups(digest, latest, view)
             parts = {b: e for b, dead in groups.items() if (e := entries_of(b, dead))}
-            return Steering(basis, digest, latest, groups, parts, None, frozenset(groups))
+            return Steering(basis, (digest.key, unusable), digest, latest, groups, parts, None, frozenset(groups))
         old_view = last.basis[1]
         candidates = set(_changed_backends(last.latest, latest))
         if old_view != view:
@@ -133,4 +135,6 @@ class Planner:
                 parts[backend] = entries
             else:
                 parts.pop(backend, None)
-        return Steering(basis, digest, latest, groups, parts, last.basis, frozenset(candidates))
+        return Steering(
+            basis, (digest.key, unusable), digest, latest, groups, parts, last.basis, frozenset(candidates)
+        )

@@ -1,4 +1,5 @@
-"""One worker's map brought to its plan through the master CLI, and read back.
+"""One worker's map brought to its plan through the master CLI, and read back; its stuck
+streams ended.
 
 A push sends only what differs, backend by backend, in the phases of mapdiff.diff_phases()
 (it counts as steered once the routing phases are answered), or, above REPLACE_ABOVE
@@ -11,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Mapping
 
-from ..haproxy.api import MasterCLI, on_process
+from ..haproxy.api import CLIError, MasterCLI, on_process
+from .entries import Entries
 from .mapdiff import (
     PHASES,
     ROUTING_PHASES,
@@ -25,6 +28,7 @@ from .mapdiff import (
     phase_lines,
     valid_entry,
 )
+from .procs import stuck_sessions
 from .record import WorkerRecord
 
 # Above this many `set map`/`del map` commands for one worker the whole map is replaced
@@ -94,6 +98,33 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
             raise PushError(f"worker {pid}: {problem}")
 
 
+ReadBack = tuple[WorkerRecord, int, Mapping[str, Entries], dict[str, str] | Exception]
+
+
+async def read_back(cli: MasterCLI, map_path: str, workers: list[WorkerRecord]) -> list[ReadBack]:
+    """Each worker's map, read at once, with what it was known to hold when asked (its push
+    count and held entries: a push meanwhile makes the read prove nothing)."""
+
+    async def one(worker: WorkerRecord) -> ReadBack:
+        pushes, held = worker.pushes, worker.held
+        assert held is not None
+        try:
+            return worker, pushes, held, await read_map(cli, map_path, worker.pid)
+        except (CLIError, PushError) as exc:
+            return worker, pushes, held, exc
+
+    return list(await asyncio.gather(*(one(w) for w in workers)))
+
+
+def map_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:
+    """What a map read back lacks and holds beyond what was pushed (a few of each), or None."""
+    if got == expected:
+        return None
+    missing = sorted(set(expected.items()) - set(got.items()))[:3]
+    extra = sorted(set(got.items()) - set(expected.items()))[:3]
+    return f"map differs: missing {missing}, unexpected {extra}"
+
+
 async def read_map(cli: MasterCLI, map_path: str, pid: int) -> dict[str, str]:
     answer = await cli.on(pid, f"show map {map_path}")
     if not answer:
@@ -104,3 +135,12 @@ async def read_map(cli: MasterCLI, map_path: str, pid: int) -> dict[str, str]:
     if not is_whole_answer(answer):
         raise PushError(f"worker {pid}: show map: answer cut off after {len(answer)} bytes")
     return map_entries(answer)
+
+
+async def end_stuck_streams(cli: MasterCLI, pid: int, dead: frozenset[str]) -> int:
+    """`shutdown session` for a worker's streams still connecting to, or queued on, a dead
+    server; how many."""
+    ids = stuck_sessions(await cli.on(pid, "show sess"), dead)
+    if ids:
+        await cli.execute_many([on_process(pid, f"shutdown session {i}") for i in ids])
+    return len(ids)

@@ -1,10 +1,13 @@
-"""What the shell keeps per worker: what its map holds and what it needs, per backend."""
+"""What the shell keeps per worker (what its map holds and needs, per backend), and the
+old workers' records the status API shows."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..master import process_started_at
+from ..state import OldWorker, PushState, PushStateName, State, utcnow
 from .entries import Entries
 from .mapdiff import BackendDelta, backend_delta
 from .plan import Steering
@@ -34,9 +37,11 @@ class WorkerRecord:
         before, self.wanted = self.wanted, steering
         if steering is None or before is None or self.pending is None:
             self.pending = None
-        elif steering.previous == before.basis and steering.digest == before.digest:
+        elif steering.source != before.source:
+            self.pending = None  # another config, or other servers it skips: compare every backend
+        elif steering.previous == before.basis:
             self.pending |= steering.changed
-        elif not (steering.basis == before.basis and steering.digest == before.digest):
+        elif steering.basis != before.basis:
             self.pending = None
 
     def deltas(self) -> list[BackendDelta] | None:
@@ -52,3 +57,28 @@ class WorkerRecord:
 
     def in_sync(self) -> bool:
         return self.wanted is not None and self.deltas() == []
+
+
+def list_old_workers(state: State, old_pids: set[int], generations: Mapping[int, int | None]) -> None:
+    """Status bookkeeping: State.old_workers follows `show proc`'s old workers."""
+    for pid in [pid for pid in state.old_workers if pid not in old_pids]:
+        del state.old_workers[pid]
+    for pid in old_pids:
+        record = state.old_workers.get(pid)
+        if record is None:
+            state.old_workers[pid] = OldWorker(pid, generations.get(pid), process_started_at(pid))
+        elif record.generation is None:
+            record.generation = generations.get(pid)
+    state.note_old_workers()
+
+
+def record_push(state: State, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
+    """How a worker's last push went, in its status record (and the servers it is kept from)."""
+    record = state.old_workers.get(worker.pid)
+    if record is None:
+        return  # the worker about to become old: not listed as old yet
+    if result == "ok":
+        record.steered = worker.wanted.steered if worker.wanted is not None else []
+        if record.push.state == "ok":
+            return  # keep the time of the push that made it so
+    record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)

@@ -15,21 +15,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from typing import TypeVar
 
-from ..haproxy.api import CLIError, MasterCLI, ProcList, on_process, validate_name
+from ..haproxy.api import CLIError, MasterCLI, ProcList, validate_name
 from ..haproxy.config import Config
-from ..master import process_started_at
 from ..settings import Settings
-from ..state import Generation, OldWorker, PushState, PushStateName, State, utcnow
-from .dead import ConfigDigest, LiveStates, LiveView, Sections, ServerIndex, live_view
-from .entries import Entries
-from .live import LiveRead, read_states, read_stats
+from ..state import PushStateName, State
+from .dead import ConfigDigest, LiveStates, LiveView, live_view
+from .digests import Digests
+from .live import LiveRead, read_states, read_unusable, update_stats
 from .plan import Planner, Steering, nothing_steered
-from .procs import stuck_sessions, worker_generations
-from .push import GONE, PushError, push, read_map
-from .record import WorkerRecord
+from .procs import worker_generations
+from .push import GONE, PushError, end_stuck_streams, map_difference, push, read_back
+from .record import WorkerRecord, list_old_workers, record_push
 
 log = logging.getLogger("supervisor.steering")
 R = TypeVar("R")
@@ -60,14 +59,11 @@ class OldWorkers:
         self.poll_s = settings.old_workers.poll_interval_ms / 1000
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
         self._workers: dict[int, WorkerRecord] = {}
-        self._sections = Sections()
-        self._digests: dict[tuple[int, str], ConfigDigest] = {}  # (generation, effective sha) -> digest
-        self._servers = ServerIndex()  # the servers of every generation's config
+        self._digests = Digests()
         self._planner = Planner(settings.old_workers.no_backup)
         self._live: LiveRead | None = None
         self._down: frozenset[str] = frozenset()  # the last view's down endpoints
         self._next: ConfigDigest | None = None  # set between before_reload and after_reload
-        self._prepared: ConfigDigest | None = None  # the config prepare() planned for, until after_reload
         self._leaving_pid: int | None = None  # the worker about to become old
         self._dead_key: object = None  # what state.dead_servers was last made from
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
@@ -84,10 +80,11 @@ class OldWorkers:
             try:
                 await self.sync(fresh=self._live_due())
                 await self._interruptible(self._verify_some())
-                await self._interruptible(self._read_unusable())
+                if await self._interruptible(read_unusable(self.cli, self._workers.values())):
+                    self._wake.set()
                 if time.monotonic() >= self._stats_at:
                     self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
-                    await self._interruptible(self._update_stats())
+                    await self._interruptible(update_stats(self.cli, self.state))
                 failing_since = None
             except _Interrupted:
                 log.debug("old workers: poll interrupted by a reload")
@@ -108,7 +105,7 @@ class OldWorkers:
         """Work out the next config's plans while `haproxy -c` checks it: before_reload then
         finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
         async with self._lock:
-            latest = self._prepared = self._sections.digest(next_model)
+            latest = self._digests.prepared = self._digests.of_model(next_model)
             current = self.state.current
             leaving = current.worker_pid if current is not None else None
             judged = self._judged(leaving)
@@ -121,7 +118,7 @@ class OldWorkers:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
         the servers `next_model` drops, before the reload is sent."""
         current = self.state.current
-        self._next = self._sections.digest(next_model)
+        self._next = self._digests.of_model(next_model)
         self._leaving_pid = current.worker_pid if current is not None else None
         for task in self._reads:  # the master relays one answer at a time: the pushes come first
             task.cancel()
@@ -133,16 +130,17 @@ class OldWorkers:
     async def after_reload(self, ok: bool) -> None:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
         the make-before-break steering of the worker that stays current."""
-        self._next, self._leaving_pid, self._prepared = None, None, None
+        self._next, self._leaving_pid, self._digests.prepared = None, None, None
         try:
-            await self.sync()
+            # The states read before the reload still hold: the new worker reports every server
+            # UP until its checks have run, and the next poll reads it anyway.
+            await self.sync(reuse=True)
         except CLIError as exc:
             log.warning("steering after %s reload failed: %s", "the" if ok else "a failed", exc)
 
     async def refresh(self) -> None:
         """Recompute and push now: a runtime change altered the current config in place."""
-        self._forget_digests(set())
-        self._prepared = None  # a runtime apply took the place of the reload it was for
+        self._digests = Digests()  # the current config changed in place; a runtime apply took the reload's place
         await self.sync(fresh=True)
 
     def mark_dead(self, key: str) -> None:
@@ -156,16 +154,14 @@ class OldWorkers:
     def has_server(self, key: str) -> bool:
         """Whether the current config or one an old worker runs has this server: one lookup in
         an index kept as generations come and go."""
-        if len(self._digests) != len(self.state.generations):
-            for generation in list(self.state.generations.values()):
-                self._digest(generation)
-        return key in self._servers
+        return self._digests.has_server(key, list(self.state.generations.values()))
 
     # ------------------------------------------------------------ one round
 
-    async def sync(self, fresh: bool = False) -> None:
+    async def sync(self, fresh: bool = False, reuse: bool = False) -> None:
         """One round: list the workers, plan, push what differs. `fresh`: read the current
-        worker's server states first (outside the lock: a reload does not wait on it)."""
+        worker's server states first (outside the lock: a reload does not wait on it);
+        `reuse`: go by the last read, whatever its age."""
         current = self.state.current
         if fresh and self._next is None and current is not None and current.worker_pid is not None:
             await self._interruptible(self._fetch_live(current.worker_pid))
@@ -174,19 +170,7 @@ class OldWorkers:
             if procs.master is None and not procs.workers:
                 raise CLIError("show proc: no answer")  # the master dropped the connection mid-reload
             self._track(procs)
-            await self._steer(procs)
-
-    def _digest(self, generation: Generation) -> ConfigDigest:
-        key = (generation.number, generation.effective_sha256)
-        digest = self._digests.get(key)
-        if digest is None:
-            digest = self._digests[key] = self._sections.digest(generation.model)
-            self._servers.add(digest)
-        return digest
-
-    def _forget_digests(self, keep: set[tuple[int, str]]) -> None:
-        for key in [k for k in self._digests if k not in keep]:
-            self._servers.remove(self._digests.pop(key))
+            await self._steer(procs, reuse)
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
         """The workers that get a plan (old ones and the one about to become old): their config
@@ -195,7 +179,7 @@ class OldWorkers:
         for worker in self._workers.values():
             generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
             if generation is not None and (not worker.current or worker.pid == leaving):
-                judged[worker.pid] = (self._digest(generation), worker.unusable or frozenset())
+                judged[worker.pid] = (self._digests.of(generation), worker.unusable or frozenset())
         return judged
 
     def _track(self, procs: ProcList) -> None:
@@ -215,19 +199,11 @@ class OldWorkers:
                 # An old worker starts from its view as last seen while it was current: health
                 # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
                 worker.unusable = live.unusable
-        for pid in [pid for pid in self.state.old_workers if pid not in old_pids]:
-            del self.state.old_workers[pid]
-        for pid in old_pids:
-            record = self.state.old_workers.get(pid)
-            if record is None:
-                self.state.old_workers[pid] = OldWorker(pid, generations.get(pid), process_started_at(pid))
-            elif record.generation is None:
-                record.generation = generations.get(pid)
-        self.state.note_old_workers()
+        list_old_workers(self.state, old_pids, generations)
 
-    async def _steer(self, procs: ProcList) -> None:
+    async def _steer(self, procs: ProcList, reuse: bool) -> None:
         current = self.state.current
-        latest = self._next if self._next is not None else (self._digest(current) if current is not None else None)
+        latest = self._next if self._next is not None else (self._digests.of(current) if current is not None else None)
         if latest is None:
             self.state.dead_servers = set()
             return
@@ -239,12 +215,12 @@ class OldWorkers:
                 worker.want(None)
                 self._record(worker, "failed", "the config this worker runs is unknown: it cannot be steered")
             elif worker.pid not in judged:
-                digest = self._digest(generation)
+                digest = self._digests.of(generation)
                 worker.want(nothing_steered(digest, latest, (latest.key, LiveView())) if digest.guarded else None)
         plans: dict[int, Steering] = {}
         if judged:
             current_worker = procs.current_worker
-            view = await self._live_view(latest, current_worker.pid if current_worker else None)
+            view = await self._live_view(latest, current_worker.pid if current_worker else None, reuse)
             self._down = view.down
             plans = self._planner.plan(latest, view, judged)
             for pid, steering in plans.items():
@@ -260,11 +236,7 @@ class OldWorkers:
         if dead_key != self._dead_key:
             self._dead_key = dead_key
             self.state.dead_servers = set().union(*(s.dead for s in plans.values()))
-            kept = [latest, *(self._digest(g) for g in self.state.generations.values())]
-            kept += [self._prepared] if self._prepared is not None else []
-            self._sections.keep_only(kept)
-            self._planner.keep_only(kept)
-            self._forget_digests({(g.number, g.effective_sha256) for g in self.state.generations.values()})
+            self._planner.keep_only(self._digests.keep_only(self.state.generations.values(), latest))
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
 
@@ -282,7 +254,8 @@ class OldWorkers:
         current = self.state.current
         if self._live is None or current is None:
             return True
-        return self._live.due(current.worker_pid, self.poll_s, self._digest(current).changes_alone, time.monotonic())
+        changes_alone = self._digests.of(current).changes_alone
+        return self._live.due(current.worker_pid, self.poll_s, changes_alone, time.monotonic())
 
     async def _fetch_live(self, pid: int) -> None:
         self._live = await read_states(self.cli, pid)
@@ -301,27 +274,6 @@ class OldWorkers:
             raise
         finally:
             self._reads.discard(task)
-
-    async def _read_unusable(self, budget: int = 4) -> None:
-        """Ask old workers not asked yet which servers they skip themselves (DOWN or MAINT in
-        their own view): no use as targets. Not in the critical path: a worker is steered
-        first with what is known, and corrected when the answer differs."""
-
-        async def one(worker: WorkerRecord) -> None:
-            with contextlib.suppress(CLIError):
-                worker.unusable = (await read_states(self.cli, worker.pid)).unusable
-                self._wake.set()
-
-        wanted = [w for w in self._workers.values() if w.unusable is None and not w.current][:budget]
-        await asyncio.gather(*(one(w) for w in wanted))
-
-    async def _update_stats(self) -> None:
-        if self.state.old_workers:
-            for pid, (connections, rss) in (await read_stats(self.cli, list(self.state.old_workers))).items():
-                record = self.state.old_workers.get(pid)
-                if record is not None:
-                    record.connections = connections if connections is not None else record.connections
-                    record.rss_bytes = rss if rss is not None else record.rss_bytes
 
     # ------------------------------------------------------------ pushes
 
@@ -375,17 +327,7 @@ class OldWorkers:
         due.sort(key=lambda w: (not w.verify, w.verified_at))
         per_poll = max(4, -(-len(self._workers) * self.poll_s // self.RECONCILE_INTERVAL_S))
 
-        Read = tuple[WorkerRecord, int, Mapping[str, Entries], dict[str, str] | Exception]
-
-        async def one(worker: WorkerRecord) -> Read:
-            pushes, held = worker.pushes, worker.held
-            assert held is not None
-            try:
-                return worker, pushes, held, await read_map(self.cli, self.map_path, worker.pid)
-            except (CLIError, PushError) as exc:
-                return worker, pushes, held, exc
-
-        results = await asyncio.gather(*(one(w) for w in due[: int(per_poll)]))
+        results = await read_back(self.cli, self.map_path, due[: int(per_poll)])
         async with self._lock:
             for worker, pushes, held, got in results:
                 if self._workers.get(worker.pid) is not worker or worker.pushes != pushes or worker.held is not held:
@@ -406,12 +348,10 @@ class OldWorkers:
                     worker.swept = frozenset()
                     if self.settings.observe.enabled and not worker.current:
                         worker.unusable = None
-                expected = {key: value for part in held.values() for key, value in part}
-                if got != expected:
-                    missing = sorted(set(expected.items()) - set(got.items()))[:3]
-                    extra = sorted(set(got.items()) - set(expected.items()))[:3]
+                difference = map_difference({key: value for part in held.values() for key, value in part}, got)
+                if difference:
                     worker.held = None
-                    self._failed(worker, f"worker {worker.pid}: map differs: missing {missing}, unexpected {extra}")
+                    self._failed(worker, f"worker {worker.pid}: {difference}")
                     self._wake.set()
 
     def _failed(self, worker: WorkerRecord, error: str) -> None:
@@ -423,14 +363,7 @@ class OldWorkers:
         self._record(worker, "failed", error)
 
     def _record(self, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
-        record = self.state.old_workers.get(worker.pid)
-        if record is None:
-            return  # the worker about to become old: not listed as old yet
-        if result == "ok":
-            record.steered = worker.wanted.steered if worker.wanted is not None else []
-            if record.push.state == "ok":
-                return  # keep the time of the push that made it so
-        record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)
+        record_push(self.state, worker, result, error)
 
     async def _sweep(self) -> None:
         """End the streams of old workers that still wait on a dead server."""
@@ -439,10 +372,9 @@ class OldWorkers:
             if not dead or worker.swept == dead or worker.current or not worker.in_sync():
                 continue
             try:
-                ids = stuck_sessions(await self.cli.on(worker.pid, "show sess"), dead)
-                if ids:
-                    await self.cli.execute_many([on_process(worker.pid, f"shutdown session {i}") for i in ids])
-                    log.info("old worker %d: ended %d streams stuck on dead servers", worker.pid, len(ids))
+                ended = await end_stuck_streams(self.cli, worker.pid, dead)
+                if ended:
+                    log.info("old worker %d: ended %d streams stuck on dead servers", worker.pid, ended)
                 worker.swept = dead
             except CLIError as exc:
                 log.warning("old worker %d: cannot end stuck streams: %s", worker.pid, exc)
