@@ -98,22 +98,21 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
             raise PushError(f"worker {pid}: {problem}")
 
 
+Known = tuple[WorkerRecord, int, Mapping[str, Entries]]  # a worker, its push count, what it held
 ReadBack = tuple[WorkerRecord, int, Mapping[str, Entries], dict[str, str] | Exception]
 
 
-async def read_back(cli: MasterCLI, map_path: str, workers: list[WorkerRecord]) -> list[ReadBack]:
-    """Each worker's map, read at once, with what it was known to hold when asked (its push
-    count and held entries: a push meanwhile makes the read prove nothing)."""
+async def read_back(cli: MasterCLI, map_path: str, known: list[Known]) -> list[ReadBack]:
+    """Each worker's map, read at once, beside what was known of it when the reads were
+    decided on: a push meanwhile makes a read prove nothing (the caller compares)."""
 
-    async def one(worker: WorkerRecord) -> ReadBack:
-        pushes, held = worker.pushes, worker.held
-        assert held is not None
+    async def one(worker: WorkerRecord, pushes: int, held: Mapping[str, Entries]) -> ReadBack:
         try:
             return worker, pushes, held, await read_map(cli, map_path, worker.pid)
         except (CLIError, PushError) as exc:
             return worker, pushes, held, exc
 
-    return list(await asyncio.gather(*(one(w) for w in workers)))
+    return list(await asyncio.gather(*(one(w, pushes, held) for w, pushes, held in known)))
 
 
 def map_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:

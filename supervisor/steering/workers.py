@@ -112,7 +112,7 @@ class OldWorkers:
             if judged:
                 with contextlib.suppress(CLIError):
                     view = await self._live_view(latest, leaving, reuse=True)
-                    self._planner.plan(latest, view, judged)
+                    await self._plan(latest, view, judged)
 
     async def before_reload(self, next_model: Config) -> None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
@@ -222,7 +222,7 @@ class OldWorkers:
             current_worker = procs.current_worker
             view = await self._live_view(latest, current_worker.pid if current_worker else None, reuse)
             self._down = view.down
-            plans = self._planner.plan(latest, view, judged)
+            plans = await self._plan(latest, view, judged)
             for pid, steering in plans.items():
                 worker = self._workers[pid]
                 if steering.digest.guarded:
@@ -239,6 +239,17 @@ class OldWorkers:
             self._planner.keep_only(self._digests.keep_only(self.state.generations.values(), latest))
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self._sweep()
+
+    async def _plan(
+        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
+    ) -> dict[int, Steering]:
+        """The planner's plans, one worker at a time: the operator API and the pushes under way
+        get the event loop in between."""
+        plans: dict[int, Steering] = {}
+        for pid, worker in judged.items():
+            plans.update(self._planner.plan(latest, view, {pid: worker}))
+            await asyncio.sleep(0)
+        return plans
 
     # ------------------------------------------------------------ the current worker's evidence
 
@@ -327,7 +338,8 @@ class OldWorkers:
         due.sort(key=lambda w: (not w.verify, w.verified_at))
         per_poll = max(4, -(-len(self._workers) * self.poll_s // self.RECONCILE_INTERVAL_S))
 
-        results = await read_back(self.cli, self.map_path, due[: int(per_poll)])
+        known = [(w, w.pushes, w.held) for w in due[: int(per_poll)] if w.held is not None]
+        results = await read_back(self.cli, self.map_path, known)
         async with self._lock:
             for worker, pushes, held, got in results:
                 if self._workers.get(worker.pid) is not worker or worker.pushes != pushes or worker.held is not held:
