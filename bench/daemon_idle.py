@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import shutil
 import socket
 import statistics
@@ -125,7 +126,8 @@ async def run(workers: int, servers: int, posts: int) -> dict[str, float]:
 
         async def steered() -> bool:
             _, body = await request(sock, "GET", "/status")
-            return '"pending"' not in body and '"failed"' not in body
+            old = json.loads(body)["old_workers"]
+            return len(old) == workers and all(w["push"]["state"] == "ok" and w["steered"] for w in old)
 
         await until(steered, 60, "old workers steered after the drain")
         figures["lag_reload_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
