@@ -626,13 +626,16 @@ class Reloader:
             # Settle the previous reload first: a second one must not be sent while HAProxy may
             # still be loading the first.
             try:
-                await self._settle(await self._show_proc_until(started + self.settings.reload.timeout_s))
+                loading = await self._settle(await self._show_proc_until(started + self.settings.reload.timeout_s))
             except CLIError as exc:
-                error = f"HAProxy has not settled the previous reload: {exc}"
+                loading, error = True, f"HAProxy has not settled the previous reload: {exc}"
+            else:
+                error = "HAProxy is still loading the previous reload (its new worker is not ready yet)"
+            if loading:
                 log.error("reload failed: %s", error)
                 return self._record("failed", started, error)
             if self._unconfirmed is not None:
-                log.info("reload still unconfirmed after %.1fs: sending it again",
+                log.info("reload still unconfirmed after %.1fs, and no new worker listed: sending it again",
                          time.monotonic() - self._unconfirmed.sent)
         current = self.state.current
         unchanged = (
@@ -831,17 +834,19 @@ class Reloader:
         )
         return record
 
-    async def _settle(self, procs: ProcList) -> None:
-        """Decide an unconfirmed reload from a later `show proc` (with master.lock held)."""
+    async def _settle(self, procs: ProcList) -> bool:
+        """Decide an unconfirmed reload from a later `show proc` (with master.lock held). True
+        while HAProxy is still loading it: a new worker is listed but not ready yet (3.1+ lists
+        it before it has loaded its config), so nothing else may be sent meanwhile."""
         pending = self._unconfirmed
         if pending is None:
-            return
+            return False
         verdict = confirm_reload(pending.before, procs)
         worker = procs.current_worker
         if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, pending.ports):
-            return  # 3.1+ lists the new worker before it has loaded and bound
+            return True
         if verdict == "pending":
-            return
+            return False
         self._unconfirmed = None
         waited = time.monotonic() - pending.sent
         if verdict == "ok":
@@ -855,6 +860,7 @@ class Reloader:
             self._restore_loaded()
             self._refused = True
             self._assess(self._record("failed", pending.sent, error))
+        return False
 
     def _remove_stale_slot_tables(self, running: Effective) -> None:
         try:
