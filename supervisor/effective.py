@@ -252,6 +252,8 @@ async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )
         except OSError as exc:
+            if exc.errno in SHORTAGE_ERRNOS:
+                raise  # out of descriptors: a passing failure for the reloader to retry, not a verdict
             return ConfigCheck(tmp, None, f"cannot run {binary}: {exc.strerror or exc}")
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -26,9 +26,10 @@ from supervisor.haproxy.api import CLIError
 from tests.support.daemon import Daemon, RequestLoop, _metric_values, http_get, tagged_config
 from tests.support.harness import backends, free_port
 
-# Settings that make every fault quick to show and to clear: a short reload timeout, retries at
-# most a second apart, /readyz 503 after a second without the rendered config.
-FAST_CONVERGE = {"reload": {"timeout_s": 1, "retry_max_s": 1, "converge_grace_s": 1}}
+# Settings that make every fault quick to show and to clear: a short reload timeout (3.x starts a
+# worker in about a second on a busy 2-core machine), retries at most a second apart, /readyz 503
+# after a second without the rendered config.
+FAST_CONVERGE = {"reload": {"timeout_s": 2, "retry_max_s": 1, "converge_grace_s": 1}}
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
