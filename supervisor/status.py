@@ -440,8 +440,9 @@ class _Endpoints:
     # -- reads
 
     async def status(self, request: web.Request) -> web.Response:
-        # Compact: a big drain (50 old workers x 10,000 steered servers) is 8 MB and ~50 ms of
-        # this event loop; indenting would double both. `jq` or `status --json` pretty-print.
+        # Compact: a big drain (many old workers, each steered from thousands of servers) makes
+        # a document of megabytes built on this event loop; indenting would double its size and
+        # time. `jq` or `status --json` pretty-print.
         return web.json_response(status_document(self.state, self.settings, self.clock()))
 
     async def metrics(self, request: web.Request) -> web.Response:
