@@ -60,8 +60,9 @@ async def test_a_change_the_runtime_api_cannot_make_reloads_and_the_log_says_why
         d = make(head + body, {"reload": {"runtime_apply": True, "debounce_ms": 20, "min_interval_ms": 0}})
         d.start()
         await d.wait_generation(1)
-        d.write(head + body + f"    server s2 {p2.address}\n")
+        # A parameter `set server` cannot set (servers added or removed: tests/test_membership_e2e.py).
+        d.write(head + body.replace(p1.address, f"{p1.address} maxconn 10") + f"    server s2 {p2.address}\n")
         await d.wait_generation(2)
     (line,) = await d.wait_log(r"runtime apply not possible")
-    assert line.endswith("runtime apply not possible, reloading: backend app: `server s2 <address>` "
+    assert line.endswith("runtime apply not possible, reloading: backend app: `server s1 <address> maxconn 10` "
                          "differs beyond what the Runtime API sets"), line

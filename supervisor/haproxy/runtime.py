@@ -60,6 +60,7 @@ from typing import Protocol
 
 from .api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process, validate_name
 from .config import _SERVER_KEYWORDS_WITH_ARG, BACKEND_KINDS, Config, Section, Server
+from .membership import ServerAdd, ServerRemove, membership
 from .server_state import clear_server_state, save_server_state
 
 log = logging.getLogger(__name__)
@@ -270,40 +271,57 @@ def _weight(server: Server) -> int:
 @dataclass(frozen=True, slots=True)
 class RuntimePlan:
     """The runtime changes that turn one config into another, or (changes None) why only a
-    reload can: one line, for the log."""
+    reload can: one line, for the log. `adds` and `removes`: servers added and removed by
+    name (membership.py), around the in-place `changes` of the servers present in both."""
 
     changes: list[ServerChange] | None
     why_reload: str = ""
+    adds: tuple[ServerAdd, ...] = ()
+    removes: tuple[ServerRemove, ...] = ()
+
+    @property
+    def membership_changes(self) -> bool:
+        return bool(self.adds or self.removes)
 
 
 def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | None:
-    """The runtime changes that turn `running` into `new`, or None when only a reload can.
+    """The in-place runtime changes that turn `running` into `new`, or None when they cannot
+    (a reload, or servers added or removed: runtime_plan() has those).
 
     [] means nothing HAProxy sees differs (comments, spacing). Pass like with like:
     both effective configs (or both rendered), so injections compare equal.
     """
-    return runtime_plan(running, new).changes
+    plan = runtime_plan(running, new)
+    return None if plan.membership_changes else plan.changes
 
 
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:
-    """plan_runtime_apply(), with the reason when it is None."""
+    """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
     old_skeleton, new_skeleton = config_skeleton(running), config_skeleton(new)
     if old_skeleton != new_skeleton:
-        return RuntimePlan(None, _first_difference(old_skeleton, new_skeleton))
+        found = membership(running, new, _without_runtime_fields, _first_difference)
+        if isinstance(found, str):
+            return RuntimePlan(None, found)
+        pairs = [(o, old, n, fresh) for o, n, servers in found.common for old, fresh in servers]
+        adds, removes = found.adds, found.removes
+    else:
+        pairs = []
+        for (old_section, old_servers), (new_section, new_servers) in zip(
+            running.servers_by_backend(), new.servers_by_backend(), strict=True
+        ):
+            if [s.name for s in old_servers] != [s.name for s in new_servers]:
+                # The same skeleton cannot give other names; refuse rather than guess.
+                return RuntimePlan(None, f"{new_section.kind} {new_section.name}: its servers differ")
+            pairs += [(old_section, o, new_section, n) for o, n in zip(old_servers, new_servers, strict=True)]
+        adds, removes = (), ()
     changes: list[ServerChange] = []
-    for (old_section, old_servers), (new_section, new_servers) in zip(
-        running.servers_by_backend(), new.servers_by_backend(), strict=True
-    ):
-        if [s.name for s in old_servers] != [s.name for s in new_servers]:
-            # The same skeleton cannot give other names; refuse rather than guess.
-            return RuntimePlan(None, f"{new_section.kind} {new_section.name}: its servers differ")
-        for old, fresh in zip(old_servers, new_servers, strict=True):
-            change = _server_change(old_section, old, new_section, fresh)
-            if isinstance(change, str):
-                return RuntimePlan(None, change)
-            if change is not None:
-                changes.append(change)
-    return RuntimePlan(changes)
+    for old_section, old, new_section, fresh in pairs:
+        change = _server_change(old_section, old, new_section, fresh)
+        if isinstance(change, str):
+            return RuntimePlan(None, change)
+        if change is not None:
+            changes.append(change)
+    return RuntimePlan(changes, "", adds, removes)
 
 
 def _first_difference(old: list[tuple[str, ...]], new: list[tuple[str, ...]]) -> str:
@@ -601,6 +619,9 @@ class RuntimeApplier:
         changes = plan.changes
         if changes is None:
             log.info("runtime apply not possible, reloading: %s", plan.why_reload)
+            return False
+        if plan.membership_changes:
+            log.info("runtime apply not possible, reloading: servers added or removed")
             return False
         if not changes:
             return True
