@@ -162,7 +162,7 @@ class Daemon:
             self.displaced = ext.displaced(settings, self.state, self.cli)
         # One applier serves both: it remembers the servers whose runtime change was refused,
         # so the state saved before the next reload leaves them out.
-        applier = RuntimeApplier(self.cli)
+        applier = RuntimeApplier(self.cli, remove_wait_s=settings.reload.remove_wait_s)
         runtime_apply = applier if settings.reload.runtime_apply else None
         save_state = applier.save_server_state if settings.reload.preserve_server_state else None
         hooks: ReloadHooks = self.displaced if self.displaced is not None else NoHooks()

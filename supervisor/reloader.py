@@ -673,6 +673,8 @@ class Reloader:
                 applied = False
             if applied:
                 return await self._runtime_applied(current, model, effective, inputs, started)
+            if current.model is model:
+                self._ran_in_part(current, effective)
         return await self._reload(effective, model, inputs, reason, started)
 
     async def _runtime_applied(
@@ -696,6 +698,15 @@ class Reloader:
         await self._call_hook("refresh")
         self.notifier.status(summary_line(self.state, self._old_count()))
         return record
+
+    def _ran_in_part(self, current: Generation, effective: Effective) -> None:
+        """A runtime apply added the new servers and then fell back to a reload (a `del server`
+        refused): the worker runs the new config's servers, plus removed ones left in maint.
+        Its generation records that, for its steering once it is old and for a daemon restart."""
+        current.effective_sha256 = effective.sha256
+        current.rendered_sha256 = effective.rendered_sha256
+        self._write_generation_config(current.number, effective.text)
+        self._persist()
 
     async def _reload(
         self, effective: Effective, model: Config, inputs: str, reason: str, started: float

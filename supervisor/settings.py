@@ -63,6 +63,9 @@ class ReloadSettings:
     min_interval_ms: int = 1000
     timeout_s: float = 30
     runtime_apply: bool = True
+    # A server removed at runtime: how long its sessions may take to end before they are shut
+    # down (`shutdown sessions server`) and it is deleted.
+    remove_wait_s: float = 10
     # Save `show servers state` before each reload and make the new worker load it.
     preserve_server_state: bool = True
     # While the current worker does not run the rendered config, try again after 0.5 s, 1 s,
@@ -130,7 +133,7 @@ _POSITIVE = {
     "status.max_connections",
 }
 # Keys that may be zero but not negative.
-_NON_NEGATIVE = {"reload.min_interval_ms", "reload.converge_grace_s"}
+_NON_NEGATIVE = {"reload.min_interval_ms", "reload.converge_grace_s", "reload.remove_wait_s"}
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
 # Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or

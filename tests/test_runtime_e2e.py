@@ -602,8 +602,9 @@ async def test_hook_answers_false_for_a_change_that_needs_a_reload(rundir):
         fmt = dict(s1=p1.address, s2=p2.address, slot=f"{PLACEHOLDER} disabled")
         async with running_rig(rundir, STATEFUL, **fmt) as rig:
             before = rig.generation.model.render()
-            added = STATEFUL.replace("    server s2", "    server s3 127.0.0.1:1 disabled\n    server s2")
-            assert not await rig.apply_rendered(rendered_of(rig, added, **fmt))
+            # A parameter `set server` cannot set (servers added or removed: test_membership_e2e).
+            changed = STATEFUL.replace("    server s2 {s2} check", "    server s2 {s2} maxconn 10 check")
+            assert not await rig.apply_rendered(rendered_of(rig, changed, **fmt))
             assert rig.generation.model.render() == before and rig.applier.last_result is None
             # Comments only: nothing to do, no reload either.
             assert await rig.apply_rendered(rendered_of(rig, STATEFUL + "# regenerated\n", **fmt))

@@ -301,7 +301,7 @@ def loaded_slot_table(show_map: str) -> str | None:
     """The slot table file a worker loaded, from its `show map` list
     (`<id> (<path>) pattern loaded from file ...`)."""
     for line in show_map.splitlines():
-        m = re.match(r"^-?\d+ \((\S+)\) ", line)
+        m = re.match(r"^-?\d+ \((/[A-Za-z0-9_./-]+)\) ", line)
         if m and _SLOT_TABLE_NAME.fullmatch(m.group(1).rsplit("/", 1)[-1]):
             return m.group(1)
     return None

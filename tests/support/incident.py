@@ -69,10 +69,14 @@ class Shape:
     connect_timeout_s: float = 0.5
     retries: int = 2
 
-    def rendered(self, front: int, ports: dict[str, int], servers: dict[str, list[str]]) -> str:
+    def rendered(self, front: int, ports: dict[str, int], servers: dict[str, list[str]], tag: str = "") -> str:
         """A rendered config with `servers[app]` as the app's primaries and `fallback` as backup.
-        A name `x@p` is server x served by backend process p."""
+        A name `x@p` is server x served by backend process p. `tag` goes into a response
+        header: a line beyond the servers, so that a change between two configs is a reload
+        (servers alone are added and removed at runtime, and leave no old worker)."""
         text = HEAD.format(front=front, connect_ms=int(self.connect_timeout_s * 1000), retries=self.retries)
+        if tag:
+            text += f"    http-response set-header x-config {tag}\n"
         for app in APPS:
             text += f"\nbackend {app}\n"
             for name in servers[app]:
@@ -116,7 +120,7 @@ async def staged_drain(
         held: dict[tuple[int, str], list[KeepAliveClient]] = {}
         keepers: list[KeepAliveClient] = []
         vanished: list[VanishedNode] = []
-        async with supervise(settings, shape.rendered(front, ports, intermediate(1))) as sup:
+        async with supervise(settings, shape.rendered(front, ports, intermediate(1), "g1")) as sup:
             try:
                 old_pids = []
                 for generation in range(1, generations + 1):
@@ -131,9 +135,10 @@ async def staged_drain(
                     keepers.append(await KeepAliveClient(front).connect())
                     old_pids.append(sup.current_pid)
                     if generation < generations:
-                        await sup.reload(shape.rendered(front, ports, intermediate(generation + 1)))
+                        next_config = shape.rendered(front, ports, intermediate(generation + 1), f"g{generation + 1}")
+                        await sup.reload(next_config)
                 # The replicas move: a new rendered config, and a reload.
-                await sup.reload(shape.rendered(front, ports, AFTER))
+                await sup.reload(shape.rendered(front, ports, AFTER, "after"))
                 still_old = sorted(sup.master.worker_pids()[1])
                 if still_old != sorted(old_pids):
                     raise RuntimeError(f"old workers {still_old}, expected {sorted(old_pids)}")
