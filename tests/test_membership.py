@@ -4,6 +4,7 @@ server` line from the resolved settings, and the slot-table commands."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -183,3 +184,67 @@ def test_the_loaded_slot_table_is_read_from_show_map():
     )
     assert loaded_slot_table(answer) == "/run/x/slots-0123abcd.map"
     assert loaded_slot_table("# id (file) description\n") is None
+
+
+# ---------------------------------------------------------------- the applier's fallbacks (a scripted CLI)
+
+
+class ScriptedCLI:
+    """Answers master-CLI lines by command, as HAProxy 2.6 words them; records what was sent.
+    Only for the applier's own decisions: what HAProxy does is tested in test_membership_e2e."""
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        self.answers = answers
+        self.sent: list[str] = []
+
+    async def execute(self, line: str, timeout: float | None = None) -> str:
+        out = []
+        for command in line.split(";"):
+            command = command.split(" ", 1)[1]  # drop `@!<pid>`
+            self.sent.append(command)
+            word = next((k for k in self.answers if command.startswith(k)), "")
+            text = self.answers.get(word, "")
+            out.append(f"{text}\n\n" if text else "\n")  # each answer ends with an empty line
+        return "".join(out)
+
+
+@pytest.fixture
+def replaced():
+    old = Config.parse(RAY)
+    new = Config.parse(edit(RAY, "server app1_r1 127.0.0.1:9001 check", "server app1_r3 127.0.0.1:9003 check"))
+    return old, new
+
+
+async def test_a_del_server_refused_to_the_end_reloads_and_the_generation_runs_the_new_servers(replaced, monkeypatch):
+    import supervisor.haproxy.runtime as runtime
+
+    monkeypatch.setattr(runtime, "AFTER_SHUTDOWN_S", 0.2)
+    old, new = replaced
+    cli = ScriptedCLI({
+        "add server": "New server registered.",
+        "del server": "Server still has connections attached to it, cannot remove it.",
+    })
+    current = SimpleNamespace(model=old, worker_pid=42)
+    applier = runtime.RuntimeApplier(cli, remove_wait_s=0.1)
+    assert await applier(current, new, SimpleNamespace(effective_model=new)) is False
+    assert current.model is new  # the added server is in service: the worker runs it
+    assert "shutdown sessions server app1/app1_r1" in cli.sent
+    assert cli.sent.index("set server app1/app1_r3 state ready") < cli.sent.index("set server app1/app1_r1 state maint")
+
+
+async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replaced):
+    from supervisor.haproxy.runtime import RuntimeApplier
+
+    old, _ = replaced
+    new = Config.parse(edit(RAY, "    server app1_r1 127.0.0.1:9001 check\n",
+                            "    server app1_r3 127.0.0.1:9003 check\n    server app1_r4 127.0.0.1:9004 check\n"))
+    cli = ScriptedCLI({
+        "add server app1/app1_r4": "'cookie' option is not accepted for dynamic server",
+        "add server": "New server registered.",
+        "del server": "Server deleted.",
+    })
+    current = SimpleNamespace(model=old, worker_pid=42)
+    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is False
+    assert current.model is old
+    assert "del server app1/app1_r3" in cli.sent  # taken back
+    assert not any(c.startswith(("del server app1/app1_r1", "set server app1/app1_r1")) for c in cli.sent)

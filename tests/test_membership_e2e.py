@@ -24,46 +24,9 @@ from supervisor.haproxy.api import parse_show_map
 from supervisor.haproxy.membership import loaded_slot_table
 from tests.support.daemon import Daemon, daemons
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
+from tests.support.rolling import CONNECT_TIMEOUT_S, Load, ray_config
 
 pytestmark = pytest.mark.haproxy
-
-CONNECT_TIMEOUT_S = 0.5
-
-HEAD = """\
-global
-    hard-stop-after 60s
-    # Old workers keep their connections and keep taking requests on them (Ray Serve's template).
-    close-spread-time 60s
-
-defaults
-    mode http
-    timeout connect {connect_ms}ms
-    timeout client 30s
-    timeout server {server_s}s
-    timeout http-keep-alive 30s
-    option idle-close-on-response
-    retries 2
-    option redispatch
-    default-server inter 300ms
-
-frontend http_frontend
-    bind 127.0.0.1:{front}
-{routes}
-"""
-
-
-def ray_config(front: int, apps: dict[str, list[tuple[str, int]]], fallback: int, server_s: int = 30) -> str:
-    """A Ray Serve-shaped config: one backend per app, a server per replica named after it, a
-    `fallback` backup in each."""
-    routes = "".join(f"    use_backend {app} if {{ path_beg /{app} }}\n" for app in apps)
-    routes += f"    default_backend {next(iter(apps))}\n"  # /slow?ms=N (demo/backend.py) goes to the first app
-    text = HEAD.format(front=front, routes=routes, connect_ms=int(CONNECT_TIMEOUT_S * 1000), server_s=server_s)
-    for app, replicas in apps.items():
-        text += f"\nbackend {app}\n    balance leastconn\n"
-        text += "".join(f"    server {name} 127.0.0.1:{port} check\n" for name, port in replicas)
-        text += f"    server fallback 127.0.0.1:{fallback} backup\n"
-    return text
-
 
 @contextlib.contextmanager
 def replica_processes() -> object:
@@ -176,45 +139,6 @@ APPS = ("app1", "app2", "app3")
 REPLICAS = 3
 
 
-class Load:
-    """Keep-alive clients, one per app, each sending requests back to back; a connection the
-    proxy closes (`connection: close` from an old worker) is replaced. Bounded in count and time."""
-
-    def __init__(self, front: int, max_requests: int = 30000, max_seconds: float = 120) -> None:
-        self.front, self.max_requests, self.max_seconds = front, max_requests, max_seconds
-        self.statuses: list[int] = []
-        self.bodies: set[str] = set()
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-
-    def start(self) -> Load:
-        self._tasks = [asyncio.get_running_loop().create_task(self._run(app)) for app in APPS]
-        return self
-
-    async def _run(self, app: str) -> None:
-        deadline = time.monotonic() + self.max_seconds
-        client = await KeepAliveClient(self.front).connect()
-        try:
-            while not self._stop.is_set() and len(self.statuses) < self.max_requests and time.monotonic() < deadline:
-                status, body, _ = await client.get(f"/{app}", timeout=10)
-                self.statuses.append(status)
-                self.bodies.add(body)
-                if status == 0 or client.closing:
-                    await client.close()
-                    client = await KeepAliveClient(self.front).connect()
-                await asyncio.sleep(0.002)
-        finally:
-            await client.close()
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._tasks)
-
-    @property
-    def non_200(self) -> int:
-        return sum(1 for s in self.statuses if s != 200)
-
-
 async def rolling_deployment(directory: Path, runtime_apply: bool) -> dict:
     """Every replica of three Ray-shaped backends replaced one by one by a new name on a new
     port, under keep-alive load; what it cost."""
@@ -229,7 +153,7 @@ async def rolling_deployment(directory: Path, runtime_apply: bool) -> dict:
         apps = {app: [(f"{app}_r{j}", start(replicas, f"{app}_r{j}")) for j in range(1, REPLICAS + 1)] for app in APPS}
         d = make(ray_config(front, apps, fallback), settings).start()
         first = await d.wait_generation(1)
-        load = Load(front).start()
+        load = Load(front, list(APPS), clients=len(APPS), max_requests=30_000, max_seconds=120).start()
         try:
             await asyncio.sleep(0.3)
             step = 0
