@@ -129,6 +129,7 @@ async def deployment(runtime_apply: bool, backends: int, replicas: int, clients:
         "slowest_s": load.slowest_s,
         "live_median_s": statistics.median(live_s),
         "live_worst_s": max(live_s),
+        "shutdowns": len(re.findall(r"shutting them down", log)),
     }
 
 
@@ -141,11 +142,12 @@ def main() -> None:
     print(f"{args.backends} backends x {args.replicas} replicas, each replaced by a new name on a new port, "
           f"{args.clients} keep-alive clients")
     print(f"{'mode':<22}{'changes':>8}{'reloads':>8}{'old wk':>8}{'requests':>10}{'non-200':>8}"
-          f"{'slowest s':>10}{'live med s':>11}{'live max s':>11}")
+          f"{'slowest s':>10}{'live med s':>11}{'live max s':>11}{'shut down':>10}")
     for runtime_apply, mode in ((True, "runtime add/remove"), (False, "reload (runtime off)")):
         r = asyncio.run(deployment(runtime_apply, args.backends, args.replicas, args.clients))
         print(f"{mode:<22}{r['changes']:>8}{r['reloads']:>8}{r['old_workers']:>8}{r['requests']:>10}"
-              f"{r['non_200']:>8}{r['slowest_s']:>10.3f}{r['live_median_s']:>11.3f}{r['live_worst_s']:>11.3f}",
+              f"{r['non_200']:>8}{r['slowest_s']:>10.3f}{r['live_median_s']:>11.3f}{r['live_worst_s']:>11.3f}"
+              f"{r['shutdowns']:>10}",
               flush=True)
 
 
