@@ -396,9 +396,10 @@ def slot_table(config: Config) -> list[tuple[str, list[str]]]:
     names of its primaries in config order: slot i of the backend is the i-th name.
 
     Every primary has its slot, disabled, weight 0 and down ones included: the table then
-    depends only on which servers exist, so a runtime apply (which never adds or removes a
-    server) leaves a worker's table equal to the one its new config names. The steer map
-    overrides the slots that must not be used.
+    depends only on which servers exist, so a runtime apply of in-place changes leaves a
+    worker's table equal to the one its new config names; one that adds or removes servers
+    brings the worker's loaded table to the new rows with map commands (runtime.py). The
+    steer map overrides the slots that must not be used.
     """
     return _slot_rows(config.server_flags_by_backend())
 
