@@ -59,14 +59,16 @@ def test_daemon_and_pidfile_are_dropped_and_said_so():
     assert notes[1].startswith("line 4: global `pidfile /var/run/haproxy.pid` dropped")
 
 
-def test_no_exit_on_failure_is_dropped_plain_master_worker_and_expose_fd_stay():
+def test_master_worker_is_dropped_with_or_without_no_exit_on_failure_and_expose_fd_stays():
+    # Plain `master-worker` says what -W says; 3.3+ warns it is deprecated at every check.
     text = (
         "global\n    master-worker\n    master-worker no-exit-on-failure\n"
         "    stats socket /run/ctl.sock level admin expose-fd listeners\n"
     )
     out, notes = supervised_global(Config.parse(text), SOCKET)
-    assert out.render() == "global\n    master-worker\n    stats socket /run/ctl.sock level admin expose-fd listeners\n"
-    assert [n.split(":")[0] for n in notes] == ["line 3"]
+    assert out.render() == "global\n    stats socket /run/ctl.sock level admin expose-fd listeners\n"
+    assert [n.split(":")[0] for n in notes] == ["line 2", "line 3"]
+    assert "-W" in notes[0] and "crashed worker" in notes[1]
 
 
 def test_a_config_without_those_keywords_is_the_same_object():

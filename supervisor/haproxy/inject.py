@@ -121,8 +121,13 @@ DROPPED_GLOBALS = {
     "pidfile": "the supervisor passes its own pid file with -p, which overrides this one (HAProxy "
     "never writes it); a controller must not signal HAProxy itself",
 }
-# `master-worker` alone only says what -W already says, and stays; with `no-exit-on-failure`
-# it would decide what a crashed worker does, which is the supervisor's decision.
+# `master-worker` alone only says what -W already says, and 3.3+ deprecates it (a warning at
+# every check; 3.5 removes it); with `no-exit-on-failure` it would decide what a crashed
+# worker does, which is the supervisor's decision.
+MASTER_WORKER_WHY = (
+    "the supervisor starts HAProxy with -W, which says the same; HAProxy 3.3 deprecates the keyword "
+    "and 3.5 removes it"
+)
 NO_EXIT_ON_FAILURE = "no-exit-on-failure"
 NO_EXIT_ON_FAILURE_WHY = (
     "what a crashed worker does is the supervisor's decision, not the rendered config's "
@@ -163,8 +168,8 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
                         f"line {number}: `stats socket {words[2]}` refused: it is the supervisor's master socket"
                     )
             why = DROPPED_GLOBALS.get(keyword)
-            if why is None and keyword == "master-worker" and NO_EXIT_ON_FAILURE in words[1:]:
-                why = NO_EXIT_ON_FAILURE_WHY
+            if why is None and keyword == "master-worker":
+                why = NO_EXIT_ON_FAILURE_WHY if NO_EXIT_ON_FAILURE in words[1:] else MASTER_WORKER_WHY
             if why is not None:
                 dropped.append((index, line))
                 notes.append(f"line {number}: global `{' '.join(words)}` dropped from the effective config: {why}")
