@@ -632,8 +632,9 @@ class Reloader:
             else:
                 error = "HAProxy is still loading the previous reload (its new worker is not ready yet)"
             if loading:
-                log.error("reload failed: %s", error)
-                return self._record("failed", started, error)
+                # Nothing was sent, and nothing failed: the outcome is still HAProxy's to give.
+                log.warning("reload unknown: %s", error)
+                return self._record("unknown", started, error)
             if self._unconfirmed is not None:
                 log.info("reload still unconfirmed after %.1fs, and no new worker listed: sending it again",
                          time.monotonic() - self._unconfirmed.sent)
