@@ -193,17 +193,26 @@ class ScriptedCLI:
     """Answers master-CLI lines by command, as HAProxy 2.6 words them; records what was sent.
     Only for the applier's own decisions: what HAProxy does is tested in test_membership_e2e."""
 
-    def __init__(self, answers: dict[str, str]) -> None:
+    def __init__(self, answers: dict[str, str], experimental: str | None = None) -> None:
         self.answers = answers
+        self.experimental = experimental  # what `add server` answers outside experimental mode
         self.sent: list[str] = []
 
     async def execute(self, line: str, timeout: float | None = None) -> str:
         out = []
+        mode = False
         for command in line.split(";"):
+            if command == "experimental-mode on":  # the master session's mode, for this line
+                mode = True
+                self.sent.append(command)
+                out.append("\n")
+                continue
             command = command.split(" ", 1)[1]  # drop `@!<pid>`
             self.sent.append(command)
             word = next((k for k in self.answers if command.startswith(k)), "")
             text = self.answers.get(word, "")
+            if self.experimental and command.startswith("add server") and not mode:
+                text = self.experimental
             out.append(f"{text}\n\n" if text else "\n")  # each answer ends with an empty line
         return "".join(out)
 
@@ -248,3 +257,18 @@ async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replace
     assert current.model is old
     assert "del server app1/app1_r3" in cli.sent  # taken back
     assert not any(c.startswith(("del server app1/app1_r1", "set server app1/app1_r1")) for c in cli.sent)
+
+
+async def test_add_server_is_sent_again_in_experimental_mode_when_haproxy_asks_for_it(replaced):
+    from supervisor.haproxy.runtime import RuntimeApplier
+
+    old, new = replaced
+    cli = ScriptedCLI(
+        {"add server": "New server registered.", "del server": "Server deleted."},
+        experimental="This command is restricted to experimental mode only.",
+    )
+    current = SimpleNamespace(model=old, worker_pid=42)
+    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is True
+    add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
+    assert cli.sent[:3] == [add, "experimental-mode on", add]
+    assert "del server app1/app1_r1" in cli.sent
