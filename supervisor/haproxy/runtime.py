@@ -585,6 +585,7 @@ async def _apply_steps(
 # ---------------------------------------------------------------- servers added and removed
 
 REMOVE_POLL_S = 0.1
+PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT = "127.0.0.1", 1
 # After `shutdown sessions server`, how long `del server` is still tried: the sessions close
 # asynchronously, within a few milliseconds of the command.
 AFTER_SHUTDOWN_S = 2.0
@@ -751,7 +752,7 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
     left = list(keys)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    shut = False
+    shut = purged = False
     last = ""
     while True:
         answers = await sender.send([f"del server {key}" for key in left])
@@ -763,6 +764,12 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
                 last = f"`del server {key}`: {(answer or 'no answer').strip()}"
         if not left:
             return ""
+        if not purged:
+            # HAProxy counts the server's idle connections as attached and purges them only
+            # slowly; a new address (it is in maint: nothing routes to it) closes them at once.
+            await sender.send([f"set server {key} addr {PLACEHOLDER_ADDRESS} port {PLACEHOLDER_PORT}" for key in left])
+            purged = True
+            continue
         if loop.time() >= deadline:
             if shut:
                 return f"{len(left)} servers not deleted after {wait_s:g}s and their sessions shut down; last {last}"
