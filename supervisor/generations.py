@@ -35,10 +35,23 @@ class GenerationRecord:
 
 
 @dataclass(frozen=True)
+class PendingReload:
+    """A reload about to be sent, recorded before it is: a daemon killed before HAProxy's answer
+    leaves what the new worker was given (the watched files' digest cannot be read back later)."""
+
+    effective_sha256: str
+    rendered_sha256: str
+    inputs_sha256: str | None
+    master_pid: int
+    master_reloads: int  # the master's reload count (`show proc`) before it was sent
+
+
+@dataclass(frozen=True)
 class Snapshot:
     records: tuple[GenerationRecord, ...]
     current: int | None
     last_number: int
+    pending: PendingReload | None = None
 
 
 def record_of(generation: Generation, inputs_sha256: str | None) -> GenerationRecord:
@@ -73,8 +86,30 @@ def encode(snapshot: Snapshot) -> str:
         "last_generation": snapshot.last_number,
         "workers": workers,
         "unattached": unattached,
+        "pending_reload": None if snapshot.pending is None else {
+            "effective_sha256": snapshot.pending.effective_sha256,
+            "rendered_sha256": snapshot.pending.rendered_sha256,
+            "inputs_sha256": snapshot.pending.inputs_sha256,
+            "master_pid": snapshot.pending.master_pid,
+            "master_reloads": snapshot.pending.master_reloads,
+        },
     }
     return json.dumps(doc, indent=2) + "\n"
+
+
+def _decode_pending(entry: object) -> PendingReload | None:
+    """The pending reload, or None when absent or unreadable: without it, adoption reloads once
+    to be sure, which is safe."""
+    if not isinstance(entry, dict):
+        return None
+    try:
+        inputs = entry.get("inputs_sha256")
+        return PendingReload(
+            str(entry["effective_sha256"]), str(entry["rendered_sha256"]),
+            None if inputs is None else str(inputs), int(entry["master_pid"]), int(entry["master_reloads"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def decode(text: str) -> Snapshot:
@@ -102,7 +137,7 @@ def decode(text: str) -> Snapshot:
         last = int(doc.get("last_generation") or max((r.number for r in records), default=0))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"bad entry: {exc}") from None
-    return Snapshot(tuple(records), current, last)
+    return Snapshot(tuple(records), current, last, _decode_pending(doc.get("pending_reload")))
 
 
 @dataclass(frozen=True)
@@ -131,6 +166,18 @@ def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
     known = {r.worker_pid for r in keep}
     unknown_old = tuple(p.pid for p in procs.old_workers if p.pid not in known)
     return RebuildPlan(keep, current, drop, unknown_old)
+
+
+def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha256: str) -> bool:
+    """Whether the current worker, which has no recorded generation, is the one the pending
+    reload started: the same master, a worker started by a reload after it was recorded (by the
+    counts `show proc` gives), and the effective config the master re-executed on is the one
+    that was sent."""
+    master, worker = procs.master, procs.current_worker
+    if pending is None or master is None or worker is None or master.pid != pending.master_pid:
+        return False
+    started_at_reload = master.reloads - worker.reloads
+    return started_at_reload > pending.master_reloads and on_disk_sha256 == pending.effective_sha256
 
 
 def prunable(generations: dict[int, Generation], live_pids: set[int], current: int | None) -> list[int]:

@@ -46,7 +46,15 @@ from .effective import (
 )
 from .files import read_regular
 from .gcpolicy import collector_paused, settle_after_reload
-from .generations import GenerationStore, Snapshot, plan_rebuild, prunable, record_of
+from .generations import (
+    GenerationStore,
+    PendingReload,
+    Snapshot,
+    loaded_pending,
+    plan_rebuild,
+    prunable,
+    record_of,
+)
 from .haproxy.api import CLIError, MasterCLI, Proc, ProcList
 from .haproxy.config import Config
 from .haproxy.inject import SLOT_TABLE_PREFIX, SlotTable
@@ -413,6 +421,7 @@ class Reloader:
         # What the node should run: (effective sha256, watched files' digest) of the rendered config.
         self._goal: tuple[str, str | None] | None = None
         self._unconfirmed: Unconfirmed | None = None
+        self._pending: PendingReload | None = None  # the reload sent and not yet decided, as recorded
         self._forced: asyncio.Future[ReloadRecord | None] | None = None  # the forced reload requests join
         self._forced_by: list[str] = []
         self._on_disk_sha: str | None = None  # the effective config last written to disk
@@ -731,6 +740,13 @@ class Reloader:
                 except Exception:  # a missing state file costs states, not the reload
                     log.exception("saving server state failed; the new worker starts from the config")
             self.notifier.reloading(f"reloading: {reason}")
+            if before.master is not None:
+                # Recorded before it is sent: a daemon killed before HAProxy answers leaves the
+                # next one what the new worker was given, so adopting it costs no reload.
+                self._pending = PendingReload(
+                    effective.sha256, effective.rendered_sha256, inputs, before.master.pid, before.master.reloads
+                )
+                self._persist()
             write_effective(self.settings.haproxy.effective_config, effective)
             self._on_disk_sha = effective.sha256
             self.scheduler.reloaded(time.monotonic())
@@ -818,6 +834,7 @@ class Reloader:
             effective.effective_model, effective.sha256, effective.rendered_sha256, inputs, worker.pid
         )
         self.loaded = LoadedConfig.of(effective, inputs)
+        self._pending = None
         self._write_generation_config(generation.number, effective.text)
         self._remove_stale_slot_tables(effective)
         self._observe(after)
@@ -896,7 +913,11 @@ class Reloader:
         return record
 
     def _restore_loaded(self) -> bool:
-        """Put the config that runs back on disk, for a master restart to load."""
+        """Put the config that runs back on disk, for a master restart to load (after a reload
+        HAProxy refused: nothing is pending any more)."""
+        if self._pending is not None:
+            self._pending = None
+            self._persist()
         self._on_disk_sha = None
         self._write_back()
         return self.loaded is None or self._on_disk_sha == self.loaded.sha256
@@ -923,7 +944,7 @@ class Reloader:
 
     def _persist(self) -> None:
         records = tuple(record_of(g, self._inputs.get(n)) for n, g in self.state.generations.items())
-        snapshot = Snapshot(records, self.state.current_generation, self._last_number)
+        snapshot = Snapshot(records, self.state.current_generation, self._last_number, self._pending)
         if snapshot == self._persisted:
             return
         try:
@@ -1077,11 +1098,16 @@ class Reloader:
         if current is None and worker is not None:
             # Died between HAProxy starting a worker and recording it: the worker runs what was on disk.
             text = disk or ""
-            log.warning("current worker %d has no recorded generation: assuming it runs %s",
-                        worker.pid, self.settings.haproxy.effective_config)
-            current = self._new_generation(
-                Config.parse(text), sha256_text(text), "", self._unknown_inputs(), worker.pid
-            )
+            pending = snapshot.pending if snapshot else None
+            if pending is not None and loaded_pending(pending, procs, sha256_text(text)):
+                log.info("current worker %d has no recorded generation: started by the reload sent before "
+                         "the daemon stopped, it runs %s", worker.pid, self.settings.haproxy.effective_config)
+                rendered, inputs = pending.rendered_sha256, pending.inputs_sha256
+            else:
+                log.warning("current worker %d has no recorded generation: assuming it runs %s",
+                            worker.pid, self.settings.haproxy.effective_config)
+                rendered, inputs = "", self._unknown_inputs()
+            current = self._new_generation(Config.parse(text), sha256_text(text), rendered, inputs, worker.pid)
             current.started_at = process_started_at(worker.pid) or current.started_at
             self._write_generation_config(current.number, text)
         if current is None:

@@ -2,19 +2,23 @@
 
 - `.validate.*.cfg` copies of a `haproxy -c` cut short by a kill are removed at start-up;
 - after a kill between the reload and its bookkeeping (the new worker runs, generations.json
-  does not know it), the next daemon adopts without one more reload.
+  does not know it), the next daemon adopts without one more reload; with watched files too,
+  by the pending reload recorded before it was sent (control: without the record, one more).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
 from supervisor.effective import load_effective
-from supervisor.haproxy.api import CLIError
+from supervisor.haproxy.api import CLIError, ProcList
 from supervisor.settings import load_settings
 from tests.support.daemon import RequestLoop, write_atomic
 from tests.support.daemon import tagged_config as config
@@ -75,3 +79,77 @@ async def test_adoption_after_a_kill_between_reload_and_bookkeeping_makes_no_rel
     assert d.count(r"reload ok") == 0
     assert not [r for r in results if r[0] != 200]
     assert results[-1] == (200, "v2")
+
+
+LOAD_S = 1.5  # how long HAProxy (and its check) takes to load the config below: a kill lands mid-reload
+SLOW_LUA = f"""\
+-- Keeps HAProxy busy while it loads its config.
+local started = os.clock()
+while os.clock() - started < {LOAD_S} do end
+"""
+
+
+def pending_reload(runtime: Path) -> dict | None:
+    try:
+        return json.loads((runtime / "generations.json").read_text()).get("pending_reload")
+    except (OSError, ValueError):
+        return None
+
+
+async def show_proc_once_answered(d, unlike_pid: int | None = None, timeout: float = 15) -> ProcList:
+    """`show proc` once the master answers (its CLI is away while 2.6 re-executes), with a
+    current worker other than `unlike_pid`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            procs = await d.show_proc()
+        except (CLIError, OSError):
+            procs = None
+        if procs is not None and procs.current_worker is not None and procs.current_worker.pid != unlike_pid:
+            return procs
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no answer from the master within {timeout}s")
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["pending-recorded", "control-record-removed"])
+async def test_adoption_after_a_kill_mid_reload_with_watched_files_makes_no_reload(make, rundir, recorded):
+    front = free_port()
+    lua = rundir / "slow.lua"
+    lua.write_text(SLOW_LUA)
+    with backends("b1") as started:
+        b1 = started["b1"].address
+        d = make(config(front, b1, "v1"), {"haproxy": {"watch": [str(lua)]}})
+        d.start()
+        await d.wait_generation(1)
+        loop = RequestLoop(front, max_requests=3000, max_seconds=40).start()
+        before = await d.show_proc()
+        d.write(config(front, b1, "v2").replace("global\n", f"global\n    lua-load {lua}\n", 1))
+        deadline = time.monotonic() + 15
+        while pending_reload(d.runtime) is None:  # recorded once `haproxy -c` passed, just before `reload`
+            assert time.monotonic() < deadline, d.run_log()
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # sent; HAProxy loads for LOAD_S
+        d.kill9()
+        procs = await show_proc_once_answered(d, before.current_worker.pid)
+        if not recorded:
+            index = d.runtime / "generations.json"
+            doc = json.loads(index.read_text())
+            doc["pending_reload"] = None
+            write_atomic(index, json.dumps(doc))
+        reloads = procs.master.reloads
+        d.start()
+        await d.wait_log(r"generations rebuilt")
+        with contextlib.suppress(TimeoutError):  # a reload, if one is made, checks and loads for LOAD_S each
+            await d.wait_log(r"reload ok", timeout=6 * LOAD_S + 2)
+        results = await loop.stop()
+        after = await show_proc_once_answered(d)
+    assert after.master.pid == before.master.pid
+    assert not [r for r in results if r[0] != 200]
+    assert results[-1] == (200, "v2")
+    if recorded:
+        assert after.master.reloads == reloads, d.run_log()
+        assert d.count(r"reload ok") == 0
+        assert d.count(r"started by the reload sent before the daemon stopped") == 1
+    else:  # the control: what the new worker loaded is unknown, and a reload makes sure
+        assert after.master.reloads == reloads + 1, d.run_log()
+        assert d.count(r"reload ok") == 1

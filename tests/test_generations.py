@@ -10,9 +10,11 @@ import pytest
 from supervisor.generations import (
     GenerationRecord,
     GenerationStore,
+    PendingReload,
     Snapshot,
     decode,
     encode,
+    loaded_pending,
     plan_rebuild,
     prunable,
 )
@@ -93,3 +95,24 @@ def test_store(tmp_path: Path):
     assert store.read_config(7) is None
     store.index.write_text("not json")
     assert store.load() is None
+
+
+# PROCS' master has made 3 reloads; its current worker 303 was started by the third.
+PENDING = PendingReload("e-new", "r-new", "i-new", master_pid=100, master_reloads=2)
+
+
+def test_pending_reload_round_trip_and_unreadable_is_dropped():
+    snap = Snapshot((rec(1, 299),), 1, 1, PENDING)
+    assert decode(encode(snap)) == snap
+    assert decode(encode(Snapshot((rec(1, 299),), 1, 1))).pending is None
+    broken = encode(snap).replace('"master_pid": 100', '"master_pid": "x"')
+    assert decode(broken) == Snapshot((rec(1, 299),), 1, 1)
+
+
+def test_loaded_pending_only_for_a_worker_the_pending_reload_started():
+    assert loaded_pending(PENDING, PROCS, "e-new")
+    # Controls: another config on disk, another master, a worker started before it was sent.
+    assert not loaded_pending(PENDING, PROCS, "e-other")
+    assert not loaded_pending(PendingReload("e-new", "r-new", "i-new", 101, 2), PROCS, "e-new")
+    assert not loaded_pending(PendingReload("e-new", "r-new", "i-new", 100, 3), PROCS, "e-new")
+    assert not loaded_pending(None, PROCS, "e-new")
