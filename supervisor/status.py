@@ -20,7 +20,6 @@ import os
 import resource
 import socket
 import stat
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import datetime
 from http import HTTPStatus
@@ -37,6 +36,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from . import __version__
 from .files import read_regular
 from .haproxy.api import validate_name
+from .logs import RecurringCondition
 from .page import BackendSizes, page_of
 from .settings import Settings, StatusSettings, listen_address
 from .state import Convergence, DurationHistogram, OldWorker, ReloadRecord, State, rfc3339, utcnow
@@ -599,35 +599,6 @@ def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
     return sock
 
 
-class _Condition:
-    """A condition that can recur thousands of times a second (a flood, a resource running
-    out): logged when it starts, then at most once per `every_s`, with how often it happened."""
-
-    def __init__(self, level: int, message: str, every_s: float = 60.0) -> None:
-        self.level = level
-        self.message = message
-        self.every_s = every_s
-        self.count = 0
-        self._logged_at: float | None = None
-        self._reported = False  # logged, and not yet said to be over
-
-    def happened(self, *args: object) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if self._logged_at is None or now - self._logged_at >= self.every_s:
-            times = f" ({self.count} times since the last report)" if self.count > 1 else ""
-            log.log(self.level, self.message + times, *args)
-            self._logged_at = now
-            self.count = 0
-            self._reported = True
-
-    def over(self, message: str, *args: object) -> None:
-        """Say the condition is over, once per report of it."""
-        if self._reported:
-            log.info(message, *args)
-            self._reported = False
-
-
 class ConnectionGuard:
     """The status listener's limits on clients: at most `limit` connections, and each gets
     `header_timeout_s` to send a request's headers. A slowloris flood (connections that
@@ -642,12 +613,12 @@ class ConnectionGuard:
         self.header_timeout_s = header_timeout_s
         self.open: set[RequestHandler] = set()
         self.waiting: dict[RequestHandler, asyncio.TimerHandle] = {}  # oldest first
-        self.at_limit = _Condition(
-            logging.WARNING, "status: %d connections open (status.max_connections): closing the oldest "
+        self.at_limit = RecurringCondition(
+            log, logging.WARNING, "status: %d connections open (status.max_connections): closing the oldest "
             "idle ones and refusing the rest",
         )
-        self.too_slow = _Condition(
-            logging.WARNING, "status: closed a connection that sent no complete request within %g s "
+        self.too_slow = RecurringCondition(
+            log, logging.WARNING, "status: closed a connection that sent no complete request within %g s "
             "(status.header_timeout_s)",
         )
 
@@ -737,8 +708,8 @@ def _quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
     """asyncio reports each accept() that fails for lack of file descriptors with a traceback;
     make that one line per minute. Returns the function that puts the previous handler back."""
     previous = loop.get_exception_handler()
-    out_of_resources = _Condition(
-        logging.ERROR, "status: cannot accept connections: %s; asyncio retries every second",
+    out_of_resources = RecurringCondition(
+        log, logging.ERROR, "status: cannot accept connections: %s; asyncio retries every second",
     )
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from ..haproxy.api import CLIError, MasterCLI, ProcList, validate_name
 from ..haproxy.config import Config
+from ..logs import RecurringCondition
 from ..settings import Settings
 from ..state import PushStateName, State
 from .dead import ConfigDigest, LiveStates, LiveView, live_view
@@ -76,6 +77,8 @@ class OldWorkers:
     async def run(self) -> None:
         """Poll, steer, verify and reconcile until cancelled."""
         failing_since: float | None = None
+        # Polled every poll_interval_ms: a lasting failure (descriptors run out) is one line, not four a second.
+        failing = RecurringCondition(log, logging.WARNING, "old workers: the master CLI keeps failing: %s")
         while True:
             try:
                 await self.sync(fresh=self._live_due())
@@ -86,6 +89,7 @@ class OldWorkers:
                     self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
                     await self._interruptible(update_stats(self.cli, self.state))
                 failing_since = None
+                failing.over("old workers: the master CLI answers again")
             except _Interrupted:
                 log.debug("old workers: poll interrupted by a reload")
             except CLIError as exc:
@@ -93,8 +97,9 @@ class OldWorkers:
                 # reload (seconds with a big config): only a lasting failure is worth a warning.
                 now = time.monotonic()
                 failing_since = failing_since or now
-                level = logging.WARNING if now - failing_since > self.WARN_AFTER_S else logging.DEBUG
-                log.log(level, "old workers: %s", exc)
+                log.debug("old workers: %s", exc)
+                if now - failing_since > self.WARN_AFTER_S:
+                    failing.happened(exc)
             except Exception:
                 log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
             with contextlib.suppress(TimeoutError):
