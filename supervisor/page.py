@@ -371,6 +371,8 @@ figure { margin: 0; } figcaption { font-size: 13px; font-weight: 600; margin-bot
 figcaption .muted { font-weight: 400; }
 svg.chart { display: block; background: #fafbfc; border-radius: 4px; }
 svg .axis { stroke: #ced4da; } svg .tick { font-size: 10px; fill: #6b7587; }
+.convergence { padding: 6px 10px; border-radius: 6px; margin-bottom: 10px; overflow-wrap: anywhere; }
+.convergence .muted { color: inherit; opacity: .8; font-size: 12px; }
 .muted { color: #8a93a3; } .err { color: #a61b1b; overflow-wrap: anywhere; }
 footer { padding: 0 24px 18px; color: #6b7587; font-size: 12px; }
 footer a { color: #3b5bdb; }
@@ -408,6 +410,35 @@ def _current_worker_html(worker: dict[str, Any], now: datetime) -> str:
         f'<dt>Started</dt><dd>{_when(worker["started_at"], now)}</dd>'
         f'<dt>Config</dt><dd class="mono" title="sha256 {_esc(sha)}">{_esc(sha[:16] if sha else None)}</dd>'
         "</dl>"
+    )
+
+
+def _convergence_badge(convergence: dict[str, Any]) -> str:
+    """`converged`, or how long not: amber while it is passing and retried, red when the
+    config is the problem (nothing retries it by itself)."""
+    if convergence["converged"]:
+        return _badge("converged", "good")
+    tone = "warn" if convergence["transient"] else "bad"
+    return (f'<span class="badge {tone}" id="convergence-badge" title="{_esc(convergence["reason"])}">'
+            f'not converged {_esc(format_age(convergence["unconverged_s"]))}</span>')
+
+
+def _convergence_html(convergence: dict[str, Any], now: datetime) -> str:
+    """Why the current worker does not run the rendered config, for the Now panel; nothing when it does."""
+    if convergence["converged"]:
+        return ""
+    attempts = convergence["attempts"]
+    if not convergence["transient"]:
+        tone, kind = "bad", "the config is the problem: HAProxy serves the last good config until it changes"
+    elif attempts:
+        tone, kind = "warn", f"passing: retried with backoff ({attempts} attempt{'s' if attempts != 1 else ''} so far)"
+    else:
+        tone, kind = "warn", "passing: retried with backoff"
+    reason = _esc(convergence["reason"])
+    return (
+        f'<div class="convergence {tone}" id="convergence"><b>Not converged</b> since '
+        f'{_when(convergence["since"], now)}: <span class="reason">{reason}</span>'
+        f'<div class="muted">{_esc(kind)}</div></div>'
     )
 
 
@@ -532,6 +563,7 @@ def render_page(
     sup, hap = doc["supervisor"], doc["haproxy"]
     master = _badge("master up", "good") if hap["up"] else _badge("master down", "bad")
     ready = _badge("ready", "good") if sup["ready"] else _badge("not ready", "bad")
+    converged = _convergence_badge(doc["convergence"])
     facts = (
         f'supervisor {_esc(sup["version"])} · pid {_esc(sup["pid"])} · up {_esc(format_age(sup["uptime_s"]))}'
         f' · HAProxy {_esc(hap["version"])} · master pid {_esc(hap["master_pid"])}'
@@ -545,11 +577,11 @@ def render_page(
 <title>haproxy-supervisor · {_esc(len(old))} old worker(s)</title>
 <style>{_PAGE_CSS}</style></head>
 <body>
-<header><h1>haproxy-supervisor</h1>{master} {ready}<span class="facts">{facts}</span></header>
+<header><h1>haproxy-supervisor</h1>{master} {ready} {converged}<span class="facts">{facts}</span></header>
 <main>
 <div class="row">
 <section id="current"><h2>Current worker</h2>{_current_worker_html(doc["worker"], now)}</section>
-<section id="summary"><h2>Now</h2>{_summary_html(damage, doc)}</section>
+<section id="summary"><h2>Now</h2>{_convergence_html(doc["convergence"], now)}{_summary_html(damage, doc)}</section>
 </div>
 <section id="dead"><h2>Dead servers by backend <span class="count">({len(doc["dead_servers"]):,} servers in
 {len(damage):,} backends)</span></h2>{_damage_html(damage, doc)}</section>

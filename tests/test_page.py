@@ -98,6 +98,37 @@ def test_page_of_a_fresh_daemon():
     assert "No dead servers" in html and "no reloads yet" in html and "no pushes yet" in html
 
 
+HEADER = re.compile(r"<header>(.*?)</header>", re.S)
+NOW_PANEL = re.compile(r'<section id="summary">(.*?)</section>', re.S)
+
+
+def test_page_shows_convergence_in_the_header_and_why_not_in_the_now_panel():
+    state = running_state(NOW)
+    state.convergence.reached()
+    html = page(state)
+    assert '<span class="badge good">converged</span>' in HEADER.search(html)[1]
+    assert 'id="convergence"' not in html
+
+    state.convergence.missed("reload failed: <b>show proc</b>: no answer", transient=True,
+                             now=NOW - timedelta(seconds=95))
+    state.convergence.attempts = 3
+    html = page(state)
+    header, now_panel = HEADER.search(html)[1], NOW_PANEL.search(html)[1]
+    assert re.search(r'<span class="badge warn" id="convergence-badge"[^>]*>not converged 1m 35s</span>', header)
+    assert '<div class="convergence warn" id="convergence"><b>Not converged</b> since' in now_panel
+    assert "2025-01-02 03:02:30" in now_panel
+    assert "reload failed: &lt;b&gt;show proc&lt;/b&gt;: no answer" in now_panel
+    assert "<b>show proc</b>" not in html
+    assert "retried with backoff (3 attempts so far)" in now_panel
+
+    state.convergence.missed("the rendered config is invalid: unknown keyword 'bnd'", transient=False)
+    html = page(state)
+    assert re.search(r'<span class="badge bad" id="convergence-badge"', HEADER.search(html)[1])
+    now_panel = NOW_PANEL.search(html)[1]
+    assert '<div class="convergence bad" id="convergence">' in now_panel
+    assert "the config is the problem" in now_panel and "unknown keyword &#x27;bnd&#x27;" in now_panel
+
+
 # ---------------------------------------------------------------- at fleet size
 
 

@@ -19,6 +19,7 @@ import re
 import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import psutil
 import pytest
 
 from supervisor.settings import Settings
+from supervisor.state import utcnow
 from supervisor.status import build_app, start_status_server
 from tests.support.harness import free_port, kill_tree
 from tests.support.status_state import CURRENT_PID, OLD_PIDS, RecordingActions, fleet_dead, fleet_state, running_state
@@ -154,9 +156,17 @@ async def serving(state) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+UNCONVERGED_REASON = "reload failed: show proc: no answer within reload.timeout_s=10s"
+
+
 @pytest.fixture
 async def page_url() -> AsyncIterator[str]:
-    async with serving(running_state()) as url:
+    """The running state while a reload is failing: what an on-call engineer is paged for."""
+    state = running_state()
+    state.convergence.reached()
+    state.convergence.missed(UNCONVERGED_REASON, transient=True, now=utcnow() - timedelta(seconds=95))
+    state.convergence.attempts = 4
+    async with serving(state) as url:
         yield url
 
 
@@ -179,6 +189,10 @@ async def test_page_renders_in_chromium(page_url: str, tmp_path: Path):
         "echo/echo_r1", "highscale/highscale_r2",
     ]
     assert "40m " in dom and "3m " in dom  # ages
+    header = re.search(r"<header>(.*?)</header>", dom, flags=re.S)
+    assert header is not None and re.search(r'id="convergence-badge"[^>]*>not converged 1m \d\ds<', header[1])
+    now_panel = re.search(r'<section id="summary">(.*?)</section>', dom, flags=re.S)
+    assert now_panel is not None and UNCONVERGED_REASON in now_panel[1]
     assert len(re.findall(r'<tr class="reload">', dom)) == 7
     # The hostile reload error stayed text: the browser found no script element in it.
     assert "<script" not in dom
