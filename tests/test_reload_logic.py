@@ -7,18 +7,12 @@ from pathlib import Path
 import pytest
 
 from supervisor.haproxy.api import parse_show_proc
-from supervisor.reloader import (
-    ChangeFilter,
-    ReloadScheduler,
-    confirm_reload,
-    inputs_digest,
-    old_workers_over_max,
-    one_line,
-    retry_delay,
-    runs_goal,
-    split_watch,
-    watch_roots,
-)
+from supervisor.reloader.bookkeeping import old_workers_over_max
+from supervisor.reloader.confirm import confirm_reload
+from supervisor.reloader.convergence import runs_goal
+from supervisor.reloader.problems import one_line
+from supervisor.reloader.schedule import ReloadScheduler, retry_delay
+from supervisor.reloader.watch import ChangeFilter, inputs_digest, split_watch, watch_roots
 
 HEAD = "#<PID>          <type>          <reloads>       <uptime>        <version>\n"
 

@@ -135,7 +135,7 @@ async def running(rundir: Path, apply_at_runtime: bool):
     master = MasterProcess(settings, state, cli)
     reloader = Reloader(settings, state, cli, master, hooks=hooks, runtime_apply=runtime_apply)
     master.on_started = reloader.on_master_started
-    patched = mock.patch("supervisor.reloader.start_effective_check", counting_checks(hooks))
+    patched = mock.patch("supervisor.reloader.cycle.start_effective_check", counting_checks(hooks))
     patched.start()
     tasks = [asyncio.create_task(master.run()), asyncio.create_task(reloader.run())]
     try:

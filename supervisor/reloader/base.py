@@ -1,0 +1,157 @@
+"""What every part of the reloader shares: the hooks plugged into it, its collaborators and
+its state. The parts (bookkeeping, convergence, confirm, cycle, recovery) are mixins on top
+of `ReloaderBase`, each in its own module; `core.Reloader` puts them together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+from ..effective import Effective, sha256_text
+from ..generations import GenerationStore, PendingReload, Snapshot
+from ..haproxy.api import MasterCLI, ProcList
+from ..haproxy.config import Config
+from ..haproxy.inject import SlotTable
+from ..master import MasterProcess
+from ..notify import Notifier
+from ..settings import Settings
+from ..state import Generation, ReloadRecord, ReloadResult, State
+from .problems import ProblemLog
+from .schedule import ReloadScheduler
+from .watch import ChangeFilter, split_watch
+
+log = logging.getLogger(__package__)
+
+
+class ReloadHooks(Protocol):
+    """What the displaced-worker component needs around each change."""
+
+    async def prepare(self, next_model: Config) -> None: ...
+
+    async def before_reload(self, next_model: Config) -> None: ...
+
+    async def after_reload(self, ok: bool) -> None: ...
+
+    async def refresh(self) -> None: ...
+
+
+class NoHooks:
+    async def prepare(self, next_model: Config) -> None:
+        return None
+
+    async def before_reload(self, next_model: Config) -> None:
+        return None
+
+    async def after_reload(self, ok: bool) -> None:
+        return None
+
+    async def refresh(self) -> None:
+        return None
+
+
+# (current generation, new effective model, the effective config) -> True when applied without a reload.
+RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[bool]]
+# (current generation, next effective model, state file) -> saved. Runs just before a reload so
+# the new worker starts with the current worker's server states (maint, DOWN, weights).
+SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
+
+
+@dataclass
+class LoadedConfig:
+    """The effective config on disk that the current worker runs (the last good one)."""
+
+    text: str
+    rendered_sha256: str
+    inputs_sha256: str | None
+    slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss
+
+    @cached_property
+    def sha256(self) -> str:
+        # Compared every housekeeping round: a 50 MB config is hashed once, not every second.
+        return sha256_text(self.text)
+
+    @classmethod
+    def of(cls, effective: Effective, inputs: str | None) -> LoadedConfig:
+        return cls(effective.text, effective.rendered_sha256, inputs, effective.slot_table)
+
+
+@dataclass
+class Unconfirmed:
+    """A reload HAProxy did not confirm within reload.timeout_s: it may still take (a big
+    config loads for a minute), so the new config stays on disk until `show proc` settles it."""
+
+    before: ProcList
+    effective: Effective
+    inputs: str
+    sent: float  # monotonic
+    ports: set[int]  # the config's listening ports: a new worker is ready once it listens on them
+
+
+class ReloaderBase:
+    """The collaborators and the state; the methods every part calls."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        state: State,
+        cli: MasterCLI,
+        master: MasterProcess,
+        notifier: Notifier | None = None,
+        hooks: ReloadHooks | None = None,
+        runtime_apply: RuntimeApply | None = None,
+        save_server_state: SaveServerState | None = None,
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.cli = cli
+        self.master = master
+        self.notifier = notifier or Notifier(environ={})
+        self.hooks: ReloadHooks = hooks or NoHooks()
+        self.runtime_apply = runtime_apply
+        self.save_server_state = save_server_state
+        self.store = GenerationStore(settings.haproxy.runtime_dir)
+        self.scheduler = ReloadScheduler(settings.reload.debounce_ms / 1000, settings.reload.min_interval_ms / 1000)
+        files, dirs = split_watch(settings.haproxy.config, settings.haproxy.watch)
+        self.watch_files, self.watch_dirs = files, dirs
+        self.filter = ChangeFilter(files, dirs, ignore=[settings.haproxy.runtime_dir])
+        self._wake = asyncio.Event()
+        self._inputs: dict[int, str | None] = {}  # generation -> inputs digest it was loaded with
+        self._last_number = 0
+        self.loaded: LoadedConfig | None = None
+        self.last_procs: ProcList | None = None
+        self._persisted: Snapshot | None = None
+        self._terminated: set[int] = set()  # old workers we sent SIGTERM, until they are gone
+        self._status_sent = ""
+        # What the node should run: (effective sha256, watched files' digest) of the rendered config.
+        self._goal: tuple[str, str | None] | None = None
+        self._unconfirmed: Unconfirmed | None = None
+        self._pending: PendingReload | None = None  # the reload sent and not yet decided, as recorded
+        self._forced: asyncio.Future[ReloadRecord | None] | None = None  # the forced reload requests join
+        self._forced_by: list[str] = []
+        self._on_disk_sha: str | None = None  # the effective config last written to disk
+        self._refused = False  # the last reload failed because HAProxy could not load the config
+        self.problems = ProblemLog()
+        state.rendered_path = str(settings.haproxy.config)
+        state.effective_path = str(settings.haproxy.effective_config)
+
+    def changed(self, now: float | None = None) -> None:
+        self.scheduler.changed(time.monotonic() if now is None else now)
+        if self.state.convergence.converged:
+            self.state.convergence.missed("a change is pending", transient=True)
+        self._wake.set()
+
+    def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
+        return self.state.reloads.record(result, (time.monotonic() - started) * 1000, error)
+
+    async def _call_hook(self, name: str, *args: object) -> None:
+        # A component's failure must not stop a reload that protects the fleet from stale configs.
+        try:
+            await getattr(self.hooks, name)(*args)
+        except Exception:
+            log.exception("hook %s raised", name)

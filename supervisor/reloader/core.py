@@ -1,0 +1,136 @@
+"""The `Reloader`: one object that owns the reload cycle. Its tasks watch the inputs, run each
+cycle when it is due, and look after the master between reloads; its requests force a reload."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable
+
+from ..haproxy.api import CLIError
+from ..notify import summary_line
+from ..state import ReloadRecord, utcnow
+from .cycle import ReloadCycle
+from .problems import EXPECTED_IO_ERRORS, io_error_line
+from .recovery import Recovery
+from .schedule import Cause
+from .watch import watch_changes
+
+log = logging.getLogger(__package__)
+
+HOUSEKEEPING_S = 1.0
+
+
+class Reloader(ReloadCycle, Recovery):
+    """watch -> debounce -> cycle -> assess, and housekeeping between cycles (see the package's docstring)."""
+
+    # ------------------------------------------------------------ tasks
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch())
+            tg.create_task(self._schedule())
+            tg.create_task(self._housekeeping())
+
+    async def _watch(self) -> None:
+        await watch_changes(self.watch_files, self.watch_dirs, self.filter, self.changed)
+
+    async def _schedule(self) -> None:
+        while True:
+            due = self.scheduler.due_at()
+            now = time.monotonic()
+            if due is None or due > now:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), None if due is None else due - now)
+                continue
+            cause = self.scheduler.take(now)
+            if cause is not None:
+                await self._cycle(cause)
+
+    async def _cycle(self, cause: Cause) -> ReloadRecord | None:
+        """One cycle toward the goal; then convergence is assessed and a retry set when needed."""
+        waiters: asyncio.Future[ReloadRecord | None] | None = None
+        reason: str = cause
+        if cause == "forced":
+            waiters, self._forced = self._forced, None
+            by, self._forced_by = self._forced_by, []
+            reason = by[0] if len(by) == 1 else f"{by[0]} and {len(by) - 1} more requests"
+        elif cause == "retry":
+            convergence = self.state.convergence
+            reason = f"retry {convergence.attempts}"
+            log.warning("converge: attempt %d, not converged for %.1fs: %s",
+                        convergence.attempts, convergence.unconverged_s(utcnow()), convergence.reason)
+        record: ReloadRecord | None = None
+        self._refused = False
+        try:
+            record = await self._guarded(self.apply_change(force=cause == "forced", reason=reason))
+        finally:
+            if waiters is not None and not waiters.done():
+                waiters.set_result(record)
+        self._assess(record)
+        return record
+
+    async def _housekeeping(self) -> None:
+        """Between reloads: settle an unconfirmed reload, prune generations whose worker is gone,
+        enforce old_workers.max, put back what was lost from runtime_dir, assess convergence."""
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            if self.master.up and not self.master.lock.locked():
+                async with self.master.lock:
+                    await self._look_after_master()
+            self._assess(None)
+            status = summary_line(self.state, self._old_count())
+            if status != self._status_sent:
+                self._status_sent = status
+                self.notifier.status(status)
+
+    async def _look_after_master(self) -> None:
+        """One housekeeping round, with master.lock held."""
+        if not self.master.up:
+            return
+        if not self.settings.haproxy.master_socket_path.exists():
+            await self._recover_runtime_dir()
+            return
+        try:
+            procs = await self.cli.show_proc()
+        except CLIError as exc:
+            log.debug("housekeeping: %s", exc)
+            return
+        await self._settle(procs)
+        self._observe(procs)
+        if self._unconfirmed is None:
+            self._write_back()
+
+    # ------------------------------------------------------------ requests
+
+    async def reload_now(self, reason: str = "requested") -> ReloadRecord | None:
+        """Reload even when nothing changed (SIGHUP, POST /reload), as soon as reload.min_interval_ms
+        allows. Requests made before that reload starts join it and get its record."""
+        if self._forced is None:
+            self._forced = asyncio.get_running_loop().create_future()
+            self.scheduler.force()
+            self._wake.set()
+        else:
+            log.info("reload requested (%s): joins the reload already due", reason)
+        self._forced_by.append(reason)
+        return await asyncio.shield(self._forced)
+
+    async def _guarded(self, cycle: Awaitable[ReloadRecord | None]) -> ReloadRecord | None:
+        """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the
+        daemon goes on watching, HAProxy goes on serving the last good config."""
+        started = time.monotonic()
+        try:
+            return await cycle
+        except OSError as exc:
+            if exc.errno not in EXPECTED_IO_ERRORS:
+                log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+                return self._record("failed", started, f"{type(exc).__name__}: {exc}")
+            error = io_error_line(exc)
+            log.error("reload failed: %s", error)
+            return self._record("failed", started, error)
+        except Exception as exc:
+            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+            return self._record("failed", started, f"{type(exc).__name__}: {exc}")

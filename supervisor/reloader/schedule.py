@@ -1,0 +1,81 @@
+"""When the next reload cycle is due, and why: pure, fed with monotonic timestamps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Cause = Literal["forced", "change", "retry"]
+
+
+@dataclass
+class ReloadScheduler:
+    """When the next cycle is due, and why.
+
+    A change is due `debounce_s` after the last write of a burst; a forced reload (SIGHUP,
+    POST /reload) at once; a retry (the node has not converged) at the time it was set for.
+    None of them before `min_interval_s` after the previous reload. Whatever is pending when
+    one is due coalesces into it: the cycle reads every file afresh. Fed with monotonic
+    timestamps, so it is tested without clocks or files.
+    """
+
+    debounce_s: float
+    min_interval_s: float
+    last_change: float | None = None  # newest change not yet handled
+    last_reload: float | None = None  # when the previous reload was issued
+    forced: bool = False  # a forced reload is asked for
+    retry_at: float | None = None  # when to try again to converge
+
+    def changed(self, now: float) -> None:
+        self.last_change = now
+
+    def force(self) -> None:
+        self.forced = True
+
+    def retry(self, at: float | None) -> None:
+        self.retry_at = at
+
+    @property
+    def pending(self) -> bool:
+        return self.forced or self.last_change is not None or self.retry_at is not None
+
+    def _cause_and_time(self) -> tuple[Cause, float] | None:
+        if self.forced:
+            return "forced", float("-inf")
+        if self.last_change is not None:
+            # A retry never reads a file that is still being written: the change's debounce wins.
+            return "change", self.last_change + self.debounce_s
+        if self.retry_at is not None:
+            return "retry", self.retry_at
+        return None
+
+    def due_at(self) -> float | None:
+        due = self._cause_and_time()
+        return None if due is None else max(due[1], self.earliest_reload())
+
+    def earliest_reload(self) -> float:
+        return float("-inf") if self.last_reload is None else self.last_reload + self.min_interval_s
+
+    def take(self, now: float) -> Cause | None:
+        """What is due at `now` (and everything pending consumed), or None."""
+        due = self._cause_and_time()
+        if due is None or now < max(due[1], self.earliest_reload()):
+            return None
+        self.clear()
+        return due[0]
+
+    def clear(self) -> None:
+        self.last_change = None
+        self.forced = False
+        self.retry_at = None
+
+    def reloaded(self, now: float) -> None:
+        self.last_reload = now
+
+
+RETRY_FIRST_S = 0.5
+
+
+def retry_delay(attempts: int, max_s: float) -> float:
+    """0.5 s before the first retry, then twice as long each time, up to `max_s`."""
+    return min(max_s, RETRY_FIRST_S * 2 ** min(attempts, 32))
