@@ -26,7 +26,9 @@ import aiohttp
 
 from supervisor.page import BackendSizes, backends_of, page_of
 from supervisor.settings import Settings
-from supervisor.status import build_app, start_status_server, status_document
+from supervisor.status.document import status_document
+from supervisor.status.listener import start_status_server
+from supervisor.status.routes import build_app
 from tests.support.harness import free_port
 from tests.support.status_state import RecordingActions, fleet_state
 

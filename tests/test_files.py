@@ -178,7 +178,7 @@ def _settings(tmp_path: Path):
 
 
 def test_a_fifo_as_the_token_file_does_not_hang_the_status_server(tmp_path, caplog):
-    from supervisor.status import load_token
+    from supervisor.status.routes import load_token
 
     path = tmp_path / "token"
     os.mkfifo(path)

@@ -24,7 +24,7 @@ from supervisor.page import (
 )
 from supervisor.settings import Settings
 from supervisor.state import CHART_POINTS, Generation, OldWorker, ReloadRecord, State
-from supervisor.status import status_document
+from supervisor.status.document import status_document
 from tests.support.status_state import (
     CURRENT_PID,
     HOSTILE_ERROR,

@@ -23,7 +23,8 @@ from yarl import URL
 
 from supervisor.settings import Settings, StatusSettings
 from supervisor.state import State
-from supervisor.status import build_app, start_status_server
+from supervisor.status.listener import start_status_server
+from supervisor.status.routes import build_app
 from tests.support.harness import free_port
 from tests.support.status_state import CURRENT_PID, OLD_PIDS, RecordingActions, running_state
 from tests.test_status import key_paths, readme_schema_keys
@@ -380,7 +381,7 @@ async def test_unix_socket_file_is_removed_at_stop(rundir: Path):
 
 
 async def test_a_busy_port_is_a_one_line_error(tcp: Served):
-    from supervisor.status import StatusServerError
+    from supervisor.status.listener import StatusServerError
 
     listen = tcp.base.removeprefix("http://")
     with pytest.raises(StatusServerError, match=rf"^status.listen {listen}: .*address already in use"):

@@ -16,7 +16,8 @@ import pytest
 
 from supervisor.haproxy.api import validate_name
 from supervisor.settings import Settings, StatusSettings
-from supervisor.status import build_app, start_status_server
+from supervisor.status.listener import start_status_server
+from supervisor.status.routes import build_app
 from tests.support.harness import free_port
 from tests.support.status_state import RecordingActions, running_state
 
