@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .haproxy.api import MasterCLI, ProcList
 from .haproxy.runtime import RuntimeApplier
+from .haproxy.stderr import ServerEvent, StderrRelay
 from .logs import setup_logging
 from .looplag import LoopLag
 from .master import MasterError, MasterProcess, MasterSocketGone
@@ -46,6 +47,8 @@ class DisplacedComponent(ReloadHooks, Component, Protocol):
     def unmark_dead(self, key: str) -> None: ...
 
     def has_server(self, key: str) -> bool: ...
+
+    def on_server_event(self, event: ServerEvent) -> None: ...
 
 
 class DaemonActions:
@@ -156,10 +159,21 @@ class Daemon:
             log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
             return EXIT_CRASHED
         self.state.haproxy_version = await haproxy_version(settings.haproxy.binary)
-        self.master = MasterProcess(settings, self.state, self.cli, on_started=self.handle_master_started)
+        relay: StderrRelay | None = StderrRelay(settings.haproxy.stderr_fifo)
+        try:
+            relay.open()
+        except OSError as exc:
+            log.warning("%s: %s: haproxy writes to our stderr, server states are polled",
+                        settings.haproxy.stderr_fifo, exc.strerror or exc)
+            relay = None
+        self.master = MasterProcess(
+            settings, self.state, self.cli, on_started=self.handle_master_started, stderr=relay
+        )
         ext = self.extensions
         if ext.displaced is not None:
             self.displaced = ext.displaced(settings, self.state, self.cli)
+            if relay is not None:
+                relay.subscribe(self.displaced.on_server_event)
         # One applier serves both: it remembers the servers whose runtime change was refused,
         # so the state saved before the next reload leaves them out.
         applier = RuntimeApplier(self.cli, remove_wait_s=settings.reload.remove_wait_s)
@@ -183,6 +197,8 @@ class Daemon:
                 adopted = await self.reloader.take_back(gone.pid)
         except MasterError as exc:
             log.error("%s", exc)
+            if relay is not None:
+                relay.close()
             return EXIT_CRASHED
         if adopted is not None:
             self.reloader.rebuild(adopted)
@@ -218,6 +234,8 @@ class Daemon:
                 await self.master.stop()
             for task in (*tasks, *self._signal_tasks):
                 task.cancel()
+        if relay is not None:
+            relay.close()  # HAProxy's lines from now on are lost (EPIPE) until the next daemon opens it
         if self._detach:
             log.info("haproxy-supervisor detached: haproxy master pid=%s left running, exit %d",
                      self.master.pid, EXIT_DETACHED)

@@ -3,9 +3,11 @@
 One object owns the master the way gunicorn's Arbiter owns its workers. HAProxy
 runs in master-worker mode in the foreground (`-W`, no `-D`), as our child in a
 session of its own, so a Ctrl-C on the daemon's terminal reaches the daemon only.
-Its stdout and stderr are the daemon's: under systemd that is the journal, which
-outlives the daemon, so HAProxy never writes into a pipe nobody reads after a
-daemon crash.
+Its stdout is the daemon's; its stderr is the daemon's FIFO (haproxy/stderr.py), which
+the daemon relays line by line to its own stderr (under systemd: the journal) and reads
+server state changes from. The FIFO's write end is non-blocking: after a daemon crash
+HAProxy's messages are lost (EPIPE, ignored), HAProxy is never stalled, and the next
+daemon opens the FIFO again by its path.
 
 A master that is not our child (adopted after a daemon restart) is watched through
 a pidfd, which becomes readable when the process exits; a child is watched the
@@ -38,6 +40,7 @@ import psutil
 from .haproxy.api import CLIError, MasterCLI, ProcList, parse_show_info
 from .haproxy.config import Config
 from .haproxy.server_state import clear_server_state
+from .haproxy.stderr import StderrRelay
 from .notify import child_environment
 from .settings import Settings
 from .state import State
@@ -340,11 +343,13 @@ class MasterProcess:
         state: State,
         cli: MasterCLI,
         on_started: Callable[[ProcList], Awaitable[None]] | None = None,
+        stderr: StderrRelay | None = None,
     ) -> None:
         self.settings = settings
         self.state = state
         self.cli = cli
         self.on_started = on_started
+        self.stderr = stderr  # None: the master shares the daemon's stderr
         # Held by whoever changes what HAProxy runs: (re)start, stop, and each reload.
         self.lock = asyncio.Lock()
         self.pid: int | None = None
@@ -418,6 +423,17 @@ class MasterProcess:
 
         loop.add_reader(fd, exited)
 
+    def _stderr_end(self) -> int | None:
+        """The write end of the FIFO for a master about to start, or None: it inherits ours."""
+        if self.stderr is None:
+            return None
+        try:
+            return self.stderr.write_end()
+        except OSError as exc:
+            log.warning("%s: cannot open (%s): haproxy writes to our stderr, server states are polled",
+                        self.stderr.path, exc.strerror or exc)
+            return None
+
     def _reap(self) -> str:
         if self._child is None:
             return describe_exit(None)
@@ -437,12 +453,14 @@ class MasterProcess:
         self.pid = pid
         self.state.master_pid = pid
         self.state.master_up = True
+        self.state.server_events = self.stderr is not None and self.stderr.feeds(pid)
         self._up_since = time.monotonic()
         self._up.set()
 
     def _mark_down(self) -> None:
         self.state.master_up = False
         self.state.master_pid = None
+        self.state.server_events = False
         self._up.clear()
         self.pid = None
         self._child = None
@@ -457,12 +475,17 @@ class MasterProcess:
         # put servers in states nobody asked for.
         clear_server_state(self.settings.haproxy.server_state_file)
         log.info("starting haproxy master: %s", shlex.join(cmd))
+        stderr = self._stderr_end()
         try:
             child = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_environment(), umask=CHILD_UMASK,
+                cmd, stdin=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=child_environment(),
+                umask=CHILD_UMASK,
             )
         except OSError as exc:
             raise MasterError(f"cannot run {cmd[0]}: {exc.strerror or exc}") from None
+        finally:
+            if stderr is not None:
+                os.close(stderr)
         self._child = child
         self.adopted = False
         self._watch_exit(child.pid)
@@ -527,8 +550,9 @@ class MasterProcess:
         self._wanted.set()
         worker = procs.current_worker
         log.info(
-            "master adopted pid=%d worker=%d old_workers=%d",
+            "master adopted pid=%d worker=%d old_workers=%d server_events=%s",
             pid, worker.pid if worker else 0, len(procs.old_workers),
+            "heard" if self.state.server_events else "polled (its stderr is not our FIFO)",
         )
         return procs
 

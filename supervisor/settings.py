@@ -56,6 +56,11 @@ class HAProxySettings:
     def server_state_file(self) -> Path:
         return self.runtime_dir / "server-state"
 
+    @property
+    def stderr_fifo(self) -> Path:
+        """The master's stderr: HAProxy's messages, relayed to the daemon's stderr (haproxy/stderr.py)."""
+        return self.runtime_dir / "haproxy.stderr"
+
 
 @dataclass(frozen=True)
 class ReloadSettings:
@@ -82,6 +87,9 @@ class OldWorkerSettings:
     guard: bool = True
     no_backup: Literal["fail-fast", "keep"] = "fail-fast"
     shutdown_stuck_sessions: bool = False
+    # The current worker's full server-state read, when nothing says a state changed: servers
+    # without checks, or with checks while HAProxy's messages are heard (a safety net).
+    state_read_interval_s: float = 15
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,7 @@ _POSITIVE = {
     "reload.retry_max_s",
     "old_workers.max",
     "old_workers.poll_interval_ms",
+    "old_workers.state_read_interval_s",
     "observe.error_limit",
     "haproxy.max_config_bytes",
     "status.header_timeout_s",

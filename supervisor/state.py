@@ -189,6 +189,9 @@ class State:
     operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
     push_failures: int = 0
+    server_state_reads: int = 0  # full `show servers state` reads of a worker by the steering
+    # The master's stderr is the daemon's FIFO: server state changes are heard as they happen.
+    server_events: bool = False
     push_duration: DurationHistogram = field(default_factory=lambda: DurationHistogram())
     convergence: Convergence = field(default_factory=Convergence)
     # False while the master's socket is missing from runtime_dir (deleted under us): the daemon

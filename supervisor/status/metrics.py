@@ -123,6 +123,16 @@ class StateCollector(Collector):
             "haproxy_supervisor_push_failures", "Pushes to old workers that failed.", value=state.push_failures,
         )
         yield CounterMetricFamily(
+            "haproxy_supervisor_server_state_reads",
+            "Full `show servers state` reads of a worker (the current one's evidence, an old one's own view).",
+            value=state.server_state_reads,
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_server_events",
+            "1 when HAProxy's server state changes are heard on the master's stderr, else 0 (polled).",
+            value=int(state.server_events),
+        )
+        yield CounterMetricFamily(
             "haproxy_supervisor_master_restarts", "Times the HAProxy master was restarted after it died.",
             value=state.master_restarts,
         )

@@ -91,6 +91,7 @@ class ConfigDigest:
     named_hosts: tuple[Server, ...] = field(compare=False)
     guarded: bool = field(compare=False)  # some section has the guard: the worker can be steered
     changes_alone: bool = field(compare=False)  # some server's state can change by itself (checks)
+    quiet: bool = field(compare=False)  # `quiet` in global: HAProxy writes no message to stderr
     limit: int = field(compare=False)  # the longest CLI line its processes accept
 
     def server(self, key: str) -> Server | None:
@@ -152,6 +153,7 @@ class Sections:
             named_hosts=tuple(s for sd in sections.values() for s in sd.named_hosts),
             guarded=any(sd.guarded for sd in sections.values()),
             changes_alone=any(sd.changes_alone for sd in sections.values()),
+            quiet=model.global_setting("quiet") is not None,
             limit=line_limit(model),
         )
 

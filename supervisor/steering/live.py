@@ -4,7 +4,11 @@ what each old worker skips itself, and the old workers' connections and memory.
 Idle means idle: servers change state by themselves only through health checks, agent checks
 and `observe`. In a config with none of those, nothing but an admin command can change them
 (the daemon's own runtime applies read them again at once), so a full read of the current
-worker's states is only a slow safety net.
+worker's states is only a slow safety net. With checks, HAProxy writes each change to its
+stderr (haproxy/stderr.py): while those lines are heard, a line is what calls for a read, and
+the full read is again a slow safety net (for a line dropped by a full pipe). Polling stays
+while they are not heard, and while some check has not concluded yet (right after a reload):
+a first check that finds a server UP changes nothing, so HAProxy writes no line for it.
 """
 
 from __future__ import annotations
@@ -23,14 +27,20 @@ from .dead import LiveStates, parse_live_states
 from .procs import split_show_info
 from .record import WorkerRecord
 
-SAFETY_NET_S = 15.0  # a read at least this often whatever the config: an operator's admin command
 COST_SHARE = 20  # reads take at most 1/COST_SHARE of the time
 
 
-def live_read_interval(cost_s: float, poll_s: float, changes_alone: bool) -> float:
+def live_read_interval(cost_s: float, poll_s: float, changes_alone: bool, safety_net_s: float) -> float:
     """How long one read of the current worker's server states stays good. `changes_alone`:
-    some server of its config is health checked or observed, so states change by themselves."""
-    return max(poll_s, COST_SHARE * cost_s) if changes_alone else max(poll_s, SAFETY_NET_S)
+    states change by themselves (checks, `observe`) and no stderr line would say so."""
+    return max(poll_s, COST_SHARE * cost_s) if changes_alone else max(poll_s, safety_net_s)
+
+
+def changes_unheard(changes_alone: bool, quiet: bool, heard: bool, unchecked: bool) -> bool:
+    """Whether states may change by themselves with no stderr line to say so: the config checks
+    or observes servers, and HAProxy's lines are not heard (`heard`: the master's stderr is the
+    daemon's FIFO; `quiet` in global silences them) or some check has not concluded yet."""
+    return changes_alone and (quiet or not heard or unchecked)
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,8 @@ class LiveRead:
     cost_s: float  # asking and parsing
     unusable: frozenset[str]  # its servers that are DOWN or in maintenance
 
-    def due(self, pid: int | None, poll_s: float, changes_alone: bool, now: float) -> bool:
-        return pid != self.pid or now - self.at >= live_read_interval(self.cost_s, poll_s, changes_alone)
+    def due(self, pid: int | None, poll_s: float, changes_alone: bool, safety_net_s: float, now: float) -> bool:
+        return pid != self.pid or now - self.at >= live_read_interval(self.cost_s, poll_s, changes_alone, safety_net_s)
 
 
 async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
@@ -56,19 +66,20 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     return LiveRead(pid, now, states, now - started, states.unusable())
 
 
-async def read_unusable(cli: MasterCLI, workers: Iterable[WorkerRecord], budget: int = 4) -> bool:
+async def read_unusable(cli: MasterCLI, workers: Iterable[WorkerRecord], budget: int = 4) -> int:
     """Ask a few old workers not asked yet which servers they skip themselves (DOWN or MAINT in
     their own view): no use as targets. Not in the critical path: a worker is steered first
-    with what is known, and corrected when the answer comes. Whether any answered."""
+    with what is known, and corrected when the answer comes. How many answered."""
 
     async def one(worker: WorkerRecord) -> bool:
         with contextlib.suppress(CLIError):
-            worker.unusable = (await read_states(cli, worker.pid)).unusable
+            read = await read_states(cli, worker.pid)
+            worker.unusable, worker.unusable_at = read.unusable, read.at
             return True
         return False
 
     wanted = [w for w in workers if w.unusable is None and not w.current][:budget]
-    return any(await asyncio.gather(*(one(w) for w in wanted)))
+    return sum(await asyncio.gather(*(one(w) for w in wanted)))
 
 
 async def update_stats(cli: MasterCLI, state: State) -> None:

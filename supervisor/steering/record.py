@@ -24,6 +24,7 @@ class WorkerRecord:
     wanted: Steering | None = None  # what it needs; None: leave its map alone
     pending: set[str] | None = None  # backends where held may differ from wanted; None: any
     unusable: frozenset[str] | None = None  # servers it sees down itself; None: ask it
+    unusable_at: float = 0.0  # monotonic, when it was last asked
     pushes: int = 0  # moves at the start and the end of a push: a read-back overlapping one proves nothing
     verify: bool = True  # read its map back (after a push, or for a reconcile)
     verified_at: float = 0.0  # monotonic

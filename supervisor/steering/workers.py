@@ -20,12 +20,13 @@ from typing import TypeVar
 
 from ..haproxy.api import CLIError, MasterCLI, ProcList, validate_name
 from ..haproxy.config import Config
+from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..settings import Settings
 from ..state import PushStateName, State
 from .dead import ConfigDigest, LiveStates, LiveView, live_view
 from .digests import Digests
-from .live import LiveRead, read_states, read_unusable, update_stats
+from .live import LiveRead, changes_unheard, read_states, read_unusable, update_stats
 from .plan import Planner, Steering, nothing_steered
 from .procs import worker_generations
 from .push import GONE, PushError, end_stuck_streams, map_difference, push, read_back
@@ -58,11 +59,13 @@ class OldWorkers:
         self.cli = cli
         self.map_path = str(settings.haproxy.steer_map)
         self.poll_s = settings.old_workers.poll_interval_ms / 1000
+        self.safety_net_s = settings.old_workers.state_read_interval_s
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
         self._workers: dict[int, WorkerRecord] = {}
         self._digests = Digests()
         self._planner = Planner(settings.old_workers.no_backup)
         self._live: LiveRead | None = None
+        self._live_stale = False  # HAProxy wrote that a server of the current worker changed
         self._down: frozenset[str] = frozenset()  # the last view's down endpoints
         self._next: ConfigDigest | None = None  # set between before_reload and after_reload
         self._leaving_pid: int | None = None  # the worker about to become old
@@ -83,7 +86,9 @@ class OldWorkers:
             try:
                 await self.sync(fresh=self._live_due())
                 await self._interruptible(self._verify_some())
-                if await self._interruptible(read_unusable(self.cli, self._workers.values())):
+                answered = await self._interruptible(read_unusable(self.cli, self._workers.values()))
+                if answered:
+                    self.state.server_state_reads += answered
                     self._wake.set()
                 if time.monotonic() >= self._stats_at:
                     self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
@@ -147,6 +152,17 @@ class OldWorkers:
         """Recompute and push now: a runtime change altered the current config in place."""
         self._digests = Digests()  # the current config changed in place; a runtime apply took the reload's place
         await self.sync(fresh=True)
+
+    def on_server_event(self, event: ServerEvent) -> None:
+        """HAProxy wrote that a server changed state in worker `event.pid`: read that worker's
+        states again (the current one's: its checks; an old one's: `observe` marking down)."""
+        worker = self._workers.get(event.pid)
+        if worker is not None and not worker.current:
+            worker.unusable = None
+        else:  # the current worker, or a new one not listed yet
+            self._live_stale = True
+        log.debug("server event: worker %d: %s %s", event.pid, event.key, event.change)
+        self._wake.set()
 
     def mark_dead(self, key: str) -> None:
         self.state.operator_dead.add(_check_key(key))
@@ -268,12 +284,19 @@ class OldWorkers:
 
     def _live_due(self) -> bool:
         current = self.state.current
-        if self._live is None or current is None:
+        if self._live is None or current is None or self._live_stale:
             return True
-        changes_alone = self._digests.of(current).changes_alone
-        return self._live.due(current.worker_pid, self.poll_s, changes_alone, time.monotonic())
+        digest = self._digests.of(current)
+        unheard = changes_unheard(digest.changes_alone, digest.quiet, self._heard(), bool(self._live.states.pending))
+        return self._live.due(current.worker_pid, self.poll_s, unheard, self.safety_net_s, time.monotonic())
+
+    def _heard(self) -> bool:
+        """HAProxy's server state lines reach the daemon (haproxy/stderr.py)."""
+        return self.state.server_events
 
     async def _fetch_live(self, pid: int) -> None:
+        self._live_stale = False  # a line written while the read is under way calls for another
+        self.state.server_state_reads += 1
         self._live = await read_states(self.cli, pid)
 
     async def _interruptible(self, read: Coroutine[object, object, R]) -> R:
@@ -363,13 +386,18 @@ class OldWorkers:
                     # A reconcile also sweeps stuck streams again and, with `observe` (the only
                     # thing that marks servers down in an old worker), re-reads its own view.
                     worker.swept = frozenset()
-                    if self.settings.observe.enabled and not worker.current:
+                    if self.settings.observe.enabled and not worker.current and self._own_view_due(worker):
                         worker.unusable = None
                 difference = map_difference({key: value for part in held.values() for key, value in part}, got)
                 if difference:
                     worker.held = None
                     self._failed(worker, f"worker {worker.pid}: {difference}")
                     self._wake.set()
+
+    def _own_view_due(self, worker: WorkerRecord) -> bool:
+        """An old worker's own view is read again at each reconcile, or, while HAProxy's lines
+        are heard (an `observe` mark-down is one), only at the safety net's pace."""
+        return not self._heard() or time.monotonic() - worker.unusable_at >= self.safety_net_s
 
     def _failed(self, worker: WorkerRecord, error: str) -> None:
         worker.failures += 1

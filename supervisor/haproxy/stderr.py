@@ -1,0 +1,171 @@
+"""HAProxy's own messages as an event source: the master's stderr is a FIFO the daemon reads.
+
+Every HAProxy process of a master-worker tree writes its messages to the stderr it inherited
+from the master (unless the global section says `quiet`), and each server state change is one
+of them: `[WARNING]  (4612) : Server be/s1 is DOWN, reason: ...`, `... is UP ...`,
+`... is going DOWN for maintenance ...`, from the worker (current or old) in whose view it
+changed. So a line names the process whose server states are worth reading again; nothing
+else needs reading while no line comes.
+
+The stderr is a named FIFO in runtime_dir, not an anonymous pipe, so that a daemon restarted
+next to a running master (which it adopts) opens it again by its path and hears it again. Its
+ends are opened so that neither side can hurt the other:
+- the master gets a write end opened O_NONBLOCK: a daemon that stops reading can never stall
+  a worker, a full pipe drops a line instead (the slow full read is the safety net); with no
+  reader at all (no daemon) a write fails with EPIPE, and HAProxy ignores SIGPIPE;
+- the daemon opens its end read-write, so it never sees an end of file, whether the master
+  re-executes on a reload or dies and is started again.
+Every line read is written unchanged to the daemon's own stderr (the journal under systemd).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .api import validate_name
+
+log = logging.getLogger(__name__)
+
+ServerChange = Literal["DOWN", "UP", "MAINT", "DRAIN", "CHANGED"]
+
+# `[WARNING]  (4612) : Backup Server be/s1 ('host') is DOWN, reason: ...`; the level is padded.
+_SERVER_LINE = re.compile(
+    r"\A\[(?:WARNING|NOTICE|ALERT)\]\s+\((\d+)\) : (?:Backup )?Server ([^\s/]+)/(\S+) (?:\('[^']*'\) )?(.*)\Z"
+)
+_CHANGES: tuple[tuple[str, ServerChange], ...] = (
+    ("is DOWN", "DOWN"),
+    ("is going DOWN for maintenance", "MAINT"),
+    ("was DOWN and now enters maintenance", "MAINT"),
+    ("enters maintenance", "MAINT"),
+    ("is UP", "UP"),
+    ("enters drain", "DRAIN"),
+    ("is stopping", "DRAIN"),
+)
+PIPE_BYTES = 1 << 20  # room for a burst (thousands of servers going DOWN at once) before lines drop
+_READ_BYTES = 1 << 16
+_MAX_PARTIAL = 1 << 16  # a "line" longer than this without a newline is passed on as it is
+
+
+@dataclass(frozen=True)
+class ServerEvent:
+    """A server changed state in the view of process `pid`."""
+
+    pid: int
+    backend: str
+    server: str
+    change: ServerChange
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}/{self.server}"
+
+
+def parse_server_event(line: str) -> ServerEvent | None:
+    """The server state change one stderr line reports, or None (another message, or names
+    that could not reach HAProxy's CLI)."""
+    m = _SERVER_LINE.match(line.rstrip("\r\n"))
+    if m is None:
+        return None
+    pid, backend, server, rest = m.groups()
+    try:
+        validate_name("backend", backend)
+        validate_name("server", server)
+    except ValueError:
+        return None
+    change = next((c for prefix, c in _CHANGES if rest.startswith(prefix)), "CHANGED")
+    return ServerEvent(int(pid), backend, server, change)
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+class StderrRelay:
+    """The FIFO that is the master's stderr: made, read, forwarded, and turned into events."""
+
+    def __init__(self, path: Path, forward_fd: int = 2) -> None:
+        self.path = path
+        self.forward_fd = forward_fd
+        self._fd: int | None = None
+        self._partial = b""
+        self._listeners: list[Callable[[ServerEvent], None]] = []
+
+    def subscribe(self, listener: Callable[[ServerEvent], None]) -> None:
+        self._listeners.append(listener)
+
+    def open(self) -> None:
+        """Make the FIFO (or keep the one an adopted master writes to) and start reading it."""
+        try:
+            if not stat.S_ISFIFO(os.lstat(self.path).st_mode):
+                self.path.unlink()
+                os.mkfifo(self.path, 0o600)
+        except FileNotFoundError:
+            os.mkfifo(self.path, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        with contextlib.suppress(OSError):  # a bigger pipe is a comfort, not a need
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        self._fd = fd
+        asyncio.get_running_loop().add_reader(fd, self._readable)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    def write_end(self) -> int:
+        """A write end for a master about to start (the caller closes it once it is passed on)."""
+        return os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def feeds(self, pid: int) -> bool:
+        """Whether process `pid` writes its stderr into this FIFO (a master started by this
+        daemon or by a previous one; not one started by hand or before this feature)."""
+        try:
+            return self._fd is not None and same_file(os.stat(f"/proc/{pid}/fd/2"), os.fstat(self._fd))
+        except OSError:
+            return False
+
+    def _readable(self) -> None:
+        assert self._fd is not None
+        try:
+            chunk = os.read(self._fd, _READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        data = self._partial + chunk
+        end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) > _MAX_PARTIAL:
+            end = len(data)
+        self._partial = data[end:]
+        if end:
+            self._forward(data[:end])
+            self._dispatch(data[:end])
+
+    def _forward(self, lines: bytes) -> None:
+        # Whole lines only: the daemon's own log lines go to the same stream.
+        with contextlib.suppress(OSError):
+            view = memoryview(lines)
+            while view:
+                view = view[os.write(self.forward_fd, view) :]
+
+    def _dispatch(self, lines: bytes) -> None:
+        if b"Server " not in lines:
+            return
+        for line in lines.decode(errors="replace").splitlines():
+            event = parse_server_event(line)
+            if event is None:
+                continue
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:
+                    log.exception("a listener of HAProxy's server events failed")
