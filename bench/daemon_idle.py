@@ -15,8 +15,14 @@ gauge's window (so each reading covers that phase only):
              after a reload that drains 1% of the servers, once every old worker is
              steered
 
+With --checks every server is health checked (`check inter 2s`) and the bench listens on every
+server's address, so the checks pass and the servers stay UP: the daemon then hears HAProxy's
+state lines instead of polling, and reads the current worker's states only as a safety net.
+The figures add the full state reads over the idle phase.
+
     python -m bench.daemon_idle                          # 16 old workers, 10,000 servers
     python -m bench.daemon_idle --workers 5 --servers 1000
+    python -m bench.daemon_idle --checks                 # the same, every server checked
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
+import resource
 import shutil
 import socket
 import statistics
@@ -71,13 +79,40 @@ async def until(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
-async def run(workers: int, servers: int, posts: int) -> dict[str, float]:
+CHECK = " check inter 2s"
+_SERVER_LINE = re.compile(r"^(    server \S+ (\S+):(\d+)(?: backup)?)$", re.M)
+
+
+def with_checks(text: str) -> str:
+    return _SERVER_LINE.sub(lambda m: m[1] + CHECK, text)
+
+
+def listen_on_servers(text: str) -> list[socket.socket]:
+    """A listening socket at every server address of `text`, never accepted: a check's connect
+    completes in the kernel's accept queue (deep enough for the bench's length)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = len(_SERVER_LINE.findall(text)) + 1024
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+    listeners = []
+    for address in sorted({(m[2], int(m[3])) for m in _SERVER_LINE.finditer(text)}):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(4096)
+        listeners.append(sock)
+    return listeners
+
+
+async def run(workers: int, servers: int, posts: int, checks: bool = False) -> dict[str, float]:
     directory = short_tmpdir("hsi-")
     front = free_port()
     base = rendered(servers, front, {})
+    if checks:
+        base = with_checks(base)
     daemon = Daemon(directory, base, {"old_workers": {"guard": True}, "reload": {"timeout_s": 60}})
     sock = directory / "status.sock"
-    holders: list[socket.socket] = []
+    holders: list[socket.socket] = listen_on_servers(base) if checks else []
     figures: dict[str, float] = {}
     try:
         daemon.start()
@@ -94,9 +129,11 @@ async def run(workers: int, servers: int, posts: int) -> dict[str, float]:
         await until(all_old, 120, "old workers listed")
         await asyncio.sleep(SETTLE_S)
         process = psutil.Process(daemon.pid)
+        reads = await metric(sock, "haproxy_supervisor_server_state_reads_total")
         cpu, started = process.cpu_times(), time.monotonic()
         await asyncio.sleep(IDLE_S)
         after, elapsed = process.cpu_times(), time.monotonic() - started
+        figures["idle_reads"] = await metric(sock, "haproxy_supervisor_server_state_reads_total") - reads
         figures["idle_cpu_pct"] = 100 * (after.user + after.system - cpu.user - cpu.system) / elapsed
         figures["rss_mb"] = process.memory_info().rss / 2**20
         figures["lag_idle_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
@@ -121,7 +158,8 @@ async def run(workers: int, servers: int, posts: int) -> dict[str, float]:
 
         await asyncio.sleep(SETTLE_S)
         moved = {server: 1 for server in drained(servers, 0)}
-        daemon.write(rendered(servers, front, moved).replace("maxconn 2000", f"maxconn {2001 + workers}"))
+        drain = rendered(servers, front, moved).replace("maxconn 2000", f"maxconn {2001 + workers}")
+        daemon.write(with_checks(drain) if checks else drain)
         await daemon.wait_generation(workers + 2, timeout=120)
 
         async def steered() -> bool:
@@ -144,11 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=16, help="old workers alive")
     parser.add_argument("--servers", type=int, default=10000, help="servers in the rendered config")
     parser.add_argument("--posts", type=int, default=20, help="servers marked dead and back, one after another")
+    parser.add_argument("--checks", action="store_true", help="health checks on every server (all UP)")
     args = parser.parse_args(argv or [])
-    f = asyncio.run(run(args.workers, args.servers, args.posts))
+    f = asyncio.run(run(args.workers, args.servers, args.posts, args.checks))
     print(
-        f"daemon at rest: {args.workers} old workers, {args.servers} servers\n"
-        f"  idle CPU {f['idle_cpu_pct']:.2f} % of a core, RSS {f['rss_mb']:.0f} MB\n"
+        f"daemon at rest: {args.workers} old workers, {args.servers} servers"
+        f"{', every one health checked' if args.checks else ''}\n"
+        f"  idle CPU {f['idle_cpu_pct']:.2f} % of a core, RSS {f['rss_mb']:.0f} MB, "
+        f"{f['idle_reads']:.0f} full state reads in {IDLE_S:.0f} s\n"
         f"  POST p50 {f['post_p50_ms']:.1f} ms max {f['post_max_ms']:.1f} ms; "
         f"DELETE p50 {f['delete_p50_ms']:.1f} ms max {f['delete_max_ms']:.1f} ms; "
         f"POST unknown server (404) {f['post_unknown_ms']:.1f} ms\n"
