@@ -89,7 +89,7 @@ class Extensions:
 
     # steering/workers.py: OldWorkers(settings, state, cli) -> hooks around reloads + run() task
     displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
-    # status.py: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
+    # status/: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
     # something whose run() serves until cancelled
     status: Callable[[Settings, State, DaemonActions], Component] | None = None
     extra_tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)

@@ -11,7 +11,7 @@ import pytest
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.membership import loaded_slot_table, resolved_params, slot_map_commands
-from supervisor.haproxy.runtime import plan_runtime_apply, runtime_plan
+from supervisor.haproxy.runtime.plan import plan_runtime_apply, runtime_plan
 from supervisor.settings import HAProxySettings, Settings
 
 RAY = """\
@@ -225,16 +225,17 @@ def replaced():
 
 
 async def test_a_del_server_refused_to_the_end_reloads_and_the_generation_runs_the_new_servers(replaced, monkeypatch):
-    import supervisor.haproxy.runtime as runtime
+    import supervisor.haproxy.runtime.add_remove as add_remove
+    from supervisor.haproxy.runtime import RuntimeApplier
 
-    monkeypatch.setattr(runtime, "AFTER_SHUTDOWN_S", 0.2)
+    monkeypatch.setattr(add_remove, "AFTER_SHUTDOWN_S", 0.2)
     old, new = replaced
     cli = ScriptedCLI({
         "add server": "New server registered.",
         "del server": "Server still has connections attached to it, cannot remove it.",
     })
     current = SimpleNamespace(model=old, worker_pid=42)
-    applier = runtime.RuntimeApplier(cli, remove_wait_s=0.1)
+    applier = RuntimeApplier(cli, remove_wait_s=0.1)
     assert await applier(current, new, SimpleNamespace(effective_model=new)) is False
     assert current.model is new  # the added server is in service: the worker runs it
     assert "shutdown sessions server app1/app1_r1" in cli.sent

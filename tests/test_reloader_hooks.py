@@ -128,7 +128,7 @@ async def running(rundir: Path, apply_at_runtime: bool):
     applied: list[tuple[int, list[str]]] = []
 
     async def runtime_apply(current: Generation, model: Config, effective: Effective) -> bool:
-        # Stand-in for runtime.py: claims address-only changes, as the real one would plan them.
+        # Stand-in for haproxy/runtime/: claims address-only changes, as the real one would plan them.
         applied.append((current.number, [f"{s.key}={s.endpoint}" for s in model.servers()]))
         return apply_at_runtime
 

@@ -8,16 +8,9 @@ import random
 import pytest
 
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime import (
-    ServerChange,
-    apply_changes,
-    config_skeleton,
-    ordered_commands,
-    plan_runtime_apply,
-    refusal,
-    runtime_plan,
-    split_answers,
-)
+from supervisor.haproxy.runtime.apply import apply_changes, refusal, split_answers
+from supervisor.haproxy.runtime.changes import ServerChange, ordered_commands
+from supervisor.haproxy.runtime.plan import config_skeleton, plan_runtime_apply, runtime_plan
 from tests.conftest import CORPUS
 
 INGRESS = (CORPUS / "ingress.cfg").read_text()

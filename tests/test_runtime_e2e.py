@@ -25,12 +25,10 @@ import pytest
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.haproxy.api import MasterCLI, ServerState, parse_servers_state, parse_show_proc
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime import (
-    RuntimeApplier,
-    ServerChange,
-    apply_changes,
-    plan_runtime_apply,
-)
+from supervisor.haproxy.runtime import RuntimeApplier
+from supervisor.haproxy.runtime.apply import apply_changes
+from supervisor.haproxy.runtime.changes import ServerChange
+from supervisor.haproxy.runtime.plan import plan_runtime_apply
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, utcnow
 from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, backends, free_port

@@ -1,4 +1,4 @@
-"""Servers added and removed by name, planned for the Runtime API (pure; runtime.py applies).
+"""Servers added and removed by name, planned for the Runtime API (pure; runtime/add_remove.py applies).
 
 A replica that moves gets a new server name (Ray Serve names each server after its replica),
 so a rolling deployment adds and removes `server` lines and changes nothing else. HAProxy
@@ -194,7 +194,7 @@ def _server_lines(section: Section, skeleton_of: Skeleton) -> dict[str, _ServerL
 @dataclass(frozen=True, slots=True)
 class Membership:
     """What a change adds and removes, and the backends whose servers change (in-place
-    changes of the servers present in both are planned by runtime.py, as before)."""
+    changes of the servers present in both are planned by runtime/plan.py, as before)."""
 
     adds: tuple[ServerAdd, ...]
     removes: tuple[ServerRemove, ...]

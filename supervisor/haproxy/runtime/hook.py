@@ -1,0 +1,103 @@
+"""`RuntimeApplier`: what the reloader calls to apply a change without a reload, and to save
+the current worker's server state before one."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol
+
+from ..api import DEFAULT_LINE_LIMIT, MasterCLI
+from ..config import Config
+from ..server_state import clear_server_state, save_server_state
+from .add_remove import apply_membership
+from .apply import ApplyResult, apply_changes
+from .plan import RuntimePlan, runtime_plan
+
+log = logging.getLogger(__package__)
+
+
+class _Generation(Protocol):
+    model: Config
+    worker_pid: int | None
+
+
+class _Effective(Protocol):
+    text: str
+
+
+class RuntimeApplier:
+    """`runtime_apply(current, new_model, effective) -> bool` for the reloader.
+
+    True: the change is live in the current worker and no reload is needed (the reloader
+    then writes the effective config and updates the generation's model in place).
+    False: a reload must do it; either the plan needs one, or a command was refused.
+    Servers whose sequence was refused are remembered in `forget`, so that the next
+    server-state save leaves them out and the reload starts them from the config rather
+    than keeping them in the maint this module left them in.
+    """
+
+    def __init__(self, cli: MasterCLI, line_limit: int = DEFAULT_LINE_LIMIT, remove_wait_s: float = 10.0) -> None:
+        self.cli = cli
+        self.line_limit = line_limit
+        self.remove_wait_s = remove_wait_s
+        self.forget: set[str] = set()
+        self.last_result: ApplyResult | None = None
+
+    async def __call__(self, current: _Generation, new_model: Config, effective: _Effective | None = None) -> bool:
+        # Compare effective with effective: the generation's model is the effective config.
+        new = effective.effective_model if effective is not None else new_model
+        if current.worker_pid is None:
+            return False
+        plan = runtime_plan(current.model, new)
+        changes = plan.changes
+        if changes is None:
+            log.info("runtime apply not possible, reloading: %s", plan.why_reload)
+            return False
+        if plan.membership_changes:
+            return await self._apply_membership(current, plan, new)
+        if not changes:
+            return True
+        result = await apply_changes(self.cli, current.worker_pid, changes, line_limit=self.line_limit)
+        self.last_result = result
+        for change in result.applied:
+            self.forget.discard(change.key)
+        for refused in result.refused:
+            self.forget.add(refused.change.key)
+        log.info(
+            "runtime apply to worker %d: %d servers changed, %d refused, %d not sent, %d commands on %d lines",
+            current.worker_pid, len(result.applied), len(result.refused), len(result.skipped),
+            result.commands_sent, result.lines_sent,
+        )
+        return result.ok
+
+    async def _apply_membership(self, current: _Generation, plan: RuntimePlan, new: Config) -> bool:
+        assert current.worker_pid is not None
+        result = await apply_membership(
+            self.cli, current.worker_pid, plan, new, remove_wait_s=self.remove_wait_s, line_limit=self.line_limit
+        )
+        log.info(
+            "runtime apply to worker %d: %d servers added, %d removed, %d changed in place, %d commands",
+            current.worker_pid, len(result.added), len(result.removed), len(plan.changes or ()),
+            result.commands_sent,
+        )
+        if result.ok:
+            return True
+        log.info("runtime apply not possible, reloading: %s", result.why)
+        if result.made:
+            # The new servers are in service there: the worker runs the new config's servers
+            # (and removed ones left in maint), which is what its steering must go by once old.
+            current.model = new
+        return False
+
+    async def save_server_state(self, current: _Generation, new_model: Config, path: Path) -> bool:
+        """Before a reload to `new_model`: save the current worker's state, minus what must not carry over."""
+        if current.worker_pid is None:
+            clear_server_state(path)
+            return False
+        saved = await save_server_state(
+            self.cli, current.worker_pid, path, running=current.model, new=new_model, forget=self.forget
+        )
+        if saved:
+            self.forget.clear()
+        return saved

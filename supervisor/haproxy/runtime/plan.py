@@ -1,0 +1,217 @@
+"""The plan: does the new config differ from the running one only in what the runtime API can
+change (server addresses, ports, weights, enabled state; servers added and removed by name)?
+Then the changes; else the one-line reason a reload is needed."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+
+from ..config import _SERVER_KEYWORDS_WITH_ARG, BACKEND_KINDS, Config, Section, Server
+from ..membership import ServerAdd, ServerRemove, membership
+from .changes import DEFAULT_WEIGHT, ServerChange
+
+log = logging.getLogger(__package__)
+
+
+def _runtime_endpoint(word: str) -> tuple[str, int | None] | None:
+    """(host, port) of a config address that `set server ... addr` can express, else None.
+
+    Only IP literals: `set server addr` does no DNS resolution, and a host name, a port
+    range or offset (`+1000`), a unix socket or a family prefix other than ipv4@/ipv6@
+    means the change is for a reload to make.
+    """
+    family = ""
+    if word.startswith(("ipv4@", "ipv6@")):
+        family, word = word[:4], word[5:]
+    host: str
+    port_text: str | None
+    if word.startswith("["):
+        host, sep, tail = word[1:].partition("]")
+        if not sep or (tail and not tail.startswith(":")):
+            return None
+        port_text = tail[1:] if tail else None
+    elif family == "ipv6":
+        host, _, port_text = word.rpartition(":")
+    elif word.count(":") == 1:
+        host, _, port_text = word.partition(":")
+    elif ":" not in word:
+        host, port_text = word, None
+    else:
+        return None  # bare IPv6: HAProxy reads the last group as a port; too easy to misread
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if (family == "ipv4" and ip.version != 4) or (family == "ipv6" and ip.version != 6):
+        return None
+    if port_text is None:
+        return str(ip), None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return None
+    return str(ip), int(port_text)
+
+
+def _address_index(line_words: tuple[str, ...]) -> int:
+    return 3 if line_words[0] == "server-template" else 2
+
+
+def _without_runtime_fields(words: tuple[str, ...]) -> tuple[str, ...]:
+    """A server line's words with the address, `disabled`/`enabled` and `weight N` taken out."""
+    at = _address_index(words)
+    kept = [*words[:at], "<address>"]
+    params = words[at + 1 :]
+    i = 0
+    while i < len(params):
+        word = params[i]
+        if word in ("disabled", "enabled"):
+            i += 1
+            continue
+        if word == "weight":
+            i += 2
+            continue
+        kept.append(word)
+        if word in _SERVER_KEYWORDS_WITH_ARG and i + 1 < len(params):
+            kept.append(params[i + 1])
+            i += 1
+        i += 1
+    return tuple(kept)
+
+
+def _is_server_line(section: Section, words: tuple[str, ...]) -> bool:
+    if section.kind not in BACKEND_KINDS or not words:
+        return False
+    return (words[0] == "server" and len(words) >= 3) or (words[0] == "server-template" and len(words) >= 4)
+
+
+def config_skeleton(config: Config) -> list[tuple[str, ...]]:
+    """Every line's words, blank and comment lines left out, server runtime fields taken out.
+
+    Two configs with the same skeleton differ only in what the Runtime API can set on
+    servers that exist in both, or in comments and spacing, which HAProxy never sees.
+    """
+    skeleton: list[tuple[str, ...]] = []
+    for section in config.sections:
+        if section.header is not None:
+            skeleton.append(("<section>", *section.header.words))
+        for line in section.body:
+            if not line.words:
+                continue
+            skeleton.append(_without_runtime_fields(line.words) if _is_server_line(section, line.words) else line.words)
+    return skeleton
+
+
+def _weight(server: Server) -> int:
+    return DEFAULT_WEIGHT if server.weight is None else server.weight
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimePlan:
+    """The runtime changes that turn one config into another, or (changes None) why only a
+    reload can: one line, for the log. `adds` and `removes`: servers added and removed by
+    name (membership.py), around the in-place `changes` of the servers present in both."""
+
+    changes: list[ServerChange] | None
+    why_reload: str = ""
+    adds: tuple[ServerAdd, ...] = ()
+    removes: tuple[ServerRemove, ...] = ()
+
+    @property
+    def membership_changes(self) -> bool:
+        return bool(self.adds or self.removes)
+
+
+def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | None:
+    """The in-place runtime changes that turn `running` into `new`, or None when they cannot
+    (a reload, or servers added or removed: runtime_plan() has those).
+
+    [] means nothing HAProxy sees differs (comments, spacing). Pass like with like:
+    both effective configs (or both rendered), so injections compare equal.
+    """
+    plan = runtime_plan(running, new)
+    return None if plan.membership_changes else plan.changes
+
+
+def runtime_plan(running: Config, new: Config) -> RuntimePlan:
+    """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
+    old_skeleton, new_skeleton = config_skeleton(running), config_skeleton(new)
+    if old_skeleton != new_skeleton:
+        found = membership(running, new, _without_runtime_fields, _first_difference)
+        if isinstance(found, str):
+            return RuntimePlan(None, found)
+        pairs = [(o, old, n, fresh) for o, n, servers in found.common for old, fresh in servers]
+        adds, removes = found.adds, found.removes
+    else:
+        pairs = []
+        for (old_section, old_servers), (new_section, new_servers) in zip(
+            running.servers_by_backend(), new.servers_by_backend(), strict=True
+        ):
+            if [s.name for s in old_servers] != [s.name for s in new_servers]:
+                # The same skeleton cannot give other names; refuse rather than guess.
+                return RuntimePlan(None, f"{new_section.kind} {new_section.name}: its servers differ")
+            pairs += [(old_section, o, new_section, n) for o, n in zip(old_servers, new_servers, strict=True)]
+        adds, removes = (), ()
+    changes: list[ServerChange] = []
+    for old_section, old, new_section, fresh in pairs:
+        change = _server_change(old_section, old, new_section, fresh)
+        if isinstance(change, str):
+            return RuntimePlan(None, change)
+        if change is not None:
+            changes.append(change)
+    return RuntimePlan(changes, "", adds, removes)
+
+
+def _first_difference(old: list[tuple[str, ...]], new: list[tuple[str, ...]]) -> str:
+    """Where two skeletons first differ, as the line of the new config (or the one it lacks)."""
+    index = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    skeleton, what = (new, "") if index < len(new) else (old, " is gone")
+    line = skeleton[index]
+    section = next((s for s in reversed(skeleton[: index + 1]) if s[:1] == ("<section>",)), None)
+    where = f"{' '.join(section[1:3])}: " if section is not None and section is not line else ""
+    text = " ".join(line[1:] if line[:1] == ("<section>",) else line)
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return f"{where}`{text}`{what or ' differs beyond what the Runtime API sets'}"
+
+
+def _server_change(old_section: Section, old: Server, new_section: Section, new: Server) -> ServerChange | str | None:
+    """The change for one server; None when it does not change; why, when it needs a reload."""
+    old_words = old_section.body[old.line_index].words
+    new_words = new_section.body[new.line_index].words
+    old_word = old_words[_address_index(old_words)]
+    new_word = new_words[_address_index(new_words)]
+    if old_word == new_word:
+        old_endpoint = new_endpoint = (old.address, old.port)
+    else:
+        parsed_old, parsed_new = _runtime_endpoint(old_word), _runtime_endpoint(new_word)
+        if parsed_old is None or parsed_new is None:
+            unset = new_word if parsed_new is None else old_word
+            return f"{new.key}: address {unset} cannot be set at runtime (an IP literal and a port can)"
+        if (parsed_old[1] is None) != (parsed_new[1] is None):
+            return f"{new.key}: a port cannot be added to or dropped from a server at runtime"
+        old_endpoint, new_endpoint = parsed_old, parsed_new
+    if (
+        old_word == new_word
+        and old.disabled == new.disabled
+        and _weight(old) == _weight(new)
+    ):
+        return None
+    try:
+        change = ServerChange(
+            backend=old.backend,
+            server=old.name,
+            from_address=old_endpoint[0],
+            from_port=old_endpoint[1],
+            to_address=new_endpoint[0],
+            to_port=new_endpoint[1],
+            from_weight=_weight(old),
+            to_weight=_weight(new),
+            was_enabled=not old.disabled,
+            enabled=not new.disabled,
+        )
+    except ValueError as exc:
+        return str(exc)
+    if not change.address_changed and not change.weight_changed and change.was_enabled == change.enabled:
+        return None  # the address was only spelled differently
+    return change
