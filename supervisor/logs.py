@@ -39,8 +39,9 @@ def setup_logging(settings: LoggingSettings) -> None:
 
 class RecurringCondition:
     """A condition that can recur thousands of times a second (a flood, a resource running
-    out, a socket that keeps failing): logged when it starts, then at most once per `every_s`
-    with how often it happened meanwhile, and once when it is over."""
+    out, a socket or a disk that keeps failing): logged when it starts and when its cause
+    changes, then at most once per `every_s` with how often it happened meanwhile, and once
+    when it is over."""
 
     def __init__(
         self, logger: logging.Logger, level: int, message: str, every_s: float = 60.0,
@@ -53,21 +54,51 @@ class RecurringCondition:
         self.clock = clock
         self.count = 0  # times it happened since the last line
         self._logged_at: float | None = None
+        self._cause: object = None  # the cause of the last line
         self._reported = False  # logged, and not yet said to be over
 
-    def happened(self, *args: object) -> None:
+    def happened(self, *args: object, cause: object = None) -> None:
+        """`message % args`, unless a line with the same `cause` was logged less than `every_s` ago."""
         self.count += 1
         now = self.clock()
-        if self._logged_at is None or now - self._logged_at >= self.every_s:
+        if self._logged_at is None or cause != self._cause or now - self._logged_at >= self.every_s:
             times = f" ({self.count} times since the last report)" if self.count > 1 else ""
             self.logger.log(self.level, self.message + times, *args)
             self._logged_at = now
+            self._cause = cause
             self.count = 0
             self._reported = True
 
     def over(self, message: str, *args: object) -> None:
         """Say the condition is over, once per report of it. A condition that flaps (a flood at
-        the limit) still makes at most one line a minute: its next start waits for that."""
+        the limit) still makes at most one line a minute: its next start waits for that, unless
+        its cause is a new one."""
         if self._reported:
             self.logger.info(message, *args)
             self._reported = False
+
+
+class RecurringConditions:
+    """Recurring conditions by key (one per thing that can fail: a file, a directory), each
+    logged as `RecurringCondition` does, with the wording of its latest occurrence; when one
+    is over, `<key>: works again`."""
+
+    def __init__(
+        self, logger: logging.Logger, level: int, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.level = level
+        self.every_s = every_s
+        self.clock = clock
+        self._by_key: dict[str, RecurringCondition] = {}
+
+    def happened(self, key: str, cause: object, message: str) -> None:
+        condition = self._by_key.get(key)
+        if condition is None:
+            condition = self._by_key[key] = RecurringCondition(self.logger, self.level, "%s", self.every_s, self.clock)
+        condition.happened(message, cause=cause)
+
+    def over(self, key: str) -> None:
+        condition = self._by_key.get(key)
+        if condition is not None:
+            condition.over("%s: works again", key)

@@ -1,5 +1,6 @@
-"""A condition that recurs on every poll is one log line when it starts, at most one a
-minute while it lasts (with a count), and one when it is over: logs.RecurringCondition,
+"""A condition that recurs on every poll is one log line when it starts or its cause changes,
+at most one a minute while it lasts (with a count), and one when it is over:
+logs.RecurringCondition, its keyed form logs.RecurringConditions (the reloader's disk errors),
 and the old workers' poll of the master CLI, which used to warn four times a second."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.haproxy.api import MasterCLI
-from supervisor.logs import RecurringCondition
+from supervisor.logs import RecurringCondition, RecurringConditions
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from supervisor.state import State
 from supervisor.steering.workers import OldWorkers
@@ -56,6 +57,56 @@ def test_one_line_at_the_start_then_one_a_minute_with_a_count_then_the_all_clear
     clock.now += 60
     condition.happened("Too many open files")
     assert lines(caplog, LOGGER, logging.WARNING)[-1] == "cannot: Too many open files (2 times since the last report)"
+
+
+def test_a_new_cause_is_logged_at_once_the_same_one_once_a_minute(caplog):
+    caplog.set_level(logging.DEBUG, LOGGER)
+    clock = Clock()
+    condition = RecurringCondition(logging.getLogger(LOGGER), logging.ERROR, "cannot write: %s", clock=clock)
+    condition.happened("No space left on device", cause="ENOSPC")
+    clock.now += 1
+    condition.happened("No space left on device", cause="ENOSPC")
+    condition.happened("Permission denied", cause="EACCES")
+    clock.now += 1
+    condition.happened("Permission denied", cause="EACCES")
+    assert lines(caplog, LOGGER, logging.ERROR) == [
+        "cannot write: No space left on device",
+        "cannot write: Permission denied (2 times since the last report)",
+    ]
+    # Over, then back with a new cause: said at once; with the cause last logged: within the minute, counted.
+    condition.over("works again")
+    condition.happened("No space left on device", cause="ENOSPC")
+    condition.over("works again")
+    condition.happened("No space left on device", cause="ENOSPC")
+    assert lines(caplog, LOGGER) == [
+        "cannot write: No space left on device",
+        "cannot write: Permission denied (2 times since the last report)",
+        "works again",
+        "cannot write: No space left on device (2 times since the last report)",
+        "works again",
+    ]
+
+
+def test_keyed_conditions_are_apart_and_remind_with_their_latest_wording(caplog):
+    caplog.set_level(logging.DEBUG, LOGGER)
+    clock = Clock()
+    problems = RecurringConditions(logging.getLogger(LOGGER), logging.ERROR, clock=clock)
+    for number in range(2, 6):  # one failed write per reload, on a full disk
+        problems.happened("generation configs", "ENOSPC", f"cannot record generation {number}'s config")
+        problems.happened("generations index", "ENOSPC", "cannot record the generations")
+        clock.now += 20
+    assert lines(caplog, LOGGER) == [
+        "cannot record generation 2's config",
+        "cannot record the generations",
+        "cannot record generation 5's config (3 times since the last report)",
+        "cannot record the generations (3 times since the last report)",
+    ]
+    problems.over("generation configs")
+    problems.over("generation configs")
+    problems.over("runtime_dir")  # never failed: nothing to say
+    assert lines(caplog, LOGGER)[4:] == ["generation configs: works again"]
+    problems.happened("generations index", "EACCES", "cannot record the generations: Permission denied")
+    assert lines(caplog, LOGGER)[-1] == "cannot record the generations: Permission denied"
 
 
 class WarnAtOnce(OldWorkers):

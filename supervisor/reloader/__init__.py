@@ -10,7 +10,7 @@ methods are grouped by idea, one module each, read in this order:
 
 - `schedule`: when the next cycle is due (debounce, min interval, retry backoff); pure.
 - `watch`: which filesystem events count as a change, and the digest of watched files.
-- `problems`: disk errors logged once per condition; HAProxy's message on one line.
+- `problems`: disk errors as the shell words them; HAProxy's message on one line.
 - `base`: the hooks, the reloader's collaborators and state, shared by every part.
 - `bookkeeping`: the generations, and the files that record them and what runs.
 - `convergence`: does the node run the rendered config; if not, when to try again.

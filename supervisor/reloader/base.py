@@ -18,11 +18,11 @@ from ..generations import GenerationStore, PendingReload, Snapshot
 from ..haproxy.api import MasterCLI, ProcList
 from ..haproxy.config import Config
 from ..haproxy.inject import SlotTable
+from ..logs import RecurringConditions
 from ..master import MasterProcess
 from ..notify import Notifier
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State
-from .problems import ProblemLog
 from .schedule import ReloadScheduler
 from .watch import ChangeFilter, split_watch
 
@@ -136,7 +136,7 @@ class ReloaderBase:
         self._forced_by: list[str] = []
         self._on_disk_sha: str | None = None  # the effective config last written to disk
         self._refused = False  # the last reload failed because HAProxy could not load the config
-        self.problems = ProblemLog()
+        self.problems = RecurringConditions(log, logging.ERROR)  # keyed by what fails, caused by the error
         state.rendered_path = str(settings.haproxy.config)
         state.effective_path = str(settings.haproxy.effective_config)
 

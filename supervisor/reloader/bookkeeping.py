@@ -37,9 +37,10 @@ class Bookkeeping(ReloaderBase):
             write_slot_table(loaded.slot_table)
             self._write_effective_text(loaded.text)
         except OSError as exc:
-            self.problems.report("effective config", exc, f"cannot write back the running config: {io_error_line(exc)}")
+            error = io_error_line(exc)
+            self.problems.happened("effective config", error, f"cannot write back the running config: {error}")
             return
-        self.problems.clear("effective config")
+        self.problems.over("effective config")
 
     def _write_effective_text(self, text: str) -> None:
         write_atomically(self.settings.haproxy.effective_config, text)
@@ -65,12 +66,13 @@ class Bookkeeping(ReloaderBase):
         try:
             self.store.write_config(number, text)
         except OSError as exc:
-            self.problems.report("generation configs", exc, (
-                f"cannot record generation {number}'s config: {io_error_line(exc)} "
+            error = io_error_line(exc)
+            self.problems.happened("generation configs", error, (
+                f"cannot record generation {number}'s config: {error} "
                 "(HAProxy runs it; a daemon restarted now would not know its text)"
             ))
             return
-        self.problems.clear("generation configs")
+        self.problems.over("generation configs")
 
     def _remove_stale_slot_tables(self, running: Effective) -> None:
         try:
@@ -111,9 +113,10 @@ class Bookkeeping(ReloaderBase):
             self.store.save(snapshot)
             self._persisted = snapshot
         except OSError as exc:
-            self.problems.report("generations index", exc, f"cannot record the generations: {io_error_line(exc)}")
+            error = io_error_line(exc)
+            self.problems.happened("generations index", error, f"cannot record the generations: {error}")
             return
-        self.problems.clear("generations index")
+        self.problems.over("generations index")
 
     def _observe(self, procs: ProcList) -> None:
         """Prune dead generations and enforce old_workers.max from one `show proc` answer."""

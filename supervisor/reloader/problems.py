@@ -1,11 +1,9 @@
-"""How the reloader reports trouble: a disk error once per condition, HAProxy's message on one line."""
+"""How the reloader words trouble: a disk error as the shell says it, HAProxy's message on one line
+(each condition is logged once, then a reminder a minute: logs.RecurringConditions)."""
 
 from __future__ import annotations
 
 import errno
-import logging
-
-log = logging.getLogger(__package__)
 
 
 def one_line(text: str, limit: int = 400) -> str:
@@ -27,23 +25,3 @@ def io_error_line(exc: OSError) -> str:
     """`<file>: <strerror>`, the way the shell says it."""
     what = exc.strerror or str(exc)
     return f"{exc.filename}: {what}" if exc.filename else what
-
-
-class ProblemLog:
-    """One log line when a condition starts, or changes, and one when it is over; not one per try."""
-
-    def __init__(self) -> None:
-        self.active: dict[str, str] = {}
-
-    def report(self, key: str, exc: OSError, message: str) -> None:
-        """`message` at error level, unless `key` already failed with the same error."""
-        condition = io_error_line(exc)
-        if self.active.get(key) == condition:
-            log.debug("%s", message)
-            return
-        self.active[key] = condition
-        log.error("%s", message)
-
-    def clear(self, key: str) -> None:
-        if self.active.pop(key, None) is not None:
-            log.info("%s: works again", key)

@@ -236,9 +236,10 @@ class Recovery(Convergence):
             self._persisted = None
             self._persist()
         except OSError as exc:
-            self.problems.report("runtime_dir", exc, f"cannot recreate {h.runtime_dir}: {io_error_line(exc)}")
+            error = io_error_line(exc)
+            self.problems.happened("runtime_dir", error, f"cannot recreate {h.runtime_dir}: {error}")
             return
-        self.problems.clear("runtime_dir")
+        self.problems.over("runtime_dir")
         before = self.last_procs
         procs = await self.master.reexec(before)
         if procs is None:
