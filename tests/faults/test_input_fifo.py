@@ -9,9 +9,8 @@ import os
 
 import pytest
 
-from tests.support.daemon import RequestLoop
+from tests.support.daemon import one_backend
 from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 
@@ -21,13 +20,9 @@ HEALTHZ_STUCK_S = 3.0
 
 
 async def test_a_fifo_as_the_rendered_config_blocks_nothing(make):
-    front = free_port()
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "good"))
-        d.start()
-        await d.wait_generation(1)
-        requests = RequestLoop(front, max_requests=4000, max_seconds=30).start()
+    async with one_backend(make, tag="good") as node:
+        d, front, b1 = node.daemon, node.front, node.backend
+        requests = node.requests(max_requests=4000, max_seconds=30)
         try:
             # Renamed into place, the way a controller writes its files.
             fifo = d.rendered.with_name(".rendered.fifo")
@@ -52,15 +47,11 @@ async def test_a_fifo_as_the_rendered_config_blocks_nothing(make):
 
 
 async def test_a_fifo_among_the_watched_files_blocks_nothing(make, tmp_path):
-    front = free_port()
     maps = tmp_path / "maps"
     maps.mkdir()
     (maps / "hosts.map").write_text("a b\n")
-    with backends("b1") as started:
-        b1 = started["b1"].address
-        d = make(config(front, b1, "good"), {"haproxy": {"watch": [str(maps)]}})
-        d.start()
-        await d.wait_generation(1)
+    async with one_backend(make, {"haproxy": {"watch": [str(maps)]}}, tag="good") as node:
+        d = node.daemon
         os.mkfifo(maps / "dropped.fifo")
         (maps / "hosts.map").write_text("a c\n")  # a watched change: a reload, which digests the directory
         await d.wait_generation(2)

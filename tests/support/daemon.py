@@ -15,14 +15,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import yaml
 
 from supervisor.haproxy.api import MasterCLI, ProcList
-from tests.support.harness import ROOT, haproxy_binary, kill_tree
+from tests.support.harness import ROOT, backends, free_port, haproxy_binary, kill_tree
 
 RENDERED = """\
 global
@@ -309,6 +310,45 @@ class RequestLoop:
     @property
     def failures(self) -> list[tuple[int, str]]:
         return [r for r in self.results if r[0] != 200]
+
+
+# ---------------------------------------------------------------- a daemon in front of one backend
+
+
+@dataclass
+class Node:
+    daemon: Daemon
+    front: int  # HAProxy's frontend port
+    backend: str  # the one backend server's address
+    worker: int  # generation 1's worker
+    loop: RequestLoop | None = None  # requests through HAProxy, once started
+
+    def write(self, tag: str, edit: Callable[[str], str] = lambda text: text) -> None:
+        """Render the config that stamps `tag` on responses (through `edit`)."""
+        self.daemon.write(edit(tagged_config(self.front, self.backend, tag)))
+
+    def requests(self, max_requests: int, max_seconds: float) -> RequestLoop:
+        """Start a bounded request loop through HAProxy (the test stops it)."""
+        self.loop = RequestLoop(self.front, max_requests=max_requests, max_seconds=max_seconds).start()
+        return self.loop
+
+    def tags(self) -> list[str]:
+        assert self.loop is not None
+        return [tag for _, tag in self.loop.results]
+
+
+@contextlib.asynccontextmanager
+async def one_backend(
+    make: Callable[..., Daemon], settings: dict | None = None, tag: str = "v1"
+) -> AsyncIterator[Node]:
+    """A backend (b1) and a daemon on the config that stamps `tag`, started, with its first
+    generation's worker serving; the backend is stopped on the way out."""
+    front = free_port()
+    with backends("b1") as started:
+        address = started["b1"].address
+        d = make(tagged_config(front, address, tag), settings)
+        d.start()
+        yield Node(d, front, address, await d.wait_generation(1))
 
 
 # ---------------------------------------------------------------- the daemon as a "Supervised"

@@ -15,16 +15,14 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from supervisor.haproxy.api import CLIError
-from tests.support.daemon import Daemon, RequestLoop, _metric_values, http_get, tagged_config
-from tests.support.harness import backends, free_port
+from tests.support.daemon import Daemon, Node, _metric_values, http_get, one_backend
 
 # Settings that make every fault quick to show and to clear: a short reload timeout (3.x starts a
 # worker in about a second on a busy 2-core machine), retries at most a second apart, /readyz 503
@@ -151,34 +149,14 @@ async def wait_converged(daemon: Daemon, front: int, tag: str, timeout: float) -
 # ---------------------------------------------------------------- a node under a request loop
 
 
-@dataclass
-class Node:
-    daemon: Daemon
-    front: int  # HAProxy's frontend port
-    backend: str  # the one backend server's address
-    loop: RequestLoop  # requests through HAProxy, running
-
-    def write(self, tag: str, edit: Callable[[str], str] = lambda text: text) -> None:
-        """Render the config that stamps `tag` on responses (through `edit`)."""
-        self.daemon.write(edit(tagged_config(self.front, self.backend, tag)))
-
-    def tags(self) -> list[str]:
-        return [tag for _, tag in self.loop.results]
-
-
 @contextlib.asynccontextmanager
 async def serving(make, settings: dict | None = None) -> AsyncIterator[Node]:
     """A daemon on config "v1" with FAST_CONVERGE settings, its first worker serving, and a
     bounded request loop through it (stopped on the way out)."""
-    front = free_port()
-    with backends("b1") as started:
-        address = started["b1"].address
-        d = make(tagged_config(front, address, "v1"), settings or FAST_CONVERGE)
-        d.start()
-        await d.wait_generation(1)
-        loop = RequestLoop(front, max_requests=4000, max_seconds=40).start()
+    async with one_backend(make, settings or FAST_CONVERGE) as node:
+        loop = node.requests(max_requests=4000, max_seconds=40)
         await asyncio.sleep(0.3)
         try:
-            yield Node(d, front, address, loop)
+            yield node
         finally:
             await loop.stop()
