@@ -19,6 +19,7 @@ from pathlib import Path
 from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
+from supervisor.master import bind_ports, worker_ready
 from supervisor.settings import Settings
 from supervisor.state import Generation, State, utcnow
 from supervisor.steering.mapdiff import map_entries
@@ -94,6 +95,7 @@ class Supervised:
         with contextlib.suppress(CLIError):  # 2.6 may drop the connection as the master re-executes
             await self.cli.reload()
         deadline = time.monotonic() + confirm_timeout
+        ports = bind_ports(next_model)
         new_pid = None
         while new_pid is None:
             if time.monotonic() > deadline:
@@ -102,7 +104,9 @@ class Supervised:
             with contextlib.suppress(CLIError):
                 procs = await self.cli.show_proc()
                 current = procs.current_worker
-                if current is not None and current.pid != before:
+                # Ready, not only listed: from 3.1 on the master lists the new worker before it has
+                # loaded its config, while the reload is still under way.
+                if current is not None and current.pid != before and await worker_ready(self.cli, current.pid, ports):
                     new_pid = current.pid
             if new_pid is None:
                 await asyncio.sleep(0.01)
