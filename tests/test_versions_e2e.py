@@ -136,6 +136,12 @@ async def test_a_failed_reload_pushes_no_steering_into_the_serving_worker(make):
                 busy = holder.getsockname()[1]
                 d.write(rendered("v3", f"\nfrontend busy\n    bind 127.0.0.1:{busy}\n    default_backend app\n"))
                 await d.wait_log(r"reload failed")
+                # The make-before-break steering pushed into w2 before the reload is undone just
+                # after the failure is logged: wait for the undo, then it must hold.
+                deadline = time.monotonic() + 10
+                while (serving_map := await steer_map(d, w2)) != {}:
+                    assert time.monotonic() < deadline, f"the make-before-break steering stayed: {serving_map}"
+                    await asyncio.sleep(0.05)
                 for _ in range(10):  # ten polls of the old workers (poll_interval_ms 100)
                     assert await steer_map(d, w2) == {}, "the serving worker was steered as an old one"
                     await asyncio.sleep(0.1)
