@@ -201,6 +201,27 @@ def test_same_backend_text_under_other_defaults_gets_their_flags():
         assert _flags_by_line(config) == _flags_from_servers(config)
 
 
+def test_same_backend_body_gives_the_servers_of_its_name_and_defaults():
+    """Servers are kept by (backend name, defaults, body text): one body in three backends,
+    under two defaults, parsed twice (the second time from what the first one made)."""
+    text = (
+        "defaults plain\n  mode http\n"
+        "defaults backups\n  mode http\n  default-server backup\n"
+        "backend a from plain\n  server s 127.0.0.1:1 check\n"
+        "backend b from backups\n  server s 127.0.0.1:1 check\n"
+        "backend c from plain\n  server s 127.0.0.1:1 check\n"
+    )
+    for _ in range(2):
+        servers = Config.parse(text).servers()
+        assert [(s.key, s.backup, s.check) for s in servers] == [
+            ("a/s", False, True), ("b/s", True, True), ("c/s", False, True)
+        ]
+    edited = Config.parse(text.replace("127.0.0.1:1 check\nbackend c", "127.0.0.1:2 check\nbackend c"))
+    assert [s.endpoint for s in edited.servers()] == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"]
+    moved = Config.parse(text.replace("backend a from plain", "backend a from backups"))
+    assert [s.backup for s in moved.servers()] == [True, True, False]
+
+
 def test_caches_keep_only_what_the_last_two_parses_used():
     """Memory stays bounded however many configs the daemon reads: entries of older parses go."""
     from supervisor.haproxy import config as model

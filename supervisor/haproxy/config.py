@@ -490,6 +490,7 @@ class Config:
     def parse(cls, text: str) -> Config:
         _LINES.new_generation()
         _SERVER_FLAGS.new_generation()
+        _SECTION_SERVERS.new_generation()
         # _LINES.get, inlined: this loop runs once per line of a 15,000-line config.
         current, previous = _LINES.current, _LINES.previous
         section = Section(None)
@@ -604,19 +605,31 @@ class Config:
         return None
 
 
+# (a backend's name, what applies to it, its body's text) -> its servers. Nothing else goes
+# into them, and a Server is immutable: consecutive configs share the servers of every
+# section they share, instead of making 10,000 again at each reload.
+_SECTION_SERVERS: RecentlyUsed[tuple[str, ProxySettings, str], tuple[Server, ...]] = RecentlyUsed()
+
+
 def section_servers(section: Section, settings: ProxySettings) -> list[Server]:
     """The servers of a backend/listen section that `settings` (Config.resolved()'s) apply to."""
-    backend = section.name
-    servers: list[Server] = []
-    for index, line, flags in _server_lines(section.body, settings.server_defaults):
+    key = (section.name, settings, "".join([line.raw for line in section.body]))
+    servers = _SECTION_SERVERS.get(key)
+    if servers is None:
+        servers = tuple(_section_servers(section.name, section.body, settings))
+        _SECTION_SERVERS.put(key, servers)
+    return list(servers)
+
+
+def _section_servers(backend: str, body: list[Line], settings: ProxySettings) -> Iterator[Server]:
+    for index, line, flags in _server_lines(body, settings.server_defaults):
         words = line.words
         if words[0] == "server":
-            servers.append(_server(backend, words[1], words[2], words[3:], flags, False, index))
+            yield _server(backend, words[1], words[2], words[3:], flags, False, index)
         else:
             params = words[4:]
             for name in template_names(words[1], words[2]):
-                servers.append(_server(backend, name, words[3], params, flags, True, index))
-    return servers
+                yield _server(backend, name, words[3], params, flags, True, index)
 
 
 def _server(

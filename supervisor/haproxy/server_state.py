@@ -63,6 +63,8 @@ def server_state_target(config: Config) -> Path | None:
 
 
 def _same_ip(a: str, b: str) -> bool:
+    if a == b:
+        return True  # the usual case, without parsing either
     try:
         return ipaddress.ip_address(a) == ipaddress.ip_address(b)
     except ValueError:
@@ -74,19 +76,17 @@ def _config_identity(server: Server) -> tuple[str, int | None, bool, int]:
 
 
 def _carries_over(
-    row: dict[str, str], running: dict[str, Server], new: dict[str, Server], forget: Collection[str]
+    key: str, address: str, port: str, running: dict[str, Server], new: dict[str, Server], forget: Collection[str]
 ) -> bool:
-    key = f"{row.get('be_name')}/{row.get('srv_name')}"
     before, after = running.get(key), new.get(key)
     if key in forget or before is None or after is None:
         return False
-    if _config_identity(before) != _config_identity(after):
+    if before is not after and _config_identity(before) != _config_identity(after):
         return False
-    port = row.get("srv_port", "")
     if port != str(after.port if after.port is not None else 0):
         return False
     if is_ip(after.address):
-        return _same_ip(row.get("srv_addr", ""), after.address)
+        return _same_ip(address, after.address)
     return True  # a host name: the file holds what it resolved to
 
 
@@ -102,13 +102,20 @@ def filter_server_state(text: str, running: Config, new: Config, forget: Collect
         if line.startswith("# be_id"):
             columns = line[2:].split()
             out.append(line)
+            at = {name: columns.index(name) if name in columns else len(columns) for name in _ROW_COLUMNS}
+            i_be, i_name, i_addr, i_port = (at[name] for name in _ROW_COLUMNS)
             continue
         if line.startswith("#") or not columns:
             continue
-        row = dict(zip(columns, line.split(), strict=False))
-        if _carries_over(row, running_servers, new_servers, forget):
+        row = line.split()
+        row.extend([""] * (len(columns) + 1 - len(row)))  # a short row: the missing columns are ""
+        key = f"{row[i_be]}/{row[i_name]}"
+        if _carries_over(key, row[i_addr], row[i_port], running_servers, new_servers, forget):
             out.append(line)
     return "\n".join(out) + "\n"
+
+
+_ROW_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port")
 
 
 def clear_server_state(path: Path) -> None:
