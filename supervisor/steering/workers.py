@@ -1,10 +1,10 @@
 """The I/O shell: keeps every old worker's steer map equal to its plan, through the master CLI.
 
 Each round lists the workers (`show proc`), plans (plan.py, memoised by content) and pushes
-what differs. A push counts once HAProxy answered every command cleanly; the poll loop then
-reads the map back to verify it, and again every RECONCILE_INTERVAL_S to repair drift. A
-failing worker backs off exponentially. After a daemon restart nothing is known: each map
-is read first and only the difference is pushed. The current worker's map stays empty,
+what differs (rounds.py: a push counts once HAProxy answered every command cleanly; the poll
+loop then reads the map back to verify it, and again now and then to repair drift; a failing
+worker backs off exponentially). After a daemon restart nothing is known: each map is read
+first and only the difference is pushed. The current worker's map stays empty,
 except while it is about to become old (make-before-break), and is emptied again if the
 reload fails.
 """
@@ -23,14 +23,14 @@ from ..haproxy.config import Config
 from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..settings import Settings
-from ..state import PushStateName, State
+from ..state import State
 from .dead import ConfigDigest, LiveStates, LiveView, live_view
 from .digests import Digests
 from .live import LiveRead, changes_unheard, read_states, read_unusable, update_stats
 from .plan import Planner, Steering, nothing_steered
 from .procs import worker_generations
-from .push import GONE, PushError, end_stuck_streams, map_difference, push, read_back
-from .record import WorkerRecord, list_old_workers, record_push
+from .record import WorkerRecord, list_old_workers
+from .rounds import PushRounds
 
 log = logging.getLogger("supervisor.steering")
 R = TypeVar("R")
@@ -44,23 +44,17 @@ class OldWorkers:
     """Keeps every old worker steered away from the servers known to be dead."""
 
     STATS_INTERVAL_S = 1.0
-    RECONCILE_INTERVAL_S = 5.0
-    MAX_BACKOFF_S = 5.0
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
-    UNREAD_LIMIT = 3  # read-backs in a row without a whole answer before it counts as failed
 
     def __init__(
         self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
     ) -> None:
-        if reconcile_interval_s is not None:
-            self.RECONCILE_INTERVAL_S = reconcile_interval_s
         self.settings = settings
         self.state = state
         self.cli = cli
-        self.map_path = str(settings.haproxy.steer_map)
         self.poll_s = settings.old_workers.poll_interval_ms / 1000
         self.safety_net_s = settings.old_workers.state_read_interval_s
-        self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
+        self.rounds = PushRounds(settings, state, cli, reconcile_interval_s)
         self._workers: dict[int, WorkerRecord] = {}
         self._digests = Digests()
         self._planner = Planner(settings.old_workers.no_backup)
@@ -85,7 +79,8 @@ class OldWorkers:
         while True:
             try:
                 await self.sync(fresh=self._live_due())
-                await self._interruptible(self._verify_some())
+                if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
+                    self._wake.set()
                 answered = await self._interruptible(read_unusable(self.cli, self._workers.values()))
                 if answered:
                     self.state.server_state_reads += answered
@@ -172,6 +167,11 @@ class OldWorkers:
         self.state.operator_dead.discard(_check_key(key))
         self._wake.set()
 
+    @property
+    def last_push(self) -> dict[str, float]:
+        """Figures of the last push round, for benchmarks."""
+        return self.rounds.last_push
+
     def has_server(self, key: str) -> bool:
         """Whether the current config or one an old worker runs has this server: one lookup in
         an index kept as generations come and go."""
@@ -234,7 +234,7 @@ class OldWorkers:
             generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
             if generation is None:
                 worker.want(None)
-                self._record(worker, "failed", "the config this worker runs is unknown: it cannot be steered")
+                self.rounds.record(worker, "failed", "the config this worker runs is unknown: it cannot be steered")
             elif worker.pid not in judged:
                 digest = self._digests.of(generation)
                 worker.want(nothing_steered(digest, latest, (latest.key, LiveView())) if digest.guarded else None)
@@ -250,8 +250,8 @@ class OldWorkers:
                     worker.want(steering)
                 else:
                     worker.want(None)
-                    self._record(worker, "failed", "its config has no guard: it cannot be steered")
-        await self._push_all()
+                    self.rounds.record(worker, "failed", "its config has no guard: it cannot be steered")
+        await self.rounds.push_all(self._workers.values())
         # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:
@@ -259,7 +259,7 @@ class OldWorkers:
             self.state.dead_servers = set().union(*(s.dead for s in plans.values()))
             self._planner.keep_only(self._digests.keep_only(self.state.generations.values(), latest))
         if self.settings.old_workers.shutdown_stuck_sessions:
-            await self._sweep()
+            await self.rounds.sweep(self._workers.values())
 
     async def _plan(
         self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
@@ -313,116 +313,6 @@ class OldWorkers:
             raise
         finally:
             self._reads.discard(task)
-
-    # ------------------------------------------------------------ pushes
-
-    async def _push_all(self) -> None:
-        """Push to every worker whose map differs from its plan, all at once."""
-        started = time.monotonic()
-        steered_at: dict[int, float] = {}
-        changes = [0]
-        now = time.monotonic()
-        due = []
-        for worker in self._workers.values():
-            if worker.wanted is None:
-                continue
-            if worker.in_sync():
-                self._record(worker, "ok")
-            elif worker.retry_at <= now:
-                self._record(worker, "pending")
-                due.append(worker)
-
-        async def one(worker: WorkerRecord) -> None:
-            try:
-                changes[0] += await push(self.cli, self.map_path, worker, steered_at)
-            except (CLIError, PushError, ValueError) as exc:
-                worker.held = None  # somewhere in between: read it back before the next try
-                self._failed(worker, str(exc))
-            else:
-                worker.failures, worker.retry_at = 0, 0.0
-                self._record(worker, "ok")
-
-        await asyncio.gather(*(one(w) for w in due))
-        if steered_at:
-            self.state.push_duration.observe(time.monotonic() - started)
-            self.last_push = {
-                "workers": len(steered_at),
-                "changes": changes[0],
-                "steered_s": max(steered_at.values()) - started,
-                "steered_at": max(steered_at.values()),  # monotonic, when the last one was answered
-            }
-
-    async def _verify_some(self) -> None:
-        """Read back the maps just pushed, then those verified longest ago: each map at least
-        every RECONCILE_INTERVAL_S, a bounded number per poll."""
-        now = time.monotonic()
-        due = [
-            w
-            for w in self._workers.values()
-            if w.wanted is not None
-            and w.held is not None
-            and (w.verify or now - w.verified_at >= self.RECONCILE_INTERVAL_S)
-        ]
-        due.sort(key=lambda w: (not w.verify, w.verified_at))
-        per_poll = max(4, -(-len(self._workers) * self.poll_s // self.RECONCILE_INTERVAL_S))
-
-        known = [(w, w.pushes, w.held) for w in due[: int(per_poll)] if w.held is not None]
-        results = await read_back(self.cli, self.map_path, known)
-        async with self._lock:
-            for worker, pushes, held, got in results:
-                if self._workers.get(worker.pid) is not worker or worker.pushes != pushes or worker.held is not held:
-                    continue  # pushed again (or gone) meanwhile: this read proves nothing
-                if isinstance(got, Exception):
-                    worker.unread += 1
-                    if worker.unread < self.UNREAD_LIMIT:
-                        log.info("reading old worker %d's map back failed, will retry: %s", worker.pid, got)
-                        continue
-                    self._failed(worker, str(got))
-                after_push = worker.verify
-                worker.unread, worker.verify, worker.verified_at = 0, False, time.monotonic()
-                if isinstance(got, Exception):
-                    continue
-                if not after_push:
-                    # A reconcile also sweeps stuck streams again and, with `observe` (the only
-                    # thing that marks servers down in an old worker), re-reads its own view.
-                    worker.swept = frozenset()
-                    if self.settings.observe.enabled and not worker.current and self._own_view_due(worker):
-                        worker.unusable = None
-                difference = map_difference({key: value for part in held.values() for key, value in part}, got)
-                if difference:
-                    worker.held = None
-                    self._failed(worker, f"worker {worker.pid}: {difference}")
-                    self._wake.set()
-
-    def _own_view_due(self, worker: WorkerRecord) -> bool:
-        """An old worker's own view is read again at each reconcile, or, while HAProxy's lines
-        are heard (an `observe` mark-down is one), only at the safety net's pace."""
-        return not self._heard() or time.monotonic() - worker.unusable_at >= self.safety_net_s
-
-    def _failed(self, worker: WorkerRecord, error: str) -> None:
-        worker.failures += 1
-        worker.retry_at = time.monotonic() + min(self.MAX_BACKOFF_S, 0.1 * 2**worker.failures)
-        if GONE not in error:
-            self.state.push_failures += 1
-            log.warning("steering old worker %d failed (attempt %d): %s", worker.pid, worker.failures, error)
-        self._record(worker, "failed", error)
-
-    def _record(self, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
-        record_push(self.state, worker, result, error)
-
-    async def _sweep(self) -> None:
-        """End the streams of old workers that still wait on a dead server."""
-        for worker in self._workers.values():
-            dead = worker.wanted.dead if worker.wanted is not None else frozenset()
-            if not dead or worker.swept == dead or worker.current or not worker.in_sync():
-                continue
-            try:
-                ended = await end_stuck_streams(self.cli, worker.pid, dead)
-                if ended:
-                    log.info("old worker %d: ended %d streams stuck on dead servers", worker.pid, ended)
-                worker.swept = dead
-            except CLIError as exc:
-                log.warning("old worker %d: cannot end stuck streams: %s", worker.pid, exc)
 
 
 def _check_key(key: str) -> str:

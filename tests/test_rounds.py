@@ -1,0 +1,135 @@
+"""The push rounds' bookkeeping (steering/rounds.py) with a scripted master CLI: backoff after
+a failed push, a drifted map pushed again, a cut-off read-back given UNREAD_LIMIT tries.
+What HAProxy does with the lines is the end-to-end suite's (test_displaced_e2e.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from supervisor.haproxy.api import CLIError
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.inject import inject_guard
+from supervisor.settings import Settings
+from supervisor.state import State
+from supervisor.steering.dead import LiveStates, Sections, live_view
+from supervisor.steering.plan import Planner
+from supervisor.steering.record import WorkerRecord, list_old_workers
+from supervisor.steering.rounds import PushRounds
+
+PID = 999_999_999  # no such process: the old worker's record has no start time
+RUNS = "defaults\n  mode http\nbackend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n"
+LATEST = "defaults\n  mode http\nbackend b\n  server s2 10.0.0.2:80\n"
+
+
+class ScriptedCLI:
+    """Answers map changes cleanly (one empty line per command), `show map` with `shown`,
+    and raises `failing` while it is set; counts the lines it was sent."""
+
+    def __init__(self) -> None:
+        self.failing: CLIError | None = None
+        self.shown = "\n"
+        self.lines: list[str] = []
+
+    async def execute(self, line: str, timeout: float | None = None) -> str:
+        if self.failing is not None:
+            raise self.failing
+        self.lines.append(line)
+        if " show map " in line:
+            return self.shown
+        return "\n" * (line.count(";") + 1)
+
+    async def on(self, pid: int, command: str, timeout: float | None = None) -> str:
+        return await self.execute(f"@!{pid} {command}", timeout)
+
+
+def steered_worker(state: State) -> WorkerRecord:
+    """An old worker whose map is known empty and whose plan steers it off b/s1."""
+    sections = Sections()
+    runs, latest = (sections.digest(inject_guard(Config.parse(t), "/run/hs/steer.map", "/run/hs/t.map"))
+                    for t in (RUNS, LATEST))
+    steering = Planner("fail-fast").plan(latest, live_view(latest, LiveStates(), ()), {PID: (runs, frozenset())})[PID]
+    assert steering.steered == ["b/s1"]
+    worker = WorkerRecord(PID, 1, held={}, pending=set())
+    worker.want(steering)
+    list_old_workers(state, {PID}, {PID: 1})
+    return worker
+
+
+def shown_map(worker: WorkerRecord) -> str:
+    assert worker.wanted is not None
+    return "".join(f"0x1 {key} {value}\n" for key, value in worker.wanted.entries().items()) + "\n"
+
+
+async def test_a_failed_push_backs_off_then_is_retried_and_clears_the_failure():
+    state, cli = State(), ScriptedCLI()
+    rounds = PushRounds(Settings(), state, cli)  # type: ignore[arg-type]
+    worker = steered_worker(state)
+    cli.failing = CLIError("connection reset")
+    await rounds.push_all([worker])
+    assert (worker.failures, state.push_failures, state.old_workers[PID].push.state) == (1, 1, "failed")
+    assert worker.held is None and worker.retry_at > time.monotonic()
+
+    cli.failing = None
+    await rounds.push_all([worker])  # backing off: nothing sent
+    assert cli.lines == [] and state.old_workers[PID].push.state == "failed"
+
+    await asyncio.sleep(max(0.0, worker.retry_at - time.monotonic()) + 0.01)
+    cli.shown = "\n"  # the map is unknown after a failure: read first, then pushed
+    await rounds.push_all([worker])
+    assert worker.failures == 0 and state.old_workers[PID].push.state == "ok"
+    assert state.old_workers[PID].steered == ["b/s1"]
+    assert rounds.last_push["workers"] == 1 and rounds.last_push["changes"] > 0
+    assert " show map " in cli.lines[0] and any(" add map " in line for line in cli.lines[1:])
+
+
+async def test_a_map_read_back_that_differs_is_a_failure_and_wakes_a_round():
+    state, cli, lock = State(), ScriptedCLI(), asyncio.Lock()
+    rounds = PushRounds(Settings(), state, cli)  # type: ignore[arg-type]
+    worker = steered_worker(state)
+    await rounds.push_all([worker])
+    assert worker.verify and state.old_workers[PID].push.state == "ok"
+
+    cli.shown = shown_map(worker)  # as pushed
+    assert await rounds.verify_some({PID: worker}, 0.25, lock) is False
+    assert not worker.verify and worker.held is not None and state.push_failures == 0
+
+    cli.shown = "\n"  # emptied behind our back (a reconcile is due at once)
+    worker.verified_at -= rounds.RECONCILE_INTERVAL_S
+    assert await rounds.verify_some({PID: worker}, 0.25, lock) is True
+    assert worker.held is None and state.push_failures == 1
+    record = state.old_workers[PID].push
+    assert record.state == "failed" and record.error is not None and "map differs" in record.error
+
+
+async def test_a_read_back_cut_off_counts_as_failed_only_after_unread_limit_tries():
+    state, cli, lock = State(), ScriptedCLI(), asyncio.Lock()
+    rounds = PushRounds(Settings(), state, cli)  # type: ignore[arg-type]
+    worker = steered_worker(state)
+    await rounds.push_all([worker])
+    cli.shown = shown_map(worker)[:-1]  # no closing blank line: the master dropped the connection
+    for _ in range(rounds.UNREAD_LIMIT - 1):
+        assert await rounds.verify_some({PID: worker}, 0.25, lock) is False
+        assert state.push_failures == 0 and state.old_workers[PID].push.state == "ok"
+    await rounds.verify_some({PID: worker}, 0.25, lock)
+    assert state.push_failures == 1 and worker.failures == 1
+    assert state.old_workers[PID].push.state == "failed"
+
+
+async def test_a_read_back_overlapping_a_push_proves_nothing():
+    state, cli, lock = State(), ScriptedCLI(), asyncio.Lock()
+    rounds = PushRounds(Settings(), state, cli)  # type: ignore[arg-type]
+    worker = steered_worker(state)
+    await rounds.push_all([worker])
+    cli.shown = "\n"  # what a read that started before the push finished would see
+
+    real = cli.execute
+
+    async def push_meanwhile(line: str, timeout: float | None = None) -> str:
+        answer = await real(line, timeout)
+        worker.pushes += 2  # a push started and ended while the read was under way
+        return answer
+
+    cli.execute = push_meanwhile  # type: ignore[method-assign]
+    assert await rounds.verify_some({PID: worker}, 0.25, lock) is False
+    assert state.push_failures == 0 and worker.held is not None and worker.verify
