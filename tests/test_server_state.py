@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 
@@ -10,7 +11,13 @@ import pytest
 from supervisor.effective import build_effective, effective_config
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import inject_server_state
-from supervisor.haproxy.server_state import EMPTY_STATE, filter_server_state, server_state_target
+from supervisor.haproxy.server_state import (
+    EMPTY_STATE,
+    filter_server_state,
+    save_server_state,
+    server_state_parts,
+    server_state_target,
+)
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import corpus_files
 
@@ -202,3 +209,45 @@ def test_an_answer_that_is_not_a_state_dump_gives_an_empty_state():
     config = Config.parse(BASE)
     assert filter_server_state("Can't find the target PID matching the prefix '@!1'\n", config, config) == EMPTY_STATE
     assert filter_server_state("", config, config) == EMPTY_STATE
+
+
+def test_a_big_state_is_filtered_in_parts_that_make_the_whole():
+    config = Config.parse("backend app\n" + "".join(f"    server s{i} 127.0.0.1:{i + 1}\n" for i in range(50)))
+    saved = state(*(row(f"s{i}", "127.0.0.1", i + 1, op=i % 2 * 2) for i in range(50)))
+    whole = filter_server_state(saved, config, config, forget={"app/s3"})
+    parts = list(server_state_parts(saved, config, config, {"app/s3"}, rows_per_part=7))
+    assert len(parts) == 8 and "".join(parts) == whole
+    assert len(kept(whole)) == 49 and "\n\n" not in whole
+    everything_forgotten = {f"app/s{i}" for i in range(50)}
+    nothing_kept = server_state_parts(saved, config, config, everything_forgotten, rows_per_part=7)
+    assert "".join(nothing_kept) == "1\n" + HEADER + "\n"
+
+
+async def test_saving_a_big_state_lets_the_event_loop_run_between_parts(tmp_path):
+    """A 10,000-server state is filtered in parts with the event loop's other tasks in between
+    (control: filtered in one go, the ticker does not move until the file is written)."""
+    servers = 10_000
+    config = Config.parse("backend app\n" + "".join(f"    server s{i} 127.0.0.1:{i + 1}\n" for i in range(servers)))
+    saved = state(*(row(f"s{i}", "127.0.0.1", i + 1) for i in range(servers)))
+
+    class Answers:
+        async def on(self, pid: int, command: str, timeout: float | None = None) -> str:
+            return saved
+
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    path = tmp_path / "server-state"
+    assert await save_server_state(Answers(), 1, path, running=config, new=config)  # type: ignore[arg-type]
+    during = ticks - before
+    task.cancel()
+    assert len(kept(path.read_text())) == servers
+    assert during >= 4, during

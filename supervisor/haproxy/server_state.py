@@ -27,9 +27,10 @@ operator's weight.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from ..files import write_atomically
@@ -92,13 +93,26 @@ def _carries_over(
 
 def filter_server_state(text: str, running: Config, new: Config, forget: Collection[str] = ()) -> str:
     """The saved `show servers state`, keeping only what the new worker should inherit."""
+    return "".join(server_state_parts(text, running, new, forget))
+
+
+def server_state_parts(
+    text: str, running: Config, new: Config, forget: Collection[str] = (), rows_per_part: int = 2000
+) -> Iterator[str]:
+    """filter_server_state() in parts of `rows_per_part` rows (their concatenation is its
+    answer): a caller on the event loop lets it run between parts."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines or not lines[0].strip().isdigit():
-        return EMPTY_STATE
+        yield EMPTY_STATE
+        return
     out = [lines[0]]
     columns: list[str] = []
     running_servers, new_servers = running.server_map(), new.server_map()
-    for line in lines[1:]:
+    forget = frozenset(forget)
+    for number, line in enumerate(lines[1:], 1):
+        if number % rows_per_part == 0:
+            yield "\n".join(out) + "\n" if out else ""
+            out = []
         if line.startswith("# be_id"):
             columns = line[2:].split()
             out.append(line)
@@ -112,7 +126,8 @@ def filter_server_state(text: str, running: Config, new: Config, forget: Collect
         key = f"{row[i_be]}/{row[i_name]}"
         if _carries_over(key, row[i_addr], row[i_port], running_servers, new_servers, forget):
             out.append(line)
-    return "\n".join(out) + "\n"
+    if out:
+        yield "\n".join(out) + "\n"
 
 
 _ROW_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port")
@@ -152,5 +167,9 @@ async def save_server_state(
         )
         write_atomically(path, EMPTY_STATE)
         return False
-    write_atomically(path, filter_server_state(answer, running, new, forget))
+    parts = []
+    for part in server_state_parts(answer, running, new, forget):
+        parts.append(part)
+        await asyncio.sleep(0)  # a 10,000-server state is filtered in parts: the event loop runs between
+    write_atomically(path, "".join(parts))
     return True
