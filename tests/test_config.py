@@ -184,15 +184,18 @@ def test_server_flags_by_line_agree_with_the_servers(path):
         assert _flags_by_line(config) == _flags_from_servers(config)
 
 
+ONE_BODY_UNDER_TWO_DEFAULTS = (
+    "defaults plain\n  mode http\n"
+    "defaults backups\n  mode http\n  default-server backup\n"
+    "backend a from plain\n  server s 127.0.0.1:1 check\n"
+    "backend b from backups\n  server s 127.0.0.1:1 check\n"
+    "backend c from plain\n  server s 127.0.0.1:1 check\n"
+)
+
+
 def test_same_backend_text_under_other_defaults_gets_their_flags():
     """The flag cache is keyed by the body's text and the defaults' flags: one body, two defaults."""
-    text = (
-        "defaults plain\n  mode http\n"
-        "defaults backups\n  mode http\n  default-server backup\n"
-        "backend a from plain\n  server s 127.0.0.1:1 check\n"
-        "backend b from backups\n  server s 127.0.0.1:1 check\n"
-        "backend c from plain\n  server s 127.0.0.1:1 check\n"
-    )
+    text = ONE_BODY_UNDER_TWO_DEFAULTS
     for _ in range(2):
         config = Config.parse(text)
         assert [[f.backup for _, f in lines] for _, lines in config.server_flags_by_backend()] == [
@@ -204,13 +207,7 @@ def test_same_backend_text_under_other_defaults_gets_their_flags():
 def test_same_backend_body_gives_the_servers_of_its_name_and_defaults():
     """Servers are kept by (backend name, defaults, body text): one body in three backends,
     under two defaults, parsed twice (the second time from what the first one made)."""
-    text = (
-        "defaults plain\n  mode http\n"
-        "defaults backups\n  mode http\n  default-server backup\n"
-        "backend a from plain\n  server s 127.0.0.1:1 check\n"
-        "backend b from backups\n  server s 127.0.0.1:1 check\n"
-        "backend c from plain\n  server s 127.0.0.1:1 check\n"
-    )
+    text = ONE_BODY_UNDER_TWO_DEFAULTS
     for _ in range(2):
         servers = Config.parse(text).servers()
         assert [(s.key, s.backup, s.check) for s in servers] == [
