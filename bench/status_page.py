@@ -24,7 +24,8 @@ from datetime import UTC, datetime
 
 import aiohttp
 
-from supervisor.page import BackendSizes, backends_of, page_of
+from supervisor.page.damage import BackendSizes, backends_of
+from supervisor.page.render import page_of
 from supervisor.settings import Settings
 from supervisor.status.document import status_document
 from supervisor.status.listener import start_status_server

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from .page import format_age, format_bytes, format_duration_ms
+from .formats import format_age, format_bytes, format_duration_ms
 from .settings import SettingsError, listen_address, load_settings
 
 DEFAULT_URL = "http://127.0.0.1:9180"

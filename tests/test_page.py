@@ -1,4 +1,4 @@
-"""The status page (supervisor/page.py): what it shows, at demo size and at fleet size."""
+"""The status page (supervisor/page/): what it shows, at demo size and at fleet size."""
 
 from __future__ import annotations
 
@@ -7,21 +7,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from supervisor.formats import format_age, format_bytes
 from supervisor.haproxy.config import Config
-from supervisor.page import (
-    CHART_W,
-    BackendSizes,
-    History,
-    backend_sizes,
-    damage_by_backend,
-    format_age,
-    format_bytes,
-    old_workers_chart,
-    page_of,
-    reload_chart,
-    render_page,
-    running_generations,
-)
+from supervisor.page.charts import CHART_W, History, old_workers_chart, reload_chart
+from supervisor.page.damage import BackendSizes, backend_sizes, damage_by_backend, running_generations
+from supervisor.page.render import page_of, render_page
 from supervisor.settings import Settings
 from supervisor.state import CHART_POINTS, Generation, OldWorker, ReloadRecord, State
 from supervisor.status.document import status_document

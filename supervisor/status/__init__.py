@@ -2,7 +2,7 @@
 
 It reads State and never changes it; operator actions (reload, mark a server dead) go
 through the `actions` object the daemon passes in. What is shown is computed by pure
-functions (`status_document`, `StateCollector`, and the page's in supervisor/page.py), so
+functions (`status_document`, `StateCollector`, and the page's in supervisor/page/), so
 they are unit-tested without a server.
 
 Who may act: over TCP, `POST`/`DELETE` need `Authorization: Bearer <token>` with the

@@ -18,7 +18,8 @@ from prometheus_client.exposition import generate_latest
 
 from ..files import read_regular
 from ..haproxy.api import validate_name
-from ..page import BackendSizes, page_of
+from ..page.damage import BackendSizes
+from ..page.render import page_of
 from ..settings import Settings
 from ..state import ReloadRecord, State, utcnow
 from .document import SOCKET_MISSING, not_ready_reason, reload_json, status_document

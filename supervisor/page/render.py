@@ -1,0 +1,286 @@
+"""The page at `/`, from the /status document: header, current worker, dead servers by
+backend, charts, old workers and reloads. Every value is escaped."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from ..formats import format_age, format_bytes, format_duration_ms
+from ..state import State, rfc3339
+from .charts import History, charts_html
+from .damage import BackendDamage, BackendSizes, backends_of, damage_by_backend, running_generations
+from .markup import RESULT_TONE, badge, chips, esc, when
+
+PAGE_REFRESH_S = 5
+# Up to this many dead servers the page names each one; past it, per backend only (/status has all).
+PAGE_CHIP_LIMIT = 40
+# An old worker's steered servers are named up to this many; past it, counted.
+STEERED_NAMED = 6
+# Server names in a backend's tooltip.
+TOOLTIP_NAMES = 20
+
+_PUSH_TONE = {"ok": "good", "pending": "warn", "failed": "bad"}
+
+_PAGE_CSS = """
+:root { color-scheme: light; }
+* { box-sizing: border-box; }
+body { margin: 0; background: #f3f5f8; color: #1d2330;
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; }
+header { background: #1d2330; color: #fff; padding: 14px 24px; display: flex; align-items: center;
+  gap: 10px; flex-wrap: wrap; }
+header h1 { font-size: 18px; margin: 0 8px 0 0; font-weight: 600; }
+header .facts { color: #b9c2d3; font-size: 13px; margin-left: 8px; }
+main { padding: 18px 24px; display: grid; gap: 16px; max-width: 1280px; }
+.row { display: grid; grid-template-columns: minmax(300px, 2fr) 3fr; gap: 16px; }
+@media (max-width: 800px) { .row { grid-template-columns: 1fr; } }
+section { background: #fff; border: 1px solid #dde2ea; border-radius: 8px; padding: 14px 16px; min-width: 0; }
+h2 { font-size: 15px; margin: 0 0 10px; font-weight: 600; }
+h2 .count { color: #6b7587; font-weight: 400; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: 4px 10px; border-bottom: 1px solid #edf0f4; vertical-align: baseline; }
+tr:last-child td { border-bottom: 0; }
+th { font-size: 12px; text-transform: uppercase; letter-spacing: .04em; color: #6b7587; font-weight: 600;
+  white-space: nowrap; }
+td.num, .num { font-variant-numeric: tabular-nums; white-space: nowrap; }
+.mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 13px; }
+.when { white-space: nowrap; font-variant-numeric: tabular-nums; }
+.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; margin: 0; }
+.kv dt { color: #6b7587; } .kv dd { margin: 0; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600;
+  white-space: nowrap; }
+.good { background: #dff5e3; color: #17692c; } .bad { background: #fde2e1; color: #a61b1b; }
+.warn { background: #fff1cc; color: #7a5200; } .neutral { background: #e8ebf0; color: #444d5c; }
+.chip { display: inline-block; margin: 1px 2px; padding: 0 6px; border-radius: 4px; background: #eef1f6;
+  font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; white-space: nowrap; }
+.chip.bad { background: #fde2e1; color: #a61b1b; }
+.chip .tag { font-family: system-ui, sans-serif; font-size: 11px; opacity: .75; }
+.counters { display: flex; gap: 10px; flex-wrap: wrap; margin-bottom: 10px; }
+.counters div { min-width: 110px; padding: 6px 10px; border-radius: 6px; background: #f6f7f9; }
+.counters b { display: block; font-size: 20px; font-variant-numeric: tabular-nums; }
+.counters span { color: #6b7587; font-size: 12px; }
+.counters .bad { background: #fde2e1; } .counters .bad b { color: #a61b1b; }
+.backends { display: grid; gap: 6px; margin: 4px 0 10px; }
+.group { display: flex; flex-wrap: wrap; gap: 3px; align-items: baseline; padding: 4px 6px; border-radius: 6px; }
+.group .head { font-weight: 600; font-size: 13px; margin-right: 2px; white-space: nowrap; }
+.group .n { color: #6b7587; font-size: 12px; margin-right: 6px; white-space: nowrap; }
+.group.all { background: #fde2e1; } .group.all .head { color: #a61b1b; }
+.group.half { background: #ffe8cc; } .group.half .head { color: #a34a00; }
+.group.some { background: #fff6d6; } .group.some .head { color: #6b4800; }
+.be { padding: 0 4px; border-radius: 3px; background: rgba(255, 255, 255, .7);
+  font: 12px/1.5 ui-monospace, "DejaVu Sans Mono", monospace; white-space: nowrap; }
+.be.unsteered { outline: 2px dashed #1d2330; outline-offset: -2px; }
+.charts { display: flex; flex-wrap: wrap; gap: 16px; }
+figure { margin: 0; } figcaption { font-size: 13px; font-weight: 600; margin-bottom: 2px; }
+figcaption .muted { font-weight: 400; }
+svg.chart { display: block; background: #fafbfc; border-radius: 4px; }
+svg .axis { stroke: #ced4da; } svg .tick { font-size: 10px; fill: #6b7587; }
+.convergence { padding: 6px 10px; border-radius: 6px; margin-bottom: 10px; overflow-wrap: anywhere; }
+.convergence .muted { color: inherit; opacity: .8; font-size: 12px; }
+.muted { color: #8a93a3; } .err { color: #a61b1b; overflow-wrap: anywhere; }
+footer { padding: 0 24px 18px; color: #6b7587; font-size: 12px; }
+footer a { color: #3b5bdb; }
+"""
+
+
+def _current_worker_html(worker: dict[str, Any], now: datetime) -> str:
+    sha = worker["config_sha256"]
+    return (
+        '<dl class="kv">'
+        f'<dt>PID</dt><dd class="num" id="current-pid">{esc(worker["pid"])}</dd>'
+        f'<dt>Generation</dt><dd class="num">{esc(worker["generation"])}</dd>'
+        f'<dt>Started</dt><dd>{when(worker["started_at"], now)}</dd>'
+        f'<dt>Config</dt><dd class="mono" title="sha256 {esc(sha)}">{esc(sha[:16] if sha else None)}</dd>'
+        "</dl>"
+    )
+
+
+def _convergencebadge(convergence: dict[str, Any]) -> str:
+    """`converged`, or how long not: amber while it is passing and retried, red when the
+    config is the problem (nothing retries it by itself)."""
+    if convergence["converged"]:
+        return badge("converged", "good")
+    tone = "warn" if convergence["transient"] else "bad"
+    return (f'<span class="badge {tone}" id="convergence-badge" title="{esc(convergence["reason"])}">'
+            f'not converged {esc(format_age(convergence["unconverged_s"]))}</span>')
+
+
+def _convergence_html(convergence: dict[str, Any], now: datetime) -> str:
+    """Why the current worker does not run the rendered config, for the Now panel; nothing when it does."""
+    if convergence["converged"]:
+        return ""
+    attempts = convergence["attempts"]
+    if not convergence["transient"]:
+        tone, kind = "bad", "the config is the problem: HAProxy serves the last good config until it changes"
+    elif attempts:
+        tone, kind = "warn", f"passing: retried with backoff ({attempts} attempt{'s' if attempts != 1 else ''} so far)"
+    else:
+        tone, kind = "warn", "passing: retried with backoff"
+    reason = esc(convergence["reason"])
+    return (
+        f'<div class="convergence {tone}" id="convergence"><b>Not converged</b> since '
+        f'{when(convergence["since"], now)}: <span class="reason">{reason}</span>'
+        f'<div class="muted">{esc(kind)}</div></div>'
+    )
+
+
+def _summary_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
+    dead = len(doc["dead_servers"])
+    cells = [
+        ("dead servers", dead, dead > 0),
+        ("backends hit", len(damage), bool(damage)),
+        ("with no live server", sum(d.tone == "all" for d in damage), any(d.tone == "all" for d in damage)),
+        ("old workers", len(doc["old_workers"]), False),
+        ("pushes failing", sum(w["push"]["state"] == "failed" for w in doc["old_workers"]),
+         any(w["push"]["state"] == "failed" for w in doc["old_workers"])),
+    ]
+    return '<div class="counters">' + "".join(
+        f'<div class="{"bad" if alarming else ""}"><b>{value:,}</b><span>{esc(name)}</span></div>'
+        for name, value, alarming in cells
+    ) + "</div>"
+
+
+def _backend_chip(d: BackendDamage, old_workers: int) -> str:
+    names = ", ".join(d.dead[:TOOLTIP_NAMES])
+    if len(d.dead) > TOOLTIP_NAMES:
+        names += f" and {len(d.dead) - TOOLTIP_NAMES} more"
+    tip = f"{d.label}: {names}. Steered away in {d.steered_in} of {old_workers} old workers"
+    if d.operator:
+        tip += f"; {d.operator} marked by an operator"
+    unsteered = " unsteered" if old_workers and not d.steered_in else ""
+    return f'<span class="be{unsteered}" data-backend="{esc(d.backend)}" title="{esc(tip)}">{esc(d.backend)}</span>'
+
+
+def _damage_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
+    """One line per count ("3 of 10 dead"), worst first, naming every backend with that count:
+    at 700 backends hit this stays a few hundred pixels high."""
+    if not damage:
+        return '<p class="muted">No dead servers.</p>'
+    old_workers = len(doc["old_workers"])
+    groups = [list(group) for _, group in itertools.groupby(damage, key=lambda d: (d.count, d.tone))]
+    rows = "".join(
+        f'<div class="group {group[0].tone}" data-count="{esc(group[0].count)}">'
+        f'<span class="head">{esc(group[0].count)}</span><span class="n">{len(group):,} '
+        f'backend{"s" if len(group) > 1 else ""}</span>'
+        + "".join(_backend_chip(d, old_workers) for d in group)
+        + "</div>"
+        for group in groups
+    )
+    dead_servers = doc["dead_servers"]
+    if len(dead_servers) <= PAGE_CHIP_LIMIT:
+        names = f"<p>{chips(dead_servers, 'bad', frozenset(doc['operator_dead']))}</p>"
+    else:
+        names = ""
+    return (
+        f'<div class="backends" id="backends">{rows}</div>{names}'
+        '<p class="muted">Worst first; hover a backend for its dead servers (all of them are in /status). '
+        '<span class="be unsteered">dashed</span>: no old worker is steered away from it. '
+        "Old workers are steered away from dead servers. Mark or clear one with "
+        '<span class="mono">POST</span> / '
+        '<span class="mono">DELETE /servers/&lt;backend&gt;/&lt;server&gt;/dead</span>.</p>'
+    )
+
+
+def _steered_html(steered: list[str]) -> str:
+    if len(steered) <= STEERED_NAMED:
+        return chips(steered, "bad")
+    backends = len(backends_of(tuple(steered)))
+    return f'<span class="num">{len(steered):,} servers in {backends:,} backends</span>'
+
+
+def _old_workers_html(workers: list[dict[str, Any]], now: datetime) -> str:
+    if not workers:
+        return '<p class="muted">No old workers: nothing is draining.</p>'
+    rows = []
+    for w in workers:
+        push = w["push"]
+        push_cell = badge(push["state"], _PUSH_TONE.get(push["state"], "neutral"))
+        if push["at"]:
+            push_cell += f' <span class="muted" title="{esc(push["at"])}">'
+            push_cell += f'{esc(format_age((now - datetime.fromisoformat(push["at"])).total_seconds()))} ago</span>'
+        if push["error"]:
+            push_cell += f'<div class="err">{esc(push["error"])}</div>'
+        rows.append(
+            f'<tr class="old-worker" data-pid="{esc(w["pid"])}">'
+            f'<td class="num pid">{esc(w["pid"])}</td><td class="num">{esc(w["generation"])}</td>'
+            f'<td class="num" title="{esc(w["age_s"])} s">{esc(format_age(w["age_s"]))}</td>'
+            f'<td class="num">{esc(format_bytes(w["rss_bytes"]))}</td>'
+            f'<td class="num">{esc(w["connections"] if w["connections"] is not None else "?")}</td>'
+            f'<td class="steered">{_steered_html(w["steered"])}</td><td>{push_cell}</td></tr>'
+        )
+    return (
+        "<table><thead><tr><th>PID</th><th>Gen</th><th>Age</th><th>RSS</th><th>Conns</th>"
+        "<th>Steered away from</th><th>Push to worker</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+    )
+
+
+def _reloads_html(reloads: dict[str, Any], now: datetime) -> str:
+    results = [key for key in reloads if key not in ("last", "recent")]
+    counters = "".join(
+        f'<div class="{"bad" if result in ("failed", "invalid") and reloads[result] else ""}">'
+        f'<b>{esc(reloads[result])}</b><span>{esc(result.replace("_", " "))}</span></div>'
+        for result in results
+    )
+    if not reloads["recent"]:
+        return f'<div class="counters">{counters}</div><p class="muted">No reloads yet.</p>'
+    rows = "".join(
+        f'<tr class="reload"><td>{when(r["at"], now)}</td>'
+        f'<td>{badge(r["result"].replace("_", " "), RESULT_TONE.get(r["result"], "neutral"))}</td>'
+        f'<td class="num">{esc(format_duration_ms(r["duration_ms"]))}</td>'
+        f'<td class="err">{esc(r["error"] or "")}</td></tr>'
+        for r in reloads["recent"]
+    )
+    return (
+        f'<div class="counters">{counters}</div>'
+        "<table><thead><tr><th>When (UTC)</th><th>Result</th><th>Took</th><th>Error</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+    )
+
+
+def render_page(
+    doc: dict[str, Any], now: datetime, sizes: Mapping[str, int] | None = None, history: History | None = None,
+) -> str:
+    """The self-contained HTML page for GET /, from the /status document, the servers per
+    backend of the running configs, and the charts' history. Every value is escaped."""
+    sup, hap = doc["supervisor"], doc["haproxy"]
+    master = badge("master up", "good") if hap["up"] else badge("master down", "bad")
+    ready = badge("ready", "good") if sup["ready"] else badge("not ready", "bad")
+    converged = _convergencebadge(doc["convergence"])
+    facts = (
+        f'supervisor {esc(sup["version"])} · pid {esc(sup["pid"])} · up {esc(format_age(sup["uptime_s"]))}'
+        f' · HAProxy {esc(hap["version"])} · master pid {esc(hap["master_pid"])}'
+    )
+    damage = damage_by_backend(doc["dead_servers"], doc["operator_dead"], doc["old_workers"], sizes or {})
+    old = doc["old_workers"]
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="refresh" content="{PAGE_REFRESH_S}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>haproxy-supervisor · {esc(len(old))} old worker(s)</title>
+<style>{_PAGE_CSS}</style></head>
+<body>
+<header><h1>haproxy-supervisor</h1>{master} {ready} {converged}<span class="facts">{facts}</span></header>
+<main>
+<div class="row">
+<section id="current"><h2>Current worker</h2>{_current_worker_html(doc["worker"], now)}</section>
+<section id="summary"><h2>Now</h2>{_convergence_html(doc["convergence"], now)}{_summary_html(damage, doc)}</section>
+</div>
+<section id="dead"><h2>Dead servers by backend <span class="count">({len(doc["dead_servers"]):,} servers in
+{len(damage):,} backends)</span></h2>{_damage_html(damage, doc)}</section>
+<section id="history"><h2>History</h2><div class="charts">{charts_html(history or History(), now)}</div></section>
+<section id="old-workers"><h2>Old workers <span class="count">({esc(len(old))})</span></h2>
+{_old_workers_html(old, now)}</section>
+<section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"], now)}</section>
+</main>
+<footer>Generated {esc(rfc3339(now))} · refreshes every {PAGE_REFRESH_S} s ·
+<a href="/status">/status</a> · <a href="/metrics">/metrics</a></footer>
+</body></html>
+"""
+
+
+def page_of(state: State, doc: dict[str, Any], now: datetime, sizes: BackendSizes) -> str:
+    """render_page() for the daemon: `doc` is status_document(state, ...) at `now`; `sizes`
+    lives as long as the app serving the page."""
+    return render_page(doc, now, sizes.of(running_generations(state)), History.of(state))
