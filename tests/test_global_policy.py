@@ -20,7 +20,7 @@ from supervisor.cli import main
 from supervisor.effective import RenderedConfigError, build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.inject import RefusedGlobal, supervised_global
-from supervisor.master import master_command
+from supervisor.master.process import master_command
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from tests.support.daemon import http_get
 from tests.support.harness import backends, free_port, kill_tree, wait_for

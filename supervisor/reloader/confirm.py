@@ -11,7 +11,7 @@ from typing import Literal
 from ..effective import Effective
 from ..haproxy.api import CLIError, ProcList
 from ..haproxy.config import Config
-from ..master import bind_ports, worker_ready
+from ..master.readiness import bind_ports, worker_ready
 from ..state import ReloadRecord
 from .base import Unconfirmed
 from .convergence import Convergence

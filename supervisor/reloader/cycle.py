@@ -19,7 +19,7 @@ from ..gcpolicy import collector_paused, settle_after_reload
 from ..generations import PendingReload
 from ..haproxy.api import CLIError, ProcList
 from ..haproxy.config import Config
-from ..master import bind_ports
+from ..master.readiness import bind_ports
 from ..notify import summary_line
 from ..state import Generation, ReloadRecord
 from .base import LoadedConfig

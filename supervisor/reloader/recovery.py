@@ -23,7 +23,8 @@ from ..generations import loaded_pending, plan_rebuild
 from ..haproxy.api import ProcList
 from ..haproxy.config import Config
 from ..haproxy.inject import SLOT_TABLE_PREFIX, SlotTable
-from ..master import MasterError, process_started_at
+from ..master import MasterError
+from ..master.procfs import process_started_at
 from ..state import Generation, ReloadRecord
 from .base import LoadedConfig
 from .convergence import Convergence

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..master import process_started_at
+from ..master.procfs import process_started_at
 from ..state import OldWorker, PushState, PushStateName, State, utcnow
 from .entries import Entries
 from .mapdiff import BackendDelta, backend_delta

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from supervisor.master import find_masters
+from supervisor.master.find import find_masters
 from supervisor.settings import load_settings
 from tests.support.daemon import RequestLoop
 from tests.support.daemon import tagged_config as config

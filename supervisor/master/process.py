@@ -1,0 +1,366 @@
+"""`MasterProcess`: the one object that owns the HAProxy master's lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import psutil
+
+from ..haproxy.api import CLIError, MasterCLI, ProcList
+from ..haproxy.server_state import clear_server_state
+from ..haproxy.stderr import StderrRelay
+from ..notify import child_environment
+from ..settings import Settings
+from ..state import State
+from .exits import kill_group, reap, send_signal, watch_exit
+from .find import find_master, find_masters, is_our_master_worker, read_pid_file
+from .procfs import is_alive
+from .readiness import config_ports, ready_worker
+
+log = logging.getLogger(__package__)
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+HEALTHY_UPTIME_S = 10.0
+HARD_STOP_WAIT_S = 5.0
+POLL_S = 0.05
+
+
+class MasterError(Exception):
+    """The master could not be started or adopted. One line."""
+
+
+class MasterSocketGone(MasterError):
+    """Our master lives, but its socket file was removed (runtime_dir deleted while no daemon
+    ran): reachable again only once it re-executes (MasterProcess.take_back)."""
+
+    def __init__(self, pid: int, path: Path) -> None:
+        super().__init__(f"haproxy master pid={pid} still holds {path}, which was removed: "
+                         "refusing to start a second HAProxy")
+        self.pid = pid
+
+
+# The master CLI can change what every worker routes: its owner and group only, whatever the
+# umask (HAProxy creates the socket; `-S path,mode,660` is a bind option of its own).
+MASTER_SOCKET_MODE = "660"
+# What HAProxy creates without an explicit mode of its own is never world-accessible.
+CHILD_UMASK = 0o027
+
+
+def master_command(settings: Settings) -> list[str]:
+    h = settings.haproxy
+    return [
+        h.binary, "-W", "-S", f"{h.master_socket_path},mode,{MASTER_SOCKET_MODE}",
+        "-f", str(h.effective_config), "-p", str(h.pid_file),
+    ]
+
+
+def next_backoff(previous: float | None, uptime_s: float | None) -> float:
+    """At once after a master that ran for HEALTHY_UPTIME_S (its death is news, not a crash
+    loop: a kill -9 of the current worker takes the master down with it, and every second
+    waited is a second without a listener); then 1 s, 2 s, 4 s ... up to 30 s."""
+    if previous is None or (uptime_s is not None and uptime_s >= HEALTHY_UPTIME_S):
+        return 0.0
+    return min(max(previous * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
+
+
+class MasterProcess:
+    """Start or adopt the master, notice its death, restart it with backoff, stop it gracefully."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        state: State,
+        cli: MasterCLI,
+        on_started: Callable[[ProcList], Awaitable[None]] | None = None,
+        stderr: StderrRelay | None = None,
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.cli = cli
+        self.on_started = on_started
+        self.stderr = stderr  # None: the master shares the daemon's stderr
+        # Held by whoever changes what HAProxy runs: (re)start, stop, and each reload.
+        self.lock = asyncio.Lock()
+        self.pid: int | None = None
+        self.adopted = False
+        self._child: subprocess.Popen[bytes] | None = None
+        self._exit: asyncio.Future[None] | None = None
+        self._wanted = asyncio.Event()
+        self._up = asyncio.Event()
+        self._up_since = 0.0
+        self.stopping = False
+
+    # ------------------------------------------------------------ facts
+
+    @property
+    def wanted(self) -> bool:
+        """A master was started or adopted and should be kept running."""
+        return self._wanted.is_set()
+
+    @property
+    def up(self) -> bool:
+        return self._up.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return self.pid is not None and self._exit is not None and not self._exit.done()
+
+    async def wait_up(self) -> None:
+        await self._up.wait()
+
+    def request_start(self) -> None:
+        """Ask run() to start the master (the effective config is on disk)."""
+        self._wanted.set()
+
+    # ------------------------------------------------------------ the process
+
+    def _stderr_end(self) -> int | None:
+        """The write end of the FIFO for a master about to start, or None: it inherits ours."""
+        if self.stderr is None:
+            return None
+        try:
+            return self.stderr.write_end()
+        except OSError as exc:
+            log.warning("%s: cannot open (%s): haproxy writes to our stderr, server states are polled",
+                        self.stderr.path, exc.strerror or exc)
+            return None
+
+    async def _wait_exit(self, timeout: float | None) -> bool:
+        if self._exit is None:
+            return True
+        done, _ = await asyncio.wait({self._exit}, timeout=timeout)
+        return bool(done)
+
+    def _mark_up(self, pid: int) -> None:
+        self.pid = pid
+        self.state.master_pid = pid
+        self.state.master_up = True
+        self.state.server_events = self.stderr is not None and self.stderr.feeds(pid)
+        self._up_since = time.monotonic()
+        self._up.set()
+
+    def _mark_down(self) -> None:
+        self.state.master_up = False
+        self.state.master_pid = None
+        self.state.server_events = False
+        self._up.clear()
+        self.pid = None
+        self._child = None
+
+    # ------------------------------------------------------------ start / adopt
+
+    async def start(self) -> ProcList:
+        """Start a master on the effective config on disk; return once its first worker is ready."""
+        cmd = master_command(self.settings)
+        ports = config_ports(self.settings.haproxy.effective_config)
+        # A fresh master has no worker to hand states over from: a previous run's file would
+        # put servers in states nobody asked for.
+        clear_server_state(self.settings.haproxy.server_state_file)
+        log.info("starting haproxy master: %s", shlex.join(cmd))
+        stderr = self._stderr_end()
+        try:
+            child = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=child_environment(),
+                umask=CHILD_UMASK,
+            )
+        except OSError as exc:
+            raise MasterError(f"cannot run {cmd[0]}: {exc.strerror or exc}") from None
+        finally:
+            if stderr is not None:
+                os.close(stderr)
+        self._child = child
+        self.adopted = False
+        self._exit = exited = watch_exit(child.pid)
+        deadline = time.monotonic() + self.settings.reload.timeout_s
+        while True:
+            if exited.done():
+                how = reap(self._child)
+                self._child = None
+                raise MasterError(f"haproxy master pid={child.pid} exited while starting ({how}); see its messages")
+            ready, why = await ready_worker(self.cli, child.pid, ports)
+            if ready is not None:
+                procs = ready
+                break
+            if time.monotonic() > deadline:
+                kill_group(child.pid)
+                raise MasterError(
+                    f"haproxy master pid={child.pid} has no ready worker within {self.settings.reload.timeout_s}s "
+                    f"({why}): killed"
+                )
+            await self._wait_exit(POLL_S)
+        self._mark_up(child.pid)
+        worker = procs.current_worker
+        log.info("master started pid=%d worker=%d", child.pid, worker.pid if worker else 0)
+        return procs
+
+    async def adopt(self) -> ProcList | None:
+        """Take over a master a previous daemon started for this runtime_dir, or None if there is none.
+
+        The master is found by the socket it holds (`find_master`), not by its argv nor only by
+        the pid file. Raises MasterError when our master is alive but its socket does not answer:
+        starting a second HAProxy next to it would bind the same ports twice.
+        """
+        h = self.settings.haproxy
+        pid = find_master(self.settings)
+        recorded = read_pid_file(h.pid_file)
+        if recorded is not None and recorded != pid:
+            log.info("pid file %s names pid=%d, which is not our haproxy master: stale, ignored", h.pid_file, recorded)
+        if pid is None:
+            return None
+        if not h.master_socket_path.exists():
+            raise MasterSocketGone(pid, h.master_socket_path)
+        ports = config_ports(self.settings.haproxy.effective_config)
+        deadline = time.monotonic() + self.settings.reload.timeout_s
+        while True:
+            procs, why = await ready_worker(self.cli, pid, ports)
+            if procs is not None:
+                break
+            if not is_alive(pid):
+                log.info("haproxy master pid=%d went away during adoption", pid)
+                return None
+            if time.monotonic() > deadline:
+                raise MasterError(
+                    f"haproxy master pid={pid} is alive but {h.master_socket_path} shows no ready worker "
+                    f"({why}): refusing to start a second HAProxy"
+                )
+            await asyncio.sleep(0.1)
+        self._child = None
+        self.adopted = True
+        self._exit = watch_exit(pid)
+        self._mark_up(pid)
+        self._wanted.set()
+        worker = procs.current_worker
+        log.info(
+            "master adopted pid=%d worker=%d old_workers=%d server_events=%s",
+            pid, worker.pid if worker else 0, len(procs.old_workers),
+            "heard" if self.state.server_events else "polled (its stderr is not our FIFO)",
+        )
+        return procs
+
+    async def reexec(self, before: ProcList | None) -> ProcList | None:
+        """Make our master re-execute itself, with master.lock held: it reads its config from disk
+        again, binds its socket again and starts a new worker. The one road to a master whose
+        socket file was deleted. Returns `show proc` once the new worker is listed, else None."""
+        if self.pid is None or not self.alive:
+            return None
+        known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()
+        return await self._reexec(self.pid, known)
+
+    async def take_back(self, pid: int) -> ProcList | None:
+        """Adopt master `pid`, whose socket file was removed while no daemon ran (MasterSocketGone),
+        once the effective config it is to load is on disk: it re-executes, binds its socket
+        again, and is adopted like any other."""
+        try:
+            known = {child.pid for child in psutil.Process(pid).children()}
+        except psutil.Error:
+            known = set()
+        if await self._reexec(pid, known) is None:
+            raise MasterError(
+                f"haproxy master pid={pid} holds {self.settings.haproxy.master_socket_path}, which was removed, "
+                "and did not bind it again on SIGUSR2: refusing to start a second HAProxy"
+            )
+        return await self.adopt()
+
+    async def _reexec(self, pid: int, known: set[int]) -> ProcList | None:
+        if pid not in find_masters(self.settings):
+            return None
+        log.warning("master pid=%d: SIGUSR2, to read its config and bind %s again",
+                    pid, self.settings.haproxy.master_socket_path)
+        send_signal(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + self.settings.reload.timeout_s
+        while time.monotonic() < deadline and is_alive(pid):
+            with contextlib.suppress(CLIError):
+                procs = await self.cli.show_proc()
+                worker = procs.current_worker
+                listed = procs.master is not None and procs.master.pid == pid
+                if listed and worker is not None and worker.pid not in known:
+                    return procs
+            await asyncio.sleep(POLL_S)
+        log.error("master pid=%d listed no new worker within %gs of SIGUSR2", pid, self.settings.reload.timeout_s)
+        return None
+
+    # ------------------------------------------------------------ supervision
+
+    async def run(self) -> None:
+        """Keep the master running once it is wanted: restart it with backoff when it dies."""
+        await self._wanted.wait()
+        delay: float | None = None
+        while not self.stopping:
+            if self.pid is None:
+                procs: ProcList | None = None
+                async with self.lock:
+                    if self.stopping:
+                        return
+                    try:
+                        procs = await self.start()
+                    except MasterError as exc:
+                        log.error("master start failed: %s", exc)
+                    # Still under the lock: no reload may run before the new worker is recorded.
+                    if procs is not None and self.on_started is not None:
+                        await self.on_started(procs)
+                if procs is None:
+                    delay = next_backoff(delay, None)
+                    await self._backoff(delay)
+                    continue
+            await self._wait_exit(None)
+            if self.stopping:
+                return
+            ran_for = time.monotonic() - self._up_since
+            how = reap(self._child)
+            log.error("master exited pid=%d (%s) after %.1fs; its workers exit with it", self.pid, how, ran_for)
+            self._mark_down()
+            delay = next_backoff(delay, ran_for)
+            await self._backoff(delay)
+
+    async def _backoff(self, delay: float) -> None:
+        self.state.master_restarts += 1
+        log.warning("master restart in %gs restarts=%d", delay, self.state.master_restarts)
+        await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------ stop
+
+    async def stop(self) -> None:
+        """Soft-stop (SIGUSR1), wait haproxy.stop_timeout_s, then SIGTERM, then SIGKILL."""
+        self.stopping = True
+        async with self.lock:
+            if not self.alive or self.pid is None:
+                log.info("stop: no haproxy master running")
+                return
+            pid = self.pid
+            try:
+                procs = await self.cli.show_proc()
+                workers = [p.pid for p in (*procs.workers, *procs.old_workers)]
+            except CLIError:
+                workers = []
+            timeout = self.settings.haproxy.stop_timeout_s
+            log.info("master stopping pid=%d: soft-stop (SIGUSR1), waiting up to %gs", pid, timeout)
+            send_signal(pid, signal.SIGUSR1)
+            if not await self._wait_exit(timeout):
+                log.warning("master pid=%d still running after %gs: hard-stop (SIGTERM)", pid, timeout)
+                send_signal(pid, signal.SIGTERM)
+                if not await self._wait_exit(HARD_STOP_WAIT_S):
+                    log.warning("master pid=%d ignored SIGTERM for %gs: SIGKILL", pid, HARD_STOP_WAIT_S)
+                    send_signal(pid, signal.SIGKILL)
+                    await self._wait_exit(HARD_STOP_WAIT_S)
+            how = reap(self._child)
+            for worker in workers:
+                # Workers leave when their master dies; make sure of it for the ones we knew.
+                if psutil.pid_exists(worker):
+                    with contextlib.suppress(psutil.Error):
+                        proc = psutil.Process(worker)
+                        if is_our_master_worker(proc.cmdline(), self.settings):
+                            log.warning("worker pid=%d outlived its master: SIGKILL", worker)
+                            proc.kill()
+            self._mark_down()
+            self.settings.haproxy.pid_file.unlink(missing_ok=True)
+            log.info("master stopped pid=%d (%s)", pid, how)
