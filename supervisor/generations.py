@@ -180,11 +180,16 @@ def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha25
     return started_at_reload > pending.master_reloads and on_disk_sha256 == pending.effective_sha256
 
 
-def prunable(generations: dict[int, Generation], live_pids: set[int], current: int | None) -> list[int]:
-    """Generations whose worker is gone. The current one is never pruned, even when a
-    `show proc` taken mid-reload does not list its worker."""
+def prunable(generations: dict[int, Generation], procs: ProcList, current: int | None) -> list[int]:
+    """Generations whose worker `show proc` no longer lists. The current one is never pruned,
+    even when a `show proc` taken mid-reload does not list its worker; and an answer without
+    the master is none: the master dropped the connection while it re-executed (seen during
+    reloads on 2.6 and 3.4), which lists no worker at all."""
+    if procs.master is None:
+        return []
+    live = {p.pid for p in (*procs.workers, *procs.old_workers)}
     return sorted(
-        n for n, g in generations.items() if n != current and (g.worker_pid is None or g.worker_pid not in live_pids)
+        n for n, g in generations.items() if n != current and (g.worker_pid is None or g.worker_pid not in live)
     )
 
 

@@ -18,7 +18,7 @@ from supervisor.generations import (
     plan_rebuild,
     prunable,
 )
-from supervisor.haproxy.api import parse_show_proc
+from supervisor.haproxy.api import Proc, ProcList, parse_show_proc
 from supervisor.haproxy.config import Config
 from supervisor.state import Generation
 
@@ -77,11 +77,24 @@ def test_plan_without_any_file():
     assert plan.current is None and plan.keep == () and plan.unknown_old_pids == (302, 299)
 
 
+def listing(current: int, *old: int) -> ProcList:
+    return ProcList(Proc(1, "master", 2, "1s", "2.6"), 0, (Proc(current, "worker", 0, "1s", "2.6"),),
+                    tuple(Proc(pid, "worker", 1, "9s", "2.6") for pid in old))
+
+
 def test_prunable_never_prunes_current():
     model = Config.parse("")
     gens = {n: Generation(n, model, "e", "r", T0, pid) for n, pid in ((1, 10), (2, 20), (3, 30))}
-    assert prunable(gens, {20}, current=3) == [1]
-    assert prunable(gens, {10, 20, 30}, current=3) == []
+    assert prunable(gens, listing(40, 20), current=3) == [1]
+    assert prunable(gens, listing(30, 10, 20), current=3) == []
+
+
+def test_an_answer_without_the_master_prunes_nothing():
+    """A master re-executing mid-reload can close a `show proc` connection without a word: an
+    empty answer lists no worker, and must not make every old worker's generation gone."""
+    model = Config.parse("")
+    gens = {n: Generation(n, model, "e", "r", T0, pid) for n, pid in ((1, 10), (2, 20), (3, 30))}
+    assert prunable(gens, parse_show_proc(""), current=3) == []
 
 
 def test_store(tmp_path: Path):

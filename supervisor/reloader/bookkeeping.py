@@ -121,8 +121,7 @@ class Bookkeeping(ReloaderBase):
     def _observe(self, procs: ProcList) -> None:
         """Prune dead generations and enforce old_workers.max from one `show proc` answer."""
         self.last_procs = procs
-        live = {p.pid for p in (*procs.workers, *procs.old_workers)}
-        gone = prunable(self.state.generations, live, self.state.current_generation)
+        gone = prunable(self.state.generations, procs, self.state.current_generation)
         for n in gone:
             g = self.state.generations.pop(n)
             self._inputs.pop(n, None)
