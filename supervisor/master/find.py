@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 
 from ..settings import Settings
-from .procfs import is_alive, socket_inodes
+from .procfs import is_alive, process_started_at, socket_inodes
 
 log = logging.getLogger(__package__)
 
@@ -113,13 +113,11 @@ def find_masters(settings: Settings) -> list[int]:
             holders = [pid for pid in psutil.pids() if inode in socket_inodes(pid)]
         pids.update(pid for pid in holders if is_alive(pid))
 
-    def started(pid: int) -> float:
-        try:
-            return psutil.Process(pid).create_time()
-        except psutil.Error:
-            return float("inf")
+    def oldest_first(pid: int) -> tuple[bool, float, int]:
+        started = process_started_at(pid)  # None: gone meanwhile, sorted last
+        return (started is None, started.timestamp() if started is not None else 0.0, pid)
 
-    return sorted(pids, key=lambda pid: (started(pid), pid))
+    return sorted(pids, key=oldest_first)
 
 
 def find_master(settings: Settings) -> int | None:
