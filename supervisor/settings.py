@@ -87,9 +87,9 @@ class OldWorkerSettings:
     guard: bool = True
     no_backup: Literal["fail-fast", "keep"] = "fail-fast"
     shutdown_stuck_sessions: bool = False
-    # The current worker's full server-state read, when nothing says a state changed: servers
-    # without checks, or with checks while HAProxy's messages are heard (a safety net).
-    state_read_interval_s: float = 15
+    # While HAProxy's stderr lines are heard, the current worker's full server-state read is
+    # only a safety net, this often (without them: every 15 s, or every poll with checks).
+    state_read_interval_s: float = 60
 
 
 @dataclass(frozen=True)

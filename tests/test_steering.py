@@ -841,33 +841,32 @@ def test_the_server_index_holds_exactly_the_servers_of_the_configs_in_use(seed):
                 assert (key in index) == any(d.server(key) is not None for d in in_use), key
 
 
-def test_server_states_are_read_often_only_where_they_can_change_by_themselves():
-    from supervisor.steering.live import live_read_interval
-
-    safety_net_s = 15.0
+def test_server_states_are_read_often_only_where_they_can_change_by_themselves_unheard():
+    from supervisor.steering.live import UNHEARD_SAFETY_NET_S, live_read_interval
 
     plain = digest(model("backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80 backup\n"))
     checked = digest(model("backend b\n  server s1 10.0.0.1:80 check\n"))
     observed = digest(model("backend b\n  server s1 10.0.0.1:80 check observe layer4\n"))
     agent = digest(model("backend b\n  server s1 10.0.0.1:80 agent-check agent-port 9\n"))
+    quiet = digest(model("global\n  quiet\nbackend b\n  server s1 10.0.0.1:80 check\n"))
     assert not plain.changes_alone
     assert checked.changes_alone and observed.changes_alone and agent.changes_alone
-    assert live_read_interval(0.001, 0.25, plain.changes_alone, safety_net_s) == safety_net_s
-    assert live_read_interval(0.001, 0.25, checked.changes_alone, safety_net_s) == 0.25  # every poll
-    assert live_read_interval(0.05, 0.25, checked.changes_alone, safety_net_s) == pytest.approx(1.0)  # costly: rarer
-
-
-def test_checked_states_are_polled_only_while_haproxy_s_lines_are_not_heard():
-    from supervisor.steering.live import changes_unheard
-
-    quiet = digest(model("global\n  quiet\nbackend b\n  server s1 10.0.0.1:80 check\n"))
-    checked = digest(model("backend b\n  server s1 10.0.0.1:80 check\n"))
     assert quiet.quiet and not checked.quiet
-    assert not changes_unheard(checked.changes_alone, checked.quiet, heard=True, unchecked=False)  # events
-    assert changes_unheard(checked.changes_alone, checked.quiet, heard=False, unchecked=False)  # not our FIFO
-    assert changes_unheard(quiet.changes_alone, quiet.quiet, heard=True, unchecked=False)  # HAProxy says nothing
-    assert changes_unheard(checked.changes_alone, checked.quiet, heard=True, unchecked=True)  # first check: silent
-    assert not changes_unheard(False, False, heard=False, unchecked=True)  # no checks: nothing changes alone
+
+    def interval(d, heard: bool, cost_s: float = 0.001, unchecked: bool = False) -> float:
+        return live_read_interval(
+            cost_s, 0.25, 60.0, changes_alone=d.changes_alone, heard=heard and not d.quiet, unchecked=unchecked
+        )
+
+    # HAProxy's lines not heard (a master not started by this daemon, or `quiet`): polled.
+    assert interval(plain, heard=False) == UNHEARD_SAFETY_NET_S  # only an admin command changes them
+    assert interval(checked, heard=False) == 0.25  # every poll
+    assert interval(checked, heard=False, cost_s=0.05) == pytest.approx(1.0)  # a costly read: less often
+    assert interval(quiet, heard=True) == 0.25  # HAProxy writes nothing
+    # Heard: a line calls for a read; the full read is a safety net.
+    assert interval(plain, heard=True) == interval(checked, heard=True) == interval(observed, heard=True) == 60.0
+    assert interval(checked, heard=True, unchecked=True) == 0.25  # a first check finding a server UP is silent
+    assert interval(plain, heard=True, unchecked=True) == 60.0
 
 
 @pytest.mark.parametrize("seed", range(6))

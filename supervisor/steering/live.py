@@ -28,19 +28,22 @@ from .procs import split_show_info
 from .record import WorkerRecord
 
 COST_SHARE = 20  # reads take at most 1/COST_SHARE of the time
+# Without HAProxy's lines, servers without checks are still read this often: an operator's
+# admin command changes them unheard.
+UNHEARD_SAFETY_NET_S = 15.0
 
 
-def live_read_interval(cost_s: float, poll_s: float, changes_alone: bool, safety_net_s: float) -> float:
-    """How long one read of the current worker's server states stays good. `changes_alone`:
-    states change by themselves (checks, `observe`) and no stderr line would say so."""
-    return max(poll_s, COST_SHARE * cost_s) if changes_alone else max(poll_s, safety_net_s)
-
-
-def changes_unheard(changes_alone: bool, quiet: bool, heard: bool, unchecked: bool) -> bool:
-    """Whether states may change by themselves with no stderr line to say so: the config checks
-    or observes servers, and HAProxy's lines are not heard (`heard`: the master's stderr is the
-    daemon's FIFO; `quiet` in global silences them) or some check has not concluded yet."""
-    return changes_alone and (quiet or not heard or unchecked)
+def live_read_interval(
+    cost_s: float, poll_s: float, safety_net_s: float, *, changes_alone: bool, heard: bool, unchecked: bool = False
+) -> float:
+    """How long one read of the current worker's server states stays good.
+    `changes_alone`: some server is checked or observed, so states change by themselves;
+    `heard`: HAProxy's stderr lines reach the daemon (the master's stderr is its FIFO and the
+    global section has no `quiet`); `unchecked`: some check has not concluded yet (a first
+    check that finds a server UP changes nothing, so no line would come)."""
+    if changes_alone and (not heard or unchecked):
+        return max(poll_s, COST_SHARE * cost_s)
+    return max(poll_s, safety_net_s if heard else min(safety_net_s, UNHEARD_SAFETY_NET_S))
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,8 @@ class LiveRead:
     cost_s: float  # asking and parsing
     unusable: frozenset[str]  # its servers that are DOWN or in maintenance
 
-    def due(self, pid: int | None, poll_s: float, changes_alone: bool, safety_net_s: float, now: float) -> bool:
-        return pid != self.pid or now - self.at >= live_read_interval(self.cost_s, poll_s, changes_alone, safety_net_s)
+    def due(self, pid: int | None, interval_s: float, now: float) -> bool:
+        return pid != self.pid or now - self.at >= interval_s
 
 
 async def read_states(cli: MasterCLI, pid: int) -> LiveRead:

@@ -26,7 +26,8 @@ from ..settings import Settings
 from ..state import State
 from .dead import ConfigDigest, LiveStates, LiveView, live_view
 from .digests import Digests
-from .live import LiveRead, changes_unheard, read_states, read_unusable, update_stats
+from .exits import WorkerExits
+from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
 from .plan import Planner, Steering, nothing_steered
 from .procs import worker_generations
 from .record import WorkerRecord, list_old_workers
@@ -44,6 +45,7 @@ class OldWorkers:
     """Keeps every old worker steered away from the servers known to be dead."""
 
     STATS_INTERVAL_S = 1.0
+    LIST_INTERVAL_S = 2.0  # at rest (nothing woke the steering) `show proc` is asked this often
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
 
     def __init__(
@@ -68,17 +70,27 @@ class OldWorkers:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._stats_at = 0.0
+        self._listed_at = 0.0  # monotonic, the last round's `show proc`
+        self._exits = WorkerExits(self._wake.set)
 
     # ------------------------------------------------------------ the contract
 
     async def run(self) -> None:
         """Poll, steer, verify and reconcile until cancelled."""
+        try:
+            await self._poll()
+        finally:
+            self._exits.close()
+
+    async def _poll(self) -> None:
         failing_since: float | None = None
         # Polled every poll_interval_ms: a lasting failure (descriptors run out) is one line, not four a second.
         failing = RecurringCondition(log, logging.WARNING, "old workers: the master CLI keeps failing: %s")
+        woken = True
         while True:
             try:
-                await self.sync(fresh=self._live_due())
+                if woken or self._round_due():
+                    await self.sync(fresh=self._live_due())
                 if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
                     self._wake.set()
                 answered = await self._interruptible(read_unusable(self.cli, self._workers.values()))
@@ -104,6 +116,7 @@ class OldWorkers:
                 log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            woken = self._wake.is_set()
             self._wake.clear()
 
     async def prepare(self, next_model: Config) -> None:
@@ -190,8 +203,17 @@ class OldWorkers:
             procs = await self.cli.show_proc()
             if procs.master is None and not procs.workers:
                 raise CLIError("show proc: no answer")  # the master dropped the connection mid-reload
+            self._listed_at = time.monotonic()
             self._track(procs)
             await self._steer(procs, reuse)
+
+    def _round_due(self) -> bool:
+        """Whether a poll that nothing woke has a round to do: states to read, a push to retry,
+        or the periodic listing (a worker started by someone else's reload). An old worker's
+        exit wakes the steering itself (WorkerExits)."""
+        if self._live_due() or time.monotonic() - self._listed_at >= self.LIST_INTERVAL_S:
+            return True
+        return any(w.wanted is not None and not w.in_sync() for w in self._workers.values())
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
         """The workers that get a plan (old ones and the one about to become old): their config
@@ -210,6 +232,7 @@ class OldWorkers:
         targets = old_pids | ({current.pid} if current is not None else set())
         for pid in [pid for pid in self._workers if pid not in targets]:
             del self._workers[pid]
+        self._exits.watch_only(old_pids)
         live = self._live
         for pid in targets:
             worker = self._workers.setdefault(pid, WorkerRecord(pid, generations.get(pid)))
@@ -286,13 +309,12 @@ class OldWorkers:
         current = self.state.current
         if self._live is None or current is None or self._live_stale:
             return True
-        digest = self._digests.of(current)
-        unheard = changes_unheard(digest.changes_alone, digest.quiet, self._heard(), bool(self._live.states.pending))
-        return self._live.due(current.worker_pid, self.poll_s, unheard, self.safety_net_s, time.monotonic())
-
-    def _heard(self) -> bool:
-        """HAProxy's server state lines reach the daemon (haproxy/stderr.py)."""
-        return self.state.server_events
+        digest, live = self._digests.of(current), self._live
+        interval = live_read_interval(
+            live.cost_s, self.poll_s, self.safety_net_s, changes_alone=digest.changes_alone,
+            heard=self.state.server_events and not digest.quiet, unchecked=bool(live.states.pending),
+        )
+        return live.due(current.worker_pid, interval, time.monotonic())
 
     async def _fetch_live(self, pid: int) -> None:
         self._live_stale = False  # a line written while the read is under way calls for another
