@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.effective import build_effective
-from supervisor.haproxy.api import parse_servers_state
+from supervisor.haproxy.api import MasterCLI, ProcList, parse_servers_state
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, backends, free_port
@@ -460,3 +460,45 @@ async def test_many_changed_targets_replace_the_whole_map_at_once(rundir):
         assert sup.displaced.last_push["changes"] == 2 * backends_count + len(steady)
         assert sup.state.old_workers[env.old_pid].push.state == "ok"
         assert sup.state.push_failures == 0
+
+
+class CountingCLI(MasterCLI):
+    """The master CLI, counting the `show proc` asked through it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.show_procs = 0
+
+    async def show_proc(self) -> ProcList:
+        self.show_procs += 1
+        return await super().show_proc()
+
+
+async def test_at_rest_show_proc_is_asked_now_and_then_and_an_exit_is_noticed_at_once(rundir):
+    """Idle means idle: with nothing to push or read, the steering lists the workers every
+    LIST_INTERVAL_S, not every poll; an old worker's exit still wakes it at once (pidfd)."""
+    settings = Settings(
+        haproxy=HAProxySettings(runtime_dir=rundir), old_workers=OldWorkerSettings(poll_interval_ms=100)
+    )
+    front = free_port()
+    with backends("r1") as started:
+        # No checks: nothing changes the servers' states by itself.
+        text = TEMPLATE.format(
+            front=front, connect_ms=500, retries=1, servers=f"    server r1 127.0.0.1:{started['r1'].port}\n"
+        )
+        async with supervised(settings, text) as sup:
+            client = await KeepAliveClient(front).connect()
+            assert (await client.get())[0] == 200
+            old_pid = sup.current_pid
+            await sup.reload(text.replace("backend app\n", "backend app\n    # generation 2\n"))
+            counting = sup.cli = CountingCLI(sup.cli.path)
+            await sup.restart_displaced()
+            await sup.until(lambda: old_pid in sup.state.old_workers, what="old worker listed")
+            await asyncio.sleep(0.5)  # the new component's first rounds: maps read, states read
+            before = counting.show_procs
+            await asyncio.sleep(3.0)  # 30 polls
+            assert counting.show_procs - before <= 3, counting.show_procs - before  # every 2 s
+            await client.close()
+            started_at = time.monotonic()
+            await sup.until(lambda: old_pid not in sup.state.old_workers, timeout=5, what="old worker gone")
+            assert time.monotonic() - started_at < 1.0  # not waiting for the next listing
