@@ -109,6 +109,7 @@ class OldWorkers:
                 # reload (seconds with a big config): only a lasting failure is worth a warning.
                 now = time.monotonic()
                 failing_since = failing_since or now
+                self._listed_at = 0.0  # list again at the next poll, not after LIST_INTERVAL_S
                 log.debug("old workers: %s", exc)
                 if now - failing_since > self.WARN_AFTER_S:
                     failing.happened(exc)
