@@ -100,14 +100,18 @@ def server_state_parts(
     text: str, running: Config, new: Config, forget: Collection[str] = (), rows_per_part: int = 2000
 ) -> Iterator[str]:
     """filter_server_state() in parts of `rows_per_part` rows (their concatenation is its
-    answer): a caller on the event loop lets it run between parts."""
+    answer; the first two are empty, after each config's servers are listed): a caller on
+    the event loop lets it run between parts."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines or not lines[0].strip().isdigit():
         yield EMPTY_STATE
         return
+    running_servers = running.server_map()
+    yield ""
+    new_servers = new.server_map()
+    yield ""
     out = [lines[0]]
     columns: list[str] = []
-    running_servers, new_servers = running.server_map(), new.server_map()
     forget = frozenset(forget)
     for number, line in enumerate(lines[1:], 1):
         if number % rows_per_part == 0:
