@@ -14,13 +14,11 @@ from supervisor.haproxy.inject import inject_guard, slot_table
 from supervisor.state import Generation
 from supervisor.steering.dead import (
     ConfigDigest,
-    LiveStates,
     Sections,
     dead_groups,
     known_dead_servers,
     line_limit,
     live_view,
-    parse_live_states,
     summarize_states,
 )
 from supervisor.steering.entries import FAIL_FAST, backend_of_key, steer_entries, steered_servers
@@ -40,6 +38,7 @@ from supervisor.steering.mapdiff import (
 )
 from supervisor.steering.plan import Planner
 from supervisor.steering.procs import split_show_info, stuck_sessions, worker_generations
+from supervisor.steering.states import LiveStates, LiveTally, parse_live_states, state_parts
 
 MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0.map"
@@ -895,3 +894,31 @@ def test_a_worker_record_knows_every_backend_its_map_may_differ_in(seed):
         assert record.pending is None or differ <= record.pending, (differ, record.pending)
         if rng.random() < 0.3:  # a push went through
             record.held, record.pending = steering.parts, set()
+
+
+def big_states_answer(rows: int) -> str:
+    """A `show servers state` of `rows` servers in backends of ten: every seventh DOWN, and
+    b0's first server DOWN at an address where b0's last one is alive, rows apart."""
+    header = SERVERS_STATE.splitlines()[1]
+    lines = ["1", header]
+    for i in range(rows):
+        backend, op = f"b{i % 10}", "0" if i % 7 == 3 else "2"
+        address = "10.9.9.9" if i in (0, rows - 10) else f"10.0.{i // 250}.{i % 250}"
+        op = "0" if i == 0 else op
+        lines.append(f"2 {backend} {i} s{i} {address} {op} 0 1 1 0 6 3 4 6 0 0 0 - 80 - 0 0 - - 0")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("rows_per_part", [1, 7, 100, 2000, 1_000_000])
+def test_states_parsed_in_parts_are_the_states_parsed_whole(rows_per_part: int):
+    answer = big_states_answer(5000)
+    whole = parse_live_states(answer)
+    tally = LiveTally()
+    parts = list(state_parts(answer, rows_per_part))
+    for part in parts:
+        tally.add(part)
+    assert tally.result() == whole
+    assert len(parts) == -(-5001 // rows_per_part)  # the rows, and the empty line after the last
+    assert "b0 10.9.9.9:80" not in whole.down and "b3 10.0.0.3:80" in whole.down
+    if len(parts) > 1:  # control: each part's own verdict calls b0's shared address dead
+        assert any("b0 10.9.9.9:80" in parse_live_states(part).down for part in parts)

@@ -22,9 +22,10 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..haproxy.api import ADMIN_MAINT_MASK, DEFAULT_LINE_LIMIT, ServerState
+from ..haproxy.api import DEFAULT_LINE_LIMIT, ServerState
 from ..haproxy.config import Config, Section, Server, is_ip, section_servers
 from ..haproxy.inject import SLOT_TABLE_PREFIX, is_guarded
+from .states import LiveStates
 
 # Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
 # strings cache their hash, and sets of thousands of them are compared on every drain.
@@ -177,21 +178,6 @@ def line_limit(model: Config | None) -> int:
 # ---------------------------------------------------------------- the current worker's evidence
 
 
-@dataclass(frozen=True)
-class LiveStates:
-    """The current worker's `show servers state`, boiled down to evidence per endpoint."""
-
-    down: frozenset[At] = frozenset()  # endpoints where servers are DOWN or MAINT and none is alive
-    pending: frozenset[At] = frozenset()  # endpoints whose only servers have not been checked yet
-    # Verdicts by "backend/server": every server that is not plainly alive, and those
-    # configured by host name (their live address differs from the configured one).
-    alive_by_key: dict[str, bool | None] = field(default_factory=dict)
-
-    def unusable(self) -> frozenset[str]:
-        """Its servers that are DOWN or in maintenance: a `use-server` rule skips them."""
-        return frozenset(k for k, verdict in self.alive_by_key.items() if verdict is False)
-
-
 def summarize_states(states: Iterable[ServerState]) -> LiveStates:
     """From parsed states (no check details: op and admin state are the evidence)."""
     down: set[At] = set()
@@ -202,58 +188,6 @@ def summarize_states(states: Iterable[ServerState]) -> LiveStates:
         (up if st.alive else down).add(where)
         by_key[st.key] = st.alive
     return LiveStates(frozenset(down - up), frozenset(), by_key)
-
-
-_LIVE_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port", "srv_op_state", "srv_admin_state",
-                 "srv_check_state", "srv_check_result", "srv_fqdn")  # fmt: skip
-_CHECK_RUNNING = 0x02 | 0x04  # CHK_ST_CONFIGURED | CHK_ST_ENABLED
-_RUNNING_CHECK_STATES = frozenset(str(v) for v in range(256) if v & _CHECK_RUNNING == _CHECK_RUNNING)
-_CHECK_UNKNOWN = "0"  # the check result before the first check concluded
-
-
-def parse_live_states(text: str) -> LiveStates:
-    """`show servers state` straight to LiveStates: one regex pass (in C) over the whole text,
-    then a loop that does next to nothing for the usual line (alive)."""
-    down: set[tuple[str, str, str]] = set()
-    up: set[tuple[str, str, str]] = set()
-    pending: set[tuple[str, str, str]] = set()
-    by_key: dict[str, bool | None] = {}
-    start = text.find("# be_id")
-    while start != -1:
-        end = text.find("\n", start)
-        header = text[start : end if end != -1 else len(text)]
-        columns = header[2:].split()
-        pattern = re.compile(
-            "^" + r"[ \t]+".join(r"(\S+)" if c in _LIVE_COLUMNS else r"\S+" for c in columns) + r"[ \t]*$", re.M
-        )
-        col = {name: i for i, name in enumerate(c for c in columns if c in _LIVE_COLUMNS)}
-        following = text.find("# be_id", start + 1)
-        block = text[end + 1 : following if following != -1 else len(text)] if end != -1 else ""
-        i_be, i_name, i_addr = col["be_name"], col["srv_name"], col["srv_addr"]
-        i_port, i_op, i_admin = col.get("srv_port"), col["srv_op_state"], col["srv_admin_state"]
-        i_cstate, i_cres, i_fqdn = col.get("srv_check_state"), col.get("srv_check_result"), col.get("srv_fqdn")
-        for v in pattern.findall(block):
-            where = (v[i_be], v[i_addr], v[i_port] if i_port is not None else "")
-            admin = v[i_admin]
-            verdict: bool | None
-            if v[i_op] == "0" or (admin != "0" and int(admin) & ADMIN_MAINT_MASK):
-                verdict = False
-                down.add(where)
-            elif i_cstate is not None and v[i_cres] == _CHECK_UNKNOWN and v[i_cstate] in _RUNNING_CHECK_STATES:
-                verdict = None
-                pending.add(where)
-            else:
-                up.add(where)
-                if i_fqdn is None or v[i_fqdn] == "-":
-                    continue  # the usual case: nothing more to note
-                verdict = True
-            by_key[f"{v[i_be]}/{v[i_name]}"] = verdict
-        start = following
-
-    def ats(raw: set[tuple[str, str, str]]) -> frozenset[At]:
-        return frozenset(f"{b} {a}:{p}" if p.isdigit() else f"{b} {a}" for b, a, p in raw)
-
-    return LiveStates(ats(down - up), ats(pending - up - down), by_key)
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,15 @@ import psutil
 
 from ..haproxy.api import CLIError, MasterCLI, on_process
 from ..state import State
-from .dead import LiveStates, parse_live_states
 from .procs import split_show_info
 from .record import WorkerRecord
+from .states import LiveStates, LiveTally, state_parts
 
 COST_SHARE = 20  # reads take at most 1/COST_SHARE of the time
 # Without HAProxy's lines, servers without checks are still read this often: an operator's
 # admin command changes them unheard.
 UNHEARD_SAFETY_NET_S = 15.0
+STATE_ROWS_PER_PART = 2000  # parsed between two turns of the event loop
 
 
 def live_read_interval(
@@ -64,7 +65,11 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     answer = await cli.on(pid, "show servers state")
     if "# be_id" not in answer:
         raise CLIError(f"show servers state: no answer from worker {pid}")
-    states = parse_live_states(answer)
+    tally = LiveTally()
+    for part in state_parts(answer, STATE_ROWS_PER_PART):
+        tally.add(part)
+        await asyncio.sleep(0)  # a 10,000-row answer would hold the operator API up
+    states = tally.result()
     now = time.monotonic()
     return LiveRead(pid, now, states, now - started, states.unusable())
 

@@ -24,7 +24,7 @@ from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..settings import Settings
 from ..state import State
-from .dead import ConfigDigest, LiveStates, LiveView, live_view
+from .dead import ConfigDigest, LiveView, live_view
 from .digests import Digests
 from .exits import WorkerExits
 from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
@@ -32,6 +32,7 @@ from .plan import Planner, Steering, nothing_steered
 from .procs import worker_generations
 from .record import WorkerRecord, list_old_workers
 from .rounds import PushRounds
+from .states import LiveStates
 
 log = logging.getLogger("supervisor.steering")
 R = TypeVar("R")
