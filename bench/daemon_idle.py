@@ -14,6 +14,10 @@ gauge's window (so each reading covers that phase only):
              scraped after the idle phase, after the POSTs and their push rounds, and
              after a reload that drains 1% of the servers, once every old worker is
              steered
+    held     the longest event-loop callback of each of those phases, exactly: the daemon
+             runs with bench/callbacks/sitecustomize.py, which logs every callback that
+             holds the loop over 1 ms (the gauge samples every 100 ms and can read a
+             stretch as up to 100 ms shorter than it was)
 
 With --checks every server is health checked (`check inter 2s`) and the bench listens on every
 server's address, so the checks pass and the servers stay UP: the daemon then hears HAProxy's
@@ -104,8 +108,21 @@ def listen_on_servers(text: str) -> list[socket.socket]:
     return listeners
 
 
+def longest_callback_ms(log: Path, start: float, end: float) -> float:
+    """The longest event-loop callback that started between `start` and `end` (monotonic),
+    from the daemon's callback log (bench/callbacks/sitecustomize.py)."""
+    held = [0.0]
+    with contextlib.suppress(FileNotFoundError):
+        for line in log.read_text().splitlines():
+            at, seconds = (float(x) for x in line.split())
+            if start <= at <= end:
+                held.append(seconds)
+    return 1000 * max(held)
+
+
 async def run(workers: int, servers: int, posts: int, checks: bool = False) -> dict[str, float]:
     directory = short_tmpdir("hsi-")
+    callbacks = directory / "callbacks.log"
     front = free_port()
     base = rendered(servers, front, {})
     if checks:
@@ -115,7 +132,9 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False) -> d
     holders: list[socket.socket] = listen_on_servers(base) if checks else []
     figures: dict[str, float] = {}
     try:
-        daemon.start()
+        daemon.start(
+            env={"BENCH_CALLBACK_LOG": str(callbacks), "PYTHONPATH": str(Path(__file__).parent / "callbacks")}
+        )
         await daemon.wait_generation(1, timeout=120)
         for i in range(workers):
             holders.append(socket.create_connection(("127.0.0.1", front)))
@@ -137,9 +156,11 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False) -> d
         figures["idle_cpu_pct"] = 100 * (after.user + after.system - cpu.user - cpu.system) / elapsed
         figures["rss_mb"] = process.memory_info().rss / 2**20
         figures["lag_idle_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
+        figures["held_idle_ms"] = longest_callback_ms(callbacks, started, started + elapsed)
 
         await asyncio.sleep(SETTLE_S)
         post, delete = [], []
+        marks_started = time.monotonic()
         for b in range(posts):
             path = f"/servers/app{b}/{server_name(b, 3, {})}/dead"
             for method, samples in (("POST", post), ("DELETE", delete)):
@@ -155,10 +176,12 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False) -> d
         figures["post_p50_ms"], figures["post_max_ms"] = 1000 * statistics.median(post), 1000 * max(post)
         figures["delete_p50_ms"], figures["delete_max_ms"] = 1000 * statistics.median(delete), 1000 * max(delete)
         figures["lag_post_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
+        figures["held_post_ms"] = longest_callback_ms(callbacks, marks_started, time.monotonic())
 
         await asyncio.sleep(SETTLE_S)
         moved = {server: 1 for server in drained(servers, 0)}
         drain = rendered(servers, front, moved).replace("maxconn 2000", f"maxconn {2001 + workers}")
+        drain_started = time.monotonic()
         daemon.write(with_checks(drain) if checks else drain)
         await daemon.wait_generation(workers + 2, timeout=120)
 
@@ -169,6 +192,7 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False) -> d
 
         await until(steered, 60, "old workers steered after the drain")
         figures["lag_reload_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
+        figures["held_reload_ms"] = longest_callback_ms(callbacks, drain_started, time.monotonic())
     finally:
         for holder in holders:
             holder.close()
@@ -194,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         f"DELETE p50 {f['delete_p50_ms']:.1f} ms max {f['delete_max_ms']:.1f} ms; "
         f"POST unknown server (404) {f['post_unknown_ms']:.1f} ms\n"
         f"  worst event-loop lag: idle {f['lag_idle_ms']:.1f} ms, POSTs and their pushes {f['lag_post_ms']:.1f} ms, "
-        f"a drain's reload and push {f['lag_reload_ms']:.1f} ms",
+        f"a drain's reload and push {f['lag_reload_ms']:.1f} ms\n"
+        f"  longest event-loop callback: idle {f['held_idle_ms']:.1f} ms, POSTs and their pushes "
+        f"{f['held_post_ms']:.1f} ms, a drain's reload and push {f['held_reload_ms']:.1f} ms",
         flush=True,
     )
     return 0
