@@ -65,6 +65,9 @@ class HAProxySettings:
 @dataclass(frozen=True)
 class ReloadSettings:
     debounce_ms: int = 200
+    # A burst of changes is applied at the latest this long after its first write, however
+    # often the writes come (closer together than debounce_ms they would put it off for ever).
+    max_delay_ms: int = 1000
     min_interval_ms: int = 1000
     timeout_s: float = 30
     runtime_apply: bool = True
@@ -130,6 +133,7 @@ class Settings:
 _POSITIVE = {
     "haproxy.stop_timeout_s",
     "reload.debounce_ms",
+    "reload.max_delay_ms",
     "reload.timeout_s",
     "reload.retry_max_s",
     "old_workers.max",

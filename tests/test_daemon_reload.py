@@ -35,7 +35,9 @@ async def test_write_storm_gives_the_reloads_the_rules_allow(make):
         b1 = started["b1"].address
         d = make(
             config(front, b1, "start"),
-            {"reload": {"debounce_ms": int(debounce_s * 1000), "min_interval_ms": int(min_interval_s * 1000)}},
+            # No maximum wait: this test is about the debounce and the minimum interval alone.
+            {"reload": {"debounce_ms": int(debounce_s * 1000), "min_interval_ms": int(min_interval_s * 1000),
+                        "max_delay_ms": 60_000}},
         )
         d.start()
         await d.wait_generation(1)

@@ -76,6 +76,52 @@ def test_zero_min_interval_and_clear():
     assert s.due_at() is None and s.earliest_reload() == 1.0
 
 
+@pytest.mark.parametrize(
+    ("writes", "debounce_s", "max_delay_s", "min_interval_s", "due"),
+    [
+        # a write every 100 ms with a 200 ms debounce: due 1 s after the first write, not never
+        ([i * 0.1 for i in range(200)], 0.2, 1.0, 0.0, 1.0),
+        # one write: the debounce, as before
+        ([5.0], 0.2, 1.0, 0.0, 5.2),
+        # a burst shorter than the maximum wait: the debounce after its last write
+        ([0.0, 0.1, 0.2], 0.2, 1.0, 0.0, 0.4),
+        # the last write just before the maximum: the maximum wins over its debounce
+        ([0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9], 0.2, 1.0, 0.0, 1.0),
+        # the maximum never overrides min_interval after a reload at 0
+        ([0.1 * i for i in range(1, 30)], 0.2, 1.0, 2.0, 2.0),
+        # no maximum (the default): the debounce after the last write
+        ([i * 0.1 for i in range(50)], 0.2, float("inf"), 0.0, 4.9 + 0.2),
+    ],
+)
+def test_a_burst_is_due_at_the_latest_max_delay_after_its_first_write(writes, debounce_s, max_delay_s,
+                                                                      min_interval_s, due):
+    s = ReloadScheduler(debounce_s=debounce_s, min_interval_s=min_interval_s, max_delay_s=max_delay_s)
+    if min_interval_s:
+        s.reloaded(0.0)
+    for now in writes:
+        s.changed(now)
+    assert s.due_at() == pytest.approx(due)
+    assert s.take(due - 0.001) is None
+    assert s.take(due) == "change"
+    assert not s.pending
+
+
+def test_the_next_burst_counts_its_maximum_from_its_own_first_write():
+    s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0, max_delay_s=1.0)
+    s.changed(0.0)
+    s.changed(0.9)
+    assert s.take(1.0) == "change"
+    s.changed(1.05)  # the writer goes on: a new burst, its maximum from here
+    assert s.due_at() == pytest.approx(1.25)
+    s.changed(1.2)
+    s.changed(1.4)
+    s.changed(1.6)
+    s.changed(1.8)
+    s.changed(2.0)
+    assert s.due_at() == pytest.approx(2.05)
+    assert s.take(2.05) == "change"
+
+
 # ---------------------------------------------------------------- confirm
 
 

@@ -116,7 +116,10 @@ class ReloaderBase:
         self.runtime_apply = runtime_apply
         self.save_server_state = save_server_state
         self.store = GenerationStore(settings.haproxy.runtime_dir)
-        self.scheduler = ReloadScheduler(settings.reload.debounce_ms / 1000, settings.reload.min_interval_ms / 1000)
+        reload = settings.reload
+        self.scheduler = ReloadScheduler(
+            reload.debounce_ms / 1000, reload.min_interval_ms / 1000, reload.max_delay_ms / 1000
+        )
         files, dirs = split_watch(settings.haproxy.config, settings.haproxy.watch)
         self.watch_files, self.watch_dirs = files, dirs
         self.filter = ChangeFilter(files, dirs, ignore=[settings.haproxy.runtime_dir])

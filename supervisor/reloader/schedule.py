@@ -12,7 +12,9 @@ Cause = Literal["forced", "change", "retry"]
 class ReloadScheduler:
     """When the next cycle is due, and why.
 
-    A change is due `debounce_s` after the last write of a burst; a forced reload (SIGHUP,
+    A change is due `debounce_s` after the last write of a burst, and at the latest
+    `max_delay_s` after its first, so that writes closer together than the debounce cannot
+    put a change off for ever; a forced reload (SIGHUP,
     POST /reload) at once; a retry (the node has not converged) at the time it was set for.
     None of them before `min_interval_s` after the previous reload. Whatever is pending when
     one is due coalesces into it: the cycle reads every file afresh. Fed with monotonic
@@ -21,12 +23,16 @@ class ReloadScheduler:
 
     debounce_s: float
     min_interval_s: float
+    max_delay_s: float = float("inf")
+    first_change: float | None = None  # the first change of the burst not yet handled
     last_change: float | None = None  # newest change not yet handled
     last_reload: float | None = None  # when the previous reload was issued
     forced: bool = False  # a forced reload is asked for
     retry_at: float | None = None  # when to try again to converge
 
     def changed(self, now: float) -> None:
+        if self.first_change is None:
+            self.first_change = now
         self.last_change = now
 
     def force(self) -> None:
@@ -44,7 +50,8 @@ class ReloadScheduler:
             return "forced", float("-inf")
         if self.last_change is not None:
             # A retry never reads a file that is still being written: the change's debounce wins.
-            return "change", self.last_change + self.debounce_s
+            first = self.last_change if self.first_change is None else self.first_change
+            return "change", min(self.last_change + self.debounce_s, first + self.max_delay_s)
         if self.retry_at is not None:
             return "retry", self.retry_at
         return None
@@ -65,6 +72,7 @@ class ReloadScheduler:
         return due[0]
 
     def clear(self) -> None:
+        self.first_change = None
         self.last_change = None
         self.forced = False
         self.retry_at = None

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -160,3 +162,84 @@ async def serving(make, settings: dict | None = None) -> AsyncIterator[Node]:
             yield node
         finally:
             await loop.stop()
+
+
+# ---------------------------------------------------------------- the promise /readyz makes
+
+
+class Honesty:
+    """While a fault runs: the daemon never says converged (nor /readyz 200 past the grace
+    period) while HAProxy serves a config other than the rendered one.
+
+    Samples in a bounded loop: the rendered file as HAProxy would read it (following every
+    symlink), /status and /readyz, then the tag a new connection is answered with. A sample
+    counts only when the file's content has not changed for `settled_s` before it and during
+    it: the daemon learns of a write a moment after it lands. A lie is recorded as a line.
+    """
+
+    TAG = re.compile(r"x-tag (\S+)")
+
+    def __init__(self, daemon: Daemon, front: int, grace_s: float, settled_s: float = 0.5,
+                 max_samples: int = 2000, max_seconds: float = 60) -> None:
+        self.daemon = daemon
+        self.front = front
+        self.grace_s = grace_s
+        self.settled_s = settled_s
+        self.max_samples = max_samples
+        self.max_seconds = max_seconds
+        self.samples = 0  # the samples that counted
+        self.lies: list[str] = []
+        self._seen: tuple[bytes | None, float] = (None, 0.0)  # content, first seen at
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> Honesty:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def _content(self) -> bytes | None:
+        try:
+            content = self.daemon.rendered.read_bytes()
+        except OSError:
+            content = None
+        if content != self._seen[0]:
+            self._seen = (content, time.monotonic())
+        return content
+
+    async def _run(self) -> None:
+        deadline = time.monotonic() + self.max_seconds
+        taken = 0
+        while not self._stop.is_set() and taken < self.max_samples and time.monotonic() < deadline:
+            taken += 1
+            await asyncio.sleep(0.05)
+            before = self._content()
+            settled = time.monotonic() - self._seen[1] >= self.settled_s
+            try:
+                doc = await status(self.daemon)
+                ready, _ = await readyz(self.daemon)
+            except (aiohttp.ClientError, AssertionError, OSError, TimeoutError):
+                continue
+            _, headers, _ = await http_get(self.front, timeout=2)
+            after = self._content()
+            if before is None or before != after or not settled:
+                continue
+            self.samples += 1
+            convergence = doc["convergence"]
+            says_ready = convergence["converged"] or (
+                ready == 200 and (convergence["unconverged_s"] or 0) > self.grace_s + 1
+            )
+            match = self.TAG.search(before.decode(errors="replace"))
+            rendered_tag = match[1] if match else None
+            served = headers.get("x-tag")
+            sha = hashlib.sha256(before).hexdigest()
+            if says_ready and (served != rendered_tag or doc["config"]["rendered_sha256"] != sha):
+                self.lies.append(
+                    f"converged={convergence['converged']} readyz={ready} served={served!r} "
+                    f"rendered={rendered_tag!r} status sha={str(doc['config']['rendered_sha256'])[:12]} "
+                    f"file sha={sha[:12]}"
+                )
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
