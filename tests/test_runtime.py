@@ -8,7 +8,7 @@ import random
 import pytest
 
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime.apply import apply_changes, refusal, split_answers
+from supervisor.haproxy.runtime.apply import apply_changes, refusal
 from supervisor.haproxy.runtime.changes import ServerChange, ordered_commands
 from supervisor.haproxy.runtime.plan import config_skeleton, plan_runtime_apply, runtime_plan
 from tests.conftest import CORPUS
@@ -342,28 +342,7 @@ def test_listen_sections_count_as_backends():
     assert (c.key, c.enabled, c.to_port) == ("l/a", False, 3)
 
 
-# ---------------------------------------------------------------- answers (captured from 2.6.12)
-
-
-def test_split_answers_of_a_line():
-    text = (
-        "\nIP changed from '127.0.0.2' to '127.0.0.3', port changed from '9' to '10' by 'stats socket command'\n\n"
-        "No such server.\n\n\n"
-    )
-    assert split_answers(text, 4) == [
-        "",
-        "IP changed from '127.0.0.2' to '127.0.0.3', port changed from '9' to '10' by 'stats socket command'",
-        "No such server.",
-        "",
-    ]
-    assert split_answers("\n\n\n", 3) == ["", "", ""]
-    assert split_answers("\n\n\n", 2) is None
-
-
-def test_master_error_ends_the_line_early():
-    text = "Can't find the target PID matching the prefix '@!999999'\n"
-    assert split_answers(text, 3) is None
-    assert split_answers(text, 1) == ["Can't find the target PID matching the prefix '@!999999'"]
+# ---------------------------------------------------------------- answers (2.6.12; whole lines: test_cli_answers)
 
 
 @pytest.mark.parametrize(

@@ -25,12 +25,13 @@ PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT = "127.0.0.1", 1
 AFTER_SHUTDOWN_S = 2.0
 
 
-def _added(answer: str | None) -> bool:
-    return answer is not None and answer.strip().startswith("New server registered")
-
-
-def _deleted(answer: str | None) -> bool:
-    return answer is not None and answer.strip().startswith("Server deleted")
+def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
+    """Did `del server` take? `No such server.` to a server this apply already asked to delete
+    is a deletion too: the earlier answer was lost (a timeout, a line that could not be read),
+    not the deletion."""
+    if refusal(command, answer) is None:
+        return True
+    return asked_before and answer is not None and answer.strip() == "No such server."
 
 
 def _needs_experimental_mode(answer: str | None) -> bool:
@@ -68,7 +69,7 @@ class _Sender:
         answers: list[str | None] = []
         for command in commands:  # the master session's mode rides with the command on one line
             line = ";".join([*self.prefix, on_process(self.pid, command)])
-            answers.append((await send_line(self.cli, line, len(self.prefix) + 1))[-1])
+            answers.append((await send_line(self.cli, line))[-1])
         return answers
 
 
@@ -145,7 +146,7 @@ async def _add(sender: _Sender, adds: Sequence[ServerAdd], result: MembershipRes
             answers[i] = answer
     why = ""
     for add, answer in zip(adds, answers, strict=True):
-        if _added(answer):
+        if refusal(add.add_command, answer) is None:
             result.added.append(add.key)
         elif not why:
             why = f"`{add.add_command}` refused: {(answer or 'no answer').strip() or 'empty answer'}"
@@ -188,14 +189,17 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
     deadline = loop.time() + wait_s
     shut = purged = False
     last = ""
+    asked: set[str] = set()
     while True:
-        answers = await sender.send([f"del server {key}" for key in left])
-        for key, answer in zip(list(left), answers, strict=True):
-            if _deleted(answer):
+        commands = [f"del server {key}" for key in left]
+        answers = await sender.send(commands)
+        for key, command, answer in zip(list(left), commands, answers, strict=True):
+            if deleted(command, answer, key in asked):
                 left.remove(key)
                 result.removed.append(key)
             else:
-                last = f"`del server {key}`: {(answer or 'no answer').strip()}"
+                last = f"`{command}`: {(answer or 'no answer').strip()}"
+        asked.update(left)
         if not left:
             return ""
         if not purged:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process
+from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process, split_answers
 from .changes import ServerChange, ordered_commands
 
 log = logging.getLogger(__package__)
@@ -43,39 +43,23 @@ _ADDR_ACCEPTED = re.compile(
 )
 
 
-def split_answers(text: str, count: int) -> list[str] | None:
-    """One answer per command of a `;` line, or None when they cannot be told apart.
-
-    Each command's answer is its text followed by an empty line; a command that prints
-    nothing answers the empty line alone. A master-level error (`Can't find the target
-    PID`) ends the line early, so the count no longer matches.
-    """
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    answers: list[str] = []
-    current: list[str] = []
-    for line in lines:
-        if line == "":
-            answers.append("\n".join(current))
-            current = []
-        else:
-            current.append(line)
-    if current:
-        answers.append("\n".join(current))
-    return answers if len(answers) == count else None
-
-
 def refusal(command: str, answer: str | None) -> str | None:
     """None when HAProxy accepted `command`, else why not (its own words when it gave any).
 
-    `state` and `weight` print nothing when they succeed; `addr` prints what it changed.
-    Anything else, including an answer this code does not know, counts as refused: the
-    safe reading, since the sequence then stops with the server out of rotation.
+    `state`, `weight`, `enable health|agent`, `shutdown sessions` and the map commands print
+    nothing when they succeed; `addr` prints what it changed; `add server` and `del server`
+    say they did it. Anything else, including an answer this code does not know, counts as
+    refused: the safe reading, since the sequence then stops with the server out of rotation.
     """
     if answer is None:
         return "no answer"
     text = answer.strip()
+    words = command.split(maxsplit=3)
+    if words[:1] and words[0].startswith("@"):
+        words = words[1:]
+    if words[:2] in (["add", "server"], ["del", "server"]):
+        said = "New server registered" if words[0] == "add" else "Server deleted"
+        return None if text.startswith(said) else (text or f"empty answer to {words[0]} server")
     if " addr " in command:
         return None if _ADDR_ACCEPTED.match(text) else (text or "empty answer to addr")
     return None if text == "" else text
@@ -107,12 +91,16 @@ class ApplyResult:
         return not self.refused and not self.skipped
 
 
-async def send_line(cli: MasterCLI, line: str, count: int) -> list[str | None]:
+async def send_line(cli: MasterCLI, line: str) -> list[str | None]:
+    """Send one `;` line; one answer per command, read by what each command prints."""
+    # Names and addresses are validated, so `;` only ever separates commands.
+    commands = line.split(";")
+    count = len(commands)
     try:
         text = await cli.execute(line)
     except CLIError as exc:
         return [f"no answer: {exc}"] * count
-    answers = split_answers(text, count)
+    answers = split_answers(text, commands)
     if answers is None:
         # Cannot tell which command said what: every command of the line counts as refused.
         unexpected = text.strip() or "empty answer"
@@ -128,8 +116,7 @@ async def send_step(
     tasks: list[asyncio.Task[list[str | None]]] = []
     async with asyncio.TaskGroup() as group:
         for line in lines:
-            # Names and addresses are validated, so `;` only ever separates commands.
-            tasks.append(group.create_task(send_line(cli, line, line.count(";") + 1)))
+            tasks.append(group.create_task(send_line(cli, line)))
     answers: list[str | None] = []
     for task in tasks:
         answers.extend(task.result())
