@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .effective import prepare_runtime_dir, remove_stale_checks
+from .files import ensure_private_dir
 from .haproxy.api import MasterCLI, ProcList
 from .haproxy.runtime import RuntimeApplier
 from .haproxy.stderr import ServerEvent, StderrRelay
@@ -27,12 +28,13 @@ from .looplag import LoopLag
 from .master import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
 from .reloader import NoHooks, Reloader, ReloadHooks
+from .runlock import RuntimeDirInUse, RuntimeDirLock
 from .settings import Settings
 from .state import ReloadRecord, State
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_CRASHED, EXIT_DETACHED = 0, 1, 3
+EXIT_OK, EXIT_CRASHED, EXIT_REFUSED, EXIT_DETACHED = 0, 1, 2, 3
 
 
 class Component(Protocol):
@@ -109,6 +111,7 @@ class Daemon:
         self._detach = False
         self._group: asyncio.TaskGroup | None = None
         self._signal_tasks: set[asyncio.Task[Any]] = set()
+        self.runtime_lock = RuntimeDirLock(settings.haproxy.runtime_dir)
 
     # ------------------------------------------------------------ signals
 
@@ -150,7 +153,23 @@ class Daemon:
     # ------------------------------------------------------------ main
 
     async def run(self) -> int:
+        try:
+            return await self._run()
+        finally:
+            self.runtime_lock.release()
+
+    async def _run(self) -> int:
         settings = self.settings
+        try:
+            ensure_private_dir(settings.haproxy.runtime_dir)
+            # Before anything else in runtime_dir is read, written or removed, for our whole life.
+            self.runtime_lock.acquire()
+        except RuntimeDirInUse as exc:
+            log.error("%s", exc.strerror)
+            return EXIT_REFUSED
+        except OSError as exc:
+            log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
+            return EXIT_CRASHED
         try:
             prepare_runtime_dir(settings)
             for stale in remove_stale_checks(settings.haproxy.runtime_dir):
@@ -184,6 +203,7 @@ class Daemon:
             settings, self.state, self.cli, self.master, self.notifier,
             hooks=hooks, runtime_apply=runtime_apply, save_server_state=save_state,
         )
+        self.reloader.runtime_lock = self.runtime_lock
         self._install_signals()
         log.info(
             "haproxy-supervisor starting pid=%d haproxy=%s binary=%s runtime_dir=%s",

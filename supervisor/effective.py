@@ -227,21 +227,44 @@ async def start_effective_check(binary: str, effective: Effective, directory: Pa
 CHECK_PREFIX, CHECK_SUFFIX = ".validate.", ".cfg"
 
 
-def remove_stale_checks(directory: Path) -> list[Path]:
-    """Delete the copies `haproxy -c` was checking when a daemon was killed. At start-up only:
-    no check of this daemon runs yet, and one daemon owns a runtime_dir."""
+def check_owner(path: Path) -> int | None:
+    """The PID that made a check copy (`.validate.<pid>.<random>.cfg`); None for another name."""
+    middle = path.name[len(CHECK_PREFIX):-len(CHECK_SUFFIX)]
+    pid, _, _ = middle.partition(".")
+    return int(pid) if pid.isdigit() else None
+
+
+def remove_stale_checks(directory: Path, alive: Callable[[int], bool] | None = None) -> list[Path]:
+    """Delete the copies `haproxy -c` was checking when the process that made it was killed.
+    A copy whose maker still runs is left alone: a `check` (or, before the runtime_dir lock, a
+    second daemon) may be validating it right now."""
+    alive = alive or _process_alive
     removed = []
     for path in directory.glob(f"{CHECK_PREFIX}*{CHECK_SUFFIX}"):
+        owner = check_owner(path)
+        if owner is not None and owner != os.getpid() and alive(owner):
+            continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path)
     return removed
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
     must ask for the verdict: that reaps the process and removes the copy."""
-    fd, name = tempfile.mkstemp(dir=directory, prefix=CHECK_PREFIX, suffix=CHECK_SUFFIX)
+    # Named by its maker: remove_stale_checks leaves a living process's copy alone.
+    fd, name = tempfile.mkstemp(dir=directory, prefix=f"{CHECK_PREFIX}{os.getpid()}.", suffix=CHECK_SUFFIX)
     tmp = Path(name)
     try:
         with os.fdopen(fd, "w") as f:

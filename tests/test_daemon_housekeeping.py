@@ -1,6 +1,7 @@
 """End to end: what a daemon killed at a bad moment leaves behind is tidied, and costs no reload.
 
-- `.validate.*.cfg` copies of a `haproxy -c` cut short by a kill are removed at start-up;
+- `.validate.*.cfg` copies of a `haproxy -c` cut short by a kill are removed at start-up, and
+  a copy whose maker still runs (a `check`) is not;
 - after a kill between the reload and its bookkeeping (the new worker runs, generations.json
   does not know it), the next daemon adopts without one more reload; with watched files too,
   by the pending reload recorded before it was sent (control: without the record, one more).
@@ -11,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,16 +36,22 @@ async def test_copies_left_by_a_kill_during_haproxy_check_are_removed_at_start(m
     with backends("b1") as started:
         d = make(config(front, started["b1"].address, "v1"))
         d.runtime.mkdir(mode=0o750, parents=True, exist_ok=True)
-        left = [d.runtime / ".validate.k1ll3d.cfg", d.runtime / ".validate.x.cfg"]
+        dead_pid = subprocess.Popen([sys.executable, "-c", ""])  # a PID that no longer runs
+        dead_pid.wait()
+        left = [d.runtime / ".validate.k1ll3d.cfg", d.runtime / ".validate.x.cfg",
+                d.runtime / f".validate.{dead_pid.pid}.a1b2c3.cfg"]
         for path in left:
             path.write_text("global\n")
+        # A `check` running now (this test's PID stands for it) keeps its copy.
+        checking = d.runtime / f".validate.{os.getpid()}.d4e5f6.cfg"
+        checking.write_text("global\n")
         keep = d.runtime / "operator-notes.cfg"
         keep.write_text("# not ours to remove\n")
         d.start()
         await d.wait_generation(1)
     assert not any(path.exists() for path in left)
-    assert keep.exists()
-    assert d.count(r"removed .*\.validate\..*\.cfg: left by a daemon killed during `haproxy -c`") == 2
+    assert keep.exists() and checking.exists()
+    assert d.count(r"removed .*\.validate\..*\.cfg: left by a daemon killed during `haproxy -c`") == 3
 
 
 async def test_adoption_after_a_kill_between_reload_and_bookkeeping_makes_no_reload(make):

@@ -21,6 +21,7 @@ from ..haproxy.inject import SlotTable
 from ..logs import RecurringConditions
 from ..master import MasterProcess
 from ..notify import Notifier
+from ..runlock import RuntimeDirLock
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State
 from .schedule import ReloadScheduler
@@ -139,6 +140,7 @@ class ReloaderBase:
         self._forced_by: list[str] = []
         self._on_disk_sha: str | None = None  # the effective config last written to disk
         self._refused = False  # the last reload failed because HAProxy could not load the config
+        self.runtime_lock: RuntimeDirLock | None = None  # the daemon's, renewed when runtime_dir is made again
         self.problems = RecurringConditions(log, logging.ERROR)  # keyed by what fails, caused by the error
         state.rendered_path = str(settings.haproxy.config)
         state.effective_path = str(settings.haproxy.effective_config)

@@ -228,6 +228,8 @@ class Recovery(Convergence):
             self._assess(None)
         try:
             prepare_runtime_dir(self.settings)
+            if self.runtime_lock is not None:
+                self.runtime_lock.renew()
             self._on_disk_sha = None
             self._write_back()
             if self._on_disk_sha is None:
