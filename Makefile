@@ -10,7 +10,7 @@ APT := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get
 # Built HAProxy versions live outside the repository and survive `make clean`.
 HAPROXY_CACHE ?= $(HOME)/.cache/haproxy-supervisor
 
-.PHONY: demo test test-all lint bench haproxy haproxy-ray haproxy-3.0 build-tools chromium promtool venv test-deps clean
+.PHONY: demo test test-all test-ray lint bench haproxy haproxy-ray haproxy-3.0 build-tools chromium promtool netns-tools ray-serve venv test-deps clean
 
 haproxy:
 	@command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || \
@@ -56,6 +56,23 @@ $(VENV)/.ray: $(BIN)/haproxy-supervisor
 
 haproxy-ray: $(VENV)/.ray
 
+# Ray Serve 2.60 (the `ray-test` extra) for the Ray suite and bench.ray_drain, which run Ray in
+# namespaces of their own (unshare, ip) and drop a vanished node's ports with nftables.
+$(VENV)/.ray-test: $(BIN)/haproxy-supervisor
+	$(BIN)/pip install -q -e '.[ray-test]'
+	@touch $@
+
+netns-tools:
+	@command -v unshare >/dev/null && { command -v ip || [ -x /usr/sbin/ip ]; } >/dev/null && \
+	  { command -v nft || [ -x /usr/sbin/nft ]; } >/dev/null || \
+	  { $(APT) update -qq && $(APT) install -y -qq util-linux iproute2 nftables >/dev/null; }
+
+ray-serve: $(VENV)/.ray-test netns-tools
+
+# The Ray Serve suite, once: Ray as it ships, and Ray on the daemon through the bridge.
+test-ray: test-deps ray-serve
+	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -p no:cacheprovider -m ray
+
 build-tools:
 	@command -v gcc >/dev/null && command -v make >/dev/null && [ -f /usr/include/openssl/ssl.h ] && \
 	  [ -f /usr/include/lua5.4/lua.h ] || \
@@ -65,8 +82,9 @@ build-tools:
 haproxy-3.0: build-tools
 	@$(PYTHON) .ci/haproxy_builds.py haproxy-3.0 $(HAPROXY_CACHE) >/dev/null
 
-# The whole suite once per binary (HAPROXY_BIN); every binary runs even when one fails.
-test-all: test-deps haproxy-ray haproxy-3.0
+# The whole suite once per binary (HAPROXY_BIN), then the Ray suite once; every run goes on when
+# one fails.
+test-all: test-deps haproxy-ray haproxy-3.0 ray-serve
 	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor tests bench
 	@failed=""; \
 	for bin in /usr/sbin/haproxy \
@@ -75,12 +93,14 @@ test-all: test-deps haproxy-ray haproxy-3.0
 	  echo "=== $$("$$bin" -v | head -1) ($$bin)"; \
 	  HAPROXY_BIN="$$bin" PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -p no:cacheprovider || failed="$$failed $$bin"; \
 	done; \
+	echo "=== Ray Serve suite"; \
+	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -p no:cacheprovider -m ray || failed="$$failed ray"; \
 	if [ -n "$$failed" ]; then echo "suite failed on:$$failed"; exit 1; fi
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check supervisor tests bench
 
-bench: haproxy venv
+bench: haproxy venv ray-serve
 	PATH="$$PATH:/usr/sbin" $(BIN)/python -m bench
 
 demo: haproxy venv
