@@ -18,7 +18,7 @@ from supervisor.haproxy.runtime.add_remove import deleted
 from supervisor.haproxy.runtime.apply import refusal
 
 CAPTURED = Path(__file__).parent / "captured"
-VERSIONS = ("2.6.12", "2.8.25", "3.0.11")  # no 3.4.0 binary on this machine: no capture of it
+VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")
 ADDR_INVALID = ("Invalid addr 'foo.example' by 'stats socket command'", "Invalid addr 'foo.example'")
 
 ATTACHED = "Server still has connections attached to it, cannot remove it."

@@ -144,7 +144,14 @@ async def capture(binary: str, workdir: Path) -> str:
             time.sleep(0.05)
         assert worker is not None, "no worker"
         # A client whose request is held by the `held` server: the connection stays attached.
-        client = socket.create_connection(("127.0.0.1", fe_port))
+        # From 3.1 on `show proc` lists the worker before it binds its ports: wait for them.
+        for _ in range(100):
+            try:
+                client = socket.create_connection(("127.0.0.1", fe_port))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        assert client is not None, "the worker never listened"
         for server in ("s1", "s2", "s3", "s4", "s5", "s6"):
             await cli.on(worker.pid, f"set server b/{server} state maint")
         client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
