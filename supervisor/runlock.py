@@ -66,7 +66,9 @@ class RuntimeDirLock:
     def acquire(self) -> None:
         """Take the lock, or raise RuntimeDirInUse naming the holder (OSError when the file
         cannot be opened). Nothing else in runtime_dir is touched either way."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        # Held read-only: a descriptor open for writing would stop runtime_dir's filesystem from
+        # being remounted read-only (flock needs no write access).
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -76,10 +78,14 @@ class RuntimeDirLock:
         except BaseException:
             os.close(fd)
             raise
-        # For people and `lock_holder` where /proc/locks is not readable: who holds it.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        # For people and `lock_holder` where /proc/locks is not readable: who holds it.
+        with contextlib.suppress(OSError):
+            pid = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.write(pid, f"{os.getpid()}\n".encode())
+            finally:
+                os.close(pid)
 
     def renew(self) -> None:
         """runtime_dir was deleted and made again: lock the new file, so that a second daemon
