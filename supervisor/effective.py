@@ -35,6 +35,7 @@ from .haproxy.inject import (
     inject_guard_and_table,
     inject_observe,
     inject_server_state,
+    move_stats_socket,
     supervised_global,
 )
 from .settings import Settings, SettingsError, decode_text
@@ -116,6 +117,8 @@ def build_effective(settings: Settings, rendered_text: str) -> Effective:
         raise RenderedConfigError(f"{settings.haproxy.config}: {exc}") from None
     for note in notes:
         log.warning("%s: %s", settings.haproxy.config, note)
+    if settings.haproxy.move_stats_socket:
+        supervised, _ = move_stats_socket(supervised, settings.haproxy.stats_socket)
     effective, table = effective_config_and_table(supervised, settings)
     return Effective(rendered_text, sha256_text(rendered_text), model, effective.render(), effective, table)
 

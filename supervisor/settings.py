@@ -35,6 +35,10 @@ class HAProxySettings:
     stop_timeout_s: float = 30
     # The rendered config (and each watched file) is refused above this size.
     max_config_bytes: int = DEFAULT_MAX_READ_BYTES
+    # The rendered config's first global `stats socket` is bound at <runtime_dir>/stats.sock
+    # instead, so that the Ray bridge (haproxy-supervisor-ray-bridge) can bind the rendered
+    # path itself and answer there as the HAProxy process Ray thinks it started.
+    move_stats_socket: bool = False
 
     @property
     def master_socket_path(self) -> Path:
@@ -43,6 +47,11 @@ class HAProxySettings:
     @property
     def effective_config(self) -> Path:
         return self.runtime_dir / "haproxy.cfg"
+
+    @property
+    def stats_socket(self) -> Path:
+        """Where the workers' `stats socket` is bound with move_stats_socket."""
+        return self.runtime_dir / "stats.sock"
 
     @property
     def pid_file(self) -> Path:

@@ -53,7 +53,9 @@ def test_status_document_has_exactly_the_documented_keys():
 
 def test_status_document_of_a_fresh_daemon_keeps_the_same_shape():
     document = status_document(State(started_at=NOW), Settings(), NOW)
-    assert document["worker"] == {"pid": None, "generation": None, "config_sha256": None, "started_at": None}
+    assert document["worker"] == {
+        "pid": None, "generation": None, "config_sha256": None, "rendered_sha256": None, "started_at": None,
+    }
     assert document["old_workers"] == []
     assert document["reloads"]["last"] is None and document["reloads"]["recent"] == []
     assert set(document) == {
@@ -76,10 +78,14 @@ def test_status_document_values():
                               "binary": "/usr/sbin/haproxy", "up": True}
     assert doc["worker"] == {
         "pid": CURRENT_PID, "generation": 3, "config_sha256": state.generations[3].effective_sha256,
-        "started_at": "2025-01-02T03:03:45.000Z",
+        "rendered_sha256": state.generations[3].rendered_sha256, "started_at": "2025-01-02T03:03:45.000Z",
     }
     oldest, newer = doc["old_workers"]
     assert [oldest["pid"], newer["pid"]] == list(OLD_PIDS)  # oldest first
+    # What each old worker runs, by the rendered config's sha256 (what the Ray bridge compares).
+    assert [oldest["rendered_sha256"], newer["rendered_sha256"]] == [
+        state.generations[1].rendered_sha256, state.generations[2].rendered_sha256,
+    ]
     assert oldest["age_s"] == 2400.0 and newer["age_s"] == 180.0
     assert newer["steered"] == ["echo/echo_r1", "highscale/highscale_r2"]
     assert newer["push"] == {"state": "failed", "at": "2025-01-02T03:04:03.000Z",

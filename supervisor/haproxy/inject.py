@@ -182,6 +182,26 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
     return result, notes
 
 
+def move_stats_socket(config: Config, path: Path) -> tuple[Config, str | None]:
+    """The config with its first global `stats socket` bound at `path` instead, its other words
+    kept (mode, level, expose-fd ...), and the address it had (None: no stats socket, the config
+    is returned as it is). A bridge that stands in for HAProxy (haproxy-supervisor-ray-bridge)
+    binds the old address itself and relays to `path`."""
+    for index, section in enumerate(config.sections):
+        if section.kind != "global":
+            continue
+        for position, line in enumerate(section.body):
+            words = line.words
+            if line.keyword == "stats" and words[1:2] == ("socket",) and len(words) > 2:
+                moved = " ".join(["stats", "socket", quote_word(str(path)), *map(quote_word, words[3:])])
+                result = config.copy()
+                body = result.sections[index].body
+                # What follows the last word (a comment, the line ending) stays as it was.
+                body[position] = parse_line(f"{line.indent}{moved}{line.raw[line.code_end :]}")
+                return result, words[2]
+    return config, None
+
+
 # ---------------------------------------------------------------- displaced-worker guard
 
 GUARD_MARKER = "# haproxy-supervisor guard"

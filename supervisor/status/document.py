@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import __version__
 from ..settings import Settings
-from ..state import Convergence, OldWorker, ReloadRecord, State, rfc3339, utcnow
+from ..state import Convergence, Generation, OldWorker, ReloadRecord, State, rfc3339, utcnow
 
 RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied", "unknown")
 
@@ -28,10 +28,12 @@ def reload_json(record: ReloadRecord | None) -> dict[str, Any] | None:
     }
 
 
-def _old_worker_json(worker: OldWorker, now: datetime) -> dict[str, Any]:
+def _old_worker_json(worker: OldWorker, now: datetime, generations: dict[int, Generation]) -> dict[str, Any]:
+    generation = generations.get(worker.generation) if worker.generation is not None else None
     return {
         "pid": worker.pid,
         "generation": worker.generation,
+        "rendered_sha256": generation.rendered_sha256 if generation else None,
         "age_s": _seconds(worker.age_s(now)),
         "rss_bytes": worker.rss_bytes,
         "connections": worker.connections,
@@ -67,9 +69,12 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "pid": current.worker_pid if current else None,
             "generation": current.number if current else None,
             "config_sha256": current.effective_sha256 if current else None,
+            "rendered_sha256": current.rendered_sha256 if current else None,
             "started_at": rfc3339(current.started_at) if current else None,
         },
-        "old_workers": [_old_worker_json(w, now) for w in _oldest_first(state.old_workers.values(), now)],
+        "old_workers": [
+            _old_worker_json(w, now, state.generations) for w in _oldest_first(state.old_workers.values(), now)
+        ],
         "reloads": {
             **{result: getattr(reloads, result) for result in RELOAD_RESULTS},
             "last": reload_json(reloads.last),
