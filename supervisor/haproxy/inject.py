@@ -182,6 +182,16 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
     return result, notes
 
 
+def first_stats_socket(config: Config) -> tuple[str, ...] | None:
+    """The words of the first global `stats socket` line that names an address."""
+    for section in config.sections:
+        if section.kind == "global":
+            for line in section.body:
+                if line.keyword == "stats" and line.words[1:2] == ("socket",) and len(line.words) > 2:
+                    return line.words
+    return None
+
+
 def move_stats_socket(config: Config, path: Path) -> tuple[Config, str | None]:
     """The config with its first global `stats socket` bound at `path` instead, its other words
     kept (mode, level, expose-fd ...), and the address it had (None: no stats socket, the config

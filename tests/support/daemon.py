@@ -281,8 +281,11 @@ async def http_get(port: int, path: str = "/", timeout: float = 5.0) -> tuple[in
 class RequestLoop:
     """Sequential requests on fresh connections until stopped; bounded in count and in time."""
 
-    def __init__(self, port: int, max_requests: int = 5000, max_seconds: float = 30, pause: float = 0.005) -> None:
+    def __init__(
+        self, port: int, max_requests: int = 5000, max_seconds: float = 30, pause: float = 0.005, path: str = "/"
+    ) -> None:
         self.port = port
+        self.path = path
         self.max_requests = max_requests
         self.max_seconds = max_seconds
         self.pause = pause
@@ -297,7 +300,7 @@ class RequestLoop:
     async def _run(self) -> None:
         deadline = time.monotonic() + self.max_seconds
         while not self._stop.is_set() and len(self.results) < self.max_requests and time.monotonic() < deadline:
-            status, headers, _ = await http_get(self.port, timeout=3)
+            status, headers, _ = await http_get(self.port, self.path, timeout=3)
             self.results.append((status, headers.get("x-tag", "")))
             await asyncio.sleep(self.pause)
 

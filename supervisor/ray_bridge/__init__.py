@@ -1,0 +1,2 @@
+"""The bridge Ray Serve runs as its HAProxy binary (`haproxy-supervisor-ray-bridge`): see main.py
+and docs/ray-serve.md."""

@@ -1,0 +1,330 @@
+"""haproxy-supervisor-ray-bridge: what Ray Serve runs as its HAProxy (RAY_SERVE_HAPROXY_BINARY_PATH).
+
+Toward Ray it is the HAProxy process Ray thinks it started; the node's haproxy-supervisor
+daemon runs HAProxy. The bridge hands Ray's config to the daemon (an atomic write of the
+file the daemon watches: file permissions decide who may), waits until the daemon's current
+worker runs it, then answers on Ray's admin socket (admin.py). Soft-stopped by Ray
+(SIGUSR1), it lives on while an old worker still serves its config. It never runs HAProxy.
+See docs/ray-serve.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from yarl import URL
+
+from ..effective import sha256_text
+from ..files import UnreadableFile, read_regular, write_new
+from ..haproxy.config import Config
+from ..haproxy.inject import first_stats_socket
+from ..settings import Settings, SettingsError, decode_text, load_settings
+from ..statusclient import StatusFetchError, fetch_status, status_target, url_from_listen
+from .admin import AdminRelay, bind_over, socket_mode
+from .argv import PassThrough, Run, UsageError, parse_argv
+from .passthrough import exec_real_binary
+from .verdicts import (
+    Refused,
+    Running,
+    Waiting,
+    handover_verdict,
+    hold_back_reason,
+    serving_config,
+    serving_mine,
+)
+
+PROG = "haproxy-supervisor-ray-bridge"
+SETTINGS_ENV = "HAPROXY_SUPERVISOR_SETTINGS"
+DEFAULT_SETTINGS = Path("/etc/haproxy-supervisor/config.yaml")
+# Ray gives HAProxy RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S (30 s) to answer, then SIGKILLs it;
+# a bridge Ray forgot about gives up by itself after this long.
+STARTUP_LIMIT_S = 120.0
+POLL_S = 0.1
+SOFT_STOP_POLL_S = 0.5
+# An old worker's exit must be seen on two answers this far apart: the daemon lists old
+# workers on its own polls, so one answer right after a reload may not show the newest yet.
+QUIET_FOR_S = 1.0
+# The config handed to the daemon: the daemon's user reads it (it is no secret to it).
+CONFIG_MODE = 0o644
+
+log = logging.getLogger(PROG)
+
+
+class BridgeError(Exception):
+    """Why the bridge cannot stand in for HAProxy. One line."""
+
+
+def settings_path(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get(SETTINGS_ENV) or DEFAULT_SETTINGS)
+
+
+def hard_stop_after_s(config: Config) -> float | None:
+    """The config's `hard-stop-after`, in seconds: no old worker outlives it."""
+    line = config.global_setting("hard-stop-after")
+    if line is None or len(line.words) < 2:
+        return None
+    text = line.words[1]
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit) and text[: -len(unit)].isdigit():
+            return int(text[: -len(unit)]) * units[unit]
+    return int(text) / 1000 if text.isdigit() else None  # HAProxy's default unit is ms
+
+
+class Bridge:
+    def __init__(self, settings: Settings, run: Run, stop: asyncio.Event, soft_stop: asyncio.Event) -> None:
+        self.settings = settings
+        self.run = run
+        self.url = url_from_listen(settings.status.listen)
+        self.stop = stop
+        self.soft_stop = soft_stop
+
+    async def status(self) -> dict[str, Any]:
+        return await fetch_status(self.url, timeout=2.0)
+
+    def _read_config(self) -> tuple[str, Config]:
+        try:
+            text = decode_text(read_regular(self.run.config, self.settings.haproxy.max_config_bytes))
+        except (OSError, UnreadableFile) as exc:
+            raise BridgeError(f"cannot read {self.run.config}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise BridgeError(f"{self.run.config}: {exc}") from None
+        return text, Config.parse(text)
+
+    def _admin_socket(self, config: Config) -> tuple[Path, int]:
+        """Where Ray asks which HAProxy runs (the path the daemon's move_stats_socket frees), and its mode."""
+        words = first_stats_socket(config)
+        if words is None:
+            raise BridgeError(f"{self.run.config}: no `stats socket` in global: Ray could not tell which HAProxy runs")
+        path = words[2].removeprefix("unix@")
+        if not path.startswith("/"):
+            raise BridgeError(f"{self.run.config}: `stats socket {words[2]}` is not a unix socket path")
+        return Path(path), socket_mode(words[3:])
+
+    def _in_place(self) -> Config | None:
+        """The config the daemon watches now (what it runs, or is about to)."""
+        try:
+            text = decode_text(read_regular(self.settings.haproxy.config, self.settings.haproxy.max_config_bytes))
+        except (OSError, ValueError):
+            return None
+        return Config.parse(text)
+
+    def _hand_over(self, text: str) -> datetime | None:
+        """Write Ray's config where the daemon watches, in one rename; None when it is there already."""
+        target = self.settings.haproxy.config
+        data = text.encode()
+        try:
+            if read_regular(target, self.settings.haproxy.max_config_bytes) == data:
+                return None
+        except (OSError, UnreadableFile):
+            pass
+        written_at = datetime.now(UTC)
+        try:
+            write_new(target, data, CONFIG_MODE)
+        except OSError as exc:
+            raise BridgeError(f"cannot write {target} for the daemon: {exc.strerror or exc}") from None
+        return written_at
+
+    async def _nobody_listens(self) -> str | None:
+        """Why no daemon can be listening on the status address (refused, no socket file), or
+        None when something accepts connections there: a daemon that is slow to answer (a
+        big reload, a stopped process) is waited for, not taken for none."""
+        _, path = status_target(self.url)
+        try:
+            if path is not None:
+                opened = asyncio.open_unix_connection(path)
+            else:
+                url = URL(self.url)
+                opened = asyncio.open_connection(url.host, url.port)
+            _, writer = await asyncio.wait_for(opened, 2.0)
+        except TimeoutError:
+            return None
+        except OSError as exc:
+            return f"cannot connect to {self.url}: {exc.strerror or exc}"
+        writer.close()
+        return None
+
+    async def _first_status(self) -> dict[str, Any]:
+        nobody = await self._nobody_listens()
+        if nobody is not None:
+            raise BridgeError(
+                f"no haproxy-supervisor daemon answers ({nobody}); not starting HAProxy: "
+                f"run the daemon with {self.settings.source} (docs/ray-serve.md)"
+            )
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        while True:
+            try:
+                doc = await self.status()
+                break
+            except StatusFetchError as exc:
+                if time.monotonic() > deadline:
+                    raise BridgeError(f"the haproxy-supervisor daemon does not answer: {exc}") from None
+                await asyncio.sleep(POLL_S)
+        watched = (doc.get("config") or {}).get("rendered_path")
+        if watched != str(self.settings.haproxy.config):
+            raise BridgeError(
+                f"the daemon at {self.url} watches {watched}, not {self.settings.haproxy.config} "
+                f"({self.settings.source}): another daemon's settings?"
+            )
+        return doc
+
+    async def _until(self, decide: Any, deadline: float) -> Any:
+        """Poll /status until `decide(doc)` is not Waiting; the last Waiting at the deadline."""
+        verdict: Any = Waiting("no answer from the daemon yet")
+        while time.monotonic() < deadline:
+            try:
+                verdict = decide(await self.status())
+            except StatusFetchError as exc:
+                verdict = Waiting(f"the daemon does not answer: {exc}")
+            if not isinstance(verdict, Waiting):
+                return verdict
+            await asyncio.sleep(POLL_S)
+        return verdict
+
+    async def main(self) -> int:
+        if not self.settings.haproxy.move_stats_socket:
+            raise BridgeError(
+                f"{self.settings.source}: haproxy.move_stats_socket is false: the daemon's worker would bind "
+                "Ray's admin socket itself; set it to true (docs/ray-serve.md)"
+            )
+        text, config = self._read_config()
+        admin_path, mode = self._admin_socket(config)
+        await self._first_status()
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        reason = hold_back_reason(self.run.replaces, config, self._in_place())
+        if reason is not None:
+            log.warning("%s", reason)
+            verdict = await self._until(serving_config, deadline)
+        else:
+            sha = sha256_text(text)
+            written_at = self._hand_over(text)
+            verdict = await self._until(lambda doc: handover_verdict(doc, sha, written_at), deadline)
+        if isinstance(verdict, Refused):
+            sys.stderr.write(verdict.message.rstrip("\n") + "\n")
+            log.error("the daemon refused %s; HAProxy keeps serving the last good config", self.run.config)
+            return 1
+        if not isinstance(verdict, Running):
+            raise BridgeError(f"the daemon did not run {self.run.config} within {STARTUP_LIMIT_S:g}s: {verdict.reason}")
+        relay = AdminRelay(self.settings.haproxy.stats_socket, os.getpid())
+        await relay.start(bind_over(admin_path, mode))
+        log.info(
+            "ready: the daemon's worker %d runs %s (generation %s); answering on %s as pid %d",
+            verdict.worker_pid, "it" if reason is None else "the config it kept", verdict.generation,
+            admin_path, os.getpid(),
+        )
+        stopped = asyncio.ensure_future(self.stop.wait())
+        soft = asyncio.ensure_future(self.soft_stop.wait())
+        await asyncio.wait([stopped, soft], return_when=asyncio.FIRST_COMPLETED)
+        relay.close()
+        stopped.cancel()
+        if not self.soft_stop.is_set():
+            return 0
+        soft.cancel()
+        # A bridge that held its config back stands for the config the daemon kept.
+        return await self._drain(verdict.rendered_sha256, hard_stop_after_s(config))
+
+    async def _drain(self, mine: str, hard_stop_after: float | None) -> int:
+        """Soft-stopped: live on while an old worker serves this config, as that old HAProxy would."""
+        bound = None if hard_stop_after is None else time.monotonic() + hard_stop_after + 5
+        quiet_since: float | None = None
+        said: list[int] | None = None
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if bound is not None and now > bound:
+                log.info("soft-stopped: hard-stop-after has passed; exiting")
+                return 0
+            try:
+                serving = serving_mine(await self.status(), mine)
+            except StatusFetchError as exc:
+                log.debug("soft-stopped: the daemon does not answer: %s", exc)
+                quiet_since = None
+            else:
+                if serving:
+                    quiet_since = None
+                    if serving != said:
+                        log.info("soft-stopped: old workers %s still serve this config", serving)
+                        said = serving
+                elif quiet_since is None:
+                    quiet_since = now
+                elif now - quiet_since >= QUIET_FOR_S:
+                    log.info("soft-stopped: no old worker serves this config; exiting")
+                    return 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), SOFT_STOP_POLL_S)
+        return 0
+
+
+class Signals:
+    """SIGUSR1 (Ray's soft-stop) and SIGTERM/SIGINT (stop), caught for the whole life of the
+    process with plain handlers: asyncio's own are removed when its loop closes, and a SIGUSR1
+    Ray sends again at that moment (it signals every live old PID after each reload) would
+    then kill the bridge instead of letting it exit 0."""
+
+    def __init__(self) -> None:
+        self.soft_stop_seen = False
+        self.stop_seen = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.soft_stop: asyncio.Event | None = None
+        self.stop: asyncio.Event | None = None
+        signal.signal(signal.SIGUSR1, self._on_soft_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop)
+
+    def attach(self) -> tuple[asyncio.Event, asyncio.Event]:
+        self._loop = asyncio.get_running_loop()
+        self.stop, self.soft_stop = asyncio.Event(), asyncio.Event()
+        if self.soft_stop_seen:
+            self.soft_stop.set()
+        if self.stop_seen:
+            self.stop.set()
+        return self.stop, self.soft_stop
+
+    def _on_soft_stop(self, signum: int, frame: object) -> None:
+        self.soft_stop_seen = True
+        if self._loop is not None and self.soft_stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.soft_stop.set)
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self.stop_seen = True
+        if self._loop is not None and self.stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.stop.set)
+
+
+async def _run(settings: Settings, run: Run, signals: Signals) -> int:
+    stop, soft_stop = signals.attach()
+    return await Bridge(settings, run, stop, soft_stop).main()
+
+
+def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    signals = Signals()  # first: until then SIGUSR1's default action would kill the bridge
+    environ = os.environ if environ is None else environ
+    logging.basicConfig(level=logging.INFO, format=f"{PROG}[{os.getpid()}]: %(message)s", stream=sys.stderr)
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        invocation = parse_argv(args)
+        settings = load_settings(settings_path(environ), environ)
+        if isinstance(invocation, PassThrough):
+            exec_real_binary(settings, invocation.args)  # does not return
+        assert isinstance(invocation, Run)
+        return asyncio.run(_run(settings, invocation, signals))
+    except (UsageError, SettingsError, BridgeError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        # Python's finalisation puts SIG_DFL back for signals it handles, and Ray may signal
+        # this PID again meanwhile: an exit on its way must stay an exit 0.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
