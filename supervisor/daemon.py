@@ -195,7 +195,12 @@ class Daemon:
                 relay.subscribe(self.displaced.on_server_event)
         # One applier serves both: it remembers the servers whose runtime change was refused,
         # so the state saved before the next reload leaves them out.
-        applier = RuntimeApplier(self.cli, remove_wait_s=settings.reload.remove_wait_s)
+        state = self.state
+        applier = RuntimeApplier(
+            self.cli, remove_wait_s=settings.reload.remove_wait_s, background=settings.reload.remove_in_background,
+            removals=state.pending_removals,
+            current_pid=lambda: state.current.worker_pid if state.current is not None else None,
+        )
         runtime_apply = applier if settings.reload.runtime_apply else None
         save_state = applier.save_server_state if settings.reload.preserve_server_state else None
         hooks: ReloadHooks = self.displaced if self.displaced is not None else NoHooks()
@@ -231,6 +236,7 @@ class Daemon:
                 group.create_task(self.reloader.run(), name="reloader"),
                 group.create_task(self.notifier.run_watchdog(), name="watchdog"),
                 group.create_task(LoopLag(self.state).run(), name="event loop lag"),
+                group.create_task(applier.run(), name="pending removals"),
             ]
             # ---- components built elsewhere start here: displaced workers, status server ----
             if self.displaced is not None:

@@ -83,6 +83,10 @@ class ReloadSettings:
     # A server removed at runtime: how long its sessions may take to end before they are shut
     # down (`shutdown sessions server`) and it is deleted.
     remove_wait_s: float = 10
+    # A removed server whose `del server` HAProxy refuses (connections attached) once it is in
+    # maint at the placeholder: deleted in the background (true), or a reload after
+    # remove_wait_s (false).
+    remove_in_background: bool = True
     # Save `show servers state` before each reload and make the new worker load it.
     preserve_server_state: bool = True
     # While the current worker does not run the rendered config, try again after 0.5 s, 1 s,

@@ -167,6 +167,23 @@ class Convergence:
 
 
 @dataclass
+class PendingRemoval:
+    """A server the rendered config no longer has that the current worker still holds, because
+    `del server` is refused while connections are attached to it. It is in maint at the
+    placeholder address, so it routes nothing; `del server` is retried in the background
+    (haproxy/runtime/pending.py) for as long as that worker is the current one."""
+
+    key: str  # backend/server
+    worker_pid: int
+    since: datetime
+    since_monotonic: float
+    tries: int = 0
+    last_answer: str = ""
+    next_try_monotonic: float = 0.0
+    sessions_shut_down: bool = False
+
+
+@dataclass
 class State:
     """Everything /status, /metrics and the page show."""
 
@@ -181,6 +198,7 @@ class State:
     generations: dict[int, Generation] = field(default_factory=dict)
     current_generation: int | None = None
     old_workers: dict[int, OldWorker] = field(default_factory=dict)
+    pending_removals: dict[str, PendingRemoval] = field(default_factory=dict)  # by backend/server
     reloads: ReloadStats = field(default_factory=ReloadStats)
     rendered_path: str | None = None
     rendered_sha256: str | None = None

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.haproxy.api import parse_show_map, split_answers
-from supervisor.haproxy.runtime.add_remove import deleted
-from supervisor.haproxy.runtime.apply import refusal
+from supervisor.haproxy.runtime.apply import deleted, refusal
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import __version__
 from ..settings import Settings
-from ..state import Convergence, Generation, OldWorker, ReloadRecord, State, rfc3339, utcnow
+from ..state import Convergence, Generation, OldWorker, PendingRemoval, ReloadRecord, State, rfc3339, utcnow
 
 RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied", "unknown")
 
@@ -90,6 +90,19 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
         "observe": {"enabled": settings.observe.enabled, "error_limit": settings.observe.error_limit},
         "dead_servers": sorted(state.dead_servers),
         "operator_dead": sorted(state.operator_dead),
+        "pending_removals": [_pending_json(r, now) for _, r in sorted(state.pending_removals.items())],
+    }
+
+
+def _pending_json(removal: PendingRemoval, now: datetime) -> dict[str, Any]:
+    return {
+        "server": removal.key,
+        "worker_pid": removal.worker_pid,
+        "since": rfc3339(removal.since),
+        "pending_s": _seconds(max(0.0, (now - removal.since).total_seconds())),
+        "tries": removal.tries,
+        "last_answer": removal.last_answer,
+        "sessions_shut_down": removal.sessions_shut_down,
     }
 
 

@@ -110,6 +110,12 @@ class StateCollector(Collector):
             value=len({key for w in workers for key in w.steered}),
         )
         yield GaugeMetricFamily(
+            "haproxy_supervisor_pending_removals",
+            "Servers removed from the config that the current worker still holds in maint (routing nothing), "
+            "`del server` refused while connections are attached and retried in the background.",
+            value=len(state.pending_removals),
+        )
+        yield GaugeMetricFamily(
             "haproxy_supervisor_dead_servers", "Servers known dead, for any reason (operator included).",
             value=len(state.dead_servers),
         )

@@ -11,7 +11,7 @@ import hashlib
 from datetime import datetime, timedelta
 
 from supervisor.haproxy.config import Config
-from supervisor.state import Generation, OldWorker, PushState, ReloadRecord, ReloadResult, State, utcnow
+from supervisor.state import Generation, OldWorker, PendingRemoval, PushState, ReloadRecord, ReloadResult, State, utcnow
 from tests.conftest import CORPUS
 
 MASTER_PID = 41000
@@ -74,6 +74,10 @@ def running_state(now: datetime | None = None) -> State:
         record.at = now - ago
     state.dead_servers = {"app/app1", "echo/echo_r1", "highscale/highscale_r2"}
     state.operator_dead = {"highscale/highscale_r2"}
+    state.pending_removals["echo/echo_r0"] = PendingRemoval(
+        "echo/echo_r0", 4242, now - timedelta(seconds=4), 0.0, tries=6,
+        last_answer="Server still has connections attached to it, cannot remove it.",
+    )
     state.push_failures = 2
     pushes = (0.003, 0.02, 0.02, 0.2, 3.0)
     for seconds in pushes:

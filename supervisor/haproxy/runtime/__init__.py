@@ -15,6 +15,7 @@ One idea a module:
 - `apply`: sending the changes to one worker, make before break, every answer checked.
 - `add_remove`: servers added (`add server`) and removed (`del server`) in the current
   worker, its slot table kept in step.
+- `pending`: removals HAProxy still refuses (connections attached), retried in the background.
 - `hook`: `RuntimeApplier`, the reloader's `runtime_apply` and `save_server_state`.
 
 Every module logs as `supervisor.haproxy.runtime` (`getLogger(__package__)`).

@@ -12,7 +12,7 @@ from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process, parse_sho
 from ..config import Config
 from ..inject import is_guarded
 from ..membership import ServerAdd, loaded_slot_table, slot_map_commands
-from .apply import apply_changes, refusal, send_line, send_step
+from .apply import apply_changes, deleted, refusal, send_line, send_step
 from .plan import RuntimePlan
 
 log = logging.getLogger(__package__)
@@ -25,15 +25,6 @@ PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT = "127.0.0.1", 1
 AFTER_SHUTDOWN_S = 2.0
 
 
-def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
-    """Did `del server` take? `No such server.` to a server this apply already asked to delete
-    is a deletion too: the earlier answer was lost (a timeout, a line that could not be read),
-    not the deletion."""
-    if refusal(command, answer) is None:
-        return True
-    return asked_before and answer is not None and answer.strip() == "No such server."
-
-
 def _needs_experimental_mode(answer: str | None) -> bool:
     return answer is not None and "experimental" in answer.lower()
 
@@ -42,13 +33,18 @@ def _needs_experimental_mode(answer: str | None) -> bool:
 class MembershipResult:
     """What apply_membership() did. Not ok: `why` (one line) is the reason for the reload
     that follows. `made`: added servers are in service in the worker (the removes failed),
-    so it runs the new config's servers, plus removed ones left in maint."""
+    so it runs the new config's servers, plus removed ones left in maint. `pending`: removed
+    servers in maint at the placeholder whose `del server` is still refused (key -> the
+    answer), for the background (pending.py); `mode`: what each of this worker's lines
+    began with (`experimental-mode on`, when it asked for it)."""
 
     ok: bool = True
     why: str = ""
     made: bool = False
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    pending: dict[str, str] = field(default_factory=dict)
+    mode: list[str] = field(default_factory=list)
     commands_sent: int = 0
 
 
@@ -81,34 +77,47 @@ async def apply_membership(
     *,
     remove_wait_s: float,
     line_limit: int = DEFAULT_LINE_LIMIT,
+    background: bool = True,
 ) -> MembershipResult:
     """Add and remove servers in one worker, make before break (module doc of membership.py):
     add in maint, enable checks, ready; the in-place changes; the worker's slot table; only
-    then the removed servers to maint, their sessions waited for (`remove_wait_s`, then
-    `shutdown sessions server`), and `del server`."""
+    then the removed servers to maint and `del server`. A removal refused while connections
+    are attached gets the placeholder address and one more `del server`; then, `background`,
+    it is left pending (`result.pending`), else its sessions are waited for (`remove_wait_s`,
+    then `shutdown sessions server`) and a removal still refused is a failure."""
     pid = int(worker_pid)
     result = MembershipResult()
     sender = _Sender(cli, pid, line_limit, result)
+    try:
+        return await _membership(sender, plan, new, remove_wait_s, background)
+    finally:
+        result.mode = list(sender.prefix)
+
+
+async def _membership(
+    sender: _Sender, plan: RuntimePlan, new: Config, remove_wait_s: float, background: bool
+) -> MembershipResult:
+    cli, pid, line_limit, result = sender.cli, sender.pid, sender.line_limit, sender.result
     backends = {a.backend for a in plan.adds} | {r.backend for r in plan.removes}
     table = await _slot_table_commands(cli, pid, new, backends)
     if isinstance(table, str):
         return _failed(result, table)
     why = await _add(sender, plan.adds, result)
     if why:
-        await _take_back(sender, result.added, remove_wait_s)
+        await _take_back(sender, result.added, remove_wait_s, background)
         return _failed(result, why)
     if plan.changes:
         applied = await apply_changes(cli, pid, plan.changes, line_limit=line_limit)
         result.commands_sent += applied.commands_sent
         if not applied.ok:
-            await _take_back(sender, result.added, remove_wait_s)
+            await _take_back(sender, result.added, remove_wait_s, background)
             return _failed(result, f"{len(applied.refused)} in-place server changes refused")
     result.made = True
     table_answers = await sender.send(table)
     for command, answer in zip(table, table_answers, strict=True):
         if answer is None or answer.strip():
             return _failed(result, f"slot table: {command!r} refused: {(answer or 'no answer').strip()}")
-    why = await _remove(sender, [r.key for r in plan.removes], remove_wait_s, result)
+    why = await _remove(sender, [r.key for r in plan.removes], remove_wait_s, result, background)
     if why:
         return _failed(result, why)
     return result
@@ -165,18 +174,22 @@ async def _add(sender: _Sender, adds: Sequence[ServerAdd], result: MembershipRes
         step += 1
 
 
-async def _take_back(sender: _Sender, keys: list[str], wait_s: float) -> None:
-    """Undo adds after a refusal: the servers out of service and deleted (best effort)."""
+async def _take_back(sender: _Sender, keys: list[str], wait_s: float, background: bool) -> None:
+    """Undo adds after a refusal: the servers out of service and deleted (best effort; what is
+    still refused is pending, like any removal)."""
     if keys:
-        leftover = await _remove(sender, list(keys), wait_s, MembershipResult())
+        undone = MembershipResult()
+        leftover = await _remove(sender, list(keys), wait_s, undone, background)
+        sender.result.pending.update(undone.pending)
         if leftover:
             log.warning("worker %d: servers added before a refusal not all deleted: %s", sender.pid, leftover)
 
 
-async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: MembershipResult) -> str:
-    """Servers to maint, then `del server` until each is accepted: while sessions are attached
-    HAProxy refuses it; after `wait_s` their sessions are shut down and it is tried a little
-    longer. What is still refused then, or ''."""
+async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: MembershipResult, background: bool) -> str:
+    """Servers to maint, then `del server`: while connections are attached HAProxy refuses it.
+    The refused get the placeholder address and one more try; then, `background`, they are
+    pending (`result.pending`); else it is tried until `wait_s`, their sessions shut down and
+    it is tried a little longer. What is still refused then, or ''."""
     if not keys:
         return ""
     answers = await sender.send([f"set server {key} state maint" for key in keys])
@@ -190,6 +203,7 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
     shut = purged = False
     last = ""
     asked: set[str] = set()
+    last_answer: dict[str, str] = {}
     while True:
         commands = [f"del server {key}" for key in left]
         answers = await sender.send(commands)
@@ -198,16 +212,24 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
                 left.remove(key)
                 result.removed.append(key)
             else:
-                last = f"`{command}`: {(answer or 'no answer').strip()}"
+                last_answer[key] = (answer or "no answer").strip()
+                last = f"`{command}`: {last_answer[key]}"
         asked.update(left)
         if not left:
             return ""
         if not purged:
             # HAProxy counts the server's idle connections as attached and purges them only
             # slowly; a new address (it is in maint: nothing routes to it) closes them at once.
-            await sender.send([f"set server {key} addr {PLACEHOLDER_ADDRESS} port {PLACEHOLDER_PORT}" for key in left])
+            placeholder = [f"set server {key} addr {PLACEHOLDER_ADDRESS} port {PLACEHOLDER_PORT}" for key in left]
+            for command, answer in zip(placeholder, await sender.send(placeholder), strict=True):
+                if refusal(command, answer) is not None:  # still in maint: it routes nothing all the same
+                    log.warning("worker %d refused %r: %s", sender.pid, command, (answer or "no answer").strip())
             purged = True
             continue
+        if background:
+            # In maint at the placeholder: it routes nothing, the change is live.
+            result.pending.update({key: last_answer[key] for key in left})
+            return ""
         if loop.time() >= deadline:
             if shut:
                 return f"{len(left)} servers not deleted after {wait_s:g}s and their sessions shut down; last {last}"

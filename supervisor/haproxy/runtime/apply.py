@@ -65,6 +65,15 @@ def refusal(command: str, answer: str | None) -> str | None:
     return None if text == "" else text
 
 
+def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
+    """Did `del server` take? `No such server.` to a server this apply already asked to delete
+    is a deletion too: the earlier answer was lost (a timeout, a line that could not be read),
+    not the deletion."""
+    if refusal(command, answer) is None:
+        return True
+    return asked_before and answer is not None and answer.strip() == "No such server."
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     change: ServerChange

@@ -4,14 +4,17 @@ the current worker's server state before one."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from ...state import PendingRemoval
 from ..api import DEFAULT_LINE_LIMIT, MasterCLI
 from ..config import Config
 from ..server_state import clear_server_state, save_server_state
 from .add_remove import apply_membership
 from .apply import ApplyResult, apply_changes
+from .pending import PendingRemovals
 from .plan import RuntimePlan, runtime_plan
 
 log = logging.getLogger(__package__)
@@ -37,12 +40,29 @@ class RuntimeApplier:
     than keeping them in the maint this module left them in.
     """
 
-    def __init__(self, cli: MasterCLI, line_limit: int = DEFAULT_LINE_LIMIT, remove_wait_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        cli: MasterCLI,
+        line_limit: int = DEFAULT_LINE_LIMIT,
+        remove_wait_s: float = 10.0,
+        *,
+        background: bool = True,
+        removals: dict[str, PendingRemoval] | None = None,
+        current_pid: Callable[[], int | None] | None = None,
+    ) -> None:
         self.cli = cli
         self.line_limit = line_limit
         self.remove_wait_s = remove_wait_s
+        self.background = background
         self.forget: set[str] = set()
         self.last_result: ApplyResult | None = None
+        # Removals whose `del server` HAProxy still refuses; `run()` retries them.
+        self.pending = PendingRemovals(cli, {} if removals is None else removals, remove_wait_s, current_pid,
+                                       line_limit)
+
+    async def run(self) -> None:
+        """The background retries of pending removals (a task for as long as the daemon runs)."""
+        await self.pending.run()
 
     async def __call__(self, current: _Generation, new_model: Config, effective: _Effective | None = None) -> bool:
         # Compare effective with effective: the generation's model is the effective config.
@@ -73,12 +93,23 @@ class RuntimeApplier:
 
     async def _apply_membership(self, current: _Generation, plan: RuntimePlan, new: Config) -> bool:
         assert current.worker_pid is not None
+        pid = current.worker_pid
+        back = [a.key for a in plan.adds if self.pending.holds(pid, a.key)]
+        if back and (still := await self.pending.try_now(back)):
+            # The worker holds a server of that name still; a reload starts from the config.
+            log.info("runtime apply not possible, reloading: %s added back while its removal is pending: %s",
+                     still[0], self.pending.removals[still[0]].last_answer)
+            return False
         result = await apply_membership(
-            self.cli, current.worker_pid, plan, new, remove_wait_s=self.remove_wait_s, line_limit=self.line_limit
+            self.cli, pid, plan, new, remove_wait_s=self.remove_wait_s, line_limit=self.line_limit,
+            background=self.background,
         )
+        if result.pending:
+            self.pending.hold(pid, result.pending, result.mode)
         log.info(
-            "runtime apply to worker %d: %d servers added, %d removed, %d changed in place, %d commands",
-            current.worker_pid, len(result.added), len(result.removed), len(plan.changes or ()),
+            "runtime apply to worker %d: %d servers added, %d removed, %d pending removal, %d changed in place, "
+            "%d commands",
+            pid, len(result.added), len(result.removed), len(result.pending), len(plan.changes or ()),
             result.commands_sent,
         )
         if result.ok:

@@ -1,0 +1,135 @@
+"""Pending removals: servers the rendered config no longer has that the current worker still
+holds, because HAProxy refuses `del server` while connections are attached to one.
+
+Such a server is in maint at the placeholder address before it gets here: it routes nothing,
+so the change is live and the node runs what the rendered config says. What is left is
+bookkeeping, done in the background without the master lock: `del server` again after
+RETRY_FIRST_S, the wait doubling up to RETRY_MAX_S, `shutdown sessions server` once the
+server has waited `remove_wait_s`, for as long as that worker is the current one. A reload
+ends it either way: the new worker never had the server, and an old one cannot delete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+
+from ...state import PendingRemoval
+from ..api import DEFAULT_LINE_LIMIT, MasterCLI, on_process
+from .apply import deleted, send_line, send_step
+
+log = logging.getLogger(__package__)
+
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
+
+
+def retry_delay(tries: int) -> float:
+    """The wait before the next `del server` of a removal refused `tries` times."""
+    return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** max(0, tries - 1))
+
+
+class PendingRemovals:
+    """The current worker's pending removals (`removals`, shown by /status and /metrics) and
+    the task that retries them (`run()`)."""
+
+    def __init__(
+        self,
+        cli: MasterCLI,
+        removals: dict[str, PendingRemoval],
+        remove_wait_s: float,
+        current_pid: Callable[[], int | None] | None = None,
+        line_limit: int = DEFAULT_LINE_LIMIT,
+    ) -> None:
+        self.cli, self.removals, self.remove_wait_s = cli, removals, remove_wait_s
+        self.current_pid, self.line_limit = current_pid, line_limit
+        self.prefix: dict[int, list[str]] = {}  # a worker's `experimental-mode on`, if it asked for it
+        self._wake = asyncio.Event()
+
+    def hold(self, worker_pid: int, answers: dict[str, str], prefix: Iterable[str] = ()) -> None:
+        """Servers of `worker_pid` whose `del server` was refused (key -> its last answer)."""
+        now, wall = time.monotonic(), datetime.now(UTC)
+        for key, answer in answers.items():
+            self.removals[key] = PendingRemoval(
+                key, int(worker_pid), wall, now, tries=1, last_answer=answer, next_try_monotonic=now + retry_delay(1)
+            )
+            log.info("worker %d: %s pending removal: %s; it is in maint at the placeholder and routes nothing, "
+                     "`del server` is retried in the background", worker_pid, key, answer)
+        if prefix:
+            self.prefix[int(worker_pid)] = list(prefix)
+        self._wake.set()
+
+    def holds(self, worker_pid: int, key: str) -> bool:
+        removal = self.removals.get(key)
+        return removal is not None and removal.worker_pid == worker_pid
+
+    async def try_now(self, keys: Iterable[str]) -> list[str]:
+        """One `del server` now for these pending removals; those still refused."""
+        due = [self.removals[k] for k in keys if k in self.removals]
+        await self._retry(due, time.monotonic())
+        return [r.key for r in due if r.key in self.removals]
+
+    async def run(self) -> None:
+        """Retry what is due, sleeping in between; forever (a task of the daemon)."""
+        while True:
+            self._drop_replaced()
+            if not self.removals:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = time.monotonic()
+            due = [r for r in self.removals.values() if r.next_try_monotonic <= now]
+            if due:
+                await self._retry(due, now)
+                continue
+            self._wake.clear()
+            wait = min(r.next_try_monotonic for r in self.removals.values()) - now
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+
+    def _drop_replaced(self) -> None:
+        if self.current_pid is None:
+            return
+        current = self.current_pid()
+        for key, removal in list(self.removals.items()):
+            if removal.worker_pid != current:
+                del self.removals[key]
+                log.info("%s pending removal ends: worker %d is no longer the current worker (a reload left the "
+                         "server behind)", key, removal.worker_pid)
+
+    async def _retry(self, due: list[PendingRemoval], now: float) -> None:
+        by_worker: dict[int, list[PendingRemoval]] = {}
+        for removal in due:
+            by_worker.setdefault(removal.worker_pid, []).append(removal)
+        for pid, removals in by_worker.items():
+            shut = [r for r in removals if not r.sessions_shut_down and now - r.since_monotonic >= self.remove_wait_s]
+            if shut:
+                log.info("worker %d: sessions still on %d removed servers after %gs: shutting them down",
+                         pid, len(shut), self.remove_wait_s)
+                await self._send(pid, [f"shutdown sessions server {r.key}" for r in shut])
+                for removal in shut:
+                    removal.sessions_shut_down = True
+            commands = [f"del server {r.key}" for r in removals]
+            answers = await self._send(pid, commands)
+            after = time.monotonic()
+            for removal, command, answer in zip(removals, commands, answers, strict=True):
+                if deleted(command, answer, asked_before=True):
+                    self.removals.pop(removal.key, None)
+                    log.info("worker %d: %s deleted after %d tries, %.1fs after its removal", pid, removal.key,
+                             removal.tries + 1, after - removal.since_monotonic)
+                    continue
+                removal.tries += 1
+                removal.last_answer = (answer or "no answer").strip()
+                removal.next_try_monotonic = after + retry_delay(removal.tries)
+
+    async def _send(self, pid: int, commands: list[str]) -> list[str | None]:
+        prefix = self.prefix.get(pid)
+        if not prefix:
+            answers, _ = await send_step(self.cli, pid, commands, self.line_limit)
+            return answers
+        return [(await send_line(self.cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]

@@ -1,0 +1,220 @@
+"""Removals never reload, end to end with the real daemon and HAProxy.
+
+- A drain that moves several replicas of a vanished node (connects hang) to new names in one
+  change: no reload, the same worker, every moved replica deleted (2.6.12 answers a `;` line
+  of `del server` with no empty line between the answers; read by the empty lines, every
+  deletion counted as refused and the change reloaded after `remove_wait_s`).
+- A rolling deployment under keep-alive load while a client whose request was in flight on a
+  removed server keeps its connection: HAProxy keeps the server connection attached to it
+  and refuses `del server` ("Server still has connections attached to it"), even after
+  `shutdown sessions server`. No reload: the change is live at once, the server pending in
+  /status and /metrics, and deleted in the background once the client has gone. The
+  control (`reload.remove_in_background: false`, the path before pending removals) waits
+  `remove_wait_s`, shuts the sessions down, is still refused, and reloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.daemon import Daemon, DaemonSupervised, _metric_values, daemons
+from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
+from tests.support.rolling import Load, ray_config
+
+pytestmark = pytest.mark.haproxy
+
+APPS = ("app1", "app2", "app3", "app4")
+
+
+@contextlib.contextmanager
+def replica_processes() -> Iterator[dict[str, Backend]]:
+    started: dict[str, Backend] = {}
+    try:
+        yield started
+    finally:
+        for backend in started.values():
+            backend.stop()
+
+
+def start(started: dict[str, Backend], name: str) -> int:
+    started[name] = Backend(name, free_port()).start()
+    return started[name].port
+
+
+async def status_and_metrics(d: Daemon) -> tuple[dict, dict[str, float]]:
+    supervised = DaemonSupervised(d)
+    _, doc = await supervised.request("/status")
+    _, metrics = await supervised.request("/metrics")
+    return json.loads(doc), _metric_values(metrics)
+
+
+async def server_names(d: Daemon) -> set[str]:
+    procs = await d.show_proc()
+    assert procs.current_worker is not None
+    states = await d.cli.on(procs.current_worker.pid, "show servers state")
+    return {f"{line.split()[1]}/{line.split()[3]}" for line in states.splitlines()[2:] if line.strip()}
+
+
+async def wait_until_gone(d: Daemon, keys: set[str], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := keys & await server_names(d)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not left, f"still in the worker: {left}\n{d.log()}"
+
+
+async def test_a_drain_moving_several_replicas_of_a_vanished_node_makes_no_reload():
+    front = free_port()
+    vanished: list[VanishedNode] = []
+    settings = {"reload": {"runtime_apply": True}, "old_workers": {"guard": True, "poll_interval_ms": 100}}
+    with replica_processes() as replicas, daemons(short_tmpdir()) as make:
+        fallback = start(replicas, "fallback")
+        # r1 of every app on the node that vanishes, r2 elsewhere.
+        apps = {app: [(f"{app}_r{j}", start(replicas, f"{app}_r{j}")) for j in (1, 2)] for app in APPS}
+        d = make(ray_config(front, apps, fallback), settings).start()
+        first = await d.wait_generation(1)
+        load = Load(front, list(APPS), clients=len(APPS), max_requests=20_000, max_seconds=60).start()
+        try:
+            await asyncio.sleep(0.3)
+            for app in APPS:
+                name, port = apps[app][0]
+                replicas.pop(name).stop()
+                vanished.append(VanishedNode(port))
+            assert all(v.connect_hangs() for v in vanished)
+            # The controller moves the node's replicas to new names on a live node, in one write.
+            moved = {f"{app}/{apps[app][0][0]}" for app in APPS}
+            for app in APPS:
+                apps[app][0] = (f"{app}_r3", start(replicas, f"{app}_r3"))
+            d.write(ray_config(front, apps, fallback))
+            await d.wait_log("reload runtime_applied", whole=True, timeout=30)
+            await wait_until_gone(d, moved)
+            await asyncio.sleep(0.3)
+        finally:
+            await load.stop()
+            for v in vanished:
+                v.close()
+        procs = await d.show_proc()
+        assert d.count(r"reload ok generation=", whole=True) == 0, d.log()
+        assert "runtime apply not possible" not in d.log(), d.log()
+        assert procs.current_worker is not None and procs.current_worker.pid == first and not procs.old_workers
+        assert {f"{app}/{app}_r3" for app in APPS} <= await server_names(d)
+        assert len(load.statuses) > 50 and load.non_200 == 0, (load.non_200, len(load.statuses))
+
+
+async def wait_changes(d: Daemon, count: int, timeout: float = 60) -> None:
+    """Until `count` changes are live, at runtime or by a reload."""
+    deadline = time.monotonic() + timeout
+    while d.count(r"reload runtime_applied", whole=True) + d.count(r"reload ok generation=", whole=True) < count:
+        assert time.monotonic() < deadline, d.log()[-3000:]
+        await asyncio.sleep(0.02)
+
+
+REMOVE_WAIT_S = 4
+SLOW_MS = 2500  # the request held on app1_r1; it ends before remove_wait_s
+ATTACHED = "Server still has connections attached to it, cannot remove it."
+
+
+async def rolling_with_a_held_connection(background: bool) -> dict:
+    """Three apps of two replicas, every replica replaced by a new name one write at a time
+    under keep-alive load. A client's request is in flight on app1_r1 when it is removed; the
+    client keeps its keep-alive connection, so HAProxy keeps the server connection attached
+    to it and refuses `del server`, `shutdown sessions server` or not (no stream is left to
+    shut down)."""
+    front = free_port()
+    settings = {
+        "reload": {"runtime_apply": True, "remove_wait_s": REMOVE_WAIT_S, "remove_in_background": background},
+        "old_workers": {"guard": True, "poll_interval_ms": 100},
+    }
+    names = ("app1", "app2", "app3")
+    with replica_processes() as replicas, daemons(short_tmpdir()) as make:
+        fallback = start(replicas, "fallback")
+        apps = {app: [(f"{app}_r{j}", start(replicas, f"{app}_r{j}")) for j in (1, 2)] for app in names}
+        # app1_r1 alone in app1 at first, so the held request lands on it.
+        d = make(ray_config(front, {**apps, "app1": apps["app1"][:1]}, fallback), settings).start()
+        first = await d.wait_generation(1)
+        holder = await KeepAliveClient(front).connect()
+        load = Load(front, list(names), clients=3, max_requests=30_000, max_seconds=90).start()
+        pending_seen: list[tuple[dict, float | None]] = []
+        live_in_flight = False  # app1_r1's removal live while its request still ran
+        try:
+            slow = asyncio.ensure_future(holder.get(f"/slow?ms={SLOW_MS}", timeout=30))  # app1: the default
+            await asyncio.sleep(0.3)
+            d.write(ray_config(front, apps, fallback))
+            await wait_changes(d, 1)
+            step, gone = 1, set()
+            for j in (0, 1):
+                for app in names:
+                    step += 1
+                    gone.add(f"{app}/{apps[app][j][0]}")
+                    apps[app][j] = (f"{app}_r{j + 3}", start(replicas, f"{app}_r{j + 3}"))
+                    d.write(ray_config(front, apps, fallback))
+                    await wait_changes(d, step)
+                    live_in_flight = live_in_flight or ((app, j) == ("app1", 0) and not slow.done())
+                    doc, metrics = await status_and_metrics(d)
+                    pending_seen += [(p, metrics.get("haproxy_supervisor_pending_removals"))
+                                     for p in doc["pending_removals"]]
+            answer = await slow
+            # The request ended and the client keeps its connection: 2.6.12 and 2.8.25 keep the
+            # server connection attached to it (3.0.11 lets it go, and the server is deleted).
+            # `shutdown sessions server` then finds no stream to shut: still refused.
+            deadline = time.monotonic() + 30
+            while background:
+                doc, _ = await status_and_metrics(d)
+                held = [p for p in doc["pending_removals"] if p["server"] == "app1/app1_r1"]
+                shut = [p for p in held if p["sessions_shut_down"] and p["tries"] > 1]
+                pending_seen += [(p, None) for p in shut]
+                if not held or shut:
+                    break
+                assert time.monotonic() < deadline, doc
+                await asyncio.sleep(0.2)
+        finally:
+            await load.stop()
+            await holder.close()
+        procs = await d.show_proc()
+        if background:
+            await wait_until_gone(d, gone)  # the client gone, the server is deleted
+        doc, metrics = await status_and_metrics(d)
+        return {
+            "reloads": d.count(r"reload ok generation=", whole=True),
+            "same_worker": procs.current_worker is not None and procs.current_worker.pid == first,
+            "old_workers": len(procs.old_workers),
+            "slow": answer,
+            "live_in_flight": live_in_flight,
+            "pending_seen": pending_seen,
+            "pending_after": (doc["pending_removals"], metrics.get("haproxy_supervisor_pending_removals")),
+            "requests": len(load.statuses),
+            "non_200": load.non_200,
+            "log": d.log(),
+        }
+
+
+async def test_a_rolling_deployment_goes_on_while_a_removed_server_keeps_a_connection_attached():
+    r = await rolling_with_a_held_connection(background=True)
+    assert r["reloads"] == 0 and r["same_worker"] and r["old_workers"] == 0, r["log"]
+    status, body, _ = r["slow"]
+    assert (status, body) == (200, "app1_r1")  # the request in flight on the removed server completed
+    assert r["live_in_flight"]  # the change did not wait for it
+    # app1_r1 was pending, with HAProxy's refusal, in /status and the metric (where HAProxy
+    # kept it attached after the request, still refused after `shutdown sessions server`);
+    # deleted once the client had gone.
+    held = [(p, metric) for p, metric in r["pending_seen"] if p["server"] == "app1/app1_r1"]
+    assert held and all(p["last_answer"] == ATTACHED for p, _ in held), r["pending_seen"]
+    assert any(metric is not None and metric >= 1 for _, metric in held)
+    assert r["pending_after"] == ([], 0)
+    assert r["requests"] > 100 and r["non_200"] == 0, (r["non_200"], r["requests"])
+
+
+async def test_control_without_background_removals_the_attached_connection_makes_a_reload():
+    r = await rolling_with_a_held_connection(background=False)
+    # The change waited for the request under the master lock; where HAProxy kept the server
+    # connection attached to the client afterwards (2.6.12, 2.8.25), it reloaded.
+    assert not r["live_in_flight"]
+    reloaded = (f"runtime apply not possible, reloading: 1 servers not deleted after {REMOVE_WAIT_S}s and their "
+                f"sessions shut down; last `del server app1/app1_r1`: {ATTACHED}")
+    assert r["reloads"] == 0 or (reloaded in r["log"] and not r["same_worker"]), r["log"]
+    assert not r["pending_seen"]
