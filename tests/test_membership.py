@@ -341,3 +341,102 @@ async def test_add_server_is_sent_again_in_experimental_mode_when_haproxy_asks_f
     add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert cli.sent[:3] == [add, "experimental-mode on", add]
     assert "del server app1/app1_r1" in cli.sent
+
+
+# ---------------------------------------------------------------- a change completed by what the worker holds
+
+
+def held_states(*servers: tuple[str, str, int]) -> list:
+    from supervisor.haproxy.api import ServerState
+
+    return [ServerState(key.split("/")[0], key.split("/")[1], addr, port, 2, 1, 1) for key, addr, port in servers]
+
+
+@pytest.mark.parametrize(
+    ("held", "adds", "present", "removes"),
+    [
+        # Nothing made yet: the plan as it was.
+        ([("app1/app1_r1", "127.0.0.1", 9001), ("app1/app1_r2", "127.0.0.1", 9002), ("app1/fallback", "127.0.0.1",
+                                                                                     9100)],
+         ["app1/app1_r3"], [], ["app1/app1_r1"]),
+        # Killed after the add: app1_r3 is only readied.
+        ([("app1/app1_r1", "127.0.0.1", 9001), ("app1/app1_r2", "127.0.0.1", 9002), ("app1/app1_r3", "127.0.0.1",
+                                                                                     9003),
+          ("app1/fallback", "127.0.0.1", 9100)],
+         [], ["app1/app1_r3"], ["app1/app1_r1"]),
+        # Killed after the delete: nothing left to remove.
+        ([("app1/app1_r2", "127.0.0.1", 9002), ("app1/app1_r3", "127.0.0.1", 9003),
+          ("app1/fallback", "127.0.0.1", 9100)],
+         [], ["app1/app1_r3"], []),
+        # A removal an earlier daemon left pending (neither config has app1_r0): removed too.
+        ([("app1/app1_r0", "127.0.0.1", 1), ("app1/app1_r1", "127.0.0.1", 9001), ("app1/app1_r2", "127.0.0.1", 9002),
+          ("app1/fallback", "127.0.0.1", 9100)],
+         ["app1/app1_r3"], [], ["app1/app1_r1", "app1/app1_r0"]),
+    ],
+)
+def test_a_change_is_completed_by_what_the_worker_holds(replaced, held, adds, present, removes):
+    from supervisor.haproxy.runtime.plan import completed_plan
+
+    old, new = replaced
+    done = completed_plan(runtime_plan(old, new), held_states(*held), new)
+    assert not isinstance(done, str)
+    assert ([a.key for a in done.adds], [a.key for a in done.present], [r.key for r in done.removes]) == (
+        adds, present, removes)
+
+
+def test_an_add_the_worker_holds_at_another_address_reloads(replaced):
+    from supervisor.haproxy.runtime.plan import completed_plan
+
+    old, new = replaced
+    held = held_states(("app1/app1_r1", "127.0.0.1", 9001), ("app1/app1_r3", "127.0.0.1", 9999))
+    assert completed_plan(runtime_plan(old, new), held, new) == (
+        "app1/app1_r3: the worker holds it at 127.0.0.1:9999, not 127.0.0.1:9003")
+
+
+class HoldingCLI(ScriptedCLI):
+    """A worker that holds app1_r3 already (added by a daemon killed in the middle of the change)."""
+
+    STATES = (
+        "1\n# be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight srv_iweight "
+        "srv_time_since_last_change srv_check_status srv_check_result srv_check_health srv_check_state "
+        "srv_agent_state bk_f_forced_id srv_f_forced_id srv_fqdn srv_port srvrecord srv_use_ssl "
+        "srv_check_port srv_check_addr srv_agent_addr srv_agent_port\n"
+        "3 app1 1 app1_r1 127.0.0.1 2 0 7 7 0 6 3 4 6 0 0 0 - 9001 - 0 0 - - 0\n"
+        "3 app1 2 app1_r2 127.0.0.1 2 0 7 7 0 6 3 4 6 0 0 0 - 9002 - 0 0 - - 0\n"
+        "3 app1 3 fallback 127.0.0.1 2 0 1 1 0 1 0 0 0 0 0 0 - 9100 - 0 0 - - 0\n"
+        "3 app1 4 app1_r3 127.0.0.1 0 1 7 7 0 6 3 4 6 0 0 0 - 9003 - 0 0 - - 0\n\n"
+    )
+
+    async def execute(self, line: str, timeout: float | None = None) -> str:
+        if line.endswith("show servers state app1"):
+            self.sent.append("show servers state app1")
+            return self.STATES
+        return await super().execute(line, timeout)
+
+
+async def test_a_change_a_killed_daemon_began_is_completed_at_runtime(replaced):
+    from supervisor.haproxy.runtime import RuntimeApplier
+
+    old, new = replaced
+    cli = HoldingCLI({
+        "add server": "Already exists a server with the same name in backend.",
+        "del server": "Server deleted.",
+    })
+    current = SimpleNamespace(model=old, worker_pid=42)
+    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is True
+    assert "show servers state app1" in cli.sent
+    assert cli.sent.count("add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check") == 1  # not twice
+    assert "set server app1/app1_r3 state ready" in cli.sent and "del server app1/app1_r1" in cli.sent
+
+
+async def test_control_a_worker_this_daemon_changed_is_not_read_again(replaced):
+    # Once this daemon has changed the worker, an `Already exists` is a real refusal: a reload.
+    from supervisor.haproxy.runtime import RuntimeApplier
+
+    old, new = replaced
+    cli = HoldingCLI({"add server": "Already exists a server with the same name in backend."})
+    applier = RuntimeApplier(cli)
+    current = SimpleNamespace(model=old, worker_pid=42)
+    applier._known_workers.add(42)
+    assert await applier(current, new, SimpleNamespace(effective_model=new)) is False
+    assert "show servers state app1" not in cli.sent

@@ -218,3 +218,46 @@ async def test_control_without_background_removals_the_attached_connection_makes
                 f"sessions shut down; last `del server app1/app1_r1`: {ATTACHED}")
     assert r["reloads"] == 0 or (reloaded in r["log"] and not r["same_worker"]), r["log"]
     assert not r["pending_seen"]
+
+
+async def test_a_daemon_killed_in_the_middle_of_a_runtime_apply_completes_it_at_runtime():
+    """kill -9 while a removal waits (the blocking path, a request held on the removed server):
+    the worker holds the added servers and the removed one in maint. The next daemon reads
+    what the worker holds and completes the change at runtime. Before, its `add server` was
+    answered `Already exists` and it reloaded."""
+    import yaml
+
+    front = free_port()
+    settings = {
+        "reload": {"runtime_apply": True, "remove_wait_s": 30, "remove_in_background": False},
+        "old_workers": {"guard": True, "poll_interval_ms": 100},
+    }
+    with replica_processes() as replicas, daemons(short_tmpdir()) as make:
+        fallback = start(replicas, "fallback")
+        r1 = start(replicas, "app1_r1")
+        d = make(ray_config(front, {"app1": [("app1_r1", r1)]}, fallback), settings).start()
+        first = await d.wait_generation(1)
+        holder = await KeepAliveClient(front).connect()
+        try:
+            slow = asyncio.ensure_future(holder.get("/slow?ms=4000", timeout=30))
+            await asyncio.sleep(0.3)
+            moved = {"app1": [("app1_r2", start(replicas, "app1_r2")), ("app1_r3", start(replicas, "app1_r3"))]}
+            d.write(ray_config(front, moved, fallback))
+            await d.wait_log(r"app1/app1_r1 is going DOWN for maintenance", timeout=30)
+            await asyncio.sleep(0.3)  # `del server` refused, retried: the apply waits
+            assert d.count("reload runtime_applied") == 0
+            d.kill9()
+            written = yaml.safe_load(d.settings_path.read_text())
+            written["reload"]["remove_in_background"] = True
+            d.settings_path.write_text(yaml.safe_dump(written))
+            d.start()
+            await d.wait_log("reload runtime_applied", timeout=30)
+            assert d.count(r"holds part of this change already \(2 of 2 added servers") == 1, d.run_log()
+            assert (await slow)[:2] == (200, "app1_r1")
+        finally:
+            await holder.close()
+        await wait_until_gone(d, {"app1/app1_r1"})
+        procs = await d.show_proc()
+        assert procs.current_worker is not None and procs.current_worker.pid == first and not procs.old_workers
+        assert d.count(r"reload ok generation=", whole=True) == 0, d.log()
+        assert {"app1/app1_r2", "app1/app1_r3"} <= await server_names(d)

@@ -45,6 +45,9 @@ class MembershipResult:
     removed: list[str] = field(default_factory=list)
     pending: dict[str, str] = field(default_factory=dict)
     mode: list[str] = field(default_factory=list)
+    # An add answered "Already exists", or a removal's `state maint` "No such server.": the
+    # worker holds part of this change already (hook.py then completes it by what it holds).
+    held_already: bool = False
     commands_sent: int = 0
 
 
@@ -98,11 +101,11 @@ async def _membership(
     sender: _Sender, plan: RuntimePlan, new: Config, remove_wait_s: float, background: bool
 ) -> MembershipResult:
     cli, pid, line_limit, result = sender.cli, sender.pid, sender.line_limit, sender.result
-    backends = {a.backend for a in plan.adds} | {r.backend for r in plan.removes}
+    backends = plan.backends
     table = await _slot_table_commands(cli, pid, new, backends)
     if isinstance(table, str):
         return _failed(result, table)
-    why = await _add(sender, plan.adds, result)
+    why = await _add(sender, plan.adds, result, plan.present)
     if why:
         await _take_back(sender, result.added, remove_wait_s, background)
         return _failed(result, why)
@@ -143,9 +146,12 @@ async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: 
     return slot_map_commands(path, held, new, backends)
 
 
-async def _add(sender: _Sender, adds: Sequence[ServerAdd], result: MembershipResult) -> str:
-    """Add every server in maint, then step by step its checks and `state ready`; the first
-    refusal, or ''."""
+async def _add(
+    sender: _Sender, adds: Sequence[ServerAdd], result: MembershipResult, present: Sequence[ServerAdd] = ()
+) -> str:
+    """Add every server in maint, then step by step its checks and `state ready` (also for the
+    `present` ones, which the worker holds already); the first refusal, or ''."""
+    result.added.extend(add.key for add in present)
     answers = await sender.send([a.add_command for a in adds])
     if any(_needs_experimental_mode(a) for a in answers):
         sender.prefix = ["experimental-mode on"]
@@ -157,11 +163,14 @@ async def _add(sender: _Sender, adds: Sequence[ServerAdd], result: MembershipRes
     for add, answer in zip(adds, answers, strict=True):
         if refusal(add.add_command, answer) is None:
             result.added.append(add.key)
-        elif not why:
+            continue
+        if answer is not None and answer.strip().startswith("Already exists a server with the same name"):
+            result.held_already = True
+        if not why:
             why = f"`{add.add_command}` refused: {(answer or 'no answer').strip() or 'empty answer'}"
     if why:
         return why
-    sequences = [add.ready_commands for add in adds]
+    sequences = [add.ready_commands for add in (*adds, *present)]
     step = 0
     while True:
         batch = [seq[step] for seq in sequences if step < len(seq)]
@@ -194,6 +203,8 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
         return ""
     answers = await sender.send([f"set server {key} state maint" for key in keys])
     refused = [(k, a) for k, a in zip(keys, answers, strict=True) if refusal("state", a) is not None]
+    if any(a is not None and a.strip() == "No such server." for _, a in refused):
+        result.held_already = True
     if refused:
         key, answer = refused[0]
         return f"`set server {key} state maint` refused: {(answer or 'no answer').strip()}"

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Protocol
 
 from ...state import PendingRemoval
-from ..api import DEFAULT_LINE_LIMIT, MasterCLI
+from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process, parse_servers_state
 from ..config import Config
 from ..server_state import clear_server_state, save_server_state
-from .add_remove import apply_membership
+from .add_remove import MembershipResult, apply_membership
 from .apply import ApplyResult, apply_changes
 from .pending import PendingRemovals
-from .plan import RuntimePlan, runtime_plan
+from .plan import RuntimePlan, completed_plan, runtime_plan
 
 log = logging.getLogger(__package__)
 
@@ -56,6 +56,8 @@ class RuntimeApplier:
         self.background = background
         self.forget: set[str] = set()
         self.last_result: ApplyResult | None = None
+        # Workers this daemon has changed servers in: what they hold is what their model says.
+        self._known_workers: set[int] = set()
         # Removals whose `del server` HAProxy still refuses; `run()` retries them.
         self.pending = PendingRemovals(cli, {} if removals is None else removals, remove_wait_s, current_pid,
                                        line_limit)
@@ -100,10 +102,22 @@ class RuntimeApplier:
             log.info("runtime apply not possible, reloading: %s added back while its removal is pending: %s",
                      still[0], self.pending.removals[still[0]].last_answer)
             return False
-        result = await apply_membership(
-            self.cli, pid, plan, new, remove_wait_s=self.remove_wait_s, line_limit=self.line_limit,
-            background=self.background,
-        )
+        result = await self._membership(pid, plan, new)
+        if result.held_already and pid not in self._known_workers:
+            # A worker this daemon has not changed yet holds part of this change: a daemon
+            # before it was killed in the middle of it. Complete it by what the worker holds.
+            completed = await self._completed(pid, plan, new)
+            if isinstance(completed, str):
+                log.info("worker %d holds part of this change, and %s", pid, completed)
+            else:
+                log.info("worker %d holds part of this change already (%d of %d added servers, %d of %d removed "
+                         "servers gone, %d more to remove): completing it at runtime", pid, len(completed.present),
+                         len(plan.adds), len(set(plan.removes) - set(completed.removes)), len(plan.removes),
+                         len(set(completed.removes) - set(plan.removes)))
+                first = result
+                plan, result = completed, await self._membership(pid, completed, new)
+                result.pending = {**first.pending, **result.pending}
+        self._known_workers = {pid}
         if result.pending:
             self.pending.hold(pid, result.pending, result.mode)
         log.info(
@@ -120,6 +134,24 @@ class RuntimeApplier:
             # (and removed ones left in maint), which is what its steering must go by once old.
             current.model = new
         return False
+
+    async def _membership(self, pid: int, plan: RuntimePlan, new: Config) -> MembershipResult:
+        return await apply_membership(
+            self.cli, pid, plan, new, remove_wait_s=self.remove_wait_s, line_limit=self.line_limit,
+            background=self.background,
+        )
+
+    async def _completed(self, pid: int, plan: RuntimePlan, new: Config) -> RuntimePlan | str:
+        held = []
+        for backend in sorted(plan.backends):
+            try:
+                answer = await self.cli.execute(on_process(pid, f"show servers state {backend}"))
+            except CLIError as exc:
+                return f"cannot read its servers: {exc}"
+            if "# be_id" not in answer:
+                return f"`show servers state {backend}` answered: {answer.strip()[:200] or 'nothing'}"
+            held += parse_servers_state(answer)
+        return completed_plan(plan, held, new)
 
     async def save_server_state(self, current: _Generation, new_model: Config, path: Path) -> bool:
         """Before a reload to `new_model`: save the current worker's state, minus what must not carry over."""

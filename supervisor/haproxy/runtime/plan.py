@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..api import ServerState
 from ..config import _SERVER_KEYWORDS_WITH_ARG, BACKEND_KINDS, Config, Section, Server
 from ..membership import ServerAdd, ServerRemove, membership
 from .changes import DEFAULT_WEIGHT, ServerChange
@@ -116,10 +117,49 @@ class RuntimePlan:
     why_reload: str = ""
     adds: tuple[ServerAdd, ...] = ()
     removes: tuple[ServerRemove, ...] = ()
+    # Adds the worker already holds (a daemon killed in the middle of this change): only
+    # their checks and `state ready` are sent.
+    present: tuple[ServerAdd, ...] = ()
 
     @property
     def membership_changes(self) -> bool:
-        return bool(self.adds or self.removes)
+        return bool(self.adds or self.removes or self.present)
+
+    @property
+    def backends(self) -> set[str]:
+        return {a.backend for a in (*self.adds, *self.present)} | {r.backend for r in self.removes}
+
+
+def _endpoint(address: str) -> tuple[str, int | None]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return address, None
+    return host.strip("[]"), int(port)
+
+
+def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> RuntimePlan | str:
+    """The plan against what the worker holds (`show servers state` of the plan's backends),
+    rather than what its generation's model says: the part of the change that a daemon killed
+    in the middle of it made is not made twice. An add the worker holds at the same address is
+    `present` (only readied); one it holds elsewhere means a reload; a removal it no longer
+    holds is done; a server it holds in those backends that neither the running model (the
+    removes) nor `new` has is removed too (a removal left pending by that daemon). Why not, as
+    a string."""
+    holds = {s.key: s for s in held}
+    adds: list[ServerAdd] = []
+    present: list[ServerAdd] = list(plan.present)
+    for add in plan.adds:
+        state = holds.get(add.key)
+        if state is None:
+            adds.append(add)
+        elif (state.address, state.port) == _endpoint(add.address):
+            present.append(add)
+        else:
+            return f"{add.key}: the worker holds it at {state.address}:{state.port}, not {add.address}"
+    removes = [r for r in plan.removes if r.key in holds]
+    wanted = set(new.server_map()) | {r.key for r in removes}
+    removes += [ServerRemove(s.backend, s.name) for s in held if s.key not in wanted]
+    return replace(plan, adds=tuple(adds), removes=tuple(removes), present=tuple(present))
 
 
 def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | None:
