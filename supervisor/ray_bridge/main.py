@@ -50,7 +50,7 @@ DEFAULT_SETTINGS = Path("/etc/haproxy-supervisor/config.yaml")
 # a bridge Ray forgot about gives up by itself after this long.
 STARTUP_LIMIT_S = 120.0
 POLL_S = 0.1
-SOFT_STOP_POLL_S = 0.5
+SOFT_STOP_POLL_S = 1.0
 # An old worker's exit must be seen on two answers this far apart: the daemon lists old
 # workers on its own polls, so one answer right after a reload may not show the newest yet.
 QUIET_FOR_S = 1.0
