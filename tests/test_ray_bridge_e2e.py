@@ -243,6 +243,48 @@ async def test_control_killing_ray_s_own_haproxy_refuses_requests(rundir: Path):
             await manager.cleanup()
 
 
+async def test_the_daemon_restarting_under_running_bridges(rundir: Path):
+    async with ray_node(rundir) as node:
+        manager = node.manager()
+        spawn = await manager.start(node.config("r1"))
+        master = (await node.status())["haproxy"]["master_pid"]
+
+        # The daemon killed (a crash, an OOM kill): HAProxy serves on, Ray's socket still answers,
+        # and the next daemon adopts the master.
+        loop = RequestLoop(node.front, max_requests=2000, max_seconds=20, path="/a").start()
+        try:
+            node.daemon.kill9()
+            assert await manager.running_pid() == spawn.pid
+            node.daemon.start()
+            await node.daemon.wait_log(rf"master adopted pid={master}")
+        finally:
+            results = await loop.stop()
+        assert len(results) > 10 and [r for r in results if r[0] != 200] == []
+
+        # Stopped (systemctl stop / restart stops HAProxy with it): Ray's socket fails as a dead
+        # HAProxy's would, so Ray's health check says so, instead of reading an empty answer.
+        node.daemon.signal(signal.SIGTERM)
+        assert await node.daemon.wait_exit() == 0
+        for _ in range(5):  # Ray's polls, each refused
+            with pytest.raises(OSError):
+                await send_socket_command(manager.socket_path, "show info")
+        with pytest.raises(OSError):  # the state it stands for: nothing serves
+            await send_socket_command(node.worker_socket, "show info")
+
+        # Started again: HAProxy runs Ray's last config (the watched file), and the same bridge
+        # answers for it; Ray's next spawn goes through as before.
+        node.daemon.start()
+        await wait_until(lambda: _running_pid_is(manager, spawn.pid), what="the bridge to answer again")
+        assert await node.get() == (200, "r1", "r1")
+        await manager.reload(node.config("r1", "r2"))
+        assert {(await node.get())[1] for _ in range(6)} == {"r1", "r2"}
+        await manager.stop()
+
+
+async def _running_pid_is(manager: RayManager, pid: int) -> bool:
+    return await manager.running_pid() == pid
+
+
 # ---------------------------------------------------------------- a manager that starts afresh
 
 

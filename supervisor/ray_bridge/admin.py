@@ -81,6 +81,7 @@ class AdminRelay:
         self.worker_socket = worker_socket
         self.pid = pid
         self._server: asyncio.AbstractServer | None = None
+        self._worker_down = False  # said once, until it answers again
 
     async def start(self, sock: socket.socket) -> None:
         self._server = await asyncio.start_unix_server(self._client, sock=sock, limit=MAX_COMMAND_BYTES)
@@ -92,42 +93,58 @@ class AdminRelay:
             self._server = None
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Nothing read until the worker is reached: when nothing serves (HAProxy down), the
+        # client's command is still unread in the socket, so closing resets the connection and
+        # its read fails, as a connect to a dead HAProxy's socket would (Ray's health check:
+        # not running), instead of reading an empty answer.
+        writer.transport.pause_reading()
+        worker = await self._open_worker()
+        if worker is None:
+            writer.transport.abort()
+            return
+        writer.transport.resume_reading()
         try:
             async with asyncio.timeout(IDLE_TIMEOUT_S):
                 line = await reader.readline()
             if line.strip():
-                await self._relay(line if line.endswith(b"\n") else line + b"\n", writer)
+                await self._relay(line if line.endswith(b"\n") else line + b"\n", worker, writer)
         except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             log.debug("admin socket client: %s", exc)
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            for stream in (worker[1], writer):
+                stream.close()
+                with contextlib.suppress(OSError):
+                    await stream.wait_closed()
 
-    async def _relay(self, line: bytes, client: asyncio.StreamWriter) -> None:
+    async def _open_worker(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(self.worker_socket)), 5)
+            opened = await asyncio.wait_for(asyncio.open_unix_connection(str(self.worker_socket)), 5)
         except (OSError, TimeoutError) as exc:
-            # Nothing answers, as when HAProxy is down: the client gets no answer at all.
-            log.warning("the daemon's worker does not answer on %s: %s", self.worker_socket, exc)
+            if not self._worker_down:
+                log.warning("the daemon's worker does not answer on %s: %s", self.worker_socket, exc)
+            self._worker_down = True
+            return None
+        if self._worker_down:
+            log.info("the daemon's worker answers on %s again", self.worker_socket)
+        self._worker_down = False
+        return opened
+
+    async def _relay(
+        self, line: bytes, worker: tuple[asyncio.StreamReader, asyncio.StreamWriter], client: asyncio.StreamWriter
+    ) -> None:
+        reader, writer = worker
+        writer.write(line)
+        await writer.drain()
+        if asks_show_info(line):
+            async with asyncio.timeout(IDLE_TIMEOUT_S):
+                answer = await reader.read()
+            client.write(with_pid(answer, self.pid))
+            await client.drain()
             return
-        try:
-            writer.write(line)
-            await writer.drain()
-            if asks_show_info(line):
-                async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    answer = await reader.read()
-                client.write(with_pid(answer, self.pid))
-                await client.drain()
+        while True:  # `show stat` of a big config: passed on as it comes
+            async with asyncio.timeout(IDLE_TIMEOUT_S):
+                chunk = await reader.read(1 << 16)
+            if not chunk:
                 return
-            while True:  # `show stat` of a big config: passed on as it comes
-                async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    chunk = await reader.read(1 << 16)
-                if not chunk:
-                    return
-                client.write(chunk)
-                await client.drain()
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            client.write(chunk)
+            await client.drain()
