@@ -17,6 +17,7 @@ from .effective import (
     write_slot_table,
 )
 from .settings import Settings, SettingsError, load_settings
+from .writers import WriterBusy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -90,5 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except RenderedConfigError as exc:
         print(f"haproxy-supervisor: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except WriterBusy as exc:
+        print(f"haproxy-supervisor: {exc}: try again once it is written", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_USAGE

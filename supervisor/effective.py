@@ -39,6 +39,7 @@ from .haproxy.inject import (
     supervised_global,
 )
 from .settings import Settings, SettingsError, decode_text
+from .writers import read_whole
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,11 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> str:
-    """The rendered config's text: a regular file, UTF-8, at most `limit` bytes."""
+def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool = False) -> str:
+    """The rendered config's text: a regular file, UTF-8, at most `limit` bytes. With `whole`,
+    only as its writer finished it: WriterBusy while a writer holds it (writers.read_whole)."""
     try:
-        return decode_text(read_regular(path, limit))
+        return decode_text(read_whole(path, limit) if whole else read_regular(path, limit))
     except OSError as exc:
         if exc.errno in SHORTAGE_ERRNOS:
             raise  # the daemon's own shortage, not the file's fault: the reloader retries
@@ -124,9 +126,10 @@ def build_effective(settings: Settings, rendered_text: str) -> Effective:
 
 
 def load_effective(settings: Settings) -> Effective:
-    """Read the rendered config and build its effective config (RenderedConfigError when it cannot be read)."""
+    """Read the rendered config once its writer is done with it and build its effective config
+    (RenderedConfigError when it cannot be read, WriterBusy while it is being written)."""
     h = settings.haproxy
-    return build_effective(settings, read_rendered(h.config, h.max_config_bytes))
+    return build_effective(settings, read_rendered(h.config, h.max_config_bytes, whole=True))
 
 
 T = TypeVar("T")

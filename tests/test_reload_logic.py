@@ -12,7 +12,7 @@ from supervisor.reloader.confirm import confirm_reload
 from supervisor.reloader.convergence import runs_goal
 from supervisor.reloader.problems import one_line
 from supervisor.reloader.schedule import ReloadScheduler, retry_delay
-from supervisor.reloader.watch import ChangeFilter, inputs_digest, split_watch, watch_roots
+from supervisor.reloader.watch import inputs_digest, split_watch
 
 HEAD = "#<PID>          <type>          <reloads>       <uptime>        <version>\n"
 
@@ -226,40 +226,6 @@ def test_old_workers_over_max_ties_go_by_pid():
 # ---------------------------------------------------------------- paths
 
 
-def test_change_filter_files_editors_and_configmaps(tmp_path: Path):
-    cfg = tmp_path / "rendered" / "haproxy.cfg"
-    maps = tmp_path / "maps"
-    runtime = tmp_path / "run"
-    f = ChangeFilter([cfg], [maps], ignore=[runtime])
-    assert f.relevant(cfg)
-    assert f.relevant(cfg.parent / "..data")  # ConfigMap symlink swap
-    assert f.relevant(cfg.parent / "..2024_01_01_00_00_00.123" / "haproxy.cfg")
-    assert f.relevant(maps / "hosts.map")
-    assert f.relevant(maps / "sub" / "x.pem")
-    assert not f.relevant(cfg.parent / ".haproxy.cfg.swp")
-    assert not f.relevant(cfg.parent / "other.cfg")
-    assert not f.relevant(tmp_path / "mapsfoo")
-    assert not f.relevant(runtime / "haproxy.cfg")
-
-
-def test_change_filter_follows_a_symlinked_file(tmp_path: Path):
-    real = tmp_path / "real" / "h.cfg"
-    real.parent.mkdir()
-    real.write_text("x")
-    link_dir = tmp_path / "etc"
-    link_dir.mkdir()
-    (link_dir / "haproxy.cfg").symlink_to(real)
-    f = ChangeFilter([link_dir / "haproxy.cfg"], [])
-    assert f.relevant(real)
-    assert set(watch_roots([link_dir / "haproxy.cfg"], [])) == {link_dir, real.parent}
-
-
-def test_watch_roots_drop_nested(tmp_path: Path):
-    (tmp_path / "a" / "b").mkdir(parents=True)
-    roots = watch_roots([tmp_path / "a" / "h.cfg"], [tmp_path / "a" / "b", tmp_path / "a"])
-    assert roots == [tmp_path / "a"]
-
-
 def test_split_watch(tmp_path: Path):
     (tmp_path / "certs").mkdir()
     files, dirs = split_watch(tmp_path / "h.cfg", (tmp_path / "certs", tmp_path / "x.map"))
@@ -318,6 +284,16 @@ def test_a_retry_waits_for_its_time_and_for_a_change_still_being_written():
     s.changed(0.95)  # a write in progress: no retry may read it half-written
     assert s.take(1.0) is None
     assert s.take(1.15) == "change"
+    assert not s.pending
+
+
+def test_a_write_in_progress_is_pending_but_due_only_once_closed():
+    s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0, max_delay_s=1.0)
+    s.being_written()
+    assert s.pending and s.due_at() is None, "nothing to read while the file is written"
+    assert s.take(100.0) is None and s.pending
+    s.changed(100.0)  # closed
+    assert s.take(100.2) == "change"
     assert not s.pending
 
 

@@ -25,7 +25,7 @@ from ..runlock import RuntimeDirLock
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State
 from .schedule import ReloadScheduler
-from .watch import ChangeFilter, split_watch
+from .watch import ContentCheck, split_watch
 
 log = logging.getLogger(__package__)
 
@@ -123,7 +123,11 @@ class ReloaderBase:
         )
         files, dirs = split_watch(settings.haproxy.config, settings.haproxy.watch)
         self.watch_files, self.watch_dirs = files, dirs
-        self.filter = ChangeFilter(files, dirs, ignore=[settings.haproxy.runtime_dir])
+        self.watch_ignore = [settings.haproxy.runtime_dir]
+        # The safety net under the watches; its first look, taken now, is what later looks compare with.
+        self.content = ContentCheck(settings.haproxy.config)
+        self.content.commit(*self.content.look())
+        self._cycling = False  # a cycle is under way (it reads the rendered config)
         self._wake = asyncio.Event()
         self._inputs: dict[int, str | None] = {}  # generation -> inputs digest it was loaded with
         self._last_number = 0
@@ -150,6 +154,12 @@ class ReloaderBase:
         if self.state.convergence.converged:
             self.state.convergence.missed("a change is pending", transient=True)
         self._wake.set()
+
+    def being_written(self) -> None:
+        """A watched file is being written: not converged from now, read once it is closed."""
+        self.scheduler.being_written()
+        if self.state.convergence.converged:
+            self.state.convergence.missed("a change is being written", transient=True)
 
     def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
         return self.state.reloads.record(result, (time.monotonic() - started) * 1000, error)

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Awaitable
 
+from ..effective import off_the_loop
 from ..haproxy.api import CLIError
 from ..notify import summary_line
 from ..state import ReloadRecord, utcnow
@@ -16,11 +17,12 @@ from .cycle import ReloadCycle
 from .problems import EXPECTED_IO_ERRORS, io_error_line
 from .recovery import Recovery
 from .schedule import Cause
-from .watch import watch_changes
+from .watch import content_news, watch_changes
 
 log = logging.getLogger(__package__)
 
 HOUSEKEEPING_S = 1.0
+CONTENT_CHECK_S = 1.0  # the safety net under the watches: how often the rendered config is looked at
 
 
 class Reloader(ReloadCycle, Recovery):
@@ -33,9 +35,29 @@ class Reloader(ReloadCycle, Recovery):
             tg.create_task(self._watch())
             tg.create_task(self._schedule())
             tg.create_task(self._housekeeping())
+            tg.create_task(self._content_check())
 
     async def _watch(self) -> None:
-        await watch_changes(self.watch_files, self.watch_dirs, self.filter, self.changed)
+        await watch_changes(self.watch_files, self.watch_dirs, self.watch_ignore, self.changed, self.being_written)
+
+    async def _content_check(self) -> None:
+        """Every CONTENT_CHECK_S: a stat of the rendered config through its symlinks, and a hash
+        when the stat changed. A content no event told of (a path component swapped where no
+        watch could see it, a filesystem without inotify) is a change all the same. While a
+        change is pending or a cycle runs, it waits: that cycle reads the file anyway."""
+        content = self.content
+        while True:
+            await asyncio.sleep(CONTENT_CHECK_S)
+            if self.scheduler.pending or self._cycling or not content.stale():
+                continue
+            key, sha = await off_the_loop(content.look)
+            if self.scheduler.pending or self._cycling:
+                continue  # looked at while a change came in: the next look decides
+            news = content_news(sha, content.sha, self.state.rendered_sha256)
+            content.commit(key, sha)
+            if news:
+                log.warning("watch: %s changed with no event seen; change scheduled", content.path)
+                self.changed()
 
     async def _schedule(self) -> None:
         while True:
@@ -48,7 +70,11 @@ class Reloader(ReloadCycle, Recovery):
                 continue
             cause = self.scheduler.take(now)
             if cause is not None:
-                await self._cycle(cause)
+                self._cycling = True
+                try:
+                    await self._cycle(cause)
+                finally:
+                    self._cycling = False
 
     async def _cycle(self, cause: Cause) -> ReloadRecord | None:
         """One cycle toward the goal; then convergence is assessed and a retry set when needed."""

@@ -22,12 +22,15 @@ from ..haproxy.config import Config
 from ..master.readiness import bind_ports
 from ..notify import summary_line
 from ..state import Generation, ReloadRecord
+from ..writers import WriterBusy
 from .base import LoadedConfig
 from .confirm import Confirmation, Verdict
 from .problems import io_error_line, one_line
 from .watch import inputs_digest
 
 log = logging.getLogger(__package__)
+
+WRITER_POLL_S = 0.05  # how often a file being written is looked at again
 
 
 class ReloadCycle(Confirmation):
@@ -37,9 +40,7 @@ class ReloadCycle(Confirmation):
             return None
         self._goal = None  # read afresh: until then, what the node should run is not known
         try:
-            with collector_paused():  # gcpolicy: no collection on the way to steering
-                settings = self.settings
-                effective = await off_the_loop(lambda: load_effective(settings))
+            effective = await self._load_whole()
         except RenderedConfigError as exc:
             log.error("reload invalid: %s", exc)
             return self._record("invalid", started, str(exc))
@@ -65,6 +66,25 @@ class ReloadCycle(Confirmation):
                 # Timed (and reload.timeout_s counted) from here, not from waiting for the lock.
                 with collector_paused():
                     return await self._change_locked(effective, inputs, force, reason, time.monotonic())
+
+    async def _load_whole(self) -> Effective:
+        """The rendered config's effective config, read once its writer is done: while a writer
+        holds its lock or the file open for writing, wait (the change stays not converged)."""
+        settings = self.settings
+        waiting_since: float | None = None
+        while True:
+            try:
+                with collector_paused():  # gcpolicy: no collection on the way to steering
+                    effective = await off_the_loop(lambda: load_effective(settings))
+            except WriterBusy as exc:
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    log.info("reload waits: %s", exc)
+                await asyncio.sleep(WRITER_POLL_S)
+                continue
+            if waiting_since is not None:
+                log.info("reload: the writer is done after %.1fs", time.monotonic() - waiting_since)
+            return effective
 
     async def _change_locked(
         self, effective: Effective, inputs: str, force: bool, reason: str, started: float

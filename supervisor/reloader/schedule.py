@@ -26,6 +26,7 @@ class ReloadScheduler:
     max_delay_s: float = float("inf")
     first_change: float | None = None  # the first change of the burst not yet handled
     last_change: float | None = None  # newest change not yet handled
+    writing: bool = False  # a watched file is being written: not converged, nothing due yet
     last_reload: float | None = None  # when the previous reload was issued
     forced: bool = False  # a forced reload is asked for
     retry_at: float | None = None  # when to try again to converge
@@ -35,6 +36,9 @@ class ReloadScheduler:
             self.first_change = now
         self.last_change = now
 
+    def being_written(self) -> None:
+        self.writing = True
+
     def force(self) -> None:
         self.forced = True
 
@@ -43,7 +47,7 @@ class ReloadScheduler:
 
     @property
     def pending(self) -> bool:
-        return self.forced or self.last_change is not None or self.retry_at is not None
+        return self.forced or self.writing or self.last_change is not None or self.retry_at is not None
 
     def _cause_and_time(self) -> tuple[Cause, float] | None:
         if self.forced:
@@ -72,6 +76,7 @@ class ReloadScheduler:
         return due[0]
 
     def clear(self) -> None:
+        self.writing = False
         self.first_change = None
         self.last_change = None
         self.forced = False

@@ -1,4 +1,5 @@
-"""Which filesystem events mean "the input changed", and the digest of the watched files."""
+"""Watching the inputs: the watches (inotify, kept in step with `watchplan`), the safety net
+under them (`ContentCheck`), and the digest of the watched files."""
 
 from __future__ import annotations
 
@@ -6,51 +7,14 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from watchfiles import Change, awatch
-
 from ..files import read_regular
+from .inotify import IN_CREATE, Event, Inotify
+from .watchplan import WatchPlan, classify, plan_watches
 
 log = logging.getLogger(__package__)
-# watchfiles logs every batch at INFO; our own lines say what a change led to.
-logging.getLogger("watchfiles").setLevel(logging.WARNING)
-
-
-def _is_k8s_internal(relative: Path) -> bool:
-    # Kubernetes' atomic writer keeps the real files in `..<timestamp>/` and swaps `..data`.
-    return bool(relative.parts) and relative.parts[0].startswith("..")
-
-
-class ChangeFilter:
-    """Which filesystem events mean "the input changed".
-
-    Watched files are seen through their parent directory, so a rename into place
-    (editors, `mv`), a ConfigMap's `..data` symlink swap and a write through the file
-    all count, while an editor's swap files and our own runtime_dir do not.
-    """
-
-    def __init__(self, files: Iterable[Path], directories: Iterable[Path], ignore: Iterable[Path] = ()) -> None:
-        self.files = [Path(f) for f in files]
-        self.targets = {f.resolve() for f in self.files} - set(self.files)
-        self.directories = [Path(d) for d in directories]
-        self.ignore = [Path(i) for i in ignore]
-
-    def __call__(self, change: Change, path: str) -> bool:
-        return self.relevant(Path(path))
-
-    def relevant(self, p: Path) -> bool:
-        if any(p == i or i in p.parents for i in self.ignore):
-            return False
-        for f in self.files:
-            if p == f:
-                return True
-            if f.parent in p.parents and _is_k8s_internal(p.relative_to(f.parent)):
-                return True
-        if p in self.targets:
-            return True
-        return any(p == d or d in p.parents for d in self.directories)
 
 
 def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[Path]]:
@@ -60,22 +24,6 @@ def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[P
     for p in watch:
         (dirs if p.is_dir() else files).append(p)
     return files, dirs
-
-
-def watch_roots(files: Sequence[Path], directories: Sequence[Path]) -> list[Path]:
-    """Directories to hand to inotify: each file's parent (and its symlink target's), each directory."""
-    roots: set[Path] = set(directories)
-    for f in files:
-        roots.add(f.parent)
-        target = f.resolve().parent
-        if target != f.parent:
-            roots.add(target)
-    ordered = sorted(roots, key=lambda p: len(p.parts))
-    kept: list[Path] = []
-    for root in ordered:
-        if not any(k == root or k in root.parents for k in kept):
-            kept.append(root)
-    return kept
 
 
 def inputs_digest(paths: Sequence[Path]) -> str:
@@ -104,34 +52,113 @@ def inputs_digest(paths: Sequence[Path]) -> str:
     return h.hexdigest()
 
 
-async def watch_changes(files: Sequence[Path], directories: Sequence[Path], change_filter: ChangeFilter,
-                        changed: Callable[[], None]) -> None:
-    """Call `changed()` for each relevant batch of events, for ever; a watched root that is
-    missing is waited for, and its appearing counts as a change."""
-    roots = watch_roots(files, directories)
-    reported: list[Path] = []
-    while True:
-        existing = [r for r in roots if r.is_dir()]
-        missing = [r for r in roots if not r.is_dir()]
-        if missing != reported:
-            if missing:
-                log.warning("watch: %s missing; watching for it to appear", ", ".join(map(str, missing)))
-            elif reported:
-                # What appeared may hold the rendered config: look at it.
-                changed()
-            reported = missing
-        if not existing:
-            await asyncio.sleep(1)
-            continue
-        log.info("watching %s", ", ".join(map(str, existing)))
-        # watchfiles' own batching is kept short: the debounce that matters is ours. With a root
-        # missing, wake up every second to see whether it appeared.
-        async for changes in awatch(
-            *existing, watch_filter=change_filter, debounce=50, step=10,
-            rust_timeout=1000 if missing else None, yield_on_timeout=bool(missing),
-        ):
-            if changes:
-                log.debug("change: %s", ", ".join(sorted(p for _, p in changes)))
-                changed()
-            if missing and any(r.is_dir() for r in missing):
-                break
+class FileWatch:
+    """The watches of one plan, kept in step with it: each event either means nothing, a change
+    (`changed()`), or that a path may read elsewhere now (re-plan, then a change)."""
+
+    def __init__(self, files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
+                 changed: Callable[[], None], writing: Callable[[], None]) -> None:
+        self.files, self.directories, self.ignore = list(files), list(directories), list(ignore)
+        self.changed = changed
+        self.writing = writing
+        self.notify = Inotify()
+        self.plan = WatchPlan()
+        self._by_wd: dict[int, Path] = {}
+        self._reported_missing: list[Path] = []
+
+    def replan(self) -> None:
+        """Watch what the paths lead to now. New watches go on before old ones come off, so no
+        event falls between them."""
+        plan = plan_watches(self.files, self.directories, self.ignore)
+        by_wd: dict[int, Path] = {}
+        for directory, interest in plan.directories.items():
+            try:
+                by_wd[self.notify.add(directory, interest.mask())] = directory
+            except OSError as exc:  # gone since the walk: the event that removed it re-plans
+                log.debug("watch: %s: %s", directory, exc.strerror or exc)
+        for wd in set(self._by_wd) - set(by_wd):
+            self.notify.remove(wd)
+        self.plan, self._by_wd = plan, by_wd
+        if plan.missing != self._reported_missing:
+            if plan.missing:
+                log.warning("watch: %s missing; watching for it to appear", ", ".join(map(str, plan.missing)))
+            self._reported_missing = list(plan.missing)
+        log.info("watching %s", ", ".join(f"{p} -> {r}" if p != r else str(p) for p, r in plan.resolved.items())
+                 or "nothing yet")
+
+    def events(self, events: list[Event]) -> None:
+        replan = change = writing = False
+        for event in events:
+            directory = self._by_wd.get(event.wd)
+            interest = None if directory is None else self.plan.directories.get(directory)
+            is_link = bool(event.mask & IN_CREATE) and directory is not None and os.path.islink(
+                directory / event.name
+            )
+            meaning = classify(interest, event.mask, event.name, is_link)
+            if meaning not in ("ignore", "writing"):
+                log.debug("watch: %s %s/%s (mask %#x)", meaning, directory, event.name, event.mask)
+            replan |= meaning == "replan"
+            change |= meaning in ("replan", "change")
+            writing |= meaning == "writing"
+        if replan:
+            self.replan()
+        if change:
+            self.changed()
+        elif writing:
+            self.writing()
+
+    def close(self) -> None:
+        self.notify.close()
+
+
+async def watch_changes(files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
+                        changed: Callable[[], None], writing: Callable[[], None]) -> None:
+    """Call `changed()` for each completed change to a watched path, and `writing()` while one
+    is being written, for ever (inotify, read on the event loop). A path that does not resolve
+    yet is waited for, and its appearing counts."""
+    watch = FileWatch(files, directories, ignore, changed, writing)
+    try:
+        watch.replan()
+        watch.notify.start(watch.events)
+        await asyncio.Event().wait()
+    finally:
+        watch.close()
+
+
+def content_news(look: str | None, previous: str | None, read: str | None) -> bool:
+    """Is what the safety net found news? Not when it is what it found last time, nor what the
+    last cycle read (a change the watches reported, and a cycle loaded)."""
+    return look != previous and look != read
+
+
+class ContentCheck:
+    """The safety net under the watches: the rendered config as HAProxy would read it (through
+    every symlink), looked at every few seconds. A stat first; the content is hashed only when
+    the stat changed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.key: tuple[int, ...] | None = None
+        self.sha: str | None = None
+
+    def stat_key(self) -> tuple[int, ...] | None:
+        try:
+            info = os.stat(self.path)  # through every symlink, as HAProxy's open would
+        except OSError:
+            return None
+        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+    def stale(self) -> bool:
+        """Has the stat changed since the last look? Cheap: on the loop."""
+        return self.stat_key() != self.key
+
+    def look(self) -> tuple[tuple[int, ...] | None, str | None]:
+        """(stat, sha256) now; off the loop, the file may be big."""
+        key = self.stat_key()
+        try:
+            return key, hashlib.sha256(read_regular(self.path)).hexdigest()
+        except OSError:
+            return key, None
+
+    def commit(self, key: tuple[int, ...] | None, sha: str | None) -> None:
+        self.key, self.sha = key, sha
