@@ -31,6 +31,7 @@ from .reloader import NoHooks, Reloader, ReloadHooks
 from .runlock import RuntimeDirInUse, RuntimeDirLock
 from .settings import Settings
 from .state import ReloadRecord, State
+from .status.listener import StatusServerError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,14 @@ EXIT_OK, EXIT_CRASHED, EXIT_REFUSED, EXIT_DETACHED = 0, 1, 2, 3
 
 class Component(Protocol):
     async def run(self) -> None: ...
+
+
+class StatusComponent(Component, Protocol):
+    """The status server: bound by `start()` before READY=1, served by `run()`."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class DisplacedComponent(ReloadHooks, Component, Protocol):
@@ -93,7 +102,7 @@ class Extensions:
     displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
     # status/: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
     # something whose run() serves until cancelled
-    status: Callable[[Settings, State, DaemonActions], Component] | None = None
+    status: Callable[[Settings, State, DaemonActions], StatusComponent] | None = None
     extra_tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
 
 
@@ -209,6 +218,17 @@ class Daemon:
             hooks=hooks, runtime_apply=runtime_apply, save_server_state=save_state,
         )
         self.reloader.runtime_lock = self.runtime_lock
+        status: StatusComponent | None = None
+        if ext.status is not None:
+            # Bound before anything says READY=1: a daemon that cannot report must not start.
+            status = ext.status(settings, self.state, DaemonActions(self))
+            try:
+                await status.start()
+            except StatusServerError as exc:
+                log.error("%s: not starting without the status API", exc)
+                if relay is not None:
+                    relay.close()
+                return EXIT_REFUSED
         self._install_signals()
         log.info(
             "haproxy-supervisor starting pid=%d haproxy=%s binary=%s runtime_dir=%s",
@@ -224,6 +244,8 @@ class Daemon:
             log.error("%s", exc)
             if relay is not None:
                 relay.close()
+            if status is not None:
+                await status.stop()
             return EXIT_CRASHED
         if adopted is not None:
             self.reloader.rebuild(adopted)
@@ -241,8 +263,7 @@ class Daemon:
             # ---- components built elsewhere start here: displaced workers, status server ----
             if self.displaced is not None:
                 tasks.append(group.create_task(self.displaced.run(), name="displaced"))
-            if ext.status is not None:
-                status = ext.status(settings, self.state, DaemonActions(self))
+            if status is not None:
                 tasks.append(group.create_task(status.run(), name="status"))
             for make in ext.extra_tasks:
                 tasks.append(group.create_task(make()))

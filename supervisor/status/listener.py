@@ -269,28 +269,32 @@ async def start_status_server(
 
 
 class StatusServer:
-    """The status app as a daemon component: serves from `run()` until cancelled."""
+    """The status app as a daemon component: `start()` binds (StatusServerError when it cannot:
+    the daemon stops before it says READY=1), `run()` serves until cancelled."""
 
     def __init__(self, settings: Settings, state: State, actions: StatusActions) -> None:
         self.settings = settings
         self.state = state
         self.actions = actions
+        self._runner: web.AppRunner | None = None
 
-    RETRY_S = 5.0
+    async def start(self) -> None:
+        app = build_app(self.state, self.settings, self.actions)
+        self._runner = await start_status_server(app, self.settings.status.listen, self.settings.status)
 
     async def run(self) -> None:
-        # A busy port must not take HAProxy down with the daemon: keep serving traffic, say why
-        # the status endpoint is missing, and try again.
-        while True:
-            try:
-                # A fresh app each try: a runner that failed has already cleaned its app up.
-                app = build_app(self.state, self.settings, self.actions)
-                runner = await start_status_server(app, self.settings.status.listen, self.settings.status)
-                break
-            except StatusServerError as exc:
-                log.error("%s; retrying in %.0f s", exc, self.RETRY_S)
-                await asyncio.sleep(self.RETRY_S)
+        if self._runner is None:
+            await self.start()
+        runner = self._runner
+        assert runner is not None
         try:
             await asyncio.Event().wait()
         finally:
+            self._runner = None
+            await runner.cleanup()
+
+    async def stop(self) -> None:
+        """Close a listener that `start()` bound and `run()` never served (a start cut short)."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
             await runner.cleanup()
