@@ -297,6 +297,22 @@ def test_a_write_in_progress_is_pending_but_due_only_once_closed():
     assert not s.pending
 
 
+@pytest.mark.parametrize(
+    ("retry_at", "now", "moved", "due"),
+    [
+        (15.0, 3.0, True, 3.0),  # waiting out its backoff: due now
+        (3.0, 3.0, False, 3.0),  # due already
+        (2.0, 3.0, False, 2.0),
+        (None, 3.0, False, None),  # nothing to retry: nothing becomes due
+    ],
+)
+def test_a_retry_waiting_out_its_backoff_is_due_when_the_master_cli_answers_again(retry_at, now, moved, due):
+    s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0)
+    s.retry(retry_at)
+    assert s.answered_again(now) is moved
+    assert s.due_at() == due
+
+
 def test_a_retry_honours_min_interval():
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=2.0)
     s.reloaded(0.0)

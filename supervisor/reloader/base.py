@@ -23,7 +23,7 @@ from ..master import MasterProcess
 from ..notify import Notifier
 from ..runlock import RuntimeDirLock
 from ..settings import Settings
-from ..state import Generation, ReloadRecord, ReloadResult, State
+from ..state import Generation, ReloadRecord, ReloadResult, State, utcnow
 from .schedule import ReloadScheduler
 from .watch import ContentCheck, split_watch
 
@@ -144,6 +144,7 @@ class ReloaderBase:
         self._forced_by: list[str] = []
         self._on_disk_sha: str | None = None  # the effective config last written to disk
         self._refused = False  # the last reload failed because HAProxy could not load the config
+        self._cli_failed = False  # the master CLI failed to answer, and has not answered since
         self.runtime_lock: RuntimeDirLock | None = None  # the daemon's, renewed when runtime_dir is made again
         self.problems = RecurringConditions(log, logging.ERROR)  # keyed by what fails, caused by the error
         state.rendered_path = str(settings.haproxy.config)
@@ -160,6 +161,19 @@ class ReloaderBase:
         self.scheduler.being_written()
         if self.state.convergence.converged:
             self.state.convergence.missed("a change is being written", transient=True)
+
+    def cli_failed(self) -> None:
+        self._cli_failed = True
+
+    def cli_answered(self) -> None:
+        """The master CLI answered: after a failure, a pending attempt to converge runs now."""
+        if not self._cli_failed:
+            return
+        self._cli_failed = False
+        if self.scheduler.answered_again(time.monotonic()):
+            self.state.convergence.next_attempt_at = utcnow()
+            log.info("master CLI answers again: attempt %d now", self.state.convergence.attempts)
+            self._wake.set()
 
     def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
         return self.state.reloads.record(result, (time.monotonic() - started) * 1000, error)

@@ -71,6 +71,7 @@ class Confirmation(Convergence):
                 if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
                     verdict = "pending"  # 3.1+ lists the new worker before it has loaded and bound
             except CLIError:
+                self.cli_failed()
                 verdict = "pending"
             if verdict == "ok":
                 return "ok", after, None

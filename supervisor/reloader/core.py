@@ -124,7 +124,9 @@ class Reloader(ReloadCycle, Recovery):
             procs = await self.cli.show_proc()
         except CLIError as exc:
             log.debug("housekeeping: %s", exc)
+            self.cli_failed()
             return
+        self.cli_answered()
         await self._settle(procs)
         self._observe(procs)
         if self._unconfirmed is None:

@@ -95,6 +95,7 @@ class ReloadCycle(Confirmation):
             try:
                 loading = await self._settle(await self._show_proc_until(started + self.settings.reload.timeout_s))
             except CLIError as exc:
+                self.cli_failed()
                 loading, error = True, f"HAProxy has not settled the previous reload: {exc}"
             else:
                 error = "HAProxy is still loading the previous reload (its new worker is not ready yet)"
@@ -183,6 +184,7 @@ class ReloadCycle(Confirmation):
         try:
             before = await self._show_proc_until(deadline)
         except CLIError as exc:
+            self.cli_failed()
             log.error("reload failed: %s", exc)
             return self._record("failed", started, str(exc))
         await self._call_hook("before_reload", model)

@@ -45,6 +45,14 @@ class ReloadScheduler:
     def retry(self, at: float | None) -> None:
         self.retry_at = at
 
+    def answered_again(self, now: float) -> bool:
+        """The master CLI answers after failing: a retry waiting out its backoff is due now
+        (the backoff spares a master that cannot answer, not one that does). True when one was."""
+        if self.retry_at is None or self.retry_at <= now:
+            return False
+        self.retry_at = now
+        return True
+
     @property
     def pending(self) -> bool:
         return self.forced or self.writing or self.last_change is not None or self.retry_at is not None
