@@ -116,7 +116,13 @@ async def watch_changes(files: Sequence[Path], directories: Sequence[Path], igno
     """Call `changed()` for each completed change to a watched path, and `writing()` while one
     is being written, for ever (inotify, read on the event loop). A path that does not resolve
     yet is waited for, and its appearing counts."""
-    watch = FileWatch(files, directories, ignore, changed, writing)
+    try:
+        watch = FileWatch(files, directories, ignore, changed, writing)
+    except OSError as exc:  # out of inotify instances (fs.inotify.max_user_instances)
+        log.error("watch: no inotify (%s): only the look at the rendered config every second remains",
+                  exc.strerror or exc)
+        await asyncio.Event().wait()
+        return
     try:
         watch.replan()
         watch.notify.start(watch.events)
