@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.support.daemon import Node, http_get, tagged_config
-from tests.support.faults import FAST_CONVERGE, Honesty, serving, status, wait_converged
+from tests.support.faults import FAST_CONVERGE, serving, status, wait_converged
 from tests.support.harness import free_port
 
 pytestmark = pytest.mark.haproxy
@@ -54,20 +54,18 @@ async def watch_the_pause(node: Node, partial: str, seconds: float) -> list[str]
     return wrong
 
 
-async def check_whole_loaded(node: Node, extra_port: int, honesty: Honesty, wrong: list[str], waited: str) -> None:
+async def check_whole_loaded(node: Node, extra_port: int, wrong: list[str], waited: str) -> None:
     """The whole config loaded, with one reload, after a cycle waited for the writer (`waited`:
     the reason it logged)."""
     d = node.daemon
     took = await wait_converged(d, node.front, "v2", timeout=10)
     status_code, _, _ = await http_get(extra_port, timeout=2)
     await asyncio.sleep(1.0)
-    await honesty.stop()
-    print(f"converged {took:.2f}s after the last chunk; {honesty.samples} honesty samples")
+    print(f"converged {took:.2f}s after the last chunk; {node.honesty.samples} honesty samples")
     assert not wrong, wrong[:5]
     assert status_code == 200, "the whole config's last section listens"
     assert d.count(r"reload ok") == 1, "one reload for one change"
     assert d.count(rf"reload waits: .* {waited}") == 1, d.run_log()
-    assert not honesty.lies, honesty.lies[:5]
     assert not node.loop.failures, node.loop.failures[:5]
     assert d.count("Traceback") == 0
 
@@ -75,7 +73,6 @@ async def check_whole_loaded(node: Node, extra_port: int, honesty: Honesty, wron
 async def test_a_writer_under_a_flock_on_the_lock_file_is_waited_for(make):
     async with serving(make, SETTINGS) as node:
         d = node.daemon
-        honesty = Honesty(d, node.front, grace_s=SETTINGS["reload"]["converge_grace_s"]).start()
         extra = free_port()
         whole, partial = whole_and_partial(node, extra)
         lock = os.open(d.rendered.with_name(d.rendered.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -89,13 +86,12 @@ async def test_a_writer_under_a_flock_on_the_lock_file_is_waited_for(make):
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
             os.close(lock)
-        await check_whole_loaded(node, extra, honesty, wrong, waited="is locked by its writer")
+        await check_whole_loaded(node, extra, wrong, waited="is locked by its writer")
 
 
 async def test_a_file_open_for_writing_is_read_once_it_is_closed(make):
     async with serving(make, SETTINGS) as node:
         d = node.daemon
-        honesty = Honesty(d, node.front, grace_s=SETTINGS["reload"]["converge_grace_s"]).start()
         extra = free_port()
         whole, partial = whole_and_partial(node, extra)
         with d.rendered.open("w") as f:  # one open, chunks written, one close
@@ -107,4 +103,4 @@ async def test_a_file_open_for_writing_is_read_once_it_is_closed(make):
             d.signal(signal.SIGHUP)
             wrong = await watch_the_pause(node, partial, PAUSE_S)
             f.write(whole[len(partial):])
-        await check_whole_loaded(node, extra, honesty, wrong, waited="is open for writing")
+        await check_whole_loaded(node, extra, wrong, waited="is open for writing")

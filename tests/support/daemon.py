@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import yaml
@@ -325,6 +326,7 @@ class Node:
     backend: str  # the one backend server's address
     worker: int  # generation 1's worker
     loop: RequestLoop | None = None  # requests through HAProxy, once started
+    honesty: Any = None  # tests/support/faults.Honesty, when sampled
 
     def write(self, tag: str, edit: Callable[[str], str] = lambda text: text) -> None:
         """Render the config that stamps `tag` on responses (through `edit`)."""

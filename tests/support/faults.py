@@ -152,16 +152,27 @@ async def wait_converged(daemon: Daemon, front: int, tag: str, timeout: float) -
 
 
 @contextlib.asynccontextmanager
-async def serving(make, settings: dict | None = None) -> AsyncIterator[Node]:
+async def serving(make, settings: dict | None = None, settled_s: float | None = 0.5) -> AsyncIterator[Node]:
     """A daemon on config "v1" with FAST_CONVERGE settings, its first worker serving, and a
-    bounded request loop through it (stopped on the way out)."""
-    async with one_backend(make, settings or FAST_CONVERGE) as node:
+    bounded request loop through it (stopped on the way out). Throughout, `Honesty` samples
+    that the daemon never says converged while HAProxy serves another config (`settled_s`:
+    how long a write has to reach the daemon; None: not sampled); a lie fails the test."""
+    settings = settings or FAST_CONVERGE
+    async with one_backend(make, settings) as node:
         loop = node.requests(max_requests=4000, max_seconds=40)
+        honesty = None
+        if settled_s is not None:
+            grace = settings.get("reload", {}).get("converge_grace_s", 60)
+            honesty = node.honesty = Honesty(node.daemon, node.front, grace_s=grace, settled_s=settled_s).start()
         await asyncio.sleep(0.3)
         try:
             yield node
         finally:
             await loop.stop()
+            if honesty is not None:
+                await honesty.stop()
+    if honesty is not None:
+        assert not honesty.lies, f"{len(honesty.lies)} lies of {honesty.samples} samples: {honesty.lies[:5]}"
 
 
 # ---------------------------------------------------------------- the promise /readyz makes
@@ -174,7 +185,10 @@ class Honesty:
     Samples in a bounded loop: the rendered file as HAProxy would read it (following every
     symlink), /status and /readyz, then the tag a new connection is answered with. A sample
     counts only when the file's content has not changed for `settled_s` before it and during
-    it: the daemon learns of a write a moment after it lands. A lie is recorded as a line.
+    it (the daemon learns of a write a moment after it lands), and HAProxy answered. /readyz
+    counts only while what stands in the way is transient: a config HAProxy refuses or that is
+    invalid keeps the node ready on its last good config by design (not_ready_reason). A lie
+    is recorded as a line.
     """
 
     TAG = re.compile(r"x-tag (\S+)")
@@ -221,16 +235,16 @@ class Honesty:
                 continue
             _, headers, _ = await http_get(self.front, timeout=2)
             after = self._content()
-            if before is None or before != after or not settled:
+            served = headers.get("x-tag")
+            if before is None or before != after or not settled or served is None:
                 continue
             self.samples += 1
             convergence = doc["convergence"]
             says_ready = convergence["converged"] or (
-                ready == 200 and (convergence["unconverged_s"] or 0) > self.grace_s + 1
+                ready == 200 and convergence["transient"] and (convergence["unconverged_s"] or 0) > self.grace_s + 1
             )
             match = self.TAG.search(before.decode(errors="replace"))
             rendered_tag = match[1] if match else None
-            served = headers.get("x-tag")
             sha = hashlib.sha256(before).hexdigest()
             if says_ready and (served != rendered_tag or doc["config"]["rendered_sha256"] != sha):
                 self.lies.append(
