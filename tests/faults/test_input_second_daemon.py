@@ -16,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from supervisor.master.find import find_masters
+from supervisor.settings import load_settings
 from tests.support.daemon import Daemon, http_get
 from tests.support.faults import serving
 from tests.support.harness import ROOT
@@ -57,28 +58,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(5)
 
 
-def masters_of(runtime: Path) -> set[int]:
-    """The HAProxy masters on this runtime_dir's master socket: the processes that name it on
-    their command line and whose parent does not (a worker's parent is its master)."""
-    socket = str(runtime / "master.sock")
-
-    def names_it(proc: psutil.Process) -> bool:
-        try:
-            return any(socket in arg for arg in proc.cmdline())
-        except psutil.Error:
-            return False
-
-    found = set()
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE or not names_it(proc) or "supervisor" in " ".join(proc.cmdline()):
-                continue
-            parent = proc.parent()
-        except psutil.Error:
-            continue
-        if parent is None or not names_it(parent):
-            found.add(proc.pid)
-    return found
+def masters_of(d: Daemon) -> set[int]:
+    """The HAProxy masters holding this runtime_dir's master socket (process facts, any version)."""
+    return set(find_masters(load_settings(d.settings_path)))
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
@@ -94,7 +76,7 @@ async def test_a_second_run_beside_a_serving_daemon_exits_2_and_touches_nothing(
         checking.write_text("global\n")
         await asyncio.sleep(1.2)  # past a housekeeping round: its writes are done
         before = snapshot(d.runtime)
-        masters = masters_of(d.runtime)
+        masters = masters_of(d)
         log = d.directory / "second.log"
         other = second_run(d, log)
         try:
@@ -110,7 +92,7 @@ async def test_a_second_run_beside_a_serving_daemon_exits_2_and_touches_nothing(
             )
             assert done.returncode == 0, done.stderr
         after = snapshot(d.runtime)
-        masters_after = masters_of(d.runtime)
+        masters_after = masters_of(d)
         await asyncio.sleep(0.5)
     out = log.read_text().strip()
     print(f"second run: exit {other.returncode}: {out!r}")
@@ -146,7 +128,7 @@ async def test_two_runs_started_at_once_make_one_master(make):
                 served += status == 200 and headers.get("x-tag") == "v1"
                 await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)  # a second master, if any, has had time to start
-            masters = masters_of(d.runtime)
+            masters = masters_of(d)
             still_running = winner.poll() is None
         finally:
             stop(other)
