@@ -440,3 +440,11 @@ async def test_control_a_worker_this_daemon_changed_is_not_read_again(replaced):
     applier._known_workers.add(42)
     assert await applier(current, new, SimpleNamespace(effective_model=new)) is False
     assert "show servers state app1" not in cli.sent
+
+
+def test_a_pending_removal_is_retried_ever_less_often_up_to_a_bound():
+    from supervisor.haproxy.runtime.pending import RETRY_FIRST_S, RETRY_MAX_S, retry_delay
+
+    delays = [retry_delay(tries) for tries in range(1, 10)]
+    assert delays[0] == RETRY_FIRST_S and delays[1] == 2 * RETRY_FIRST_S
+    assert delays == sorted(delays) and max(delays) == RETRY_MAX_S <= 3
