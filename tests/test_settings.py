@@ -17,7 +17,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_from_empty_file(tmp_path):
     s = load_settings(write(tmp_path, ""), environ={})
-    assert s.reload.debounce_ms == 200 and s.reload.min_interval_ms == 1000
+    assert s.reload.debounce_ms == 200 and s.reload.min_interval_ms == 1000 and s.reload.max_delay_ms == 1000
     assert s.old_workers.max == 50 and s.old_workers.guard and s.old_workers.no_backup == "fail-fast"
     assert not s.observe.enabled and s.observe.error_limit == 3
     assert s.status.listen == "127.0.0.1:9180"
@@ -36,6 +36,7 @@ def test_relative_paths_are_relative_to_the_settings_file(tmp_path):
     [
         ("reload:\n  debounce_ms: -5\n", "reload.debounce_ms: must be positive, got -5"),
         ("reload:\n  debounce_ms: 0\n", "reload.debounce_ms: must be positive, got 0"),
+        ("reload:\n  max_delay_ms: 0\n", "reload.max_delay_ms: must be positive, got 0"),
         ("reload:\n  min_interval_ms: -1\n", "reload.min_interval_ms: must not be negative"),
         ("reload:\n  bogus: 1\n", "reload.bogus: unknown key"),
         ("nope: 1\n", "nope: unknown key"),
