@@ -3,6 +3,7 @@ rule, and the `show info` rewrite. End to end: tests/test_ray_bridge_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from supervisor.haproxy.config import Config
 from supervisor.ray_bridge.admin import asks_show_info, socket_mode, with_pid
 from supervisor.ray_bridge.argv import PassThrough, Run, UsageError, parse_argv
-from supervisor.ray_bridge.main import hard_stop_after_s
+from supervisor.ray_bridge.main import Bridge, BridgeError, hard_stop_after_s
 from supervisor.ray_bridge.verdicts import (
     Refused,
     Running,
@@ -23,6 +24,7 @@ from supervisor.ray_bridge.verdicts import (
     serving_config,
     serving_mine,
 )
+from supervisor.settings import HAProxySettings, Settings
 
 CFG = "/tmp/haproxy-serve/n1/haproxy.cfg"
 SOCK = "/tmp/haproxy-serve/n1/admin.sock"
@@ -217,3 +219,25 @@ def test_socket_mode_and_hard_stop_after():
     assert hard_stop_after_s(Config.parse("global\n    hard-stop-after 2m\n")) == 120
     assert hard_stop_after_s(Config.parse("global\n    hard-stop-after 500\n")) == 0.5
     assert hard_stop_after_s(Config.parse("global\n    maxconn 1\n")) is None
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ("    maxconn 10\n", "no `stats socket` in global"),
+        ("    stats socket 127.0.0.1:9999 level admin\n", "is not a unix socket path"),
+        ("    stats socket /run/hs/stats.sock mode 666\n", "the bridge would answer itself"),
+    ],
+)
+def test_ray_configs_the_bridge_cannot_stand_in_for(line: str, error: str):
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/hs"), move_stats_socket=True))
+    bridge = Bridge(settings, Run(Path(CFG)), asyncio.Event(), asyncio.Event())
+    with pytest.raises(BridgeError, match=error):
+        bridge.admin_socket(Config.parse(f"global\n{line}"))
+
+
+def test_ray_admin_socket_and_its_mode():
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/hs"), move_stats_socket=True))
+    bridge = Bridge(settings, Run(Path(CFG)), asyncio.Event(), asyncio.Event())
+    config = Config.parse(f"global\n    stats socket unix@{SOCK} mode 666 level admin expose-fd listeners\n")
+    assert bridge.admin_socket(config) == (Path(SOCK), 0o666)

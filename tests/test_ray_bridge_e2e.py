@@ -204,7 +204,7 @@ async def test_sigkill_of_the_bridge_or_its_manager_harms_nothing(rundir: Path):
         try:
             # Killed while it waits for the daemon: the config it handed over still goes in.
             manager.write_config(node.config("r1", "r2"))
-            waiting = await manager._spawn("-sf", str(manager.current.pid), "-x", str(manager.socket_path))
+            waiting = await manager.spawn("-sf", str(manager.current.pid), "-x", str(manager.socket_path))
             await wait_until(lambda: _holds(node.daemon.rendered, manager.config_path.read_text()),
                              what="the bridge's write")
             waiting.proc.kill()

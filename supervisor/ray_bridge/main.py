@@ -101,7 +101,7 @@ class Bridge:
             raise BridgeError(f"{self.run.config}: {exc}") from None
         return text, Config.parse(text)
 
-    def _admin_socket(self, config: Config) -> tuple[Path, int]:
+    def admin_socket(self, config: Config) -> tuple[Path, int]:
         """Where Ray asks which HAProxy runs (the path the daemon's move_stats_socket frees), and its mode."""
         words = first_stats_socket(config)
         if words is None:
@@ -109,6 +109,11 @@ class Bridge:
         path = words[2].removeprefix("unix@")
         if not path.startswith("/"):
             raise BridgeError(f"{self.run.config}: `stats socket {words[2]}` is not a unix socket path")
+        if Path(path) == self.settings.haproxy.stats_socket:
+            raise BridgeError(
+                f"{self.run.config}: `stats socket {path}` is where the daemon's workers bind theirs "
+                f"(haproxy.runtime_dir {self.settings.haproxy.runtime_dir}): the bridge would answer itself"
+            )
         return Path(path), socket_mode(words[3:])
 
     def _in_place(self) -> Config | None:
@@ -198,7 +203,7 @@ class Bridge:
                 "Ray's admin socket itself; set it to true (docs/ray-serve.md)"
             )
         text, config = self._read_config()
-        admin_path, mode = self._admin_socket(config)
+        admin_path, mode = self.admin_socket(config)
         await self._first_status()
         deadline = time.monotonic() + STARTUP_LIMIT_S
         reason = hold_back_reason(self.run.replaces, config, self._in_place())

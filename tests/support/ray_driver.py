@@ -241,7 +241,8 @@ class RayManager:
 
     # ------------------------------------------------------------ processes
 
-    async def _spawn(self, *extra: str) -> Spawn:
+    async def spawn(self, *extra: str) -> Spawn:
+        """Run the binary as Ray does, without waiting for it (a test that kills it meanwhile)."""
         args = [self.binary, "-db", "-f", str(self.config_path)]
         if not self.reuse_port:
             args.append("-dR")
@@ -274,7 +275,7 @@ class RayManager:
         raise RuntimeError(f"HAProxy (pid={spawn.pid}) did not take over the admin socket within {timeout_s} seconds.")
 
     async def _start_and_wait(self, *extra: str) -> Spawn:
-        spawn = await self._spawn(*extra)
+        spawn = await self.spawn(*extra)
         try:
             await self.wait_available(spawn)
         except Exception:
