@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.binary import resolve_binary, with_resolved_binary
+from supervisor.binary import names_the_bridge, resolve_binary, with_resolved_binary
 from supervisor.settings import HAProxySettings, Settings
 
 
@@ -67,6 +67,28 @@ def test_auto_honours_ray_serves_override(fake_ray: Path, path_dir: Path, tmp_pa
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "missing"))
     on_path = executable(path_dir / "haproxy")
     assert resolve_binary("auto") == str(on_path)
+
+
+def test_auto_never_takes_the_ray_bridge_that_rays_variable_names(fake_ray: Path, tmp_path: Path, monkeypatch):
+    # On a Ray node the variable names the bridge, for Ray; the daemon must run HAProxy itself.
+    installed = Path(sys.executable).parent / "haproxy-supervisor-ray-bridge"
+    copy = tmp_path / "bin" / "ray-haproxy-shim"
+    copy.parent.mkdir()
+    copy.write_bytes(installed.read_bytes())
+    copy.chmod(0o755)
+    link = tmp_path / "bin" / "haproxy"
+    link.symlink_to(installed)
+    for bridge in (installed, copy, link):
+        monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(bridge))
+        assert resolve_binary("auto") == str(fake_ray), bridge
+        assert os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(bridge), "Ray's variable is left as it was"
+
+
+def test_names_the_bridge_tells_the_bridge_from_haproxy(tmp_path: Path):
+    assert names_the_bridge(str(Path(sys.executable).parent / "haproxy-supervisor-ray-bridge"))
+    assert not names_the_bridge("/usr/sbin/haproxy")
+    assert not names_the_bridge(str(executable(tmp_path / "haproxy")))
+    assert not names_the_bridge(str(tmp_path / "missing"))
 
 
 def test_auto_without_ray_uses_path_then_debian(path_dir: Path, monkeypatch):

