@@ -448,3 +448,31 @@ def test_a_pending_removal_is_retried_ever_less_often_up_to_a_bound():
     delays = [retry_delay(tries) for tries in range(1, 10)]
     assert delays[0] == RETRY_FIRST_S and delays[1] == 2 * RETRY_FIRST_S
     assert delays == sorted(delays) and max(delays) == RETRY_MAX_S <= 3
+
+
+class LeftoverCLI(HoldingCLI):
+    """A worker holding app1_r3 in maint at the placeholder: a removal an earlier daemon left
+    pending. `add server app1/app1_r3` is refused until it is deleted."""
+
+    STATES = HoldingCLI.STATES.replace("3 app1 4 app1_r3 127.0.0.1 0 1 7 7 0 6 3 4 6 0 0 0 - 9003",
+                                       "3 app1 4 app1_r3 127.0.0.1 0 1 7 7 0 6 3 4 6 0 0 0 - 1")
+
+    async def execute(self, line: str, timeout: float | None = None) -> str:
+        if "del server app1/app1_r3" in self.sent:
+            self.answers["add server"] = "New server registered."
+        return await super().execute(line, timeout)
+
+
+async def test_a_name_added_back_over_a_removal_left_at_the_placeholder_is_deleted_then_added(replaced):
+    from supervisor.haproxy.runtime import RuntimeApplier
+
+    old, new = replaced
+    cli = LeftoverCLI({
+        "add server": "Already exists a server with the same name in backend.",
+        "del server": "Server deleted.",
+    })
+    current = SimpleNamespace(model=old, worker_pid=42)
+    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is True
+    add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
+    assert cli.sent.index("del server app1/app1_r3") < len(cli.sent) - 1 - cli.sent[::-1].index(add)
+    assert cli.sent.count(add) == 2  # refused, then added once the leftover was deleted

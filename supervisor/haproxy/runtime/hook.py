@@ -12,8 +12,8 @@ from ...state import PendingRemoval
 from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process, parse_servers_state
 from ..config import Config
 from ..server_state import clear_server_state, save_server_state
-from .add_remove import MembershipResult, apply_membership
-from .apply import ApplyResult, apply_changes
+from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT, MembershipResult, apply_membership
+from .apply import ApplyResult, apply_changes, deleted, send_step
 from .pending import PendingRemovals
 from .plan import RuntimePlan, completed_plan, runtime_plan
 
@@ -151,6 +151,18 @@ class RuntimeApplier:
             if "# be_id" not in answer:
                 return f"`show servers state {backend}` answered: {answer.strip()[:200] or 'nothing'}"
             held += parse_servers_state(answer)
+        # An add held in maint at the placeholder is a removal an earlier daemon left pending
+        # (the name came back): delete it, and add it afresh.
+        adding = {a.key for a in plan.adds}
+        stale = [s for s in held if s.key in adding and s.in_maint
+                 and (s.address, s.port) == (PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT)]
+        if stale:
+            commands = [f"del server {s.key}" for s in stale]
+            answers, _ = await send_step(self.cli, pid, commands, self.line_limit)
+            gone = {s.key for s, c, a in zip(stale, commands, answers, strict=True) if deleted(c, a, asked_before=True)}
+            log.info("worker %d: %d of %d servers left at the placeholder by an earlier removal deleted before "
+                     "they are added again", pid, len(gone), len(stale))
+            held = [s for s in held if s.key not in gone]
         return completed_plan(plan, held, new)
 
     async def save_server_state(self, current: _Generation, new_model: Config, path: Path) -> bool:
