@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .controller import ControllerSockets
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .files import ensure_private_dir
 from .haproxy.api import MasterCLI, ProcList
@@ -159,6 +160,10 @@ class Daemon:
         await self.reloader.on_master_started(procs)
         self.notifier.ready(summary_line(self.state, len(procs.old_workers)))
 
+    async def _controller_reload(self) -> ReloadRecord | None:
+        assert self.reloader is not None
+        return await self.reloader.reload_now(reason="controller master socket")
+
     # ------------------------------------------------------------ main
 
     async def run(self) -> int:
@@ -230,6 +235,17 @@ class Daemon:
                     relay.close()
                 return EXIT_REFUSED
         self._install_signals()
+        # Bound before HAProxy is adopted or started: a controller that finds its sockets
+        # silent falls back to running HAProxy itself.
+        controller = ControllerSockets(settings, self._controller_reload, lambda: self.displaced)
+        try:
+            await controller.start()
+        except OSError as exc:
+            log.error("controller sockets: %s", exc.strerror or exc)
+            await controller.close()
+            if relay is not None:
+                relay.close()
+            return EXIT_CRASHED
         log.info(
             "haproxy-supervisor starting pid=%d haproxy=%s binary=%s runtime_dir=%s",
             self.state.supervisor_pid, self.state.haproxy_version, settings.haproxy.binary,
@@ -246,6 +262,7 @@ class Daemon:
                 relay.close()
             if status is not None:
                 await status.stop()
+            await controller.close()
             return EXIT_CRASHED
         if adopted is not None:
             self.reloader.rebuild(adopted)
@@ -265,6 +282,8 @@ class Daemon:
                 tasks.append(group.create_task(self.displaced.run(), name="displaced"))
             if status is not None:
                 tasks.append(group.create_task(status.run(), name="status"))
+            if controller.enabled:
+                tasks.append(group.create_task(controller.run(), name="controller sockets"))
             for make in ext.extra_tasks:
                 tasks.append(group.create_task(make()))
             # -----------------------------------------------------------------------------------

@@ -132,6 +132,18 @@ class LoggingSettings:
 
 
 @dataclass(frozen=True)
+class ControllerSettings:
+    """An ingress controller in the same pod talks to the daemon's sockets as to HAProxy's
+    (docs/controller.md). Both off by default."""
+
+    # Where the controller dials its runtime API (haproxytech's: /var/run/haproxy-runtime-api.sock):
+    # relayed to the workers' stats socket, server changes sent in a safe order.
+    runtime_socket: Path | None = None
+    # Where it reloads (/var/run/haproxy-master.sock): `reload` runs the daemon's cycle.
+    master_socket: Path | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
     haproxy: HAProxySettings = field(default_factory=HAProxySettings)
     reload: ReloadSettings = field(default_factory=ReloadSettings)
@@ -139,6 +151,7 @@ class Settings:
     observe: ObserveSettings = field(default_factory=ObserveSettings)
     status: StatusSettings = field(default_factory=StatusSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
     source: Path | None = None  # the settings file these came from
 
 

@@ -1,0 +1,91 @@
+"""Controller-socket mode: an ingress controller in the same pod talks to the daemon's sockets
+as it would to HAProxy's (docs/controller.md). relay.py: the runtime socket, commands sent in a
+safe order; facade.py: the master socket, `reload` by the daemon's cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+from ..settings import Settings
+from ..state import ReloadRecord
+from .facade import MasterFacade
+from .relay import RuntimeRelay
+
+log = logging.getLogger(__name__)
+
+
+class Marks(Protocol):
+    """The displaced-worker component's operator marks (steering/workers.py)."""
+
+    def mark_dead(self, key: str) -> None: ...
+
+    def unmark_dead(self, key: str) -> None: ...
+
+    def has_server(self, key: str) -> bool: ...
+
+
+def steer_on_service(marks: Callable[[], Marks | None]) -> Callable[[str, bool], None]:
+    """A server the controller takes out of service is known-dead to the old workers at once
+    (they refuse server commands: steering is the one road to them); put back, it is unmarked."""
+
+    def on_service(key: str, in_service: bool) -> None:
+        component = marks()
+        try:
+            if component is None or not component.has_server(key):
+                return
+            if in_service:
+                component.unmark_dead(key)
+            else:
+                component.mark_dead(key)
+                log.info("controller took %s out of service: known-dead to the old workers", key)
+        except ValueError as exc:  # a name the master CLI could not carry
+            log.warning("controller runtime socket: %s", exc)
+
+    return on_service
+
+
+class ControllerSockets:
+    """The sockets the settings ask for; `start()` binds them, `run()` serves until cancelled."""
+
+    def __init__(
+        self, settings: Settings, reload_now: Callable[[], Awaitable[ReloadRecord | None]],
+        marks: Callable[[], Marks | None],
+    ) -> None:
+        c = settings.controller
+        self.relay = (
+            RuntimeRelay(c.runtime_socket, stats_socket_path(settings), steer_on_service(marks))
+            if c.runtime_socket is not None else None
+        )
+        self.facade = (
+            MasterFacade(c.master_socket, settings.haproxy.master_socket_path, reload_now)
+            if c.master_socket is not None else None
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.relay is not None or self.facade is not None
+
+    async def start(self) -> None:
+        for server in (self.relay, self.facade):
+            if server is not None:
+                await server.start()
+
+    async def run(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        for server in (self.relay, self.facade):
+            if server is not None:
+                await server.close()
+
+
+def stats_socket_path(settings: Settings) -> Path:
+    """Where the workers' `stats socket` is: the daemon's path in runtime_dir."""
+    return settings.haproxy.runtime_dir / "stats.sock"

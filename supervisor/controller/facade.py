@@ -1,0 +1,148 @@
+"""The master socket an ingress controller reloads through, answered by the daemon.
+
+haproxytech's controller, when it does not run HAProxy itself, sends `reload;quit` to the
+master socket and reads HAProxy's own answer: `Success=1` or `Success=0`, a line `--`, then
+the startup messages, which it scans for `[ALERT]`. Here `reload` runs the daemon's own
+cycle (validate, apply at runtime or reload, confirm) and answers in that shape. Every line
+without a `reload` goes to HAProxy's master socket untouched, byte for byte both ways
+(`help`, `@1 show info`, `show proc` ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from ..state import ReloadRecord
+from .commands import split_line
+from .relay import CHUNK, relay_both_ways, start_unix_server
+
+log = logging.getLogger(__name__)
+
+# The master re-executes itself on reload and refuses connections meanwhile; a master
+# being started the first time takes longer.
+CONNECT_PATIENCE_S = 5.0
+ANSWER_TIMEOUT_S = 60.0
+
+SUCCEEDED = frozenset({"ok", "runtime_applied", "skipped_unchanged"})
+
+ReloadNow = Callable[[], Awaitable[ReloadRecord | None]]
+
+
+def reload_answer(record: ReloadRecord | None, pid: int) -> bytes:
+    """The answer HAProxy 2.7+ gives to `reload` on its master socket, for the daemon's cycle."""
+    if record is None:
+        return f"Success=0\n--\n[ALERT]    ({pid}) : haproxy-supervisor: stopping, no reload\n\n".encode()
+    if record.result in SUCCEEDED:
+        done = {"ok": "reloaded", "runtime_applied": "applied at runtime", "skipped_unchanged": "unchanged"}
+        return f"Success=1\n--\n[NOTICE]   ({pid}) : haproxy-supervisor: {done[record.result]}\n\n".encode()
+    if record.result == "invalid" and record.error:
+        # `haproxy -c`'s own messages: its [ALERT] lines are what the controller looks for.
+        messages = record.error if "[ALERT]" in record.error else f"[ALERT]    ({pid}) : {record.error}"
+        return f"Success=0\n--\n{messages.rstrip()}\n\n".encode()
+    reason = record.error or record.result
+    return f"Success=0\n--\n[ALERT]    ({pid}) : haproxy-supervisor: reload {record.result}: {reason}\n\n".encode()
+
+
+def is_reload(command: bytes) -> bool:
+    return command.split() == [b"reload"]
+
+
+def is_quit(command: bytes) -> bool:
+    return command.split() == [b"quit"]
+
+
+class MasterFacade:
+    """A unix socket at `listen` in front of HAProxy's master socket at `upstream`."""
+
+    def __init__(self, listen: Path, upstream: Path, reload_now: ReloadNow) -> None:
+        self.listen = listen
+        self.upstream = upstream
+        self.reload_now = reload_now
+        self.reloads = 0
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self._server = await start_unix_server(self._serve, self.listen)
+        log.info("controller master socket %s: reload runs the daemon's cycle", self.listen)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.listen)
+
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.IncompleteReadError as partial:
+                line = partial.partial
+            except asyncio.LimitOverrunError:
+                line = b""
+            commands = split_line(line.rstrip(b"\n"))
+            if not any(is_reload(c) for c in commands):
+                await self._pipe(line, reader, writer)
+                return
+            writer.write(await self._answer(commands))
+            await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            log.warning("controller master socket: connection ended: %s", exc or type(exc).__name__)
+        finally:
+            writer.close()
+
+    async def _answer(self, commands: list[bytes]) -> bytes:
+        """Each command in turn, `reload` by the daemon, the others by HAProxy's master."""
+        answers: list[bytes] = []
+        for command in commands:
+            if is_quit(command):
+                break
+            if is_reload(command):
+                self.reloads += 1
+                log.info("controller master socket: reload requested")
+                answers.append(reload_answer(await self.reload_now(), os.getpid()))
+                continue
+            try:
+                async with asyncio.timeout(ANSWER_TIMEOUT_S):
+                    up_reader, up_writer = await self._connect()
+                    try:
+                        up_writer.write(command + b"\n")
+                        await up_writer.drain()
+                        answers.append(await up_reader.read())
+                    finally:
+                        up_writer.close()
+            except (OSError, TimeoutError) as exc:
+                answers.append(f"haproxy-supervisor: {self.upstream}: {exc or 'timed out'}\n".encode())
+        return b"".join(answers)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONNECT_PATIENCE_S
+        while True:
+            try:
+                return await asyncio.open_unix_connection(self.upstream, limit=CHUNK)
+            except (ConnectionRefusedError, FileNotFoundError):
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await self._connect()
+        except OSError as exc:
+            log.warning("controller master socket: %s: %s", self.upstream, exc.strerror or exc)
+            writer.write(f"haproxy-supervisor: {self.upstream}: {exc.strerror or exc}\n".encode())
+            await writer.drain()
+            return
+        try:
+            up_writer.write(first)
+            await up_writer.drain()
+            await relay_both_ways(reader, writer, up_reader, up_writer)
+        finally:
+            up_writer.close()
+

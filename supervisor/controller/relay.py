@@ -1,0 +1,217 @@
+"""The runtime socket an ingress controller dials, relayed to HAProxy's own `stats socket`.
+
+A connection's first line is read and parsed (commands.py). A line whose commands are
+already in a safe order, and everything after it, goes to HAProxy untouched, byte for
+byte both ways (an interactive `prompt` session included). A line with a server whose
+address changes before it goes out of service is sent one command per connection, in the
+safe order, and the answers are put back in the controller's order: its first answer is
+still its `set severity-output` one, and the error check it runs on the next reads the
+answer of the command it sent next.
+
+Servers a line takes out of service are made known-dead to the old workers before the line
+is sent (`on_service`); servers it puts back are unmarked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from .commands import has_payload, parse_line, safe_order, service_changes, session_prefix
+
+log = logging.getLogger(__name__)
+
+# client-native waits 30 s for an answer; a command of ours must not outlast it.
+COMMAND_TIMEOUT_S = 30.0
+# A first line longer than this is relayed without being read as commands (HAProxy's own
+# limit, tune.bufsize, is 16 KiB by default).
+LINE_LIMIT = 1 << 20
+CHUNK = 1 << 16
+
+ServiceCallback = Callable[[str, bool], None]  # ("backend/server", in service?)
+
+
+class RuntimeRelay:
+    """A unix socket at `listen` in front of HAProxy's runtime socket at `upstream`."""
+
+    def __init__(
+        self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None, reorder: bool = True
+    ) -> None:
+        self.listen = listen
+        self.upstream = upstream
+        self.on_service = on_service
+        self.reorder = reorder  # off: every line goes as written (the control of the tests)
+        self.reordered_lines = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await start_unix_server(self._serve, self.listen)
+        log.info("controller runtime socket %s relays to %s", self.listen, self.upstream)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.listen)
+        for task in list(self._connections):
+            task.cancel()
+
+
+    # ------------------------------------------------------------ one connection
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._serve_one(reader, writer)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            log.warning("controller runtime socket: connection ended: %s", exc or type(exc).__name__)
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as partial:
+            line = partial.partial  # no newline before EOF: HAProxy judges it
+        except asyncio.LimitOverrunError:
+            line = b""
+        commands = parse_line(line.rstrip(b"\n"))
+        changes = service_changes(commands)
+        if self.on_service is not None:
+            for key, in_service in changes.items():
+                self.on_service(key, in_service)
+        order = safe_order(commands)
+        if not self.reorder or order == sorted(order) or not line.endswith(b"\n"):
+            await self._pipe(line, reader, writer)
+            return
+        payload = await read_payload(reader) if has_payload(line.rstrip(b"\n")) else b""
+        self.reordered_lines += 1
+        texts = [c.text for c in commands]
+        prefix = session_prefix(commands)
+        answer = await self._send_in_order(texts, order, prefix, payload)
+        log.info("controller runtime socket: %d commands sent in a safe order", len(texts))
+        writer.write(answer)
+        await writer.drain()
+
+    async def _send_in_order(self, texts: list[bytes], order: list[int], prefix: int, payload: bytes) -> bytes:
+        """Each command on its own connection after the session's commands; the answers in
+        the order of `texts`."""
+        head = b";".join(texts[:prefix])
+        try:
+            head_answer = await self._roundtrip(head + b"\n") if prefix else b""
+        except OSError as exc:
+            return unreachable_answer(prefix, self.upstream, exc)
+        answers: dict[int, bytes] = {}
+        last = len(texts) - 1
+        for index in order:
+            if index < prefix:
+                continue
+            data = (head + b";" if prefix else b"") + texts[index] + b"\n"
+            if index == last:
+                data += payload
+            try:
+                answer = await self._roundtrip(data)
+            except OSError as exc:
+                answer = error_answer(f"{self.upstream}: {exc.strerror or exc}")
+            else:
+                if answer.startswith(head_answer):
+                    answer = answer[len(head_answer) :]
+            answers[index] = answer
+        return head_answer + b"".join(answers[i] for i in range(prefix, len(texts)))
+
+    async def _roundtrip(self, data: bytes) -> bytes:
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            reader, writer = await asyncio.open_unix_connection(self.upstream)
+            try:
+                writer.write(data)
+                await writer.drain()
+                return await reader.read()  # HAProxy closes after a line it does not prompt for
+            finally:
+                writer.close()
+
+    async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_unix_connection(self.upstream)
+        except OSError as exc:
+            log.warning("controller runtime socket: %s: %s", self.upstream, exc.strerror or exc)
+            prefix = session_prefix(parse_line(first.rstrip(b"\n")))
+            writer.write(unreachable_answer(prefix, self.upstream, exc))
+            await writer.drain()
+            return
+        try:
+            up_writer.write(first)
+            await up_writer.drain()
+            await relay_both_ways(reader, writer, up_reader, up_writer)
+        finally:
+            up_writer.close()
+
+
+async def relay_both_ways(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    up_reader: asyncio.StreamReader,
+    up_writer: asyncio.StreamWriter,
+) -> None:
+    """Copy both ways until the upstream side closes (HAProxy ends the session)."""
+
+    async def to_upstream() -> None:
+        while chunk := await reader.read(CHUNK):
+            up_writer.write(chunk)
+            await up_writer.drain()
+        if up_writer.can_write_eof():
+            up_writer.write_eof()
+
+    forward = asyncio.create_task(to_upstream())
+    try:
+        while chunk := await up_reader.read(CHUNK):
+            writer.write(chunk)
+            await writer.drain()
+    finally:
+        forward.cancel()
+        with contextlib.suppress(asyncio.CancelledError, OSError):
+            await forward
+
+
+async def read_payload(reader: asyncio.StreamReader) -> bytes:
+    """The payload after a `<<` line: its lines up to and including the empty one that ends it."""
+    lines = []
+    while True:
+        try:
+            part = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as partial:
+            lines.append(partial.partial)
+            break
+        lines.append(part)
+        if part in (b"\n", b"\r\n"):
+            break
+    return b"".join(lines)
+
+
+def error_answer(message: str) -> bytes:
+    """An error in the shape HAProxy answers with under `set severity-output number` ([3]: err),
+    which client-native's callers take as a failed command."""
+    return f"[3]: haproxy-supervisor: {message}\n\n".encode()
+
+
+def unreachable_answer(prefix: int, upstream: Path, exc: OSError) -> bytes:
+    return b"\n" * prefix + error_answer(f"HAProxy's runtime socket {upstream}: {exc.strerror or exc}")
+
+
+async def start_unix_server(serve: Callable, path: Path) -> asyncio.AbstractServer:
+    """Listen at `path`, replacing a socket a previous daemon left there; the socket is the
+    owner's and its group's (the controller runs in the same pod, as the same user)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_socket():
+            path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    server = await asyncio.start_unix_server(serve, path, limit=LINE_LIMIT)
+    os.chmod(path, 0o660)
+    return server

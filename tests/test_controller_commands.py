@@ -1,0 +1,138 @@
+"""The controller's lines read as commands, and the safe order: pure, tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.controller.commands import (
+    Effect,
+    has_payload,
+    parse_command,
+    parse_line,
+    safe_order,
+    service_changes,
+    session_prefix,
+    split_line,
+)
+from tests.support.controller import disable, enable, sync_line
+
+
+def order_of(line: bytes) -> list[bytes]:
+    commands = parse_line(line.rstrip(b"\n"))
+    return [commands[i].text for i in safe_order(commands)]
+
+
+@pytest.mark.parametrize(
+    ("line", "commands"),
+    [
+        (b"show info", [b"show info"]),
+        (b"a;b;", [b"a", b"b", b""]),
+        (b"set map m k a\\;b;show info", [b"set map m k a\\;b", b"show info"]),
+        (b"", [b""]),
+    ],
+)
+def test_split_line(line: bytes, commands: list[bytes]) -> None:
+    assert split_line(line) == commands
+
+
+@pytest.mark.parametrize(
+    ("text", "server", "effect"),
+    [
+        (b"set server b/SRV_3 addr 127.0.0.1 port 1", "b/SRV_3", Effect.ADDRESS),
+        (b"set server b/SRV_3 state maint", "b/SRV_3", Effect.OUT_OF_SERVICE),
+        (b"set server b/SRV_3 state ready", "b/SRV_3", Effect.IN_SERVICE),
+        (b"set server b/SRV_3 state drain", "b/SRV_3", Effect.OTHER),
+        (b"disable server b/SRV_3", "b/SRV_3", Effect.OUT_OF_SERVICE),
+        (b"enable server b/SRV_3", "b/SRV_3", Effect.IN_SERVICE),
+        (b"set server b/SRV_3 health down", "b/SRV_3", Effect.OUT_OF_SERVICE),
+        (b"set server b/SRV_3 agent up", "b/SRV_3", Effect.IN_SERVICE),
+        (b"set server b/SRV_3 weight 10", "b/SRV_3", Effect.OTHER),
+        (b"set severity-output number", None, None),
+        (b"show servers state b", None, None),
+        (b"set server nobackend state maint", None, Effect.OUT_OF_SERVICE),
+    ],
+)
+def test_parse_command(text: bytes, server: str | None, effect: Effect | None) -> None:
+    command = parse_command(text)
+    assert (command.server, command.effect) == (server, effect)
+
+
+PAIR_MAINT = [b"set server b/S3 state maint", b"set server b/S3 addr 127.0.0.1"]
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        # the controller's disable: maint goes first
+        (sync_line(disable("b", "S3")), [b"set severity-output number", *PAIR_MAINT, b""]),
+        # with a port, as the issue quotes it
+        (sync_line(disable("b", "S3", port=1)),
+         [b"set severity-output number", b"set server b/S3 state maint",
+          b"set server b/S3 addr 127.0.0.1 port 1", b""]),
+        # an enable is already safe: address first, then ready
+        (sync_line(enable("b", "S3", "10.0.0.7", 80)),
+         [b"set severity-output number", b"set server b/S3 addr 10.0.0.7 port 80",
+          b"set server b/S3 state ready", b""]),
+        # a rolling step: one slot off, one on; only the disable's pair turns round
+        (sync_line(enable("b", "S1", "10.0.0.8", 80), disable("b", "S3")),
+         [b"set severity-output number", b"set server b/S1 addr 10.0.0.8 port 80", b"set server b/S1 state ready",
+          *PAIR_MAINT, b""]),
+        # another server's command between the pair keeps its place after the moved maint
+        (b"set server b/S3 addr 127.0.0.1;show info;set server b/S3 state maint\n",
+         [b"set server b/S3 state maint", b"set server b/S3 addr 127.0.0.1", b"show info"]),
+        # two address changes in a row: maint goes before both
+        (b"set server b/S3 addr 10.0.0.1;set server b/S3 addr 127.0.0.1;set server b/S3 state maint\n",
+         [b"set server b/S3 state maint", b"set server b/S3 addr 10.0.0.1", b"set server b/S3 addr 127.0.0.1"]),
+        # a ready between them: the maint is the operator's later word, it stays after the ready
+        (b"set server b/S3 addr 10.0.0.1;set server b/S3 state ready;set server b/S3 state maint\n",
+         [b"set server b/S3 addr 10.0.0.1", b"set server b/S3 state ready", b"set server b/S3 state maint"]),
+        # another server's maint does not move across S3's address change
+        (b"set server b/S3 addr 127.0.0.1;set server b/S4 state maint\n",
+         [b"set server b/S3 addr 127.0.0.1", b"set server b/S4 state maint"]),
+        # disable server and health down count as out of service
+        (b"set server b/S3 addr 127.0.0.1;disable server b/S3\n",
+         [b"disable server b/S3", b"set server b/S3 addr 127.0.0.1"]),
+        (b"set server b/S3 addr 127.0.0.1;set server b/S3 health down\n",
+         [b"set server b/S3 health down", b"set server b/S3 addr 127.0.0.1"]),
+        # nothing to do with servers: untouched
+        (b"set severity-output number;show info\n", [b"set severity-output number", b"show info"]),
+    ],
+)
+def test_safe_order(line: bytes, expected: list[bytes]) -> None:
+    assert order_of(line) == expected
+
+
+def test_safe_order_is_a_permutation_of_a_long_line() -> None:
+    slots = [disable("b", f"SRV_{i}") if i % 2 else enable("b", f"SRV_{i}", "10.0.0.1", 80) for i in range(200)]
+    commands = parse_line(sync_line(*slots).rstrip(b"\n"))
+    order = safe_order(commands)
+    assert sorted(order) == list(range(len(commands)))
+    sent = [commands[i] for i in order]
+    for i, command in enumerate(sent):
+        if command.effect is Effect.ADDRESS and command.text.endswith(b"addr 127.0.0.1"):
+            assert sent[i - 1].effect is Effect.OUT_OF_SERVICE and sent[i - 1].server == command.server
+
+
+def test_service_changes_take_each_server_last_word() -> None:
+    line = sync_line(disable("b", "S3"), enable("b", "S1", "10.0.0.8", 80)).rstrip(b"\n")
+    assert service_changes(parse_line(line)) == {"b/S3": False, "b/S1": True}
+    assert service_changes(parse_line(b"disable server b/S3;enable server b/S3")) == {"b/S3": True}
+    assert service_changes(parse_line(b"set server b/S3 weight 0;show info")) == {}
+
+
+@pytest.mark.parametrize(
+    ("line", "count"),
+    [(b"set severity-output number;show info", 1), (b"show info", 0),
+     (b"set severity-output number;set severity-output none;x", 2)],
+)
+def test_session_prefix(line: bytes, count: int) -> None:
+    assert session_prefix(parse_line(line)) == count
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [(b"set severity-output number;add map @1 /m.map <<", True), (b"add map @1 /m.map k v", False),
+     (b"add map @1 /m.map <<\r", True)],
+)
+def test_has_payload(line: bytes, expected: bool) -> None:
+    assert has_payload(line) is expected
