@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import socket
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.haproxy.api import ProcList
 from tests.support.controller import add_map_payload, disable, enable, sync_line, wrap
 from tests.support.daemon import Daemon
 from tests.support.harness import Backend, KeepAliveClient, backends, free_port
@@ -230,7 +232,7 @@ def controller_accepts(answer: bytes) -> bool:
     return answer[1:5] not in (b"[0]:", b"[1]:", b"[2]:", b"[3]:")
 
 
-STEPS = 1500  # more than the control needed for its first 503 in any run seen (80 to 1180 lines)
+STEPS = 1500  # more lines than the control ever needed for its first 503 (figures in the commit)
 PAUSE_S = 0.002
 # The control sends lines until the first 503.
 CONTROL_MAX_LINES, CONTROL_MAX_S = 3000, 60
@@ -328,3 +330,82 @@ async def test_out_of_service_marks_the_server_dead_for_old_workers(rundir):
         unmarked = await operator_dead()
     assert "b/SRV_1" in marked, marked[-2000:]
     assert "b/SRV_1" not in unmarked, unmarked[-2000:]
+
+
+# ---------------------------------------------------------------- the master socket facade
+
+
+def pid_of(procs: ProcList) -> int:
+    worker = procs.current_worker
+    assert worker is not None, procs
+    return worker.pid
+
+
+async def reload_through_facade(s: Sidecar) -> bytes:
+    return await roundtrip(s.master_socket, b"reload;quit\n", timeout=60)
+
+
+async def test_reload_through_the_facade_runs_the_daemons_cycle(rundir):
+    async with sidecar(rundir) as s:
+        before = await s.daemon.show_proc()
+        s.slots["SRV_3"] = s.pods[2]
+        s.daemon.write(s.rendered())
+        answer = await reload_through_facade(s)
+        after = await s.daemon.show_proc()
+        states = await s.servers_state()
+        helped = await roundtrip(s.master_socket, b"set severity-output number;help;quit\n")
+        info = await roundtrip(s.master_socket, b"@1 set severity-output number;@1 show info;quit\n")
+        log = s.daemon.run_log()
+    assert answer.startswith(b"Success=1\n--\n") and b"[ALERT]" not in answer, answer
+    assert "controller master socket" in log
+    assert pid_of(after) != pid_of(before)
+    assert states["SRV_3"] == (s.pods[2].address, "ready"), states
+    assert b"help" in helped and b"show proc" in helped, helped[:300]  # the master's own list
+    assert re.search(rb"\nVersion: \d+\.\d+", info), info[:200]
+
+
+async def test_refused_config_answers_success_0_with_haproxys_alerts(rundir):
+    async with sidecar(rundir) as s:
+        before = await s.daemon.show_proc()
+        s.daemon.write(s.rendered().replace("    balance roundrobin", "    balance roundrobin\n    bogus_keyword"))
+        answer = await reload_through_facade(s)
+        after = await s.daemon.show_proc()
+        client = await KeepAliveClient(s.front).connect()
+        try:
+            status, _, _ = await client.get()
+        finally:
+            await client.close()
+    assert answer.startswith(b"Success=0\n--\n"), answer
+    assert re.search(rb"\[ALERT\].*bogus_keyword", answer), answer
+    assert pid_of(after) == pid_of(before)
+    assert status == 200  # the last good config serves
+
+
+async def test_facade_and_relay_answer_within_a_second_of_a_daemon_restart(rundir):
+    async with sidecar(rundir) as s:
+        s.daemon.signal(signal.SIGQUIT)  # the daemon exits, HAProxy stays for the next one to adopt
+        assert await s.daemon.wait_exit() == 3
+        s.daemon.start()
+        started = time.monotonic()
+        deadline = started + 5
+        while True:
+            try:
+                info = await roundtrip(s.master_socket, b"@1 set severity-output number;@1 show info;quit\n", 5)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert time.monotonic() < deadline, "the facade did not come back"
+                await asyncio.sleep(0.02)
+        answered_s = time.monotonic() - started
+        disabled = await roundtrip(s.runtime_socket, sync_line(disable("b", "SRV_1", port=1)))
+        s.slots["SRV_1"] = None  # the controller writes its config as it runs it, then reloads
+        s.daemon.write(s.rendered())
+        answer = await reload_through_facade(s)
+        states = await s.servers_state()
+        log = s.daemon.run_log()
+    # Bound before HAProxy is adopted; the time includes the interpreter's start on a shared host.
+    assert log.index("controller master socket") < log.index("haproxy-supervisor starting"), log[-2000:]
+    assert answered_s < 3.0, answered_s
+    assert re.search(rb"\nVersion: \d+\.\d+", info), info[:200]
+    assert controller_accepts(disabled), disabled
+    assert answer.startswith(b"Success=1\n--\n"), answer
+    assert states["SRV_1"] == ("127.0.0.1:1", "maint"), states
