@@ -136,3 +136,41 @@ def test_session_prefix(line: bytes, count: int) -> None:
 )
 def test_has_payload(line: bytes, expected: bool) -> None:
     assert has_payload(line) is expected
+
+
+def test_controller_settings_are_off_by_default_and_paths_when_set(tmp_path) -> None:
+    from supervisor.settings import load_settings
+
+    assert load_settings(_write(tmp_path, "{}")).controller.runtime_socket is None
+    text = "controller:\n  runtime_socket: run/api.sock\n  master_socket: /m.sock\n"
+    settings = load_settings(_write(tmp_path, text))
+    assert settings.controller.runtime_socket == tmp_path / "run/api.sock"
+    assert str(settings.controller.master_socket) == "/m.sock"
+
+
+def _write(directory, text: str):
+    path = directory / "settings.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("result", "error", "start", "contains"),
+    [
+        ("ok", None, b"Success=1\n--\n", b"reloaded"),
+        ("runtime_applied", None, b"Success=1\n--\n", b"applied at runtime"),
+        ("invalid", "[NOTICE] x\n[ALERT]    (7) : config : parsing [c:3] : unknown keyword 'bogus'", b"Success=0\n--\n",
+         b"[ALERT]    (7) : config : parsing"),
+        ("invalid", "/etc/haproxy/haproxy.cfg: cannot read rendered config: No such file", b"Success=0\n--\n",
+         b"[ALERT]"),
+        ("failed", "reload took no effect", b"Success=0\n--\n", b"[ALERT]"),
+        ("unknown", "not confirmed", b"Success=0\n--\n", b"reload unknown"),
+    ],
+)
+def test_reload_answer_has_haproxys_shape(result: str, error: str | None, start: bytes, contains: bytes) -> None:
+    from supervisor.controller.facade import reload_answer
+    from supervisor.state import ReloadRecord, utcnow
+
+    answer = reload_answer(ReloadRecord(utcnow(), result, 1.0, error), 7)  # type: ignore[arg-type]
+    assert answer.startswith(start) and contains in answer and answer.endswith(b"\n\n"), answer
+    assert reload_answer(None, 7).startswith(b"Success=0\n--\n[ALERT]")
