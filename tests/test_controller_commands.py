@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 
 from supervisor.controller.commands import (
+    Address,
     Effect,
+    address_waits,
     has_payload,
     parse_command,
     parse_line,
+    requested_address,
     safe_order,
     service_changes,
     session_prefix,
@@ -174,3 +177,40 @@ def test_reload_answer_has_haproxys_shape(result: str, error: str | None, start:
     answer = reload_answer(ReloadRecord(utcnow(), result, 1.0, error), 7)  # type: ignore[arg-type]
     assert answer.startswith(start) and contains in answer and answer.endswith(b"\n\n"), answer
     assert reload_answer(None, 7).startswith(b"Success=0\n--\n[ALERT]")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (b"set server b/S addr 10.0.0.7 port 80", Address("b/S", "10.0.0.7", 80)),
+        (b"set server b/S addr 127.0.0.1", Address("b/S", "127.0.0.1", None)),
+        (b"set server b/S addr ::1 port 8080", Address("b/S", "::1", 8080)),
+        (b"set server b/S addr pod.local port 80", None),  # a name: the state shows its resolution
+        (b"set server b/S fqdn pod.local", None),
+        (b"set server b/S state ready", None),
+    ],
+)
+def test_requested_address(text: bytes, expected: Address | None) -> None:
+    assert requested_address(parse_command(text)) == expected
+
+
+@pytest.mark.parametrize(
+    ("line", "waits"),
+    [
+        # the controller's enable: the address must show before ready
+        (sync_line(enable("b", "S1", "10.0.0.8", 80)), {1: Address("b/S1", "10.0.0.8", 80)}),
+        # its disable, in the safe order (maint first): nothing to wait for
+        (sync_line(disable("b", "S3", port=1)), {}),
+        # a step of a rolling deployment: only the enable waits
+        (sync_line(disable("b", "S1", port=1), enable("b", "S2", "10.0.0.8", 80)),
+         {3: Address("b/S2", "10.0.0.8", 80)}),
+        # another server's command between: still waits for its own ready
+        (b"set server b/S1 addr 10.0.0.8;show info;set server b/S1 state ready",
+         {0: Address("b/S1", "10.0.0.8", None)}),
+        # a weight change after the address: no ready follows, no wait
+        (b"set server b/S1 addr 10.0.0.8;set server b/S1 weight 5", {}),
+    ],
+)
+def test_address_waits(line: bytes, waits: dict[int, Address]) -> None:
+    commands = parse_line(line.rstrip(b"\n"))
+    assert address_waits(commands, safe_order(commands)) == waits

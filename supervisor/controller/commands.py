@@ -8,6 +8,7 @@ service, and sends the controller's own bytes.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from enum import Enum
 
@@ -107,6 +108,60 @@ def safe_order(commands: list[Command]) -> list[int]:
             order.remove(j)
             order.insert(earliest, j)
     return order
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where an address command points a server: what `show servers state` shows once applied."""
+
+    server: str
+    address: str
+    port: int | None  # None: the command keeps the port
+
+
+def requested_address(command: Command) -> Address | None:
+    """The IP (and port) of `set server B/S addr IP [port P]`; None for a name (fqdn) or no IP."""
+    words = command.text.split()
+    if command.server is None or command.effect is not Effect.ADDRESS or words[3:4] != [b"addr"] or len(words) < 5:
+        return None
+    address = words[4].decode(errors="replace")
+    if not is_ip_literal(address):
+        return None
+    port = None
+    if len(words) >= 7 and words[5] == b"port":
+        if not words[6].isdigit():
+            return None
+        port = int(words[6])
+    return Address(command.server, address, port)
+
+
+def is_ip_literal(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def address_waits(commands: list[Command], order: list[int]) -> dict[int, Address]:
+    """The address commands, by index, whose change must have taken effect before the next
+    command is sent: those followed (among the commands naming their server, in the order
+    sent) by one that puts the server in service. From 3.0 HAProxy applies an address change
+    later, from a task of its own, while `state ready` takes effect at once: sent back to
+    back, the server is ready for a moment at the address it had (the placeholder of its
+    last disable) and requests balanced to it fail with 503 `SC`."""
+    waits: dict[int, Address] = {}
+    for position, index in enumerate(order):
+        target = requested_address(commands[index])
+        if target is None:
+            continue
+        for later in order[position + 1 :]:
+            if commands[later].server != target.server:
+                continue
+            if commands[later].effect is Effect.IN_SERVICE:
+                waits[index] = target
+            break
+    return waits
 
 
 def service_changes(commands: list[Command]) -> dict[str, bool]:

@@ -3,10 +3,11 @@
 A connection's first line is read and parsed (commands.py). A line whose commands are
 already in a safe order, and everything after it, goes to HAProxy untouched, byte for
 byte both ways (an interactive `prompt` session included). A line with a server whose
-address changes before it goes out of service is sent one command per connection, in the
-safe order, and the answers are put back in the controller's order: its first answer is
-still its `set severity-output` one, and the error check it runs on the next reads the
-answer of the command it sent next.
+address changes before it goes out of service, or before it is put in service, is sent one
+command per connection: out of service first, and an address change seen applied (`show
+servers state`) before the server is put in service. The answers are put back in the
+controller's order: its first answer is still its `set severity-output` one, and the error
+check it runs on the next reads the answer of the command it sent next.
 
 Servers a line takes out of service are made known-dead to the old workers before the line
 is sent (`on_service`); servers it puts back are unmarked.
@@ -21,7 +22,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .commands import has_payload, parse_line, safe_order, service_changes, session_prefix
+from ..haproxy.api import parse_servers_state, validate_name
+from .commands import Address, address_waits, has_payload, parse_line, safe_order, service_changes, session_prefix
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ COMMAND_TIMEOUT_S = 30.0
 # limit, tune.bufsize, is 16 KiB by default).
 LINE_LIMIT = 1 << 20
 CHUNK = 1 << 16
+# How long a server may take to show an address change before it is put in service anyway.
+ADDRESS_WAIT_S = 1.0
+ADDRESS_POLL_S = 0.002
 
 ServiceCallback = Callable[[str, bool], None]  # ("backend/server", in service?)
 
@@ -44,7 +49,7 @@ class RuntimeRelay:
         self.listen = listen
         self.upstream = upstream
         self.on_service = on_service
-        self.reorder = reorder  # off: every line goes as written (the control of the tests)
+        self.reorder = reorder  # off: every line goes as written, at once (a control)
         self.reordered_lines = 0
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -88,20 +93,23 @@ class RuntimeRelay:
         if self.on_service is not None:
             for key, in_service in changes.items():
                 self.on_service(key, in_service)
-        order = safe_order(commands)
-        if not self.reorder or order == sorted(order) or not line.endswith(b"\n"):
+        order = safe_order(commands) if self.reorder else list(range(len(commands)))
+        waits = address_waits(commands, order) if self.reorder else {}
+        if (order == sorted(order) and not waits) or not line.endswith(b"\n"):
             await self._pipe(line, reader, writer)
             return
         payload = await read_payload(reader) if has_payload(line.rstrip(b"\n")) else b""
         self.reordered_lines += 1
         texts = [c.text for c in commands]
         prefix = session_prefix(commands)
-        answer = await self._send_in_order(texts, order, prefix, payload)
+        answer = await self._send_in_order(texts, order, prefix, payload, waits)
         log.info("controller runtime socket: %d commands sent in a safe order", len(texts))
         writer.write(answer)
         await writer.drain()
 
-    async def _send_in_order(self, texts: list[bytes], order: list[int], prefix: int, payload: bytes) -> bytes:
+    async def _send_in_order(
+        self, texts: list[bytes], order: list[int], prefix: int, payload: bytes, waits: dict[int, Address]
+    ) -> bytes:
         """Each command on its own connection after the session's commands; the answers in
         the order of `texts`."""
         head = b";".join(texts[:prefix])
@@ -125,7 +133,34 @@ class RuntimeRelay:
                 if answer.startswith(head_answer):
                     answer = answer[len(head_answer) :]
             answers[index] = answer
+            if index in waits:
+                await self._wait_address(waits[index])
         return head_answer + b"".join(answers[i] for i in range(prefix, len(texts)))
+
+    async def _wait_address(self, target: Address) -> None:
+        """Until the server shows the address it was given (HAProxy 3.0+ applies it later)."""
+        backend, _, server = target.server.partition("/")
+        try:
+            line = f"show servers state {validate_name('backend', backend)}\n".encode()
+            validate_name("server", server)
+        except ValueError:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ADDRESS_WAIT_S
+        while True:
+            try:
+                answer = await self._roundtrip(line)
+            except OSError:
+                return
+            states = {s.name: s for s in parse_servers_state(answer.decode(errors="replace"))}
+            state = states.get(server)
+            if state is None or (state.address == target.address and target.port in (None, state.port)):
+                return
+            if loop.time() >= deadline:
+                log.warning("controller runtime socket: %s does not show %s after %.1fs: put in service anyway",
+                            target.server, target.address, ADDRESS_WAIT_S)
+                return
+            await asyncio.sleep(ADDRESS_POLL_S)
 
     async def _roundtrip(self, data: bytes) -> bytes:
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
