@@ -250,6 +250,9 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
     base = path.resolve().parent
     settings = _build(Settings, data, prefix="", file=path, base=base)
     settings = dataclasses.replace(settings, source=path)
+    if settings.controller.runtime_socket is not None and not settings.haproxy.move_stats_socket:
+        # The controller writes HAProxy's `stats socket` at the path the relay binds.
+        raise SettingsError(f"{path}: controller.runtime_socket needs haproxy.move_stats_socket: true")
     return apply_environment(settings, os.environ if environ is None else environ, path)
 
 

@@ -142,11 +142,13 @@ def test_has_payload(line: bytes, expected: bool) -> None:
 
 
 def test_controller_settings_are_off_by_default_and_paths_when_set(tmp_path) -> None:
-    from supervisor.settings import load_settings
+    from supervisor.settings import SettingsError, load_settings
 
     assert load_settings(_write(tmp_path, "{}")).controller.runtime_socket is None
     text = "controller:\n  runtime_socket: run/api.sock\n  master_socket: /m.sock\n"
-    settings = load_settings(_write(tmp_path, text))
+    with pytest.raises(SettingsError, match=r"controller\.runtime_socket needs haproxy\.move_stats_socket: true"):
+        load_settings(_write(tmp_path, text))
+    settings = load_settings(_write(tmp_path, text + "haproxy:\n  move_stats_socket: true\n"))
     assert settings.controller.runtime_socket == tmp_path / "run/api.sock"
     assert str(settings.controller.master_socket) == "/m.sock"
 

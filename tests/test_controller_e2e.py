@@ -161,7 +161,8 @@ class Sidecar:
         for name, pod in self.slots.items():
             lines.append(f"    server {name} {pod.address}" if pod else f"    server {name} 127.0.0.1:1 disabled")
         return CONFIG.format(
-            stats=self.stats_socket, front=self.front, log=self.logs.path, map=self.map_path, servers="\n".join(lines)
+            stats=self.runtime_socket,  # where the controller writes it: the daemon moves it
+            front=self.front, log=self.logs.path, map=self.map_path, servers="\n".join(lines),
         )
 
     def failed_lines(self) -> list[str]:
@@ -186,7 +187,8 @@ async def sidecar(rundir: Path, settings: dict | None = None) -> AsyncIterator[S
         map_path.write_text("/ root\n")
         logs = LogReceiver(rundir / "log.sock")
         base = {"controller": {"runtime_socket": str(rundir / "haproxy-runtime-api.sock"),
-                               "master_socket": str(rundir / "haproxy-master.sock")}}
+                               "master_socket": str(rundir / "haproxy-master.sock")},
+                "haproxy": {"move_stats_socket": True}}
         for key, value in (settings or {}).items():
             base.setdefault(key, {}).update(value)
         daemon = Daemon(rundir / "d", "", base)

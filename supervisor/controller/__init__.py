@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Protocol
 
 from ..settings import Settings
@@ -57,7 +56,7 @@ class ControllerSockets:
     ) -> None:
         c = settings.controller
         self.relay = (
-            RuntimeRelay(c.runtime_socket, stats_socket_path(settings), steer_on_service(marks))
+            RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, steer_on_service(marks))
             if c.runtime_socket is not None else None
         )
         self.facade = (
@@ -85,7 +84,3 @@ class ControllerSockets:
             if server is not None:
                 await server.close()
 
-
-def stats_socket_path(settings: Settings) -> Path:
-    """Where the workers' `stats socket` is: the daemon's path in runtime_dir."""
-    return settings.haproxy.runtime_dir / "stats.sock"
