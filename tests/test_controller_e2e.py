@@ -355,10 +355,13 @@ async def test_reload_through_the_facade_runs_the_daemons_cycle(rundir):
         answer = await reload_through_facade(s)
         after = await s.daemon.show_proc()
         states = await s.servers_state()
+        # other commands on the line: answered by the master, in their place
+        listed_then_reloaded = await roundtrip(s.master_socket, b"show proc;reload;quit\n", timeout=20)
         helped = await roundtrip(s.master_socket, b"set severity-output number;help;quit\n")
         info = await roundtrip(s.master_socket, b"@1 set severity-output number;@1 show info;quit\n")
         log = s.daemon.run_log()
     assert answer.startswith(b"Success=1\n--\n") and b"[ALERT]" not in answer, answer
+    assert listed_then_reloaded.startswith(b"#") and b"\nSuccess=1\n--\n" in listed_then_reloaded, listed_then_reloaded
     assert "controller master socket" in log
     assert pid_of(after) != pid_of(before)
     assert states["SRV_3"] == (s.pods[2].address, "ready"), states

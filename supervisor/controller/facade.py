@@ -113,6 +113,7 @@ class MasterFacade:
                     try:
                         up_writer.write(command + b"\n")
                         await up_writer.drain()
+                        up_writer.write_eof()  # the master answers a line once its input ends
                         answers.append(await up_reader.read())
                     finally:
                         up_writer.close()
