@@ -63,7 +63,6 @@ class MasterFacade:
         self.listen = listen
         self.upstream = upstream
         self.reload_now = reload_now
-        self.reloads = 0
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -103,7 +102,6 @@ class MasterFacade:
             if is_quit(command):
                 break
             if is_reload(command):
-                self.reloads += 1
                 log.info("controller master socket: reload requested")
                 answers.append(reload_answer(await self.reload_now(), os.getpid()))
                 continue

@@ -43,14 +43,10 @@ ServiceCallback = Callable[[str, bool], None]  # ("backend/server", in service?)
 class RuntimeRelay:
     """A unix socket at `listen` in front of HAProxy's runtime socket at `upstream`."""
 
-    def __init__(
-        self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None, reorder: bool = True
-    ) -> None:
+    def __init__(self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None) -> None:
         self.listen = listen
         self.upstream = upstream
         self.on_service = on_service
-        self.reorder = reorder  # off: every line goes as written, at once (a control)
-        self.reordered_lines = 0
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -65,7 +61,6 @@ class RuntimeRelay:
                 os.unlink(self.listen)
         for task in list(self._connections):
             task.cancel()
-
 
     # ------------------------------------------------------------ one connection
 
@@ -93,13 +88,12 @@ class RuntimeRelay:
         if self.on_service is not None:
             for key, in_service in changes.items():
                 self.on_service(key, in_service)
-        order = safe_order(commands) if self.reorder else list(range(len(commands)))
-        waits = address_waits(commands, order) if self.reorder else {}
+        order = safe_order(commands)
+        waits = address_waits(commands, order)
         if (order == sorted(order) and not waits) or not line.endswith(b"\n"):
             await self._pipe(line, reader, writer)
             return
         payload = await read_payload(reader) if has_payload(line.rstrip(b"\n")) else b""
-        self.reordered_lines += 1
         texts = [c.text for c in commands]
         prefix = session_prefix(commands)
         answer = await self._send_in_order(texts, order, prefix, payload, waits)
@@ -138,7 +132,7 @@ class RuntimeRelay:
         return head_answer + b"".join(answers[i] for i in range(prefix, len(texts)))
 
     async def _wait_address(self, target: Address) -> None:
-        """Until the server shows the address it was given (HAProxy 3.0+ applies it later)."""
+        """Until the server shows the address it was given (HAProxy 3.0 applies it later)."""
         backend, _, server = target.server.partition("/")
         try:
             line = f"show servers state {validate_name('backend', backend)}\n".encode()
