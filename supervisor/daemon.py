@@ -118,6 +118,7 @@ class Daemon:
         self.reloader: Reloader | None = None
         self.displaced: DisplacedComponent | None = None
         self._stop = asyncio.Event()
+        self._reloader_built = asyncio.Event()
         self._detach = False
         self._group: asyncio.TaskGroup | None = None
         self._signal_tasks: set[asyncio.Task[Any]] = set()
@@ -161,6 +162,7 @@ class Daemon:
         self.notifier.ready(summary_line(self.state, len(procs.old_workers)))
 
     async def _controller_reload(self) -> ReloadRecord | None:
+        await self._reloader_built.wait()  # the controller's sockets answer before it exists
         assert self.reloader is not None
         return await self.reloader.reload_now(reason="controller master socket")
 
@@ -190,6 +192,16 @@ class Daemon:
                 log.info("removed %s: left by a daemon killed during `haproxy -c`", stale)
         except OSError as exc:
             log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
+            return EXIT_CRASHED
+        # Bound first (once runtime_dir is ours): a controller that finds its sockets silent
+        # falls back to running HAProxy itself. Their callbacks find the reloader and the
+        # displaced-worker component when called.
+        controller = ControllerSockets(settings, self._controller_reload, lambda: self.displaced)
+        try:
+            await controller.start()
+        except OSError as exc:
+            log.error("controller sockets: %s", exc.strerror or exc)
+            await controller.close()
             return EXIT_CRASHED
         self.state.haproxy_version = await haproxy_version(settings.haproxy.binary)
         relay: StderrRelay | None = StderrRelay(settings.haproxy.stderr_fifo)
@@ -222,6 +234,7 @@ class Daemon:
             settings, self.state, self.cli, self.master, self.notifier,
             hooks=hooks, runtime_apply=runtime_apply, save_server_state=save_state,
         )
+        self._reloader_built.set()
         self.reloader.runtime_lock = self.runtime_lock
         status: StatusComponent | None = None
         if ext.status is not None:
@@ -235,17 +248,6 @@ class Daemon:
                     relay.close()
                 return EXIT_REFUSED
         self._install_signals()
-        # Bound before HAProxy is adopted or started: a controller that finds its sockets
-        # silent falls back to running HAProxy itself.
-        controller = ControllerSockets(settings, self._controller_reload, lambda: self.displaced)
-        try:
-            await controller.start()
-        except OSError as exc:
-            log.error("controller sockets: %s", exc.strerror or exc)
-            await controller.close()
-            if relay is not None:
-                relay.close()
-            return EXIT_CRASHED
         log.info(
             "haproxy-supervisor starting pid=%d haproxy=%s binary=%s runtime_dir=%s",
             self.state.supervisor_pid, self.state.haproxy_version, settings.haproxy.binary,
