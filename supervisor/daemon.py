@@ -246,6 +246,7 @@ class Daemon:
                 log.error("%s: not starting without the status API", exc)
                 if relay is not None:
                     relay.close()
+                await controller.close()
                 return EXIT_REFUSED
         self._install_signals()
         log.info(
