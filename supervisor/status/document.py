@@ -47,7 +47,7 @@ def _oldest_first(workers: Iterable[OldWorker], now: datetime) -> list[OldWorker
 
 
 def status_document(state: State, settings: Settings, now: datetime) -> dict[str, Any]:
-    """The /status JSON. Its keys are exactly those documented in README.md ("Status over HTTP")."""
+    """The /status JSON. Its keys are exactly those documented in docs/status.md."""
     current = state.current
     reloads = state.reloads
     # The daemon resolves the binary into State; until it has, the configured name is the truth.
