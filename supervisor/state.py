@@ -130,7 +130,7 @@ class Convergence:
 
     The goal is the effective config built from the rendered config (and the digest of the
     watched files); the truth is what `show proc` says the current worker runs. While the two
-    differ the reloader keeps trying, with backoff (see README, "What happens when").
+    differ the reloader keeps trying, with backoff (docs/operating.md, "What happens when").
     """
 
     unconverged_since: datetime | None = field(default_factory=utcnow)  # None while converged
