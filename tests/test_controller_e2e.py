@@ -43,6 +43,9 @@ defaults
     timeout client 10s
     timeout server 10s
     retries 1
+    # After a reload the old worker answers the next request on each idle keep-alive
+    # connection, with `connection: close`, instead of closing it under the client.
+    option idle-close-on-response
 
 frontend fe
     bind 127.0.0.1:{front}
@@ -101,7 +104,7 @@ async def keep_alive_load(port: int, stop: asyncio.Event, load: Load, clients: i
             while not stop.is_set() and load.requests < max_requests and time.monotonic() < deadline:
                 status, _, _ = await client.get(timeout=5)
                 load.statuses[status] += 1
-                if status != 200:
+                if status != 200 or client.closing:
                     await client.close()
                     client = await KeepAliveClient(port).connect()
         finally:
@@ -234,6 +237,17 @@ def controller_accepts(answer: bytes) -> bool:
     return answer[1:5] not in (b"[0]:", b"[1]:", b"[2]:", b"[3]:")
 
 
+async def update_map(s: Sidecar, payload: str) -> list[bytes]:
+    """The controller's SetMapContent through the relay: prepare, add with a payload, commit."""
+    prepared = await roundtrip(s.runtime_socket, wrap(f"prepare map {s.map_path}".encode()))
+    m = re.search(rb"New version created: (\d+)", prepared)
+    assert m, prepared
+    version = m[1].decode()
+    added = await roundtrip(s.runtime_socket, add_map_payload(version, str(s.map_path), payload))
+    committed = await roundtrip(s.runtime_socket, wrap(f"commit map @{version} {s.map_path}".encode()))
+    return [prepared, added, committed]
+
+
 STEPS = 1500  # more lines than the control ever needed for its first 503 (figures in the commit)
 PAUSE_S = 0.002
 # The control sends lines until the first 503.
@@ -241,18 +255,29 @@ CONTROL_MAX_LINES, CONTROL_MAX_S = 3000, 60
 
 
 async def test_rolling_deployment_through_the_relay_gives_no_503(rundir):
+    """Slots disabled and enabled through the relay, a map updated, and a reload through the
+    facade halfway, as the controller does them, under keep-alive load."""
     async with sidecar(rundir) as s:
-        lines = rolling_lines(s, STEPS)
+        first = rolling_lines(s, STEPS // 2)
+        halfway = s.rendered()  # the config the controller writes for the slots it runs by then
+        second = rolling_lines(s, STEPS - STEPS // 2)
         answers: list[bytes] = []
+        reloaded = b""
 
         async def work() -> None:
-            answers.extend(await replay(s.runtime_socket, lines, pause_s=PAUSE_S))
+            nonlocal reloaded
+            answers.extend(await replay(s.runtime_socket, first, pause_s=PAUSE_S))
+            answers.extend(await update_map(s, "/ halfway"))
+            s.daemon.write(halfway)
+            reloaded = await reload_through_facade(s)
+            answers.extend(await replay(s.runtime_socket, second, pause_s=PAUSE_S))
 
         load = await under_load(s.front, work)
         await asyncio.sleep(0.1)
         failed = s.failed_lines()
         states = await s.servers_state()
         assert s.daemon.count("sent in a safe order") == STEPS
+    assert reloaded.startswith(b"Success=1\n--\n"), reloaded
     assert load.statuses[503] == 0 and not failed, (load.statuses, failed[:3])
     assert set(load.statuses) == {200} and load.requests > 500, load.statuses
     assert all(controller_accepts(a) for a in answers), answers[:3]
