@@ -69,7 +69,7 @@ netns-tools:
 
 ray-serve: $(VENV)/.ray-test netns-tools
 
-# The Ray Serve suite, once: Ray as it ships, and Ray on the daemon through the bridge.
+# The Ray Serve suite, once (about 4 minutes): Ray as it ships, and Ray on the daemon through the bridge.
 test-ray: test-deps ray-serve
 	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -p no:cacheprovider -m ray
 
