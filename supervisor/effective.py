@@ -49,7 +49,12 @@ SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class RenderedConfigError(Exception):
-    """The rendered config cannot be read. One line, names the file."""
+    """The rendered config cannot be read. One line, names the file. `missing`: there is no
+    file at the path (yet)."""
+
+    def __init__(self, message: str, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,9 @@ def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool =
     except OSError as exc:
         if exc.errno in SHORTAGE_ERRNOS:
             raise  # the daemon's own shortage, not the file's fault: the reloader retries
-        raise RenderedConfigError(f"{path}: cannot read rendered config: {exc.strerror or exc}") from None
+        raise RenderedConfigError(
+            f"{path}: cannot read rendered config: {exc.strerror or exc}", missing=exc.errno == errno.ENOENT
+        ) from None
     except ValueError as exc:
         raise RenderedConfigError(f"{path}: rendered config {exc}") from None
 

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.daemon import RequestLoop, http_get
 from tests.support.daemon import tagged_config as config
+from tests.support.faults import status
 from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
@@ -244,3 +245,6 @@ async def test_rendered_config_directory_appearing_later_is_picked_up(make, rund
         later.write_text(config(front, started["b1"].address, "v1"))
         await d.wait_generation(1)
         assert await tag_of(front) == "v1"
+        # Nothing was wrong while the controller had rendered nothing: no invalid reload to alert on.
+        assert (await status(d))["reloads"]["invalid"] == 0
+        assert "reload invalid" not in d.run_log()

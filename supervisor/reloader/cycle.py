@@ -42,6 +42,11 @@ class ReloadCycle(Confirmation):
         try:
             effective = await self._load_whole()
         except RenderedConfigError as exc:
+            if exc.missing and not self.master.wanted:
+                # A controller that has rendered nothing yet (a Ray node before Ray starts) is no
+                # bad input, and nothing serves that a record would warn about: its write is the change.
+                log.info("waiting for the rendered config: %s", exc)
+                return None
             log.error("reload invalid: %s", exc)
             return self._record("invalid", started, str(exc))
         except OSError:  # the daemon short of descriptors or memory: a passing failure, retried
