@@ -121,7 +121,7 @@ def test_resolved_params(words, resolved):
         # another line of the backend changes too
         ("    server app1_r1 127.0.0.1:9001 check\n",
          "    retries 2\n    server app1_r3 127.0.0.1:9003 check\n",
-         "backend app1: `retries 2` differs beyond what the Runtime API sets"),
+         "backend app1: `retries 2` is new"),
         # a server present in both changes beyond address, weight, enabled
         ("server app1_r2 127.0.0.1:9002 check", "server app1_r2 127.0.0.1:9002 check inter 1s",
          "backend app1: `server app1_r2 <address> check inter 1s` differs beyond what the Runtime API sets"),
@@ -135,7 +135,7 @@ def test_resolved_params(words, resolved):
         # a default-server line now sits before a kept server
         ("    server app1_r2 127.0.0.1:9002 check\n",
          "    default-server weight 1\n    server app1_r2 127.0.0.1:9002 check\n",
-         "backend app1: `default-server weight 1` differs beyond what the Runtime API sets"),
+         "backend app1: `default-server weight 1` is new"),
     ],
 )
 def test_what_still_reloads_says_why_in_one_line(old, new, why):

@@ -323,6 +323,21 @@ def test_why_names_a_line_that_is_gone():
     assert plan_.changes is None and plan_.why_reload == "backend b: `retries 2` is gone"
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "why"),
+    [
+        # Ray Serve's render while an app rebuilds lacks one line in the middle of a frontend.
+        ("  retries 2\n", "", "backend b: `retries 2` is gone"),
+        ("  retries 2\n", "  retries 2\n  option redispatch\n", "backend b: `option redispatch` is new"),
+        ("  retries 2\n", "  retries 3\n", "backend b: `retries 3` differs beyond what the Runtime API sets"),
+    ],
+)
+def test_why_names_the_line_that_is_gone_new_or_changed_not_its_neighbour(old, new, why):
+    text = "backend b\n  server s 127.0.0.1:1\n  retries 2\n  timeout connect 1s\n  balance roundrobin\n"
+    plan_ = runtime_plan(Config.parse(text), Config.parse(text.replace(old, new)))
+    assert plan_.changes is None and plan_.why_reload == why
+
+
 def test_servers_outside_backends_are_not_runtime_servers():
     old = "ring logs\n  format rfc5424\n  server log1 127.0.0.1:514\nbackend b\n  server s 127.0.0.1:1\n"
     assert plan(old, old.replace("127.0.0.1:514", "127.0.0.1:515")) is None

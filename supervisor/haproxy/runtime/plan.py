@@ -203,9 +203,12 @@ def runtime_plan(running: Config, new: Config) -> RuntimePlan:
 
 
 def _first_difference(old: list[tuple[str, ...]], new: list[tuple[str, ...]]) -> str:
-    """Where two skeletons first differ, as the line of the new config (or the one it lacks)."""
+    """Where two skeletons first differ: the line the new config lacks, the line it adds, or
+    its line that differs, told apart by whether the lines after it line up again."""
     index = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
-    skeleton, what = (new, "") if index < len(new) else (old, " is gone")
+    lacks = index >= len(new) or (index < len(old) and old[index + 1 : index + 2] == new[index : index + 1])
+    adds = not lacks and (index >= len(old) or new[index + 1 : index + 2] == old[index : index + 1])
+    skeleton, what = (old, " is gone") if lacks else (new, " is new" if adds else "")
     line = skeleton[index]
     section = next((s for s in reversed(skeleton[: index + 1]) if s[:1] == ("<section>",)), None)
     where = f"{' '.join(section[1:3])}: " if section is not None and section is not line else ""
