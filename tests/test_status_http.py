@@ -27,7 +27,7 @@ from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app
 from tests.support.harness import free_port
 from tests.support.status_state import CURRENT_PID, OLD_PIDS, RecordingActions, running_state
-from tests.test_status import key_paths, readme_schema_keys
+from tests.test_status import documented_schema_keys, key_paths
 
 TOKEN = "t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -107,7 +107,7 @@ async def test_status_over_tcp(tcp: Served):
     async with tcp.session() as session, session.get("/status") as response:
         assert response.status == 200
         document = await response.json()
-    assert key_paths(document) == readme_schema_keys()
+    assert key_paths(document) == documented_schema_keys()
     assert document["worker"]["pid"] == CURRENT_PID
     assert [w["pid"] for w in document["old_workers"]] == list(OLD_PIDS)
     assert document["supervisor"]["pid"] == os.getpid()
@@ -421,7 +421,7 @@ async def test_status_command_json(tcp: Served):
     code, out, _ = await run_status_cli("--url", tcp.base, "--json")
     assert code == 0
     document = json.loads(out)
-    assert key_paths(document) == readme_schema_keys()
+    assert key_paths(document) == documented_schema_keys()
     assert document["worker"]["pid"] == CURRENT_PID
     assert [w["steered"] for w in document["old_workers"]] == [
         sorted(tcp.state.old_workers[pid].steered) for pid in OLD_PIDS
