@@ -268,7 +268,7 @@ class Daemon:
             await controller.close()
             return EXIT_CRASHED
         if adopted is not None:
-            self.reloader.rebuild(adopted)
+            await applier.resume_pending(self.reloader.rebuild(adopted))
             self.notifier.ready(summary_line(self.state, len(adopted.old_workers)))
 
         async with asyncio.TaskGroup() as group:

@@ -266,3 +266,54 @@ async def test_a_daemon_killed_in_the_middle_of_a_runtime_apply_completes_it_at_
         assert procs.current_worker is not None and procs.current_worker.pid == first and not procs.old_workers
         assert d.count(r"reload ok generation=", whole=True) == 0, d.log()
         assert {"app1/app1_r2", "app1/app1_r3"} <= await server_names(d)
+
+
+async def wait_pending(d: Daemon, key: str, answer: str, timeout: float = 10) -> tuple[dict, float | None]:
+    """Until /status lists `key` pending with HAProxy's `answer`; that entry and the metric."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc, metrics = await status_and_metrics(d)
+        found = [p for p in doc["pending_removals"] if p["server"] == key and p["last_answer"] == answer]
+        if found:
+            return found[0], metrics.get("haproxy_supervisor_pending_removals")
+        assert time.monotonic() < deadline, f"{key} not pending: {doc['pending_removals']}\n{d.run_log()[-3000:]}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_pending_removal_is_picked_up_again_after_a_daemon_restart():
+    """A replica replaced while a client's request is in flight on it: its removal is pending
+    (in maint at the placeholder). The daemon is killed with -9 and started again: it finds
+    the removal by what the worker runs, shows it pending, and deletes it once the client has
+    gone, with no reload. Before, the restarted daemon forgot it: nothing pending, and the
+    server stayed in the worker."""
+    front = free_port()
+    settings = {
+        "reload": {"runtime_apply": True, "remove_wait_s": 30},
+        "old_workers": {"guard": True, "poll_interval_ms": 100},
+    }
+    with replica_processes() as replicas, daemons(short_tmpdir()) as make:
+        fallback = start(replicas, "fallback")
+        d = make(ray_config(front, {"app1": [("app1_r1", start(replicas, "app1_r1"))]}, fallback), settings).start()
+        first = await d.wait_generation(1)
+        holder = await KeepAliveClient(front).connect()
+        try:
+            slow = asyncio.ensure_future(holder.get("/slow?ms=6000", timeout=30))
+            await asyncio.sleep(0.3)
+            d.write(ray_config(front, {"app1": [("app1_r2", start(replicas, "app1_r2"))]}, fallback))
+            await d.wait_log("reload runtime_applied", timeout=30)
+            await wait_pending(d, "app1/app1_r1", ATTACHED)
+            d.kill9()
+            d.start()
+            await d.wait_log("master adopted", timeout=30)
+            pending, metric = await wait_pending(d, "app1/app1_r1", ATTACHED)
+            assert metric == 1 and not slow.done(), (pending, metric)
+            assert (await slow)[:2] == (200, "app1_r1")
+        finally:
+            await holder.close()
+        await wait_until_gone(d, {"app1/app1_r1"})
+        doc, metrics = await status_and_metrics(d)
+        assert (doc["pending_removals"], metrics.get("haproxy_supervisor_pending_removals")) == ([], 0)
+        procs = await d.show_proc()
+        assert procs.current_worker is not None and procs.current_worker.pid == first and not procs.old_workers
+        assert d.count(r"reload ok generation=", whole=True) == 0, d.log()
+        assert "app1/app1_r2" in await server_names(d)

@@ -14,7 +14,7 @@ from ..config import Config
 from ..server_state import clear_server_state, save_server_state
 from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT, MembershipResult, apply_membership
 from .apply import ApplyResult, apply_changes, deleted, send_step
-from .pending import PendingRemovals
+from .pending import LEFT_BY_EARLIER_DAEMON, PendingRemovals, left_pending
 from .plan import RuntimePlan, completed_plan, runtime_plan
 
 log = logging.getLogger(__package__)
@@ -65,6 +65,25 @@ class RuntimeApplier:
     async def run(self) -> None:
         """The background retries of pending removals (a task for as long as the daemon runs)."""
         await self.pending.run()
+
+    async def resume_pending(self, current: _Generation | None) -> list[str]:
+        """After adopting a master: the removals a daemon before this one left pending in the
+        current worker (left_pending), held and retried like the applier's own; their keys."""
+        if current is None or current.worker_pid is None:
+            return []
+        pid = current.worker_pid
+        try:
+            answer = await self.cli.on(pid, "show servers state")
+        except CLIError as exc:
+            log.warning("worker %d: cannot read its servers for pending removals: %s", pid, exc)
+            return []
+        if "# be_id" not in answer:
+            log.warning("worker %d: `show servers state` answered: %s", pid, answer.strip()[:200] or "nothing")
+            return []
+        keys = left_pending(parse_servers_state(answer), current.model)
+        if keys:
+            self.pending.hold(pid, dict.fromkeys(keys, LEFT_BY_EARLIER_DAEMON))
+        return keys
 
     async def __call__(self, current: _Generation, new_model: Config, effective: _Effective | None = None) -> bool:
         # Compare effective with effective: the generation's model is the effective config.

@@ -19,13 +19,29 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
 from ...state import PendingRemoval
-from ..api import DEFAULT_LINE_LIMIT, MasterCLI, on_process
+from ..api import DEFAULT_LINE_LIMIT, MasterCLI, ServerState, on_process
+from ..config import Config
+from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
 from .apply import deleted, send_line, send_step
 
 log = logging.getLogger(__package__)
 
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
+
+
+# What /status shows for a removal found after a restart, until HAProxy's first answer.
+LEFT_BY_EARLIER_DAEMON = "left pending by an earlier daemon"
+
+
+def left_pending(held: Iterable[ServerState], running: Config) -> list[str]:
+    """Servers the worker holds (`show servers state`) that `running` (its generation's config)
+    does not have, in maint at the placeholder: removals a daemon before this one left
+    pending. A server out of the config elsewhere, or not in maint, is no removal of this
+    daemon's making: it is left to the next change (plan.py: completed_plan)."""
+    wanted = running.server_map()
+    return [s.key for s in held if s.key not in wanted and s.in_maint
+            and (s.address, s.port) == (PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT)]
 
 
 def retry_delay(tries: int) -> float:
