@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.api import parse_show_map, split_answers
+from supervisor.haproxy.api import parse_servers_state, parse_show_map, split_answers
+from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import deleted, refusal
+from supervisor.haproxy.runtime.pending import left_pending
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")
@@ -53,6 +55,7 @@ TABLE: dict[str, list[str | tuple[str, ...]]] = {
     "del server, connection attached": [ATTACHED],
     "del server x2, one attached": ["ok", "ok", ATTACHED],
     "del server, no such backend": ["No such backend."],
+    "set server addr, placeholder": ["ok"],
     "add map x2": ["ok", "ok"],
     "set map x2": ["ok", "ok"],
     "set map, no such key": ["entry not found."],
@@ -93,7 +96,8 @@ def test_every_answer_reads_the_same_on_every_version(version, label):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_captured_case_is_in_the_table(version):
-    listings = {"show map", "show map file", "show map file, after", "unknown pid"}
+    listings = {"show map", "show map file", "show map file, after", "unknown pid", "show servers state",
+                "show servers state b", "show servers state, no such backend"}
     assert set(captured_cases(version)) == set(TABLE) | listings
 
 
@@ -106,6 +110,31 @@ def test_listings(version):
     assert parse_show_map(empty) == []
     (listed,) = split_answers(cases["show map"][1], cases["show map"][0])
     assert "(<slots>) pattern loaded from file" in listed
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("label", ["show servers state", "show servers state b"])
+def test_servers_state(version, label):
+    # `held` was refused `del server` (a connection attached) and moved to the placeholder.
+    commands, text = captured_cases(version)[label]
+    (answer,) = split_answers(text, commands)
+    states = {s.key: s for s in parse_servers_state(answer)}
+    assert sorted(states) == ["b/held", "b/n0", "b/n1", "b/n2", "b/n3", "b/s4", "b/s6"]
+    held = states["b/held"]
+    assert (held.address, held.port, held.in_maint) == ("127.0.0.1", 1, True)
+    assert not states["b/s4"].in_maint and states["b/s4"].weight == 3
+    # The config the capture began with, less the servers deleted since: `held` is no longer
+    # in it, so a restarted daemon finds it pending.
+    kept = ("s4", "s6", "n0", "n1", "n2", "n3")
+    config = Config.parse("backend b\n" + "".join(f"    server {n} 127.0.0.1:1\n" for n in kept))
+    assert left_pending(states.values(), config) == ["b/held"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_servers_state_of_no_such_backend(version):
+    commands, text = captured_cases(version)["show servers state, no such backend"]
+    (answer,) = split_answers(text, commands)
+    assert answer == "Can't find backend." and parse_servers_state(answer) == []
 
 
 @pytest.mark.parametrize("version", VERSIONS)
