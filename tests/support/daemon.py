@@ -47,6 +47,19 @@ backend app
 """
 
 
+@dataclass(frozen=True)
+class RunAs:
+    """The user, group and supplementary groups a daemon runs as (a unit's User=, Group=,
+    SupplementaryGroups=), and a python that user may run with the packages on `pythonpath`;
+    the daemon runs as the test's own user without one."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+    python: str = sys.executable
+    pythonpath: tuple[str, ...] = ()
+
+
 def tagged_config(front: int, backend: str, tag: str) -> str:
     """RENDERED with a frontend port, one backend server and the tag it stamps on responses."""
     return RENDERED.format(front=front, backend=backend, tag=tag)
@@ -94,18 +107,22 @@ class Daemon:
 
     # ------------------------------------------------------------ process
 
-    def start(self, env: dict[str, str] | None = None) -> Daemon:
+    def start(self, env: dict[str, str] | None = None, run_as: RunAs | None = None) -> Daemon:
         full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         full_env["PATH"] = full_env.get("PATH", "") + ":/usr/sbin"
         full_env.update(env or {})
+        if run_as and run_as.pythonpath:
+            full_env["PYTHONPATH"] = os.pathsep.join(run_as.pythonpath)
         with self.log_path.open("a") as log:
             self._log_offset = self.log_path.stat().st_size
             log.write(f"--- daemon start at {time.time():.3f}\n")
+        python = run_as.python if run_as else sys.executable
         log_file = self.log_path.open("a")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor", "run", "--config", str(self.settings_path)],
+                [python, "-m", "supervisor", "run", "--config", str(self.settings_path)],
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=full_env,
+                **({"user": run_as.uid, "group": run_as.gid, "extra_groups": list(run_as.groups)} if run_as else {}),
             )
         finally:
             log_file.close()

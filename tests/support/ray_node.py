@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from supervisor.statusclient import fetch_status, url_from_listen
-from tests.support.daemon import Daemon, http_get
+from tests.support.daemon import Daemon, RunAs, http_get
 from tests.support.harness import Backend, backends, free_port, haproxy_binary
 from tests.support.ray_driver import App, RayManager, bridge_executable, has_prometheus_exporter, ray_config
 
@@ -73,9 +73,11 @@ class RayNode:
 
 
 @contextlib.asynccontextmanager
-async def ray_node(directory: Path, settings: dict | None = None) -> AsyncIterator[RayNode]:
-    """A daemon for a Ray node, started with no config yet (Ray renders it), and backends
-    r1, r2 (replicas) and fb (the fallback proxy)."""
+async def ray_node(
+    directory: Path, settings: dict | None = None, run_as: RunAs | None = None
+) -> AsyncIterator[RayNode]:
+    """A daemon for a Ray node (run as `run_as`, if given), started with no config yet (Ray
+    renders it), and backends r1, r2 (replicas) and fb (the fallback proxy)."""
     with backends("r1", "r2", "fb") as started:
         extra = settings or {}
         merged = {key: {**SETTINGS.get(key, {}), **extra.get(key, {})} for key in {*SETTINGS, *extra}}
@@ -84,7 +86,7 @@ async def ray_node(directory: Path, settings: dict | None = None) -> AsyncIterat
         node = RayNode(directory, daemon, bridge_executable(directory), started, free_port(), free_port(),
                        free_port(), [])
         try:
-            daemon.start()
+            daemon.start(run_as=run_as)
             await daemon.wait_log("status: listening")
             yield node
         finally:
