@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -139,3 +140,23 @@ def create_if_missing(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
 def write_atomically(path: Path, text: str, mode: int = FILE_MODE) -> None:
     """Replace `path` with `text`, never through a symlink, with `mode` whatever the umask."""
     write_new(path, text.encode(), mode)
+
+
+def bind_unix_private(path: Path, mode: int) -> socket.socket:
+    """A unix stream socket bound at `path` whose file never has a wider mode than `mode`.
+
+    bind() creates the file as 0777 & ~umask: narrowing the umask around it leaves no moment
+    when another user could connect (nothing else runs in this process meanwhile).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        previous = os.umask(0o777 & ~mode)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(previous)
+        os.chmod(path, mode)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from ..files import bind_unix_private
 from ..haproxy.api import parse_servers_state, validate_name
 from .commands import Address, address_waits, has_payload, parse_line, safe_order, service_changes, session_prefix
 
@@ -241,6 +242,9 @@ async def start_unix_server(serve: Callable, path: Path) -> asyncio.AbstractServ
         if path.is_socket():
             path.unlink()
     path.parent.mkdir(parents=True, exist_ok=True)
-    server = await asyncio.start_unix_server(serve, path, limit=LINE_LIMIT)
-    os.chmod(path, 0o660)
-    return server
+    sock = bind_unix_private(path, 0o660)
+    try:
+        return await asyncio.start_unix_server(serve, sock=sock, limit=LINE_LIMIT)
+    except BaseException:
+        sock.close()
+        raise

@@ -23,6 +23,8 @@ import re
 import socket
 from pathlib import Path
 
+from ..files import bind_unix_private
+
 log = logging.getLogger(__name__)
 
 # HAProxy's default `stats timeout` (Ray's template says 30s too): an idle client is let go.
@@ -56,14 +58,8 @@ def bind_over(path: Path, mode: int) -> socket.socket:
     """A listening unix socket that has replaced whatever was at `path` in one rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = bind_unix_private(tmp, mode)
     try:
-        previous = os.umask(0o777 & ~mode)
-        try:
-            sock.bind(str(tmp))
-        finally:
-            os.umask(previous)
-        os.chmod(tmp, mode)
         sock.listen(64)
         sock.setblocking(False)
         os.replace(tmp, path)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import resource
 import socket
 import stat
@@ -18,6 +17,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from ..files import bind_unix_private
 from ..logs import RecurringCondition
 from ..settings import Settings, StatusSettings, listen_address
 from ..state import State
@@ -59,20 +59,8 @@ def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
     """A listening-ready unix socket whose file never has a wider mode than `mode`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_socket(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        # bind() creates the file as 0777 & ~umask. Narrowing the umask around it leaves no
-        # moment when another user could connect; nothing else runs in this process meanwhile.
-        previous = os.umask(0o777 & ~mode)
-        try:
-            sock.bind(str(path))
-        finally:
-            os.umask(previous)
-        os.chmod(path, mode)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
+    sock = bind_unix_private(path, mode)
+    sock.setblocking(False)
     return sock
 
 
