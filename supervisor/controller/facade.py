@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..state import ReloadRecord
 from .commands import split_line
-from .relay import CHUNK, relay_both_ways, start_unix_server
+from .relay import CHUNK, pipe_through, start_unix_server
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +131,8 @@ class MasterFacade:
                 await asyncio.sleep(0.05)
 
     async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await self._connect()
-        except OSError as exc:
-            log.warning("controller master socket: %s: %s", self.upstream, exc.strerror or exc)
-            writer.write(f"haproxy-supervisor: {self.upstream}: {exc.strerror or exc}\n".encode())
-            await writer.drain()
-            return
-        try:
-            up_writer.write(first)
-            await up_writer.drain()
-            await relay_both_ways(reader, writer, up_reader, up_writer)
-        finally:
-            up_writer.close()
+        await pipe_through(
+            "controller master socket", self.upstream, self._connect,
+            lambda exc: f"haproxy-supervisor: {self.upstream}: {exc.strerror or exc}\n".encode(), first, reader, writer,
+        )
 

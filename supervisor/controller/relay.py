@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..files import bind_unix_private
@@ -168,20 +168,37 @@ class RuntimeRelay:
                 writer.close()
 
     async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_unix_connection(self.upstream)
-        except OSError as exc:
-            log.warning("controller runtime socket: %s: %s", self.upstream, exc.strerror or exc)
-            prefix = session_prefix(parse_line(first.rstrip(b"\n")))
-            writer.write(unreachable_answer(prefix, self.upstream, exc))
-            await writer.drain()
-            return
-        try:
-            up_writer.write(first)
-            await up_writer.drain()
-            await relay_both_ways(reader, writer, up_reader, up_writer)
-        finally:
-            up_writer.close()
+        prefix = session_prefix(parse_line(first.rstrip(b"\n")))
+        await pipe_through(
+            "controller runtime socket", self.upstream, lambda: asyncio.open_unix_connection(self.upstream),
+            lambda exc: unreachable_answer(prefix, self.upstream, exc), first, reader, writer,
+        )
+
+
+async def pipe_through(
+    what: str,
+    upstream: Path,
+    connect: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
+    unreachable: Callable[[OSError], bytes],
+    first: bytes,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+) -> None:
+    """Send `first` upstream, then relay both ways; an upstream that cannot be reached is
+    answered `unreachable(exc)`."""
+    try:
+        up_reader, up_writer = await connect()
+    except OSError as exc:
+        log.warning("%s: %s: %s", what, upstream, exc.strerror or exc)
+        writer.write(unreachable(exc))
+        await writer.drain()
+        return
+    try:
+        up_writer.write(first)
+        await up_writer.drain()
+        await relay_both_ways(reader, writer, up_reader, up_writer)
+    finally:
+        up_writer.close()
 
 
 async def relay_both_ways(
