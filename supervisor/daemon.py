@@ -164,7 +164,8 @@ class Daemon:
     async def _controller_reload(self) -> ReloadRecord | None:
         await self._reloader_built.wait()  # the controller's sockets answer before it exists
         assert self.reloader is not None
-        return await self.reloader.reload_now(reason="controller master socket")
+        # The controller wrote its config, then asks: the change is applied as any change is.
+        return await self.reloader.reload_now(reason="controller master socket", force=False)
 
     # ------------------------------------------------------------ main
 

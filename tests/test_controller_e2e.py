@@ -373,23 +373,32 @@ async def reload_through_facade(s: Sidecar) -> bytes:
 
 
 async def test_reload_through_the_facade_runs_the_daemons_cycle(rundir):
-    async with sidecar(rundir) as s:
+    # The watcher would apply each write only after 10 s: what happens next is the facade's doing.
+    async with sidecar(rundir, {"reload": {"runtime_apply": True, "debounce_ms": 10000, "max_delay_ms": 20000}}) as s:
         before = await s.daemon.show_proc()
+        # A slot filled: servers only, so the cycle applies it at runtime, in the same worker.
         s.slots["SRV_3"] = s.pods[2]
         s.daemon.write(s.rendered())
-        answer = await reload_through_facade(s)
-        after = await s.daemon.show_proc()
+        applied = await reload_through_facade(s)
+        middle = await s.daemon.show_proc()
         states = await s.servers_state()
+        # A line beyond servers: the cycle reloads.
+        s.daemon.write(s.rendered().replace("    retries 1\n", "    retries 2\n"))
+        reloaded = await reload_through_facade(s)
+        after = await s.daemon.show_proc()
         # other commands on the line: answered by the master, in their place
         listed_then_reloaded = await roundtrip(s.master_socket, b"show proc;reload;quit\n", timeout=20)
         helped = await roundtrip(s.master_socket, b"set severity-output number;help;quit\n")
         info = await roundtrip(s.master_socket, b"@1 set severity-output number;@1 show info;quit\n")
         log = s.daemon.run_log()
-    assert answer.startswith(b"Success=1\n--\n") and b"[ALERT]" not in answer, answer
+    assert applied.startswith(b"Success=1\n--\n") and b"applied at runtime" in applied, f"{applied!r}\n{log}"
+    assert pid_of(middle) == pid_of(before), "a change of servers only is no reload"
+    assert states["SRV_3"] == (s.pods[2].address, "ready"), states
+    assert reloaded.startswith(b"Success=1\n--\n") and b"reloaded" in reloaded, reloaded
+    assert pid_of(after) != pid_of(before)
+    assert b"[ALERT]" not in applied + reloaded
     assert listed_then_reloaded.startswith(b"#") and b"\nSuccess=1\n--\n" in listed_then_reloaded, listed_then_reloaded
     assert "controller master socket" in log
-    assert pid_of(after) != pid_of(before)
-    assert states["SRV_3"] == (s.pods[2].address, "ready"), states
     assert b"help" in helped and b"show proc" in helped, helped[:300]  # the master's own list
     assert re.search(rb"\nVersion: \d+\.\d+", info), info[:200]
 

@@ -277,6 +277,26 @@ def test_a_forced_reload_takes_a_pending_change_and_retry_with_it():
     assert not s.pending and s.take(10.0) is None
 
 
+@pytest.mark.parametrize(
+    ("requests", "due"),
+    [
+        (("ask",), "asked"),
+        (("ask", "ask"), "asked"),  # a second request before the cycle starts: the same cycle
+        (("ask", "force"), "forced"),  # a forced reload does all an asked cycle would, and more
+        (("force", "ask"), "forced"),
+    ],
+)
+def test_an_asked_cycle_is_due_at_once_and_a_forced_reload_takes_it_with_it(requests, due):
+    s = ReloadScheduler(debounce_s=10.0, min_interval_s=1.0, max_delay_s=20.0)
+    s.reloaded(0.0)
+    s.changed(0.5)  # a write the debounce would still hold
+    for request in requests:
+        getattr(s, request)()
+    assert s.take(0.9) is None, "not before min_interval"
+    assert s.take(1.0) == due
+    assert not s.pending and s.take(5.0) is None, "the change and every request were taken by one cycle"
+
+
 def test_a_retry_waits_for_its_time_and_for_a_change_still_being_written():
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0)
     s.retry(1.0)

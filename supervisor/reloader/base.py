@@ -24,7 +24,7 @@ from ..notify import Notifier
 from ..runlock import RuntimeDirLock
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State, utcnow
-from .schedule import ReloadScheduler
+from .schedule import Cause, ReloadScheduler
 from .watch import ContentCheck, split_watch
 
 log = logging.getLogger(__package__)
@@ -140,8 +140,9 @@ class ReloaderBase:
         self._goal: tuple[str, str | None] | None = None
         self._unconfirmed: Unconfirmed | None = None
         self._pending: PendingReload | None = None  # the reload sent and not yet decided, as recorded
-        self._forced: asyncio.Future[ReloadRecord | None] | None = None  # the forced reload requests join
-        self._forced_by: list[str] = []
+        # The cycle requests join, by kind ("forced", "asked"), and who asked.
+        self._requested: dict[Cause, asyncio.Future[ReloadRecord | None]] = {}
+        self._requested_by: list[str] = []
         self._on_disk_sha: str | None = None  # the effective config last written to disk
         self._refused = False  # the last reload failed because HAProxy could not load the config
         self._cli_failed = False  # the master CLI failed to answer, and has not answered since

@@ -78,11 +78,12 @@ class Reloader(ReloadCycle, Recovery):
 
     async def _cycle(self, cause: Cause) -> ReloadRecord | None:
         """One cycle toward the goal; then convergence is assessed and a retry set when needed."""
-        waiters: asyncio.Future[ReloadRecord | None] | None = None
+        waiters: list[asyncio.Future[ReloadRecord | None]] = []
         reason: str = cause
-        if cause == "forced":
-            waiters, self._forced = self._forced, None
-            by, self._forced_by = self._forced_by, []
+        if cause in ("forced", "asked"):
+            # A forced cycle answers the requests for an asked one too: it does all they asked.
+            waiters = [self._requested.pop(kind) for kind in ("asked", cause) if kind in self._requested]
+            by, self._requested_by = self._requested_by, []
             reason = by[0] if len(by) == 1 else f"{by[0]} and {len(by) - 1} more requests"
         elif cause == "retry":
             convergence = self.state.convergence
@@ -94,8 +95,9 @@ class Reloader(ReloadCycle, Recovery):
         try:
             record = await self._guarded(self.apply_change(force=cause == "forced", reason=reason))
         finally:
-            if waiters is not None and not waiters.done():
-                waiters.set_result(record)
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(record)
         self._assess(record)
         return record
 
@@ -134,17 +136,24 @@ class Reloader(ReloadCycle, Recovery):
 
     # ------------------------------------------------------------ requests
 
-    async def reload_now(self, reason: str = "requested") -> ReloadRecord | None:
+    async def reload_now(self, reason: str = "requested", force: bool = True) -> ReloadRecord | None:
         """Reload even when nothing changed (SIGHUP, POST /reload), as soon as reload.min_interval_ms
-        allows. Requests made before that reload starts join it and get its record."""
-        if self._forced is None:
-            self._forced = asyncio.get_running_loop().create_future()
-            self.scheduler.force()
+        allows; with `force` False, a cycle that goes the way of a change: skipped when nothing
+        changed, applied at runtime when it can be (a controller's `reload`). Requests made
+        before that cycle starts join it and get its record."""
+        kind: Cause = "forced" if force else "asked"
+        future = self._requested.get(kind)
+        if future is None:
+            future = self._requested[kind] = asyncio.get_running_loop().create_future()
+            if force:
+                self.scheduler.force()
+            else:
+                self.scheduler.ask()
             self._wake.set()
         else:
             log.info("reload requested (%s): joins the reload already due", reason)
-        self._forced_by.append(reason)
-        return await asyncio.shield(self._forced)
+        self._requested_by.append(reason)
+        return await asyncio.shield(future)
 
     async def _guarded(self, cycle: Awaitable[ReloadRecord | None]) -> ReloadRecord | None:
         """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Cause = Literal["forced", "change", "retry"]
+Cause = Literal["forced", "asked", "change", "retry"]
 
 
 @dataclass
@@ -14,11 +14,12 @@ class ReloadScheduler:
 
     A change is due `debounce_s` after the last write of a burst, and at the latest
     `max_delay_s` after its first, so that writes closer together than the debounce cannot
-    put a change off for ever; a forced reload (SIGHUP,
-    POST /reload) at once; a retry (the node has not converged) at the time it was set for.
-    None of them before `min_interval_s` after the previous reload. Whatever is pending when
-    one is due coalesces into it: the cycle reads every file afresh. Fed with monotonic
-    timestamps, so it is tested without clocks or files.
+    put a change off for ever; a forced reload (SIGHUP, POST /reload) at once, and so a
+    cycle asked for (a controller's `reload`), which goes the way of a change (skipped when
+    nothing changed, applied at runtime when it can); a retry (the node has not converged)
+    at the time it was set for. None of them before `min_interval_s` after the previous
+    reload. Whatever is pending when one is due coalesces into it: the cycle reads every
+    file afresh. Fed with monotonic timestamps, so it is tested without clocks or files.
     """
 
     debounce_s: float
@@ -29,6 +30,7 @@ class ReloadScheduler:
     writing: bool = False  # a watched file is being written: not converged, nothing due yet
     last_reload: float | None = None  # when the previous reload was issued
     forced: bool = False  # a forced reload is asked for
+    asked: bool = False  # a cycle is asked for, to go the way of a change
     retry_at: float | None = None  # when to try again to converge
 
     def changed(self, now: float) -> None:
@@ -41,6 +43,9 @@ class ReloadScheduler:
 
     def force(self) -> None:
         self.forced = True
+
+    def ask(self) -> None:
+        self.asked = True
 
     def retry(self, at: float | None) -> None:
         self.retry_at = at
@@ -55,11 +60,13 @@ class ReloadScheduler:
 
     @property
     def pending(self) -> bool:
-        return self.forced or self.writing or self.last_change is not None or self.retry_at is not None
+        return self.forced or self.asked or self.writing or self.last_change is not None or self.retry_at is not None
 
     def _cause_and_time(self) -> tuple[Cause, float] | None:
         if self.forced:
             return "forced", float("-inf")
+        if self.asked:
+            return "asked", float("-inf")
         if self.last_change is not None:
             # A retry never reads a file that is still being written: the change's debounce wins.
             first = self.last_change if self.first_change is None else self.first_change
@@ -88,6 +95,7 @@ class ReloadScheduler:
         self.first_change = None
         self.last_change = None
         self.forced = False
+        self.asked = False
         self.retry_at = None
 
     def reloaded(self, now: float) -> None:
