@@ -123,6 +123,16 @@ def counts(log: str) -> dict[str, int]:
     }
 
 
+async def start_apps(pool: Replicas, backends: int, replicas: int) -> tuple[int, dict[str, list[tuple[str, int]]]]:
+    """The fallback and `backends` apps of `replicas` replicas each, named as Ray Serve names them."""
+    fallback = await pool.start("fallback")
+    apps = {
+        f"app{i:02d}": [(f"app{i:02d}_r{j}", await pool.start(f"app{i:02d}_r{j}")) for j in range(1, replicas + 1)]
+        for i in range(1, backends + 1)
+    }
+    return fallback, apps
+
+
 async def deployment(runtime_apply: bool, backends: int, replicas: int, clients: int) -> dict[str, float]:
     front = free_port()
     settings = {**SETTINGS, "reload": {"runtime_apply": runtime_apply}}
@@ -130,11 +140,7 @@ async def deployment(runtime_apply: bool, backends: int, replicas: int, clients:
     old_pids: set[int] = set()
     live_s: list[float] = []
     try:
-        fallback = await pool.start("fallback")
-        apps = {
-            f"app{i:02d}": [(f"app{i:02d}_r{j}", await pool.start(f"app{i:02d}_r{j}")) for j in range(1, replicas + 1)]
-            for i in range(1, backends + 1)
-        }
+        fallback, apps = await start_apps(pool, backends, replicas)
         with daemons(short_tmpdir("hs-bench-")) as make:
             d = make(ray_config(front, apps, fallback, hard_stop_s=20), settings).start()
             await wait_count(d, r"generation started generation=1 |reload ok generation=1 ", 1)
@@ -185,11 +191,7 @@ async def drain(backends: int, replicas: int, clients: int, moved: int, drains: 
     vanished: list[VanishedNode] = []
     after_write = 0  # non-200 from each write until the next node vanishes
     try:
-        fallback = await pool.start("fallback")
-        apps = {
-            f"app{i:02d}": [(f"app{i:02d}_r{j}", await pool.start(f"app{i:02d}_r{j}")) for j in range(1, replicas + 1)]
-            for i in range(1, backends + 1)
-        }
+        fallback, apps = await start_apps(pool, backends, replicas)
         with daemons(short_tmpdir("hs-bench-")) as make:
             d = make(ray_config(front, apps, fallback, hard_stop_s=20), settings).start()
             await wait_count(d, r"generation started generation=1 |reload ok generation=1 ", 1)

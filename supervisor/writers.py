@@ -81,15 +81,20 @@ def _shared_flock(path: Path, required: bool) -> Iterator[int | None]:
         yield None
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise WriterBusy(f"{path} is locked by its writer (flock)") from None
-        except OSError:
-            pass  # a filesystem without flock: nothing to honour there
+        _share_flock(fd, path)
         yield fd
     finally:
         os.close(fd)
+
+
+def _share_flock(fd: int, path: Path) -> None:
+    """A shared flock on `fd`; WriterBusy while a writer holds it exclusively."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise WriterBusy(f"{path} is locked by its writer (flock)") from None
+    except OSError:
+        pass  # a filesystem without flock: nothing to honour there
 
 
 def _writer_of(path: Path, fd: int, lock_fd: int | None) -> str | None:
@@ -117,12 +122,7 @@ def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
         except OSError as exc:
             raise UnreadableFile(exc.errno, exc.strerror) from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise WriterBusy(f"{path} is locked by its writer (flock)") from None
-            except OSError:
-                pass
+            _share_flock(fd, path)
             if (why := _writer_of(path, fd, lock_fd)) is not None:
                 raise WriterBusy(why)
             before = _stat_key(fd)

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import re
 import signal
-import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +24,7 @@ from supervisor.haproxy.api import ProcList
 from tests.support.controller import add_map_payload, disable, enable, sync_line, wrap
 from tests.support.daemon import Daemon
 from tests.support.harness import Backend, KeepAliveClient, backends, free_port
+from tests.test_runtime_e2e import LogReceiver
 
 pytestmark = pytest.mark.haproxy
 
@@ -60,28 +60,6 @@ backend b
     balance roundrobin
 {servers}
 """
-
-
-class LogReceiver:
-    """The datagram socket HAProxy's frontend logs to; with `dontlog-normal` only failures."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        self.sock.bind(str(path))
-        self.sock.setblocking(False)
-        self.lines: list[str] = []
-
-    def drain(self) -> list[str]:
-        while True:
-            try:
-                self.lines.append(self.sock.recv(65536).decode(errors="replace"))
-            except BlockingIOError:
-                return self.lines
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @dataclass
