@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.daemon import daemons
 from tests.support.harness import haproxy_binary, short_tmpdir
+from tests.support.watchdog import dump_tasks_after
 
 CORPUS = Path(__file__).parent / "corpus"
 
@@ -16,6 +17,16 @@ if os.environ.get("HAPROXY_BIN"):
     # Settings that name `haproxy` (the default), and `haproxy -c` in the tests, find the chosen
     # binary first; `make test-all` runs the suite once per binary this way.
     os.environ["PATH"] = f"{Path(haproxy_binary()).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.fixture(autouse=True)
+def _dump_tasks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
+    timeout = float(request.config.getini("timeout") or 0)
+    if timeout <= 0:
+        yield
+        return
+    with dump_tasks_after(max(timeout - 20, timeout * 0.9)):
+        yield
 
 
 @pytest.fixture(scope="session")
