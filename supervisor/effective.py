@@ -28,11 +28,9 @@ from .files import (
     write_atomically,
 )
 from .haproxy.config import Config
+from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
 from .haproxy.inject import (
-    SLOT_TABLE_PREFIX,
     RefusedGlobal,
-    SlotTable,
-    inject_guard_and_table,
     inject_observe,
     inject_server_state,
     move_stats_socket,

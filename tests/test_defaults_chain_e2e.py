@@ -17,7 +17,7 @@ import pytest
 
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.haproxy.api import MasterCLI, parse_servers_state
-from supervisor.haproxy.inject import guard_rules
+from supervisor.haproxy.guard import guard_rules
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, Settings
 from supervisor.steering.mapdiff import Phase, phase_lines
 from tests.support.harness import HAProxyMaster, KeepAliveClient, backends, free_port

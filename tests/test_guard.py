@@ -9,7 +9,7 @@ import pytest
 
 from supervisor.effective import effective_config, effective_config_and_table
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import (
+from supervisor.haproxy.guard import (
     GUARD_MARKER,
     SlotTable,
     guard_block,

@@ -9,7 +9,7 @@ import time
 
 from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_guard
+from supervisor.haproxy.guard import inject_guard
 from supervisor.settings import Settings
 from supervisor.state import State
 from supervisor.steering.dead import Sections, live_view

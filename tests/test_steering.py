@@ -10,7 +10,7 @@ import pytest
 
 from supervisor.haproxy.api import Proc, ProcList, ServerState, parse_servers_state
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_guard, slot_table
+from supervisor.haproxy.guard import backend_of_key, inject_guard, slot_table
 from supervisor.state import Generation
 from supervisor.steering.dead import (
     ConfigDigest,
@@ -21,7 +21,7 @@ from supervisor.steering.dead import (
     live_view,
     summarize_states,
 )
-from supervisor.steering.entries import FAIL_FAST, backend_of_key, steer_entries, steered_servers
+from supervisor.steering.entries import FAIL_FAST, steer_entries, steered_servers
 from supervisor.steering.mapdiff import (
     ROUTING_PHASES,
     BackendDelta,

@@ -34,7 +34,7 @@ from .config import (
     is_ip,
     section_servers,
 )
-from .inject import SLOT_TABLE_PREFIX, slot_table
+from .guard import SLOT_TABLE_PREFIX, slot_table
 
 # Flags a fresh dynamic server starts without: `no-<flag>` after nothing that set it says
 # nothing, and `add server` refuses some of these negations (`no-check`).

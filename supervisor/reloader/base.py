@@ -17,7 +17,7 @@ from ..effective import Effective, sha256_text
 from ..generations import GenerationStore, PendingReload, Snapshot
 from ..haproxy.api import MasterCLI, ProcList
 from ..haproxy.config import Config
-from ..haproxy.inject import SlotTable
+from ..haproxy.guard import SlotTable
 from ..logs import RecurringConditions
 from ..master import MasterProcess
 from ..notify import Notifier

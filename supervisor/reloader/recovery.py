@@ -22,7 +22,7 @@ from ..effective import (
 from ..generations import loaded_pending, plan_rebuild
 from ..haproxy.api import ProcList
 from ..haproxy.config import Config
-from ..haproxy.inject import SLOT_TABLE_PREFIX, SlotTable
+from ..haproxy.guard import SLOT_TABLE_PREFIX, SlotTable
 from ..master import MasterError
 from ..master.procfs import process_started_at
 from ..state import Generation, ReloadRecord

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..haproxy.api import DEFAULT_LINE_LIMIT, ServerState
 from ..haproxy.config import Config, Section, Server, is_ip, section_servers
-from ..haproxy.inject import SLOT_TABLE_PREFIX, is_guarded
+from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
 from .states import LiveStates
 
 # Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
@@ -54,7 +54,7 @@ class SectionDigest:
     at_keys: dict[At, tuple[str, ...]] = field(compare=False)  # enabled servers per (backend, endpoint)
     present: frozenset[At] = field(compare=False)  # the same, as a set: where this section routes to
     named_hosts: tuple[Server, ...] = field(compare=False)  # given by host name: the live address differs
-    slots: tuple[Server, ...] = field(compare=False)  # the primaries; slot i is slots[i] (inject.slot_table)
+    slots: tuple[Server, ...] = field(compare=False)  # the primaries; slot i is slots[i] (guard.slot_table)
     guarded: bool = field(compare=False)
     all_backups: bool = field(compare=False)  # `option allbackups`
     changes_alone: bool = field(compare=False)  # some server is checked or observed: its state can change

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..haproxy.api import DEFAULT_LINE_LIMIT, batch_lines, on_process, parse_show_map, validate_name
-from ..haproxy.inject import HOP_SEPARATOR
-from .entries import FAIL_FAST, Entries, backend_of_key, count_key, hop_key, is_count_key, is_hop_key
+from ..haproxy.guard import HOP_SEPARATOR, backend_of_key, count_key, hop_key, is_count_key, is_hop_key
+from .entries import FAIL_FAST, Entries
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def diff_phases(current: Mapping[str, str], desired: Mapping[str, str]) -> tuple
     tidy up, one `set map` or `del map` command at a time.
 
     0. New entries, in payloads: a newly steered backend's slots then its count, and a hop
-       for each server that overrides stop pointing to (see haproxy/inject.py), to a server
+       for each server that overrides stop pointing to (see haproxy/guard.py), to a server
        they point to now. Those overrides can then wait for phase 3: a drain that kills an
        override's target costs a payload entry here instead of a command.
     1. Counts (a count promises the slots below it, so it comes after them), and hops left

@@ -25,16 +25,15 @@ from supervisor.haproxy.config import (
     quote_word,
     template_names,
 )
-from supervisor.haproxy.inject import (
+from supervisor.haproxy.guard import (
     _RULE_RANK,
     GUARD_MARKER,
     _above_comments,
     _rank,
     guard_rules,
     guard_use_server,
-    observe_directive,
-    supervised_global,
 )
+from supervisor.haproxy.inject import observe_directive, supervised_global
 from supervisor.settings import Settings
 
 

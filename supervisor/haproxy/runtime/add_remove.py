@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process, parse_show_map
 from ..config import Config
-from ..inject import is_guarded
+from ..guard import is_guarded
 from ..membership import ServerAdd, loaded_slot_table, slot_map_commands
 from .apply import apply_changes, deleted, refusal, send_line, send_step
 from .plan import RuntimePlan
