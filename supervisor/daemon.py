@@ -204,7 +204,7 @@ class Daemon:
             log.error("controller sockets: %s", exc.strerror or exc)
             await controller.close()
             return EXIT_CRASHED
-        self.state.haproxy_version = await haproxy_version(settings.haproxy.binary)
+        self.state.publish_haproxy_version(await haproxy_version(settings.haproxy.binary))
         relay: StderrRelay | None = StderrRelay(settings.haproxy.stderr_fifo)
         try:
             relay.open()

@@ -1,7 +1,11 @@
-"""What the daemon knows, in one place: written by the components, read by status.
+"""What the daemon knows, in one place: a read model that each owner publishes into, and
+status only reads.
 
-Plain mutable dataclasses, touched only from the event loop, so no locks. The
-status app renders them to JSON and Prometheus; nothing here does I/O.
+A field is written only by a `publish_*` method here, each called by the one component that
+owns that fact (the master process, the reloader's generations book, ...); status, the page
+and /metrics read the fields. A `Generation` is a value: a change to what a worker runs is a
+new value published in its place. Touched only from the event loop, so no locks; nothing
+here does I/O.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -46,6 +51,7 @@ class Generation:
     rendered_sha256: str
     started_at: datetime
     worker_pid: int | None = None
+    inputs_sha256: str | None = None  # digest of the files in haproxy.watch it was loaded with
 
 
 @dataclass
@@ -237,6 +243,68 @@ class State:
             if last == count and (now - at).total_seconds() < self.OLD_WORKER_SAMPLE_S:
                 return
         self.old_worker_counts.append((now, count))
+
+    # ------------------------------------------------------------ publish (one owner each)
+
+    def publish_paths(self, rendered: str, effective: str) -> None:
+        """The reloader: the rendered and effective config paths it works with."""
+        self.rendered_path, self.effective_path = rendered, effective
+
+    def publish_rendered(self, sha256: str) -> None:
+        """The reloader: the digest of the rendered config it last read."""
+        self.rendered_sha256 = sha256
+
+    def publish_reload(self, result: ReloadResult, duration_ms: float, error: str | None = None) -> ReloadRecord:
+        """The reloader: one cycle's outcome, counted and kept in the history."""
+        return self.reloads.record(result, duration_ms, error)
+
+    def publish_generation(self, generation: Generation, *, current: bool = False) -> None:
+        """The generations book: a generation, new or a new value of one; `current` makes it the
+        current one and its config the last good one."""
+        self.generations[generation.number] = generation
+        if current:
+            self.current_generation = generation.number
+            self.last_good_sha256 = generation.effective_sha256
+
+    def publish_pruned(self, numbers: Iterable[int]) -> list[Generation]:
+        """The generations book: generations whose worker is gone; those that were known."""
+        return [g for n in numbers if (g := self.generations.pop(n, None)) is not None]
+
+    def publish_converged(self) -> None:
+        """The reloader: the current worker runs the rendered config."""
+        self.convergence.reached()
+
+    def publish_unconverged(self, reason: str, transient: bool) -> None:
+        """The reloader: the current worker does not run the rendered config, and why."""
+        self.convergence.missed(reason, transient)
+
+    def publish_next_attempt(self, at: datetime | None, attempts: int | None = None) -> None:
+        """The reloader: when it tries again to converge (None: not by itself), and how many
+        attempts that makes."""
+        self.convergence.next_attempt_at = at
+        if attempts is not None:
+            self.convergence.attempts = attempts
+
+    def publish_master_socket(self, ok: bool) -> None:
+        """The reloader: whether the master's socket is in runtime_dir."""
+        self.master_socket_ok = ok
+
+    def publish_master(self, pid: int | None, server_events: bool = False) -> None:
+        """The master process: up with `pid` (and whether its stderr feeds the daemon), or down (None)."""
+        self.master_pid, self.master_up, self.server_events = pid, pid is not None, server_events
+
+    def publish_master_restart(self) -> int:
+        """The master process: one more restart; the count."""
+        self.master_restarts += 1
+        return self.master_restarts
+
+    def publish_haproxy_version(self, version: str | None) -> None:
+        """The daemon: what `haproxy -v` says."""
+        self.haproxy_version = version
+
+    def publish_event_loop_lag(self, lag_s: float) -> None:
+        """The loop-lag monitor: the worst delay of the event loop lately."""
+        self.event_loop_lag_s = lag_s
 
     @property
     def uptime_s(self) -> float:
