@@ -4,7 +4,6 @@ cycle when it is due, and look after the master between reloads; its requests fo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -13,6 +12,7 @@ from ..effective import off_the_loop
 from ..haproxy.api import CLIError
 from ..notify import summary_line
 from ..state import ReloadRecord, utcnow
+from ..waiting import wait_set
 from .cycle import ReloadCycle
 from .problems import EXPECTED_IO_ERRORS, io_error_line
 from .recovery import Recovery
@@ -65,8 +65,7 @@ class Reloader(ReloadCycle, Recovery):
             now = time.monotonic()
             if due is None or due > now:
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), None if due is None else due - now)
+                await wait_set(self._wake, None if due is None else due - now)
                 continue
             cause = self.scheduler.take(now)
             if cause is not None:

@@ -142,7 +142,8 @@ async def _bounded_body(request: web.Request, handler: Callable[[web.Request], A
             return _closing(error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
         timeout = request.app[BODY_TIMEOUT_KEY]
         try:
-            await asyncio.wait_for(request.read(), timeout)
+            async with asyncio.timeout(timeout):
+                await request.read()
         except TimeoutError:
             return _closing(error_json(408, f"request body not received within {timeout:g} s"))
         except web.HTTPRequestEntityTooLarge:

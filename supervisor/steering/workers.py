@@ -24,6 +24,7 @@ from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..settings import Settings
 from ..state import State
+from ..waiting import wait_set
 from .dead import ConfigDigest, LiveView, live_view
 from .digests import Digests
 from .exits import WorkerExits
@@ -116,8 +117,7 @@ class OldWorkers:
                     failing.happened(exc)
             except Exception:
                 log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            await wait_set(self._wake, self.poll_s)
             woken = self._wake.is_set()
             self._wake.clear()
 
