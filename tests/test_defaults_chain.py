@@ -56,7 +56,7 @@ def settings_of(text: str, name: str):
 def test_mode_follows_a_from_chain():
     assert settings_of(CHAIN, "be").mode == "http"
     config = Config.parse(CHAIN)
-    assert config.mode_of(config.backend("be")) == "http"
+    assert config.settings_of(config.backend("be")).mode == "http"
 
 
 def test_guard_flavour_follows_the_chain():
@@ -102,7 +102,7 @@ def test_defaults_from_without_a_name_and_the_last_line_wins():
         "backend b\n    mode tcp\n    mode http\n    server s 127.0.0.1:1\n    server t 127.0.0.1:2 no-backup\n"
     )
     config = Config.parse(text)
-    assert config.mode_of(config.backend("b")) == "http"
+    assert config.settings_of(config.backend("b")).mode == "http"
     servers = config.server_map()
     assert (servers["b/s"].backup, servers["b/s"].weight) == (True, 7)
     assert (servers["b/t"].backup, servers["b/t"].weight) == (False, 7)

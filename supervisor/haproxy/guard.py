@@ -12,16 +12,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import (
-    Config,
-    Line,
-    RecentlyUsed,
-    Section,
-    ServerFlags,
-    parse_line,
-    server_line_flags,
-    template_names,
-)
+from .config import Config, Section
+from .lexer import Line, parse_line
+from .resolution import ServerFlags, server_line_flags, template_names
 
 GUARD_MARKER = "# haproxy-supervisor guard"
 # Two maps drive the guard. The slot table (a file per config, written by the supervisor,
@@ -115,7 +108,7 @@ def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path
 
 
 @dataclass(frozen=True, slots=True)
-class _GuardPlan:
+class GuardPlan:
     """What the guard needs from one backend body: its slot-table row, and where the block
     goes. It depends on the body's text, its mode and its defaults' `default-server` flags
     only, so it is worked out once and reused by the next builds: a drain changes a few
@@ -127,16 +120,11 @@ class _GuardPlan:
     indent: str
 
 
-# (defaults' flags, mode, body text) -> its plan: nothing else goes into it, so an edited
-# line gives another key, never a stale plan.
-_GUARD_PLANS: RecentlyUsed[tuple[ServerFlags, str, str], _GuardPlan] = RecentlyUsed()
-
-
-def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> _GuardPlan:
+def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> GuardPlan:
     names = primary_names(body, server_line_flags(body, defaults_flags))
     indent = next((line.indent for line in body if line.words), "") or "    "
     if not names or _has_marker(body):
-        return _GuardPlan(tuple(names), None, 0, indent)
+        return GuardPlan(tuple(names), None, 0, indent)
     own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
     # Most lines are no request rule at all: look at their first word before ranking them.
     ranks = {
@@ -152,7 +140,7 @@ def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> _Gu
         use_at = (later[-1] + 1) if later else at
     else:
         use_at = first_use_server
-    return _GuardPlan(tuple(names), _above_comments(body, at), _above_comments(body, use_at), indent)
+    return GuardPlan(tuple(names), _above_comments(body, at), _above_comments(body, use_at), indent)
 
 
 def _inject_guard(
@@ -160,16 +148,18 @@ def _inject_guard(
 ) -> tuple[Config, SlotTable]:
     """With `directory`, the table is made from the config and named; with `table_path`, that
     path is named, and the table returned stands for it without its text."""
-    _GUARD_PLANS.new_generation()
     result = config.copy()
-    plans: list[tuple[Section, str, _GuardPlan]] = []
+    # (defaults' flags, mode, body text) -> its plan: nothing else goes into it, so an edited
+    # line gives another key, never a stale plan.
+    kept = result.cache.guard_plans
+    plans: list[tuple[Section, str, GuardPlan]] = []
     for section, settings in result.backends_with_settings():
         mode, flags = settings.mode, settings.server_defaults
         key = (flags, mode, "".join([line.raw for line in section.body]))
-        plan = _GUARD_PLANS.get(key)
+        plan = kept.get(key)
         if plan is None:
             plan = _guard_plan(section.body, flags, mode)
-            _GUARD_PLANS.put(key, plan)
+            kept.put(key, plan)
         plans.append((section, mode, plan))
     if table_path is not None:
         table = SlotTable(table_path, "")

@@ -9,16 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import (
-    PROXY_KINDS,
-    Config,
-    Line,
-    Section,
-    Server,
-    ServerFlags,
-    parse_line,
-    quote_word,
-)
+from .config import Config, Section
+from .lexer import Line, parse_line, quote_word
+from .resolution import PROXY_KINDS, Server, ServerFlags
 
 
 def observe_directive(error_limit: int) -> str:
@@ -43,7 +36,7 @@ def inject_observe(config: Config, error_limit: int) -> Config:
     for section, server_lines in result.server_flags_by_backend():
         for index, flags in server_lines:
             if wants_observe(flags):
-                section.body[index] = section.body[index].with_appended(suffix)
+                section.body[index] = section.body[index].with_appended(suffix, result.cache.line)
     return result
 
 

@@ -24,17 +24,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .api import validate_name
-from .config import (
-    _SERVER_KEYWORDS_WITH_ARG,
-    BACKEND_KINDS,
-    PROXY_KINDS,
-    Config,
-    Section,
-    Server,
-    is_ip,
-    section_servers,
-)
+from .config import Config, Section
 from .guard import SLOT_TABLE_PREFIX, slot_table
+from .resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, is_ip, section_servers
 
 # Flags a fresh dynamic server starts without: `no-<flag>` after nothing that set it says
 # nothing, and `add server` refuses some of these negations (`no-check`).
@@ -112,7 +104,7 @@ def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
     i = 0
     while i < len(seq):
         word = seq[i]
-        if word in _SERVER_KEYWORDS_WITH_ARG and i + 1 < len(seq):
+        if word in SERVER_KEYWORDS_WITH_ARG and i + 1 < len(seq):
             items.pop(word, None)
             items[word] = (word, seq[i + 1])
             i += 2
@@ -128,27 +120,6 @@ def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
         items.pop(f"no-{word}", None)
         items[word] = (word,)
     return tuple(w for item in items.values() for w in item)
-
-
-def default_server_words(config: Config) -> dict[int, tuple[str, ...]]:
-    """id(section) -> the `default-server` words its defaults section passes on to it, `from`
-    chains followed as Config.resolved() follows them."""
-    last: tuple[str, ...] = ()
-    named: dict[str, tuple[str, ...]] = {}
-    passed: dict[int, tuple[str, ...]] = {}
-    for section in config.sections:
-        if section.kind not in PROXY_KINDS:
-            continue
-        wanted = section.from_defaults
-        if section.kind == "defaults":
-            base = named.get(wanted, ()) if wanted is not None else ()
-            own = tuple(w for line in section.body if line.words[:1] == ("default-server",) for w in line.words[1:])
-            last = base + own
-            if section.name:
-                named[section.name] = last
-        else:
-            passed[id(section)] = named.get(wanted, ()) if wanted is not None else last
-    return passed
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +181,6 @@ def membership(running: Config, new: Config, skeleton_of: Skeleton, first_differ
     old_frame, new_frame = _frame(running, skeleton_of), _frame(new, skeleton_of)
     if old_frame != new_frame:
         return first_difference(old_frame, new_frame)
-    defaults = default_server_words(new)
     adds: list[ServerAdd] = []
     removes: list[ServerRemove] = []
     common: list[tuple[Section, Section, list[tuple[Server, Server]]]] = []
@@ -232,17 +202,17 @@ def membership(running: Config, new: Config, skeleton_of: Skeleton, first_differ
                 return f"{where}: the default-server lines before `server {name}` differ"
             if before.skeleton != after.skeleton:
                 return f"{where}: {first_difference([before.skeleton], [after.skeleton])}"
-        old_servers = {s.name: s for s in section_servers(old_section, old_settings) if not s.template}
-        new_servers = section_servers(new_section, new_settings)
+        old_servers = {s.name: s for s in section_servers(old_section, old_settings, running.cache) if not s.template}
+        new_servers = section_servers(new_section, new_settings, new.cache)
         pairs = [(old_servers[s.name], s) for s in new_servers if not s.template and s.name in old_lines]
         templates = [(o, n) for o, n in zip(
-            [s for s in section_servers(old_section, old_settings) if s.template],
+            [s for s in section_servers(old_section, old_settings, running.cache) if s.template],
             [s for s in new_servers if s.template], strict=True)]
         common.append((old_section, new_section, templates + pairs))
         for server in new_servers:
             if server.template or server.name in old_lines:
                 continue
-            added = _add_of(new_section, server, defaults.get(id(new_section), ()))
+            added = _add_of(new_section, server, new_settings.server_default_words)
             if isinstance(added, str):
                 return added
             adds.append(added)

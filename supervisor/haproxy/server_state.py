@@ -35,7 +35,8 @@ from pathlib import Path
 
 from ..files import write_atomically
 from .api import CLIError, MasterCLI
-from .config import Config, Server, is_ip
+from .config import Config
+from .resolution import Server, is_ip
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..haproxy.api import DEFAULT_LINE_LIMIT, ServerState
-from ..haproxy.config import Config, Section, Server, is_ip, section_servers
+from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
+from ..haproxy.resolution import Server, is_ip, section_servers
 from .states import LiveStates
 
 # Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
@@ -143,7 +144,7 @@ class Sections:
             key = inherited + (_SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text)
             digest = self._by_key.get(key)
             if digest is None:
-                servers = section_servers(section, settings)
+                servers = section_servers(section, settings, model.cache)
                 digest = self._by_key[key] = SectionDigest.of(key, servers, section, settings.all_backups)
             sections[section.name] = digest
         fingerprint = hashlib.blake2b(b"".join(sd.fingerprint for sd in sections.values()), digest_size=16)

@@ -13,8 +13,8 @@ import zlib
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
-from ..haproxy.config import Server
 from ..haproxy.guard import count_key, is_count_key, slot_key
+from ..haproxy.resolution import Server
 from .dead import ConfigDigest, SectionDigest, by_backend_of
 
 NoBackup = Literal["fail-fast", "keep"]

@@ -9,8 +9,9 @@ import logging
 from dataclasses import dataclass, replace
 
 from ..api import ServerState
-from ..config import _SERVER_KEYWORDS_WITH_ARG, BACKEND_KINDS, Config, Section, Server
+from ..config import Config, Section
 from ..membership import ServerAdd, ServerRemove, membership
+from ..resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server
 from .changes import DEFAULT_WEIGHT, ServerChange
 
 log = logging.getLogger(__package__)
@@ -73,7 +74,7 @@ def _without_runtime_fields(words: tuple[str, ...]) -> tuple[str, ...]:
             i += 2
             continue
         kept.append(word)
-        if word in _SERVER_KEYWORDS_WITH_ARG and i + 1 < len(params):
+        if word in SERVER_KEYWORDS_WITH_ARG and i + 1 < len(params):
             kept.append(params[i + 1])
             i += 1
         i += 1

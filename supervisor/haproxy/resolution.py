@@ -1,0 +1,351 @@
+"""Resolution: what applies to each proxy and server, the way HAProxy resolves it.
+
+`from` chains and defaults order give each proxy its ProxySettings (resolve()); a backend's
+`default-server` lines and its servers' own words give each server its flags (ServerFlags)
+and its Server view. Pure functions over the lexer's Lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .lexer import Line
+
+if TYPE_CHECKING:
+    from .cache import ConfigCache
+    from .config import Section
+
+PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
+BACKEND_KINDS = frozenset({"backend", "listen"})
+
+# Server keywords that take one argument, in HAProxy 2.6 to 3.x (`source` takes an address,
+# then optionally `usesrc <addr>` and `interface <name>`, each read here as a keyword with its
+# argument). Knowing them keeps an argument such as `observe layer4` or `track be/check` from
+# being read as a flag. tests/test_server_keywords.py holds it to the binary, keyword by keyword.
+SERVER_KEYWORDS_WITH_ARG = frozenset(
+    {
+        "addr", "agent-addr", "agent-inter", "agent-port", "agent-send", "alpn", "ca-file", "cc",
+        "check-alpn", "check-pool-conn-name", "check-proto", "check-sni", "ciphers", "ciphersuites",
+        "client-sigalgs", "cookie", "crl-file", "crt", "curves", "downinter", "error-limit", "fall",
+        "fastinter", "guid", "hash-key", "healthcheck", "id", "idle-ping", "init-addr", "init-state",
+        "inter", "interface", "ktls", "log-bufsize", "log-proto", "max-reuse", "maxconn", "maxqueue",
+        "minconn", "namespace", "npn", "observe", "on-error", "on-marked-down", "on-marked-up",
+        "pool-conn-name", "pool-low-conn", "pool-max-conn", "pool-purge-delay", "port", "proto",
+        "proxy-v2-options", "quic-cc-algo", "redir", "resolve-net", "resolve-opts", "resolve-prefer",
+        "resolvers", "rise", "set-proxy-v2-tlv-fmt", "shard", "sigalgs", "slowstart", "sni", "socks4",
+        "source", "ssl-max-ver", "ssl-min-ver", "tcp-md5sig", "tcp-ut", "track", "usesrc", "verify",
+        "verifyhost", "weight", "ws",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """A server as a backend sees it, with `default-server` settings applied."""
+
+    backend: str
+    name: str
+    address: str  # host part, as written (no port), e.g. "127.0.0.1", "::1", "unix@/x"
+    port: int | None
+    params: tuple[str, ...]  # the server's own parameters, after the address
+    check: bool
+    backup: bool
+    disabled: bool
+    observe: bool
+    track: str | None
+    weight: int | None
+    template: bool  # expanded from a server-template line
+    line_index: int  # index into the section body of the line that declares it
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}/{self.name}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.port}" if self.port is not None else self.address
+
+    @property
+    def primary(self) -> bool:
+        return not self.backup and self.track is None
+
+
+def split_address(spec: str) -> tuple[str, int | None]:
+    """`127.0.0.1:80` -> ("127.0.0.1", 80); `[::1]:80` -> ("::1", 80); `unix@/s` -> (spec, None)."""
+    family = ""
+    if "@" in spec:
+        family, _, rest = spec.partition("@")
+        if family in ("unix", "abns", "sockpair", "fd"):
+            return spec, None
+        family += "@"
+        spec = rest
+    if spec.startswith("["):
+        host, _, tail = spec[1:].partition("]")
+        port_text = tail[1:] if tail.startswith(":") else ""
+    elif spec.count(":") == 1:
+        host, _, port_text = spec.partition(":")
+    elif family == "ipv6@" and ":" in spec:
+        host, _, port_text = spec.rpartition(":")
+    else:
+        host, port_text = spec, ""
+    port = int(port_text) if port_text.isdigit() else None
+    return family + host if family not in ("", "ipv4@", "ipv6@") else host, port
+
+
+@functools.lru_cache(maxsize=65536)  # a drain digests a hundred new sections; their hosts repeat
+def is_ip(address: str) -> bool:
+    """Whether a server's address is an IP address (not a host name resolved at run time)."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
+# The words ServerFlags.apply acts on; every other word of a server line is passed over.
+_FLAG_WORDS = frozenset(
+    {"check", "no-check", "backup", "no-backup", "disabled", "enabled", "observe", "track", "weight"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFlags:
+    """The flags a server line gives its servers, `default-server` settings applied."""
+
+    check: bool = False
+    backup: bool = False
+    disabled: bool = False
+    observe: bool = False
+    track: str | None = None
+    weight: int | None = None
+
+    def apply(self, params: tuple[str, ...]) -> ServerFlags:
+        if not params:
+            return self  # most server lines of a big config: no object to make
+        return _apply_params(self, params)
+
+
+# A server line's parameters repeat from server to server (`check inter 2s`), and a call
+# walks every word: remember the last few thousand results (pure, and bounded).
+@functools.lru_cache(maxsize=4096)
+def _apply_params(flags: ServerFlags, params: tuple[str, ...]) -> ServerFlags:
+    check, backup, disabled = flags.check, flags.backup, flags.disabled
+    observe, track, weight = flags.observe, flags.track, flags.weight
+    n = len(params)
+    i = 0
+    while i < n:
+        p = params[i]
+        if p in _FLAG_WORDS:
+            arg = params[i + 1] if i + 1 < n else None
+            if p == "check":
+                check = True
+            elif p == "no-check":
+                check = False
+            elif p == "backup":
+                backup = True
+            elif p == "no-backup":
+                backup = False
+            elif p == "disabled":
+                disabled = True
+            elif p == "enabled":
+                disabled = False
+            elif p == "observe":
+                observe = True
+            elif p == "track":
+                track = arg
+            elif p == "weight" and arg is not None and arg.isdigit():
+                weight = int(arg)
+        if p in SERVER_KEYWORDS_WITH_ARG:
+            i += 1
+        i += 1
+    return ServerFlags(check, backup, disabled, observe, track, weight)
+
+
+def _leading_int(text: str) -> int:
+    """HAProxy reads these counts with atoi(): leading digits, anything else is 0."""
+    digits = len(text) - len(text.lstrip("0123456789"))
+    return int(text[:digits]) if digits else 0
+
+
+def template_names(prefix: str, count: str) -> list[str]:
+    """Names a `server-template` line declares: `srv 3` -> srv1..srv3, `srv 2-4` -> srv2..srv4.
+
+    HAProxy accepts junk counts (`x-y` reads as 0-0); they declare no server we can name.
+    """
+    return [f"{prefix}{i}" for i in _template_numbers(count)]
+
+
+def _template_numbers(count: str) -> range:
+    low, sep, high = count.partition("-")
+    if sep:
+        first, last = _leading_int(low), _leading_int(high)
+    else:
+        first, last = 1, _leading_int(low)
+    return range(max(first, 1), last + 1)
+
+
+def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, Line, ServerFlags]]:
+    """Each `server` and `server-template` line of a backend's body that has its address: its
+    index, the line, and the flags in force before its own parameters, starting from `flags`
+    (its defaults') and applying the backend's own `default-server` lines."""
+    for index, line in enumerate(body):
+        words = line.words
+        if not words:
+            continue
+        kw = words[0]
+        if kw == "default-server":
+            flags = flags.apply(words[1:])
+        elif (kw == "server" and len(words) >= 3) or (kw == "server-template" and len(words) >= 4):
+            yield index, line, flags
+
+
+def server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tuple[int, ServerFlags]]:
+    """(index in the body, the flags its servers get) for each line of `body` that declares servers."""
+    lines: list[tuple[int, ServerFlags]] = []
+    for index, line, flags in _server_lines(body, defaults_flags):
+        words = line.words
+        if words[0] == "server":
+            lines.append((index, flags.apply(words[3:])))
+        elif _template_numbers(words[2]):
+            lines.append((index, flags.apply(words[4:])))
+    return lines
+
+
+_NO_FLAGS = ServerFlags()
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What applies to a proxy, resolved the way HAProxy resolves it (cfgparse-listen.c):
+
+    - a proxy starts as a copy of its defaults section: the one it names with `from`, else
+      the last `defaults` section before it;
+    - a `defaults` section starts as a copy of the one it names with `from`, else from
+      HAProxy's built-in defaults: it does NOT inherit from the `defaults` before it;
+    - then the section's own lines apply in order, the last one of a keyword winning.
+
+    For a proxy, `server_defaults` holds the `default-server` flags its defaults pass on,
+    which its own server lines start from (its own `default-server` lines apply to the
+    server lines after them only); for a defaults section, the flags it passes on.
+    `server_default_words` are the words of those `default-server` lines, in order: what
+    a dynamic server (`add server`) must be given, since it gets none of them.
+    """
+
+    mode: str = "tcp"
+    balance: tuple[str, ...] = ("roundrobin",)  # the words after `balance`
+    all_backups: bool = False  # `option allbackups`
+    server_defaults: ServerFlags = _NO_FLAGS
+    server_default_words: tuple[str, ...] = ()
+
+
+BUILT_IN = ProxySettings()
+# The first words of the lines that change a ProxySettings; every other line is passed over.
+_SETTING_KEYWORDS = frozenset({"mode", "balance", "option", "no", "default", "default-server"})
+
+
+def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxySettings:
+    """`base` (what the section inherits) with the section's own lines applied."""
+    mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
+    default_words = base.server_default_words
+    changed = False
+    for line in body:
+        words = line.words
+        if not words or words[0] not in _SETTING_KEYWORDS:
+            continue
+        kw = words[0]
+        if kw == "mode" and len(words) > 1:
+            mode = words[1]
+        elif kw == "balance" and len(words) > 1:
+            balance = words[1:]
+        elif words[-1:] == ("allbackups",) and words[-2:-1] == ("option",):
+            # `option allbackups`, `no option allbackups`, `default option allbackups`
+            prefix = words[:-2]
+            all_backups = True if not prefix else False if prefix == ("no",) else base.all_backups
+        elif kw == "default-server" and is_defaults:
+            flags = flags.apply(words[1:])
+            default_words += words[1:]
+        else:
+            continue
+        changed = True
+    if not changed:
+        return base
+    return ProxySettings(mode, balance, all_backups, flags, default_words)
+
+
+def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySettings]]:
+    """Every defaults, frontend, backend and listen section with its ProxySettings, in
+    config order and one pass: `from` chains followed, defaults order as HAProxy reads it."""
+    last = BUILT_IN  # what a proxy without `from` starts from
+    named: dict[str, ProxySettings] = {}
+    for section in sections:
+        kind = section.kind
+        if kind not in PROXY_KINDS:
+            continue
+        wanted = section.from_defaults
+        is_defaults = kind == "defaults"
+        # HAProxy refuses a `from` naming no defaults section before it; the model must
+        # not raise on what `haproxy -c` will reject with its own words.
+        base = named.get(wanted, BUILT_IN) if wanted is not None else BUILT_IN if is_defaults else last
+        settings = _resolve(base, section.body, is_defaults)
+        if is_defaults:
+            last = settings
+            if section.name:
+                named[section.name] = settings
+        yield section, settings
+
+
+def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache | None = None) -> list[Server]:
+    """The servers of a backend/listen section that `settings` (resolve()'s) apply to. With
+    `cache`, consecutive configs share the servers of every section they share (nothing else
+    goes into them, and a Server is immutable) instead of making 10,000 again at each reload."""
+    if cache is None:
+        return list(_section_servers(section.name, section.body, settings))
+    key = (section.name, settings, "".join([line.raw for line in section.body]))
+    servers = cache.section_servers.get(key)
+    if servers is None:
+        servers = tuple(_section_servers(section.name, section.body, settings))
+        cache.section_servers.put(key, servers)
+    return list(servers)
+
+
+def _section_servers(backend: str, body: list[Line], settings: ProxySettings) -> Iterator[Server]:
+    for index, line, flags in _server_lines(body, settings.server_defaults):
+        words = line.words
+        if words[0] == "server":
+            yield _server(backend, words[1], words[2], words[3:], flags, False, index)
+        else:
+            params = words[4:]
+            for name in template_names(words[1], words[2]):
+                yield _server(backend, name, words[3], params, flags, True, index)
+
+
+def _server(
+    backend: str,
+    name: str,
+    address: str,
+    params: tuple[str, ...],
+    defaults: ServerFlags,
+    template: bool,
+    index: int,
+) -> Server:
+    host, port = split_address(address)
+    f = defaults.apply(params)
+    return Server(
+        backend=backend,
+        name=name,
+        address=host,
+        port=port,
+        params=params,
+        check=f.check,
+        backup=f.backup,
+        disabled=f.disabled,
+        observe=f.observe,
+        track=f.track,
+        weight=f.weight,
+        template=template,
+        line_index=index,
+    )
