@@ -214,7 +214,7 @@ class Bench:
         # What the reloader does: check the config, and work the steering out meanwhile.
         check = await start_effective_check(haproxy_binary(), effective, self.rundir)
         spawned = time.monotonic()
-        await displaced.prepare(model)
+        await displaced.prepare(effective)
         prepared = time.monotonic()
         valid, message = await check.verdict()
         checked = time.monotonic()
@@ -224,7 +224,7 @@ class Bench:
         check_s = checked - spawned if checked - prepared > 0.001 else 0.0
         before_pid = self.state.current.worker_pid if self.state.current else None
         push_record = displaced.last_push
-        await displaced.before_reload(model)
+        await displaced.before_reload(effective)
         steered = time.monotonic()
         # When HAProxy answered the last push of the make-before-break (bookkeeping after it excluded).
         answered = displaced.last_push["steered_at"] if displaced.last_push is not push_record else steered

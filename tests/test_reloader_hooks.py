@@ -1,6 +1,6 @@
 """The reloader's contract with the components plugged into it, in-process with the real HAProxy.
 
-prepare gets the next effective model while `haproxy -c` checks it (whatever the verdict),
+prepare gets the next effective config while `haproxy -c` checks it (whatever the verdict),
 before_reload gets it again before the reload, after_reload the outcome;
 a runtime_apply that returns True replaces the reload (no new worker, the generation
 updated in place, `runtime_applied` recorded); reload_now() reloads unchanged
@@ -54,15 +54,15 @@ class Recorder:
         self.pending_checks = 0
         self.collecting: list[bool] = []  # per prepare: was the garbage collector on
 
-    async def prepare(self, next_model: Config) -> None:
-        self.calls.append(("prepare", [s.key for s in next_model.servers()]))
+    async def prepare(self, effective: Effective) -> None:
+        self.calls.append(("prepare", [s.key for s in effective.effective_model.servers()]))
         # By the check's own life, not by looking for the process: a small config's `haproxy -c`
         # can be done (and reaped) in a few ms, before prepare runs, on a fast build such as 3.0.
         self.checking.append(self.pending_checks > 0)
         self.collecting.append(gc.isenabled())
 
-    async def before_reload(self, next_model: Config) -> None:
-        self.calls.append(("before", [s.key for s in next_model.servers()]))
+    async def before_reload(self, effective: Effective) -> None:
+        self.calls.append(("before", [s.key for s in effective.effective_model.servers()]))
 
     async def after_reload(self, ok: bool) -> None:
         self.calls.append(("after", ok))

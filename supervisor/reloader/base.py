@@ -33,9 +33,9 @@ log = logging.getLogger(__package__)
 class ReloadHooks(Protocol):
     """What the displaced-worker component needs around each change."""
 
-    async def prepare(self, next_model: Config) -> None: ...
+    async def prepare(self, effective: Effective) -> None: ...
 
-    async def before_reload(self, next_model: Config) -> None: ...
+    async def before_reload(self, effective: Effective) -> None: ...
 
     async def after_reload(self, ok: bool) -> None: ...
 
@@ -43,10 +43,10 @@ class ReloadHooks(Protocol):
 
 
 class NoHooks:
-    async def prepare(self, next_model: Config) -> None:
+    async def prepare(self, effective: Effective) -> None:
         return None
 
-    async def before_reload(self, next_model: Config) -> None:
+    async def before_reload(self, effective: Effective) -> None:
         return None
 
     async def after_reload(self, ok: bool) -> None:

@@ -125,7 +125,7 @@ class ReloadCycle(Confirmation):
         # servers): work out the steering the next config needs meanwhile, so that only its
         # pushes are left once the check passes. Nothing is pushed before the verdict.
         try:
-            await self._call_hook("prepare", effective.effective_model)
+            await self._call_hook("prepare", effective)
         finally:
             ok, message = await check.verdict()  # reaps `haproxy -c` whatever happened
         if not ok:
@@ -192,7 +192,7 @@ class ReloadCycle(Confirmation):
             self.cli_failed()
             log.error("reload failed: %s", exc)
             return self._record("failed", started, str(exc))
-        await self._call_hook("before_reload", model)
+        await self._call_hook("before_reload", effective)
         verdict: Verdict = "pending"
         try:
             current = self.state.current

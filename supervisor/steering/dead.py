@@ -109,25 +109,28 @@ class Sections:
     """Section digests interned by content (the section's text, and what applies to it from
     its defaults chain): a section identical in two configs is digested and stored once."""
 
-    RECENT_CONFIGS = 3  # whole configs remembered by their text: the next one, the current one
+    RECENT_CONFIGS = 3  # whole configs remembered by their sha256: the next one, the current one
 
     def __init__(self) -> None:
         self._by_key: dict[str, SectionDigest] = {}
-        self._by_text: dict[str, ConfigDigest] = {}
+        self._by_sha256: dict[str, ConfigDigest] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def digest(self, model: Config) -> ConfigDigest:
-        """The config's digest. A config seen lately is found by its whole text, which costs
-        a fraction of resolving its sections again (prepare, then before_reload)."""
-        text = model.render()
-        found = self._by_text.pop(text, None)
+    def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
+        """The config's digest. `sha256`: the digest of its effective text (Effective and
+        Generation carry it), by which a config seen lately is found without resolving its
+        sections again (prepare, then before_reload); None: a model with no such digest, whose
+        sections are still found by content."""
+        if sha256 is None:
+            return self._digest(model)
+        found = self._by_sha256.pop(sha256, None)
         if found is None:
             found = self._digest(model)
-        self._by_text[text] = found  # most recent last
-        while len(self._by_text) > self.RECENT_CONFIGS:
-            del self._by_text[next(iter(self._by_text))]
+        self._by_sha256[sha256] = found  # most recent last
+        while len(self._by_sha256) > self.RECENT_CONFIGS:
+            del self._by_sha256[next(iter(self._by_sha256))]
         return found
 
     def _digest(self, model: Config) -> ConfigDigest:
@@ -165,7 +168,7 @@ class Sections:
         used = {sd.key for d in kept for sd in d.section_set}
         self._by_key = {k: v for k, v in self._by_key.items() if k in used}
         keys = {d.key for d in kept}
-        self._by_text = {t: d for t, d in self._by_text.items() if d.key in keys}
+        self._by_sha256 = {t: d for t, d in self._by_sha256.items() if d.key in keys}
 
 
 def line_limit(model: Config | None) -> int:

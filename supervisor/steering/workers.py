@@ -18,8 +18,8 @@ import time
 from collections.abc import Coroutine
 from typing import TypeVar
 
+from ..effective import Effective
 from ..haproxy.api import CLIError, MasterCLI, ProcList, validate_name
-from ..haproxy.config import Config
 from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..settings import Settings
@@ -121,11 +121,11 @@ class OldWorkers:
             woken = self._wake.is_set()
             self._wake.clear()
 
-    async def prepare(self, next_model: Config) -> None:
+    async def prepare(self, effective: Effective) -> None:
         """Work out the next config's plans while `haproxy -c` checks it: before_reload then
         finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
         async with self._lock:
-            latest = self._digests.prepared = self._digests.of_model(next_model)
+            latest = self._digests.prepared = self._digests.of_effective(effective)
             current = self.state.current
             leaving = current.worker_pid if current is not None else None
             judged = self._judged(leaving)
@@ -134,11 +134,11 @@ class OldWorkers:
                     view = await self._live_view(latest, leaving, reuse=True)
                     await self._plan(latest, view, judged)
 
-    async def before_reload(self, next_model: Config) -> None:
+    async def before_reload(self, effective: Effective) -> None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
-        the servers `next_model` drops, before the reload is sent."""
+        the servers the next config drops, before the reload is sent."""
         current = self.state.current
-        self._next = self._digests.of_model(next_model)
+        self._next = self._digests.of_effective(effective)
         self._leaving_pid = current.worker_pid if current is not None else None
         for task in self._reads:  # the master relays one answer at a time: the pushes come first
             task.cancel()
