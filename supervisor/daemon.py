@@ -21,7 +21,8 @@ from typing import Any, Protocol
 from .controller import ControllerSockets
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .files import ensure_private_dir
-from .haproxy.api import MasterCLI, ProcList
+from .haproxy.answers import ProcList
+from .haproxy.api import MasterCLI
 from .haproxy.runtime import RuntimeApplier
 from .haproxy.stderr import ServerEvent, StderrRelay
 from .logs import setup_logging

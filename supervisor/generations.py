@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .effective import write_atomically
 from .files import ensure_private_dir
-from .haproxy.api import ProcList
+from .haproxy.answers import ProcList
 from .state import Generation, rfc3339
 
 log = logging.getLogger(__name__)

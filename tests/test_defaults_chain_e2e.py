@@ -16,7 +16,8 @@ import dataclasses
 import pytest
 
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
-from supervisor.haproxy.api import MasterCLI, parse_servers_state
+from supervisor.haproxy.answers import parse_servers_state
+from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.guard import guard_rules
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, Settings
 from supervisor.steering.mapdiff import Phase, phase_lines

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.effective import build_effective
-from supervisor.haproxy.api import MasterCLI, ProcList, parse_servers_state
+from supervisor.haproxy.answers import ProcList, parse_servers_state
+from supervisor.haproxy.api import MasterCLI
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, backends, free_port
 from tests.support.supervised import Supervised, supervised

@@ -347,7 +347,7 @@ async def test_add_server_is_sent_again_in_experimental_mode_when_haproxy_asks_f
 
 
 def held_states(*servers: tuple[str, str, int]) -> list:
-    from supervisor.haproxy.api import ServerState
+    from supervisor.haproxy.answers import ServerState
 
     return [ServerState(key.split("/")[0], key.split("/")[1], addr, port, 2, 1, 1) for key, addr, port in servers]
 

@@ -401,7 +401,7 @@ def test_refusal(command, answer, accepted):
 def test_config_disabled_flag_alone_is_not_maint():
     # Captured on 2.6.12: a `disabled` slot is admin 5; after `state ready` it serves with
     # admin 4 (the "config said disabled" flag stays); after `state maint` on a live one, 1.
-    from supervisor.haproxy.api import parse_servers_state
+    from supervisor.haproxy.answers import parse_servers_state
 
     header = (
         "1\n# be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight srv_iweight "

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
-from supervisor.haproxy.api import MasterCLI, ServerState, parse_servers_state, parse_show_proc
+from supervisor.haproxy.answers import ServerState, parse_servers_state, parse_show_proc
+from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime import RuntimeApplier
 from supervisor.haproxy.runtime.apply import apply_changes

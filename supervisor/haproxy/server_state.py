@@ -34,6 +34,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from ..files import write_atomically
+from .answers import ROW_TEXT, is_servers_state, servers_state_parts, servers_state_rows
 from .api import CLIError, MasterCLI
 from .config import Config
 from .resolution import Server, is_ip
@@ -103,39 +104,32 @@ def server_state_parts(
     """filter_server_state() in parts of `rows_per_part` rows (their concatenation is its
     answer; the first two are empty, after each config's servers are listed): a caller on
     the event loop lets it run between parts."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines or not lines[0].strip().isdigit():
+    if not is_servers_state(text):
         yield EMPTY_STATE
         return
     running_servers = running.server_map()
     yield ""
     new_servers = new.server_map()
     yield ""
-    out = [lines[0]]
-    columns: list[str] = []
+    out = [next(line for line in text.splitlines() if line.strip())]  # the format's version
+    header = ""
     forget = frozenset(forget)
-    for number, line in enumerate(lines[1:], 1):
-        if number % rows_per_part == 0:
-            yield "\n".join(out) + "\n" if out else ""
-            out = []
-        if line.startswith("# be_id"):
-            columns = line[2:].split()
-            out.append(line)
-            at = {name: columns.index(name) if name in columns else len(columns) for name in _ROW_COLUMNS}
-            i_be, i_name, i_addr, i_port = (at[name] for name in _ROW_COLUMNS)
-            continue
-        if line.startswith("#") or not columns:
-            continue
-        row = line.split()
-        row.extend([""] * (len(columns) + 1 - len(row)))  # a short row: the missing columns are ""
-        key = f"{row[i_be]}/{row[i_name]}"
-        if _carries_over(key, row[i_addr], row[i_port], running_servers, new_servers, forget):
-            out.append(line)
-    if out:
-        yield "\n".join(out) + "\n"
+    for part in servers_state_parts(text, rows_per_part):
+        for block in servers_state_rows(part, _ROW_COLUMNS):
+            if block.header != header:
+                header = block.header
+                out.append(header)
+            i_row, i_be, i_name, i_addr, i_port = (block.at.get(name, -1) for name in _ROW_COLUMNS)
+            for row in block.rows:
+                key = f"{row[i_be]}/{row[i_name]}"
+                port = row[i_port] if i_port >= 0 else ""
+                if _carries_over(key, row[i_addr], port, running_servers, new_servers, forget):
+                    out.append(row[i_row])
+        yield "\n".join(out) + "\n" if out else ""
+        out = []
 
 
-_ROW_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port")
+_ROW_COLUMNS = (ROW_TEXT, "be_name", "srv_name", "srv_addr", "srv_port")
 
 
 def clear_server_state(path: Path) -> None:
@@ -163,12 +157,11 @@ async def save_server_state(
         log.warning("cannot save server state of worker %d: %s; the new worker starts from its config", worker_pid, exc)
         write_atomically(path, EMPTY_STATE)
         return False
-    first = answer.lstrip().split("\n", 1)[0].strip()
-    if not first.isdigit():
+    if not is_servers_state(answer):
         log.warning(
             "cannot save server state of worker %d: unexpected answer %r; the new worker starts from its config",
             worker_pid,
-            first[:120],
+            answer.strip()[:120],
         )
         write_atomically(path, EMPTY_STATE)
         return False

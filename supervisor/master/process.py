@@ -15,7 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from ..haproxy.api import CLIError, MasterCLI, ProcList
+from ..haproxy.answers import ProcList
+from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.server_state import clear_server_state
 from ..haproxy.stderr import StderrRelay
 from ..notify import child_environment

@@ -15,7 +15,8 @@ from typing import Protocol
 
 from ..effective import Effective, sha256_text
 from ..generations import GenerationStore, PendingReload, Snapshot
-from ..haproxy.api import MasterCLI, ProcList
+from ..haproxy.answers import ProcList
+from ..haproxy.api import MasterCLI
 from ..haproxy.config import Config
 from ..haproxy.guard import SlotTable
 from ..logs import RecurringConditions

@@ -11,7 +11,7 @@ import psutil
 
 from ..effective import Effective, remove_stale_slot_tables, sha256_text, write_atomically, write_slot_table
 from ..generations import Snapshot, prunable, record_of
-from ..haproxy.api import Proc, ProcList
+from ..haproxy.answers import Proc, ProcList
 from ..haproxy.config import Config
 from ..state import Generation, utcnow
 from .base import LoadedConfig, ReloaderBase

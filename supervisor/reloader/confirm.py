@@ -9,7 +9,8 @@ import time
 from typing import Literal
 
 from ..effective import Effective
-from ..haproxy.api import CLIError, ProcList
+from ..haproxy.answers import ProcList
+from ..haproxy.api import CLIError
 from ..haproxy.config import Config
 from ..master.readiness import bind_ports, worker_ready
 from ..state import ReloadRecord

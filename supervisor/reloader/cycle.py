@@ -17,7 +17,8 @@ from ..effective import (
 )
 from ..gcpolicy import collector_paused, settle_after_reload
 from ..generations import PendingReload
-from ..haproxy.api import CLIError, ProcList
+from ..haproxy.answers import ProcList
+from ..haproxy.api import CLIError
 from ..haproxy.config import Config
 from ..master.readiness import bind_ports
 from ..notify import summary_line

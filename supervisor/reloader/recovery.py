@@ -20,7 +20,7 @@ from ..effective import (
     write_effective,
 )
 from ..generations import loaded_pending, plan_rebuild
-from ..haproxy.api import ProcList
+from ..haproxy.answers import ProcList
 from ..haproxy.config import Config
 from ..haproxy.guard import SLOT_TABLE_PREFIX, SlotTable
 from ..master import MasterError

@@ -22,7 +22,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..haproxy.api import DEFAULT_LINE_LIMIT, ServerState
+from ..haproxy.answers import ServerState
+from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
 from ..haproxy.resolution import Server, is_ip, section_servers

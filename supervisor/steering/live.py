@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import psutil
 
+from ..haproxy.answers import is_servers_state, servers_state_parts, show_info_by_pid
 from ..haproxy.api import CLIError, MasterCLI, on_process
 from ..state import State
-from .procs import split_show_info
 from .record import WorkerRecord
-from .states import LiveStates, LiveTally, state_parts
+from .states import LiveStates, LiveTally
 
 COST_SHARE = 20  # reads take at most 1/COST_SHARE of the time
 # Without HAProxy's lines, servers without checks are still read this often: an operator's
@@ -63,10 +63,10 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     """One worker's `show servers state`, asked for and parsed."""
     started = time.monotonic()
     answer = await cli.on(pid, "show servers state")
-    if "# be_id" not in answer:
+    if not is_servers_state(answer):
         raise CLIError(f"show servers state: no answer from worker {pid}")
     tally = LiveTally()
-    for part in state_parts(answer, STATE_ROWS_PER_PART):
+    for part in servers_state_parts(answer, STATE_ROWS_PER_PART):
         tally.add(part)
         await asyncio.sleep(0)  # a 10,000-row answer would hold the operator API up
     states = tally.result()
@@ -96,7 +96,7 @@ async def update_stats(cli: MasterCLI, state: State) -> None:
     if not pids:
         return
     answers = await cli.execute_many([on_process(pid, "show info") for pid in pids])
-    infos = split_show_info("\n".join(answers))
+    infos = show_info_by_pid("\n".join(answers))
     for pid in pids:
         record = state.old_workers.get(pid)
         if record is None:

@@ -13,7 +13,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..haproxy.api import DEFAULT_LINE_LIMIT, batch_lines, on_process, parse_show_map, validate_name
+from ..haproxy.answers import parse_show_map
+from ..haproxy.api import DEFAULT_LINE_LIMIT, batch_lines, on_process, validate_name
 from ..haproxy.guard import HOP_SEPARATOR, backend_of_key, count_key, hop_key, is_count_key, is_hop_key
 from .entries import FAIL_FAST, Entries
 

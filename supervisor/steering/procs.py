@@ -1,12 +1,12 @@
 """Pure readings of the master CLI's answers about processes: which generation each worker
-runs, `show info` answers, and the streams stuck on dead servers."""
+runs, and the streams stuck on dead servers."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 
-from ..haproxy.api import ProcList
+from ..haproxy.answers import ProcList
 from ..state import Generation
 
 
@@ -14,30 +14,6 @@ def worker_generations(procs: ProcList, generations: Mapping[int, Generation]) -
     """Every worker PID of `show proc` (current and old) -> the generation it runs, or None."""
     by_pid = {g.worker_pid: n for n, g in generations.items() if g.worker_pid is not None}
     return {p.pid: by_pid.get(p.pid) for p in (*procs.workers, *procs.old_workers)}
-
-
-def split_show_info(text: str) -> dict[int, dict[str, str]]:
-    """Answers of several `@!<pid> show info` on one line, keyed by each answer's `Pid`."""
-    result: dict[int, dict[str, str]] = {}
-    block: dict[str, str] = {}
-
-    def close() -> None:
-        pid = block.get("Pid", "")
-        if pid.isdigit():
-            result[int(pid)] = dict(block)
-
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip()
-        if key == "Name" and block:
-            close()
-            block = {}
-        block[key] = value.strip()
-    if block:
-        close()
-    return result
 
 
 # Back stream-connector states (enum sc_state in 2.6; names in some later versions) in

@@ -19,7 +19,8 @@ from collections.abc import Coroutine
 from typing import TypeVar
 
 from ..effective import Effective
-from ..haproxy.api import CLIError, MasterCLI, ProcList, validate_name
+from ..haproxy.answers import ProcList
+from ..haproxy.api import CLIError, MasterCLI, validate_name
 from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..settings import Settings

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ...state import PendingRemoval
-from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process, parse_servers_state
+from ..answers import is_servers_state, parse_servers_state
+from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process
 from ..config import Config
 from ..server_state import clear_server_state, save_server_state
 from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT, MembershipResult, apply_membership
@@ -77,7 +78,7 @@ class RuntimeApplier:
         except CLIError as exc:
             log.warning("worker %d: cannot read its servers for pending removals: %s", pid, exc)
             return []
-        if "# be_id" not in answer:
+        if not is_servers_state(answer):
             log.warning("worker %d: `show servers state` answered: %s", pid, answer.strip()[:200] or "nothing")
             return []
         keys = left_pending(parse_servers_state(answer), current.model)
@@ -167,7 +168,7 @@ class RuntimeApplier:
                 answer = await self.cli.execute(on_process(pid, f"show servers state {backend}"))
             except CLIError as exc:
                 return f"cannot read its servers: {exc}"
-            if "# be_id" not in answer:
+            if not is_servers_state(answer):
                 return f"`show servers state {backend}` answered: {answer.strip()[:200] or 'nothing'}"
             held += parse_servers_state(answer)
         # An add held in maint at the placeholder is a removal an earlier daemon left pending

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
 from ...state import PendingRemoval
-from ..api import DEFAULT_LINE_LIMIT, MasterCLI, ServerState, on_process
+from ..answers import ServerState
+from ..api import DEFAULT_LINE_LIMIT, MasterCLI, on_process
 from ..config import Config
 from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
 from .apply import deleted, send_line, send_step

@@ -8,7 +8,7 @@ import ipaddress
 import logging
 from dataclasses import dataclass, replace
 
-from ..api import ServerState
+from ..answers import ServerState
 from ..config import Config, Section
 from ..membership import ServerAdd, ServerRemove, membership
 from ..resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server

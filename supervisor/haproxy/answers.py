@@ -1,0 +1,356 @@
+"""Parsers of what the master CLI answers, one per answer: pure functions over its text,
+unit-tested on captured answers of every supported binary (tests/captured/)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+
+# ---------------------------------------------------------------- answers of a `;` line
+
+# What a command prints, as the master CLI relays it (tests/captured/answers_*.txt, from each
+# supported binary):
+# - SILENT: nothing when it took, else one line; then an empty line, on every version
+#   (`set server ... state|weight`, `enable health|agent`, `shutdown sessions server`,
+#   `add|set|del map`).
+# - ONE_LINE: always one line, then an empty line or not: 2.6 ends no `del server` answer and
+#   no `add server` refusal with one, 2.8 and later end every answer with one (`add server`,
+#   `del server`, `set server ... addr`).
+# - LISTING: lines up to an empty one (`show ...`).
+# - MASTER_MODE: the master's own mode commands print nothing at all (`experimental-mode on`).
+SILENT, ONE_LINE, LISTING, MASTER_MODE = "silent", "one line", "listing", "master mode"
+_MASTER_MODES = ("experimental-mode", "expert-mode", "mcli-debug-mode")
+
+
+def answer_shape(command: str) -> str:
+    """What `command` (as it goes on the line, `@!<pid>` prefix or not) prints (see above)."""
+    words = command.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    elif words and words[0] in _MASTER_MODES:
+        return MASTER_MODE
+    if words[:1] == ["show"]:
+        return LISTING
+    if words[:2] in (["add", "server"], ["del", "server"]):
+        return ONE_LINE
+    if words[:2] == ["set", "server"] and words[3:4] == ["addr"]:
+        return ONE_LINE
+    return SILENT
+
+
+def _readings(shape: str, lines: list[str], at: int) -> list[tuple[int, str]]:
+    """Where one command's answer may end, from line `at`, and its text: (next line, text)."""
+    end = len(lines)
+    if shape == MASTER_MODE:
+        return [(at, "")]
+    if at >= end:
+        return []
+    if shape == LISTING:
+        stop = next((i for i in range(at, end) if lines[i] == ""), end)
+        return [(min(stop + 1, end), "\n".join(lines[at:stop]))]
+    if shape == SILENT:
+        if lines[at] == "":
+            return [(at + 1, "")]
+        if at + 1 < end and lines[at + 1] == "":
+            return [(at + 2, lines[at])]
+        return [(at + 1, lines[at])] if at + 1 == end else []  # the last line, cut short
+    if lines[at] == "":
+        return []
+    readings = [(at + 1, lines[at])]
+    if at + 1 < end and lines[at + 1] == "":
+        readings.append((at + 2, lines[at]))
+    return readings
+
+
+def split_answers(text: str, commands: Sequence[str]) -> list[str] | None:
+    """One answer per command of a `;` line, read by what each command prints; None when
+    the text cannot be read as their answers, or can be read two ways.
+
+    A master-level error (`Can't find the target PID`) ends the line early, so the text no
+    longer reads as the commands' answers.
+    """
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    # Every way to read the text so far, by the line it reached: how many ways (capped at 2),
+    # and the line the last answer began at with its text, to walk back from the end.
+    ways: dict[int, int] = {0: 1}
+    steps: list[dict[int, tuple[int, str]]] = []
+    for command in commands:
+        shape = answer_shape(command)
+        following: dict[int, int] = {}
+        back: dict[int, tuple[int, str]] = {}
+        for at, count in ways.items():
+            for reached, answer in _readings(shape, lines, at):
+                following[reached] = min(2, following.get(reached, 0) + count)
+                back.setdefault(reached, (at, answer))
+        if not following:
+            return None
+        ways = following
+        steps.append(back)
+    if ways.get(len(lines)) != 1:
+        return None
+    answers: list[str] = []
+    at = len(lines)
+    for back in reversed(steps):
+        at, answer = back[at]
+        answers.append(answer)
+    answers.reverse()
+    return answers
+
+
+# ---------------------------------------------------------------- show proc
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    pid: int
+    kind: str  # master | worker | program name
+    reloads: int  # for a worker: how many reloads ago it was started
+    uptime: str
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProcList:
+    master: Proc | None
+    master_failed: int  # the master's `[failed: N]` counter
+    workers: tuple[Proc, ...]  # current worker(s)
+    old_workers: tuple[Proc, ...]
+
+    @property
+    def current_worker(self) -> Proc | None:
+        # With nbproc gone there is one current worker; the youngest if ever several.
+        return min(self.workers, key=lambda p: p.reloads) if self.workers else None
+
+
+_PROC_LINE = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)(?:\s+\[failed:\s*(\d+)\])?\s+(\S+)\s*(\S*)")
+
+
+def parse_show_proc(text: str) -> ProcList:
+    """Parse `show proc` of 2.6 to 3.x (`# programs` present or not, `# old workers` only when any)."""
+    master: Proc | None = None
+    failed = 0
+    workers: list[Proc] = []
+    old: list[Proc] = []
+    section = "master"
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            heading = stripped.lstrip("#").strip().lower()
+            if heading.startswith("<pid>") or not heading:
+                continue
+            section = {"workers": "workers", "old workers": "old", "programs": "programs"}.get(
+                heading, "other"
+            )
+            continue
+        m = _PROC_LINE.match(stripped)
+        if not m:
+            continue
+        proc = Proc(int(m[1]), m[2], int(m[3]), m[5], m[6])
+        if proc.kind == "master":
+            master = proc
+            failed = int(m[4] or 0)
+        elif section == "workers" and proc.kind == "worker":
+            workers.append(proc)
+        elif section == "old" and proc.kind == "worker":
+            old.append(proc)
+    if not workers and old:
+        # From 3.1 on the master lists as old every worker started before its last re-exec
+        # (reloads > 0), stopping or not. After a reload that failed, or before the new worker
+        # is forked, `# workers` is empty and the youngest of them still serves (`show info`:
+        # Stopping: 0): it is the current worker, never one to steer as old.
+        youngest = min(p.reloads for p in old)
+        workers = [p for p in old if p.reloads == youngest]
+        old = [p for p in old if p.reloads != youngest]
+    return ProcList(master, failed, tuple(workers), tuple(old))
+
+
+# ---------------------------------------------------------------- reload
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadAnswer:
+    success: bool | None  # None: 2.6 says nothing, confirm with show proc
+    log: str
+
+
+def parse_reload(text: str) -> ReloadAnswer:
+    """2.6 answers nothing; 2.7+ answers `Success=1|0`, a `--` line, then the startup log."""
+    stripped = text.strip()
+    if not stripped:
+        return ReloadAnswer(None, "")
+    head, _, log = stripped.partition("\n--")
+    m = re.search(r"Success=(\d)", head)
+    if not m:
+        return ReloadAnswer(None, stripped)
+    return ReloadAnswer(m[1] == "1", log.lstrip("-\n"))
+
+
+# ---------------------------------------------------------------- show info
+
+
+def show_info_by_pid(text: str) -> dict[int, dict[str, str]]:
+    """One or several `show info` answers (`@!<pid> show info` of several workers on one
+    line), keyed by each answer's `Pid`. An answer without a `Pid` line (`Can't find the
+    target PID ...`) is in none."""
+    result: dict[int, dict[str, str]] = {}
+    block: dict[str, str] = {}
+
+    def close() -> None:
+        pid = block.get("Pid", "")
+        if pid.isdigit():
+            result[int(pid)] = dict(block)
+
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = key.strip()
+        if key == "Name" and block:
+            close()
+            block = {}
+        block[key] = value.strip()
+    if block:
+        close()
+    return result
+
+
+# ---------------------------------------------------------------- show servers state
+
+# An answer (format version 1) is a version line, then per process that answers a
+# `# be_id ...` header naming the columns, then one row per server.
+_STATE_HEADER = "# be_id"
+ROW_TEXT = "row text"  # a column name for servers_state_rows(): the row as HAProxy wrote it
+
+
+def is_servers_state(text: str) -> bool:
+    """Whether `text` is a `show servers state` answer (not an error), servers or none."""
+    first = text.lstrip().split("\n", 1)[0].strip()
+    return first.isdigit() and _STATE_HEADER in text
+
+
+@dataclass(frozen=True, slots=True)
+class StateRows:
+    """The rows under one `# be_id` header: each a tuple of the wanted columns this header
+    has, `at` saying where each is in it."""
+
+    header: str  # the header line, as written
+    at: dict[str, int]
+    rows: list[tuple[str, ...]]
+
+
+def servers_state_rows(text: str, wanted: Collection[str]) -> Iterator[StateRows]:
+    """The rows of a `show servers state` answer (or of a part of one, servers_state_parts()),
+    header by header. A row is a line with one value per column of its header: one regex
+    pass (in C) over each block, so that a 10,000-server answer costs little more than the
+    loop its reader runs over the rows."""
+    start = text.find(_STATE_HEADER)
+    while start != -1:
+        end = text.find("\n", start)
+        header = text[start : end if end != -1 else len(text)]
+        columns = header[2:].split()
+        fields = r"[ \t]+".join(r"(\S+)" if c in wanted else r"\S+" for c in columns)
+        whole = ROW_TEXT in wanted
+        pattern = re.compile("^(" + fields + r"[ \t]*)$" if whole else "^" + fields + r"[ \t]*$", re.M)
+        picked = [c for c in columns if c in wanted]
+        at = {name: i + whole for i, name in enumerate(picked)}
+        if whole:
+            at[ROW_TEXT] = 0
+        following = text.find(_STATE_HEADER, start + 1)
+        block = text[end + 1 : following if following != -1 else len(text)] if end != -1 else ""
+        found = pattern.findall(block)
+        rows = found if pattern.groups > 1 else [(value,) for value in found]
+        yield StateRows(header, at, rows)
+        start = following
+
+
+def servers_state_parts(text: str, rows: int) -> Iterator[str]:
+    """`show servers state` cut into parts of at most `rows` rows, each under its header, so
+    that a big answer can be read with the event loop running in between."""
+    start = text.find(_STATE_HEADER)
+    while start != -1:
+        end = text.find("\n", start)
+        if end == -1:
+            return
+        header = text[start : end + 1]
+        following = text.find(_STATE_HEADER, end)
+        lines = text[end + 1 : following if following != -1 else len(text)].split("\n")
+        for i in range(0, len(lines), rows):
+            yield header + "\n".join(lines[i : i + rows])
+        start = following
+
+
+# srv_op_state: 0 = stopped (DOWN), 1 = starting, 2 = running, 3 = stopping.
+# srv_admin_state is a bit field: 0x01 forced maint, 0x02 inherited maint, 0x04 "config said
+# `disabled`", 0x08 forced drain, 0x10 inherited drain, 0x20 maint from DNS resolution.
+# 0x04 alone is not maint: a `disabled` server starts at 0x05 and `set server ... state
+# ready` leaves 0x04 on a server that serves (seen on 2.6.12), so it stays out of the mask.
+ADMIN_MAINT_MASK = 0x01 | 0x02 | 0x20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerState:
+    backend: str
+    name: str
+    address: str
+    port: int | None
+    op_state: int
+    admin_state: int
+    weight: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}/{self.name}"
+
+    @property
+    def in_maint(self) -> bool:
+        return bool(self.admin_state & ADMIN_MAINT_MASK)
+
+    @property
+    def down(self) -> bool:
+        return self.op_state == 0
+
+    @property
+    def alive(self) -> bool:
+        return not self.down and not self.in_maint
+
+
+_STATE_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port", "srv_op_state", "srv_admin_state", "srv_uweight")
+
+
+def parse_servers_state(text: str) -> list[ServerState]:
+    """Every server of a `show servers state` answer, one or many answers concatenated."""
+    states: list[ServerState] = []
+    for block in servers_state_rows(text, _STATE_COLUMNS):
+        at = block.at
+        i_be, i_name, i_addr, i_op = at["be_name"], at["srv_name"], at["srv_addr"], at["srv_op_state"]
+        i_admin, i_weight, i_port = at["srv_admin_state"], at["srv_uweight"], at.get("srv_port")
+        for v in block.rows:
+            port = v[i_port] if i_port is not None else ""
+            states.append(
+                ServerState(
+                    backend=v[i_be],
+                    name=v[i_name],
+                    address=v[i_addr],
+                    port=int(port) if port.isdigit() else None,
+                    op_state=int(v[i_op]),
+                    admin_state=int(v[i_admin]),
+                    weight=int(v[i_weight]),
+                )
+            )
+    return states
+
+
+# ---------------------------------------------------------------- show map
+
+
+def parse_show_map(text: str) -> list[tuple[str, str]]:
+    """`show map <file>` lines are `<ref> <key> <value>`; the answer is (key, value) pairs."""
+    entries: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[0].startswith("0x"):
+            entries.append((parts[1], parts[2]))
+    return entries
