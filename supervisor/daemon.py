@@ -23,6 +23,7 @@ from .effective import prepare_runtime_dir, remove_stale_checks
 from .files import ensure_private_dir
 from .haproxy.answers import ProcList
 from .haproxy.api import MasterCLI
+from .haproxy.names import ServerKey
 from .haproxy.runtime import RuntimeApplier
 from .haproxy.stderr import ServerEvent, StderrRelay
 from .logs import setup_logging
@@ -82,14 +83,14 @@ class DaemonActions:
 
     async def mark_dead(self, backend: str, server: str) -> None:
         # Recorded at once; the displaced-worker loop wakes and pushes within milliseconds.
-        self._displaced().mark_dead(f"{backend}/{server}")
+        self._displaced().mark_dead(ServerKey.checked(backend, server))
 
     async def unmark_dead(self, backend: str, server: str) -> None:
-        self._displaced().unmark_dead(f"{backend}/{server}")
+        self._displaced().unmark_dead(ServerKey.checked(backend, server))
 
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in the config an old worker still runs."""
-        key = f"{backend}/{server}"
+        key = ServerKey.of(backend, server)
         if self._daemon.displaced is not None:
             return self._daemon.displaced.has_server(key)
         return any(key in g.model.server_map() for g in self._daemon.state.generations.values())

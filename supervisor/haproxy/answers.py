@@ -7,6 +7,8 @@ import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
+from .names import ServerKey
+
 # ---------------------------------------------------------------- answers of a `;` line
 
 # What a command prints, as the master CLI relays it (tests/captured/answers_*.txt, from each
@@ -301,8 +303,8 @@ class ServerState:
     weight: int
 
     @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.name}"
+    def key(self) -> ServerKey:
+        return ServerKey.of(self.backend, self.name)
 
     @property
     def in_maint(self) -> bool:

@@ -23,9 +23,9 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .api import validate_name
 from .config import Config, Section
 from .guard import SLOT_TABLE_PREFIX, slot_table
+from .names import ServerKey, validate_name
 from .resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, is_ip, section_servers
 
 # Flags a fresh dynamic server starts without: `no-<flag>` after nothing that set it says
@@ -63,8 +63,8 @@ class ServerAdd:
                 raise ValueError(f"{self.key}: `{word}` cannot go on a CLI line")
 
     @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.server}"
+    def key(self) -> ServerKey:
+        return ServerKey.of(self.backend, self.server)
 
     @property
     def add_command(self) -> str:
@@ -91,8 +91,8 @@ class ServerRemove:
         validate_name("server", self.server)
 
     @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.server}"
+    def key(self) -> ServerKey:
+        return ServerKey.of(self.backend, self.server)
 
 
 def resolved_params(words: Iterable[str]) -> tuple[str, ...]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import ipaddress
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .lexer import Line
+from .names import ServerKey
 
 if TYPE_CHECKING:
     from .cache import ConfigCache
@@ -60,10 +61,11 @@ class Server:
     weight: int | None
     template: bool  # expanded from a server-template line
     line_index: int  # index into the section body of the line that declares it
+    # Made once: server_map() and the steering look it up for each of 10,000 servers.
+    key: ServerKey = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.name}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", ServerKey.of(self.backend, self.name))
 
     @property
     def endpoint(self) -> str:

@@ -37,6 +37,7 @@ from ..files import write_atomically
 from .answers import ROW_TEXT, is_servers_state, servers_state_parts, servers_state_rows
 from .api import CLIError, MasterCLI
 from .config import Config
+from .names import ServerKey
 from .resolution import Server, is_ip
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def server_state_parts(
                 out.append(header)
             i_row, i_be, i_name, i_addr, i_port = (block.at.get(name, -1) for name in _ROW_COLUMNS)
             for row in block.rows:
-                key = f"{row[i_be]}/{row[i_name]}"
+                key = ServerKey.of(row[i_be], row[i_name])
                 port = row[i_port] if i_port >= 0 else ""
                 if _carries_over(key, row[i_addr], port, running_servers, new_servers, forget):
                     out.append(row[i_row])

@@ -14,8 +14,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..haproxy.answers import parse_show_map
-from ..haproxy.api import DEFAULT_LINE_LIMIT, batch_lines, on_process, validate_name
+from ..haproxy.api import DEFAULT_LINE_LIMIT, batch_lines, on_process
 from ..haproxy.guard import HOP_SEPARATOR, backend_of_key, count_key, hop_key, is_count_key, is_hop_key
+from ..haproxy.names import validate_name
 from .entries import FAIL_FAST, Entries
 
 

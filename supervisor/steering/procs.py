@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 
 from ..haproxy.answers import ProcList
+from ..haproxy.names import ServerKey
 from ..state import Generation
 
 
@@ -31,7 +32,7 @@ def stuck_sessions(show_sess_answer: str, dead: frozenset[str]) -> list[str]:
     ids: list[str] = []
     for line in show_sess_answer.splitlines():
         m = _SESS_LINE.match(line)
-        if m and f"{m[2]}/{m[3]}" in dead and m[4] in _STUCK_STATES:
+        if m and ServerKey.of(m[2], m[3]) in dead and m[4] in _STUCK_STATES:
             ids.append(m[1])
     return ids
 

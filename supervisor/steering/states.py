@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..haproxy.answers import ADMIN_MAINT_MASK, servers_state_rows
+from ..haproxy.names import ServerKey
 
 if TYPE_CHECKING:
     from .dead import At
@@ -68,7 +69,7 @@ class LiveTally:
                     if i_fqdn is None or v[i_fqdn] == "-":
                         continue  # the usual case: nothing more to note
                     verdict = True
-                by_key[f"{v[i_be]}/{v[i_name]}"] = verdict
+                by_key[ServerKey.of(v[i_be], v[i_name])] = verdict
 
     def result(self) -> LiveStates:
         def ats(raw: set[tuple[str, str, str]]) -> frozenset[At]:

@@ -20,7 +20,8 @@ from typing import TypeVar
 
 from ..effective import Effective
 from ..haproxy.answers import ProcList
-from ..haproxy.api import CLIError, MasterCLI, validate_name
+from ..haproxy.api import CLIError, MasterCLI
+from ..haproxy.names import ServerKey
 from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..settings import Settings
@@ -176,11 +177,11 @@ class OldWorkers:
         self._wake.set()
 
     def mark_dead(self, key: str) -> None:
-        self.state.operator_dead.add(_check_key(key))
+        self.state.operator_dead.add(ServerKey.parse(key))
         self._wake.set()
 
     def unmark_dead(self, key: str) -> None:
-        self.state.operator_dead.discard(_check_key(key))
+        self.state.operator_dead.discard(ServerKey.parse(key))
         self._wake.set()
 
     @property
@@ -338,10 +339,3 @@ class OldWorkers:
             raise
         finally:
             self._reads.discard(task)
-
-
-def _check_key(key: str) -> str:
-    backend, sep, server = key.partition("/")
-    if not sep:
-        raise ValueError(f"invalid server key {key!r}: expected backend/server")
-    return f"{validate_name('backend', backend)}/{validate_name('server', server)}"
