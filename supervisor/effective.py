@@ -29,14 +29,10 @@ from .files import (
 )
 from .haproxy.cache import ConfigCache
 from .haproxy.config import Config
+from .haproxy.global_policy import RefusedGlobal, move_stats_socket, supervised_global
 from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
-from .haproxy.inject import (
-    RefusedGlobal,
-    inject_observe,
-    inject_server_state,
-    move_stats_socket,
-    supervised_global,
-)
+from .haproxy.observe import inject_observe
+from .haproxy.server_state import inject_server_state
 from .settings import Settings, SettingsError, decode_text
 from .writers import read_whole
 

@@ -15,7 +15,7 @@ import pytest
 from supervisor.effective import effective_config
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import inject_guard, slot_table
-from supervisor.haproxy.inject import inject_observe
+from supervisor.haproxy.observe import inject_observe
 from supervisor.haproxy.runtime.plan import plan_runtime_apply
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.steering.dead import Sections

@@ -12,7 +12,7 @@ from bench.config_parse import synthetic_config
 from bench.displaced_push import rendered
 from supervisor.effective import build_effective, effective_config
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_observe, observe_directive
+from supervisor.haproxy.observe import inject_observe, observe_directive
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import CORPUS, corpus_files
 from tests.support.reference_build import reference_effective

@@ -36,9 +36,10 @@ from pathlib import Path
 from ..files import write_atomically
 from .answers import ROW_TEXT, is_servers_state, servers_state_parts, servers_state_rows
 from .api import CLIError, MasterCLI
-from .config import Config
+from .config import Config, Section
+from .lexer import Line, parse_line, quote_word
 from .names import ServerKey
-from .resolution import Server, is_ip
+from .resolution import PROXY_KINDS, Server, is_ip
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,57 @@ def server_state_parts(
 
 
 _ROW_COLUMNS = (ROW_TEXT, "be_name", "srv_name", "srv_addr", "srv_port")
+
+
+def _append_line(section: Section, words: str) -> None:
+    """Add a line after the section's last code line, indented and ended like its neighbours."""
+    code = [i for i, line in enumerate(section.body) if line.words]
+    neighbour: Line | None = section.body[code[-1]] if code else section.header
+    indent = (neighbour.indent if code and neighbour is not None else "") or "    "
+    ended = [line for line in (neighbour, section.header) if line is not None and line.raw.endswith("\n")]
+    ending = "\r\n" if ended and ended[0].raw.endswith("\r\n") else "\n"
+    if neighbour is not None and not neighbour.raw.endswith("\n"):
+        # The last line of a file without a final newline must not swallow the new one.
+        fixed = parse_line(neighbour.raw + ending)
+        if code:
+            section.body[code[-1]] = fixed
+        else:
+            section.header = fixed
+    section.body.insert(code[-1] + 1 if code else 0, parse_line(f"{indent}{words}{ending}"))
+
+
+def inject_server_state(config: Config, path: Path) -> Config:
+    """Make the worker load the server state saved before a reload, unless the config already does.
+
+    `server-state-file <path>` goes into global, `load-server-state-from-file global`
+    into every defaults section (and into backends that have no defaults to inherit
+    from). Each is left out when the rendered config already uses that keyword:
+    then it manages server state itself.
+    """
+    result = config.copy()
+    if result.global_setting("server-state-file") is None:
+        global_section = next((s for s in result.sections if s.kind == "global"), None)
+        if global_section is None:
+            global_section = Section(parse_line("global\n"))
+            result.sections.insert(1, global_section)
+        _append_line(global_section, f"server-state-file {quote_word(str(path))}")
+    already_loads = any(
+        line.keyword == "load-server-state-from-file"
+        for section in result.sections
+        if section.kind in PROXY_KINDS
+        for line in section.body
+    )
+    if not already_loads:
+        # One pass: a backend inherits from some defaults once any defaults section preceded it
+        # (or it names one with `from`); only those that do not need the line of their own.
+        seen_defaults = False
+        for section in result.sections:
+            seen_defaults = seen_defaults or section.kind == "defaults"
+            if section.kind == "defaults" or (
+                section.kind in ("backend", "listen") and not seen_defaults and section.from_defaults is None
+            ):
+                _append_line(section, "load-server-state-from-file global")
+    return result
 
 
 def clear_server_state(path: Path) -> None:

@@ -27,7 +27,7 @@ from ..binary import BRIDGE_NAME
 from ..effective import sha256_text
 from ..files import UnreadableFile, read_regular, write_new
 from ..haproxy.config import Config
-from ..haproxy.inject import first_stats_socket
+from ..haproxy.global_policy import first_stats_socket
 from ..settings import Settings, SettingsError, decode_text, load_settings
 from ..statusclient import StatusFetchError, fetch_status, status_target, url_from_listen
 from ..waiting import wait_set

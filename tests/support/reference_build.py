@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.haproxy.config import SECTION_KEYWORDS, Config, Section
+from supervisor.haproxy.global_policy import supervised_global
 from supervisor.haproxy.guard import (
     _RULE_RANK,
     GUARD_MARKER,
@@ -23,8 +24,8 @@ from supervisor.haproxy.guard import (
     guard_rules,
     guard_use_server,
 )
-from supervisor.haproxy.inject import observe_directive, supervised_global
 from supervisor.haproxy.lexer import Line, quote_word
+from supervisor.haproxy.observe import observe_directive
 from supervisor.haproxy.resolution import BACKEND_KINDS, PROXY_KINDS, SERVER_KEYWORDS_WITH_ARG, template_names
 from supervisor.settings import Settings
 
