@@ -17,8 +17,8 @@ from supervisor.haproxy.answers import parse_servers_state, parse_show_map, spli
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import deleted, refusal
 from supervisor.haproxy.runtime.pending import left_pending
-from supervisor.haproxy.server_state import filter_server_state
 from supervisor.steering.states import LiveTally
+from tests.support.wholes import filter_server_state
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")

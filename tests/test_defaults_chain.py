@@ -16,11 +16,11 @@ from supervisor.effective import effective_config
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import inject_guard, slot_table
 from supervisor.haproxy.observe import inject_observe
-from supervisor.haproxy.runtime.plan import plan_runtime_apply
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.steering.dead import Sections
 from tests.conftest import CORPUS, corpus_files
 from tests.support import reference_build as reference
+from tests.support.wholes import plan_runtime_apply
 
 # The issue's example: the mode comes from two defaults up.
 CHAIN = """\

@@ -17,8 +17,8 @@ import pytest
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import apply_changes
-from supervisor.haproxy.runtime.plan import plan_runtime_apply
 from tests.support.harness import free_port
+from tests.support.wholes import plan_runtime_apply
 from tests.test_runtime_e2e import (
     HEAD,
     PLACEHOLDER,

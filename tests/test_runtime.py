@@ -10,8 +10,9 @@ import pytest
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import apply_changes, refusal
 from supervisor.haproxy.runtime.changes import ServerChange, ordered_commands
-from supervisor.haproxy.runtime.plan import config_skeleton, plan_runtime_apply, runtime_plan
+from supervisor.haproxy.runtime.plan import config_skeleton, runtime_plan
 from tests.conftest import CORPUS
+from tests.support.wholes import plan_runtime_apply, to_endpoint
 
 INGRESS = (CORPUS / "ingress.cfg").read_text()
 
@@ -163,8 +164,8 @@ def test_invalid_changes_are_refused(overrides):
 
 
 def test_host_names_are_valid_addresses():
-    assert change(to_address="pod-1.default.svc.cluster.local").to_endpoint == "pod-1.default.svc.cluster.local:8080"
-    assert change(to_address="::1", to_port=1).to_endpoint == "[::1]:1"
+    assert to_endpoint(change(to_address="pod-1.default.svc.cluster.local")) == "pod-1.default.svc.cluster.local:8080"
+    assert to_endpoint(change(to_address="::1", to_port=1)) == "[::1]:1"
 
 
 # ---------------------------------------------------------------- plan_runtime_apply

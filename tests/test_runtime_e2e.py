@@ -29,10 +29,10 @@ from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime import RuntimeApplier
 from supervisor.haproxy.runtime.apply import apply_changes
 from supervisor.haproxy.runtime.changes import ServerChange
-from supervisor.haproxy.runtime.plan import plan_runtime_apply
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, utcnow
 from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, backends, free_port
+from tests.support.wholes import plan_runtime_apply
 
 pytestmark = pytest.mark.haproxy
 

@@ -19,16 +19,8 @@ from supervisor.haproxy.answers import (
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import backend_of_key, inject_guard, slot_table
 from supervisor.state import Generation
-from supervisor.steering.dead import (
-    ConfigDigest,
-    Sections,
-    dead_groups,
-    known_dead_servers,
-    line_limit,
-    live_view,
-    summarize_states,
-)
-from supervisor.steering.entries import FAIL_FAST, steer_entries, steered_servers
+from supervisor.steering.dead import ConfigDigest, Sections, dead_groups, line_limit, live_view
+from supervisor.steering.entries import FAIL_FAST
 from supervisor.steering.mapdiff import (
     ROUTING_PHASES,
     BackendDelta,
@@ -36,17 +28,23 @@ from supervisor.steering.mapdiff import (
     answer_problem,
     backend_delta,
     delta_lines,
-    diff_map,
     diff_phases,
     is_whole_answer,
-    map_commands,
     map_entries,
     phase_lines,
 )
 from supervisor.steering.plan import Planner
 from supervisor.steering.procs import stuck_sessions, worker_generations
 from supervisor.steering.states import LiveStates, LiveTally
-from tests.support.wholes import parse_live_states
+from tests.support.wholes import (
+    diff_map,
+    known_dead_servers,
+    map_commands,
+    parse_live_states,
+    steer_entries,
+    steered_servers,
+    summarize_states,
+)
 
 MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0.map"

@@ -48,25 +48,6 @@ log = logging.getLogger(__name__)
 EMPTY_STATE = "1\n"
 
 
-def server_state_target(config: Config) -> Path | None:
-    """The file the worker of `config` loads its server state from, when it can be known.
-
-    The global `server-state-file`: absolute, or relative to an absolute
-    `server-state-base`. A relative path without a base resolves against HAProxy's
-    working directory, which is not ours to guess: None.
-    """
-    line = config.global_setting("server-state-file")
-    if line is None or len(line.words) < 2:
-        return None
-    path = Path(line.words[1])
-    if path.is_absolute():
-        return path
-    base = config.global_setting("server-state-base")
-    if base is not None and len(base.words) >= 2 and Path(base.words[1]).is_absolute():
-        return Path(base.words[1]) / path
-    return None
-
-
 def _same_ip(a: str, b: str) -> bool:
     if a == b:
         return True  # the usual case, without parsing either
@@ -93,11 +74,6 @@ def _carries_over(
     if is_ip(after.address):
         return _same_ip(address, after.address)
     return True  # a host name: the file holds what it resolved to
-
-
-def filter_server_state(text: str, running: Config, new: Config, forget: Collection[str] = ()) -> str:
-    """The saved `show servers state`, keeping only what the new worker should inherit."""
-    return "".join(server_state_parts(text, running, new, forget))
 
 
 def server_state_parts(

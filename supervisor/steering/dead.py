@@ -22,7 +22,6 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..haproxy.answers import ServerState
 from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
@@ -183,18 +182,6 @@ def line_limit(model: Config | None) -> int:
 # ---------------------------------------------------------------- the current worker's evidence
 
 
-def summarize_states(states: Iterable[ServerState]) -> LiveStates:
-    """From parsed states (no check details: op and admin state are the evidence)."""
-    down: set[At] = set()
-    up: set[At] = set()
-    by_key: dict[str, bool | None] = {}
-    for st in states:
-        where = at(st.backend, endpoint(st.address, st.port))
-        (up if st.alive else down).add(where)
-        by_key[st.key] = st.alive
-    return LiveStates(frozenset(down - up), frozenset(), by_key)
-
-
 @dataclass(frozen=True)
 class LiveView:
     """What the latest config, the current worker and the operator say, per (backend, endpoint).
@@ -298,14 +285,3 @@ def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
     for key in keys:
         groups.setdefault(key.partition("/")[0], set()).add(key)
     return {backend: frozenset(members) for backend, members in groups.items()}
-
-
-def known_dead_servers(
-    generation_model: Config, latest_model: Config, live_states: Iterable[ServerState], operator_dead: Iterable[str]
-) -> frozenset[str]:
-    """The dead servers of `generation_model` as "backend/server", straight from the models:
-    the reference the memoised plan is checked against."""
-    sections = Sections()
-    latest = sections.digest(latest_model)
-    view = live_view(latest, summarize_states(live_states), operator_dead)
-    return frozenset().union(*dead_groups(sections.digest(generation_model), latest, view).values())

@@ -10,12 +10,11 @@ entries per backend, not ten.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping
 from typing import Literal
 
-from ..haproxy.guard import count_key, is_count_key, slot_key
+from ..haproxy.guard import count_key, slot_key
 from ..haproxy.resolution import Server
-from .dead import ConfigDigest, SectionDigest, by_backend_of
+from .dead import SectionDigest
 
 NoBackup = Literal["fail-fast", "keep"]
 FAIL_FAST = "0"  # the value of `<backend>_n` that makes the guard refuse the request
@@ -67,21 +66,3 @@ def _rank(backend: str, slot: int, server: str) -> int:
     """Where `server` ranks for taking over `slot` (lowest first). The same in every process
     and after a restart, unlike hash(); spread like a random draw."""
     return zlib.crc32(f"{backend}_{slot} {server}".encode())
-
-
-def steer_entries(
-    digest: ConfigDigest, dead: Iterable[str], no_backup: NoBackup, unusable: frozenset[str] = frozenset()
-) -> dict[str, str]:
-    """The whole steer map a worker running `digest` needs, given its dead servers."""
-    entries: dict[str, str] = {}
-    for backend, keys in sorted(by_backend_of(dead).items()):
-        section = digest.sections.get(backend)
-        if section is not None:
-            entries.update(section_entries(section, keys, no_backup, unusable))
-    return entries
-
-
-def steered_servers(dead: Iterable[str], entries: Mapping[str, str]) -> list[str]:
-    """The dead servers whose backend the entries steer: what an old worker is kept away from."""
-    backends = {key.rpartition("_")[0] for key in entries if is_count_key(key)}
-    return sorted(key for key in dead if key.partition("/")[0] in backends)

@@ -36,14 +36,6 @@ class Phase:
 _valid = functools.lru_cache(maxsize=1 << 16)(validate_name)
 
 
-def diff_map(current: Mapping[str, str], desired: Mapping[str, str]) -> list[Phase]:
-    """Ordered phases that turn `current` into `desired` without exposing a half state.
-
-    The non-empty ones of diff_phases(): see there.
-    """
-    return [p for p in diff_phases(current, desired) if p]
-
-
 def diff_phases(current: Mapping[str, str], desired: Mapping[str, str]) -> tuple[Phase, Phase, Phase, Phase, Phase]:
     """The five phases, in order, that turn `current` into `desired` (some may be empty).
 
@@ -188,25 +180,6 @@ def _map_path(map_path: str) -> str:
     if not _SAFE_PATH.match(map_path):
         raise ValueError(f"invalid map path {map_path!r}")
     return map_path
-
-
-def phase_commands(pid: int, map_path: str, phase: Phase) -> list[str]:
-    """One CLI command per change, each routed to `pid`."""
-    path = _map_path(map_path)
-    return [
-        *(on_process(pid, f"set map {path} {k} {v}") for k, v in phase.sets),
-        *(on_process(pid, f"del map {path} {k}") for k in phase.dels),
-        *(on_process(pid, f"add map {path} {k} {v}") for k, v in phase.adds),
-    ]
-
-
-def map_commands(pid: int, map_path: str, current: Mapping[str, str], desired: Mapping[str, str]) -> list[str]:
-    """The whole diff as individual `set map` / `del map` / `add map` commands, in a safe order.
-
-    Idempotent: applied to a map that holds `current` it yields `desired`, and the diff
-    between `desired` and itself is empty.
-    """
-    return [cmd for phase in diff_map(current, desired) for cmd in phase_commands(pid, map_path, phase)]
 
 
 def phase_lines(

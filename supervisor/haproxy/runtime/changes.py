@@ -111,11 +111,6 @@ class ServerChange:
     def weight_changed(self) -> bool:
         return self.from_weight != self.to_weight
 
-    @property
-    def to_endpoint(self) -> str:
-        host = f"[{self.to_address}]" if ":" in self.to_address else self.to_address
-        return host if self.to_port is None else f"{host}:{self.to_port}"
-
 
 def ordered_commands(change: ServerChange) -> list[str]:
     """The CLI commands for one change, in the only order that never routes wrongly (module doc)."""

@@ -163,17 +163,6 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
     return replace(plan, adds=tuple(adds), removes=tuple(removes), present=tuple(present))
 
 
-def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | None:
-    """The in-place runtime changes that turn `running` into `new`, or None when they cannot
-    (a reload, or servers added or removed: runtime_plan() has those).
-
-    [] means nothing HAProxy sees differs (comments, spacing). Pass like with like:
-    both effective configs (or both rendered), so injections compare equal.
-    """
-    plan = runtime_plan(running, new)
-    return None if plan.membership_changes else plan.changes
-
-
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:
     """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
     old_skeleton, new_skeleton = config_skeleton(running), config_skeleton(new)
