@@ -26,11 +26,8 @@ from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
 from ..haproxy.resolution import Server, is_ip, section_servers
-from .states import LiveStates
+from .states import At, LiveStates
 
-# Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
-# strings cache their hash, and sets of thousands of them are compared on every drain.
-At = str
 DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
 
 

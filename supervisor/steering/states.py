@@ -4,13 +4,13 @@ of dead.py), parsed in parts so that a big answer never holds the event loop for
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..haproxy.answers import ADMIN_MAINT_MASK, servers_state_rows
 from ..haproxy.names import ServerKey
 
-if TYPE_CHECKING:
-    from .dead import At
+# Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
+# strings cache their hash, and sets of thousands of them are compared on every drain.
+At = str
 
 
 @dataclass(frozen=True)
