@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -91,6 +91,15 @@ class PushState:
     state: PushStateName = "pending"
     at: datetime | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class PushNews:
+    """How one old worker's push went, as the steering publishes it."""
+
+    result: PushStateName
+    error: str | None = None
+    steered: tuple[str, ...] = ()  # with "ok": the "backend/server" it is kept away from
 
 
 @dataclass
@@ -305,6 +314,63 @@ class State:
     def publish_event_loop_lag(self, lag_s: float) -> None:
         """The loop-lag monitor: the worst delay of the event loop lately."""
         self.event_loop_lag_s = lag_s
+
+    def publish_old_workers(
+        self, generations: Mapping[int, int | None], started: Mapping[int, datetime | None]
+    ) -> None:
+        """The steering: the old workers `show proc` lists, with the generation each runs;
+        `started`: when those not listed yet started (the others keep theirs)."""
+        for pid in [pid for pid in self.old_workers if pid not in generations]:
+            del self.old_workers[pid]
+        for pid, generation in generations.items():
+            record = self.old_workers.get(pid)
+            if record is None:
+                self.old_workers[pid] = OldWorker(pid, generation, started.get(pid))
+            elif record.generation is None:
+                record.generation = generation
+        self.note_old_workers()
+
+    def publish_pushes(self, pushes: Mapping[int, PushNews], failures: int = 0) -> None:
+        """The steering: how each old worker's last push went (a worker not listed as old yet
+        is left out), and how many pushes failed meanwhile."""
+        self.push_failures += failures
+        for pid, news in pushes.items():
+            record = self.old_workers.get(pid)
+            if record is None:
+                continue
+            if news.result == "ok":
+                record.steered = list(news.steered)
+                if record.push.state == "ok":
+                    continue  # keep the time of the push that made it so
+            record.push = PushState(news.result, utcnow() if news.result != "pending" else record.push.at, news.error)
+
+    def publish_push_round(self, duration_s: float) -> None:
+        """The steering: a round's pushes took this long, until the last one was answered."""
+        self.push_duration.observe(duration_s)
+
+    def publish_old_worker_stats(self, stats: Mapping[int, tuple[int | None, int | None]]) -> None:
+        """The steering: old workers' current connections and resident bytes (None: unknown,
+        the last value stays)."""
+        for pid, (connections, rss_bytes) in stats.items():
+            record = self.old_workers.get(pid)
+            if record is not None:
+                record.connections = connections if connections is not None else record.connections
+                record.rss_bytes = rss_bytes if rss_bytes is not None else record.rss_bytes
+
+    def publish_dead_servers(self, keys: Iterable[str]) -> None:
+        """The steering: every known-dead "backend/server", any reason."""
+        self.dead_servers = set(keys)
+
+    def publish_operator_dead(self, key: str, dead: bool) -> None:
+        """The steering, for the operator API: a "backend/server" marked dead, or unmarked."""
+        if dead:
+            self.operator_dead.add(key)
+        else:
+            self.operator_dead.discard(key)
+
+    def publish_state_reads(self, count: int) -> None:
+        """The steering: full `show servers state` reads it made."""
+        self.server_state_reads += count
 
     @property
     def uptime_s(self) -> float:

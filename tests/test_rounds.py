@@ -14,7 +14,7 @@ from supervisor.settings import Settings
 from supervisor.state import State
 from supervisor.steering.dead import Sections, live_view
 from supervisor.steering.plan import Planner
-from supervisor.steering.record import WorkerRecord, list_old_workers
+from supervisor.steering.record import WorkerRecord
 from supervisor.steering.rounds import PushRounds
 from supervisor.steering.states import LiveStates
 
@@ -53,7 +53,7 @@ def steered_worker(state: State) -> WorkerRecord:
     assert steering.steered == ["b/s1"]
     worker = WorkerRecord(PID, 1, held={}, pending=set())
     worker.want(steering)
-    list_old_workers(state, {PID}, {PID: 1})
+    state.publish_old_workers({PID: 1}, {PID: None})
     return worker
 
 

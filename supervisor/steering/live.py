@@ -74,20 +74,19 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     return LiveRead(pid, now, states, now - started, states.unusable())
 
 
-async def read_unusable(cli: MasterCLI, workers: Iterable[WorkerRecord], budget: int = 4) -> int:
+async def read_unusable(cli: MasterCLI, workers: Iterable[WorkerRecord], budget: int = 4) -> dict[int, LiveRead]:
     """Ask a few old workers not asked yet which servers they skip themselves (DOWN or MAINT in
     their own view): no use as targets. Not in the critical path: a worker is steered first
-    with what is known, and corrected when the answer comes. How many answered."""
+    with what is known, and corrected when the answer comes. The answers, by PID."""
 
-    async def one(worker: WorkerRecord) -> bool:
+    async def one(worker: WorkerRecord) -> LiveRead | None:
         with contextlib.suppress(CLIError):
-            read = await read_states(cli, worker.pid)
-            worker.unusable, worker.unusable_at = read.unusable, read.at
-            return True
-        return False
+            return await read_states(cli, worker.pid)
+        return None
 
     wanted = [w for w in workers if w.unusable is None and not w.current][:budget]
-    return sum(await asyncio.gather(*(one(w) for w in wanted)))
+    reads = await asyncio.gather(*(one(w) for w in wanted))
+    return {w.pid: read for w, read in zip(wanted, reads, strict=True) if read is not None}
 
 
 async def update_stats(cli: MasterCLI, state: State) -> None:
@@ -97,11 +96,11 @@ async def update_stats(cli: MasterCLI, state: State) -> None:
         return
     answers = await cli.execute_many([on_process(pid, "show info") for pid in pids])
     infos = show_info_by_pid("\n".join(answers))
+    stats: dict[int, tuple[int | None, int | None]] = {}
     for pid in pids:
-        record = state.old_workers.get(pid)
-        if record is None:
-            continue
         conns = infos.get(pid, {}).get("CurrConns", "")
-        record.connections = int(conns) if conns.isdigit() else record.connections
+        rss: int | None = None
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            record.rss_bytes = psutil.Process(pid).memory_info().rss
+            rss = psutil.Process(pid).memory_info().rss
+        stats[pid] = (int(conns) if conns.isdigit() else None, rss)
+    state.publish_old_worker_stats(stats)
