@@ -60,7 +60,7 @@ from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import Generation, State, utcnow
 from supervisor.steering import mapdiff
 from supervisor.steering.dead import Sections
-from supervisor.steering.mapdiff import map_entries
+from supervisor.steering.lines import map_entries
 from supervisor.steering.workers import OldWorkers
 from tests.support.harness import free_port, haproxy_binary, kill_tree, short_tmpdir
 from tests.support.wholes import known_dead_servers, steer_entries

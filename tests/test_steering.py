@@ -21,18 +21,8 @@ from supervisor.haproxy.guard import backend_of_key, inject_guard, slot_table
 from supervisor.state import Generation
 from supervisor.steering.dead import ConfigDigest, Sections, dead_groups, line_limit, live_view
 from supervisor.steering.entries import FAIL_FAST
-from supervisor.steering.mapdiff import (
-    ROUTING_PHASES,
-    BackendDelta,
-    Phase,
-    answer_problem,
-    backend_delta,
-    delta_lines,
-    diff_phases,
-    is_whole_answer,
-    map_entries,
-    phase_lines,
-)
+from supervisor.steering.lines import answer_problem, delta_lines, is_whole_answer, map_entries, phase_lines
+from supervisor.steering.mapdiff import ROUTING_PHASES, BackendDelta, Phase, backend_delta, diff_phases
 from supervisor.steering.plan import Planner
 from supervisor.steering.procs import stuck_sessions, worker_generations
 from supervisor.steering.states import LiveStates, LiveTally

@@ -212,3 +212,78 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
         assert len(worked_out) == 2 + 3, worked_out
         assert published == ["pushes"] * 4  # before and after the pushes, in each of the two rounds
         assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
+
+
+# ---------------------------------------------------------------- diff, then wire
+
+
+def test_diff_phases_table():
+    from supervisor.steering.mapdiff import Phase, diff_phases
+
+    # (held, wanted) -> the five phases
+    table = [
+        ({}, {}, (Phase(), Phase(), Phase(), Phase(), Phase())),
+        # newly steered: slots then count, in one payload
+        ({}, {"b_0": "s2", "b_n": "2"}, (Phase(adds=(("b_0", "s2"), ("b_n", "2"))), *[Phase()] * 4)),
+        # unsteered: the count goes first, then the override
+        ({"b_0": "s2", "b_n": "2"}, {}, (Phase(), Phase(dels=("b_n",)), Phase(), Phase(dels=("b_0",)), Phase())),
+        # the override's target dies: a hop to the new target routes at once, the override later
+        (
+            {"b_0": "s2", "b_n": "3"},
+            {"b_0": "s3", "b_1": "s3", "b_n": "3"},
+            (
+                Phase(adds=(("b_1", "s3"), ("b/s2", "s3"))),
+                Phase(),
+                Phase(),
+                Phase(sets=(("b_0", "s3"),)),
+                Phase(dels=("b/s2",)),
+            ),
+        ),
+        # refused outright (fail-fast): the count alone decides
+        (
+            {"b_0": "s2", "b_n": "2"},
+            {"b_n": "0"},
+            (Phase(), Phase(sets=(("b_n", "0"),)), Phase(), Phase(dels=("b_0",)), Phase()),
+        ),
+    ]
+    for held, wanted, phases in table:
+        assert diff_phases(held, wanted) == phases, (held, wanted)
+
+
+def test_phase_lines_table():
+    from supervisor.steering.lines import phase_lines
+    from supervisor.steering.mapdiff import Phase
+
+    m = "/run/hs/steer.map"
+    # (phase, limit, version) -> lines
+    table = [
+        (Phase(), 16000, None, []),
+        (Phase(sets=(("b_0", "s3"),), dels=("b/s2",)), 16000, None, [f"@!7 set map {m} b_0 s3;@!7 del map {m} b/s2"]),
+        (Phase(adds=(("b_0", "s2"), ("b_n", "2"))), 16000, None, [f"@!7 add map {m} <<\nb_0 s2\nb_n 2\n"]),
+        (Phase(adds=(("b_n", "1"),)), 16000, 4, [f"@!7 add map @4 {m} <<\nb_n 1\n"]),
+        # too long for one line: one command per line
+        (Phase(dels=("a_0", "b_0")), 60, None, [f"@!7 del map {m} a_0", f"@!7 del map {m} b_0"]),
+    ]
+    for phase, limit, version, lines in table:
+        assert phase_lines(7, m, phase, limit, version) == lines, phase
+    with pytest.raises(ValueError, match="invalid map path"):
+        phase_lines(7, "relative; show info", Phase(dels=("b_0",)))
+
+
+def test_answers_to_map_lines_table():
+    from supervisor.steering.lines import answer_problem, is_whole_answer, map_entries
+
+    # (line, answer) -> the problem, or None
+    table = [
+        ("@!7 del map /m a_0", "\n", None),
+        ("@!7 del map /m a_0;@!7 del map /m b_0", "\n\n", None),
+        ("@!7 del map /m a_0;@!7 del map /m b_0", "\n", "no answer to 1 of 2 commands (connection dropped)"),
+        ("@!7 del map /m a_0", "Key not found.\n", "Key not found."),
+        ("@!7 add map /m <<\na_0 s1\n", "\n", None),
+    ]
+    for line, answer, problem in table:
+        assert answer_problem(line, answer) == problem, (line, answer)
+    # `show map`: whole or cut off, and a key held twice read as "" so that a diff rewrites it
+    assert [is_whole_answer(a) for a in ("\n", "0x1 a_0 s1\n\n", "0x1 a_0 s1\n", "")] == [True, True, False, False]
+    assert map_entries("0x1 a_0 s1\n0x2 a_n 2\n\n") == {"a_0": "s1", "a_n": "2"}
+    assert map_entries("0x1 a_0 s1\n0x2 a_0 s2\n\n") == {"a_0": ""}

@@ -17,18 +17,8 @@ from dataclasses import dataclass
 
 from ..haproxy.api import CLIError, MasterCLI, on_process
 from .entries import Entries
-from .mapdiff import (
-    PHASES,
-    ROUTING_PHASES,
-    BackendDelta,
-    Phase,
-    answer_problem,
-    delta_lines,
-    is_whole_answer,
-    map_entries,
-    phase_lines,
-    valid_entry,
-)
+from .lines import answer_problem, delta_lines, is_whole_answer, map_entries, phase_lines
+from .mapdiff import PHASES, ROUTING_PHASES, BackendDelta, Phase, valid_entry
 from .plan import Steering
 from .procs import stuck_sessions
 
