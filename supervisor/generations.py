@@ -54,14 +54,14 @@ class Snapshot:
     pending: PendingReload | None = None
 
 
-def record_of(generation: Generation, inputs_sha256: str | None) -> GenerationRecord:
+def record_of(generation: Generation) -> GenerationRecord:
     return GenerationRecord(
         generation.number,
         generation.worker_pid,
         generation.effective_sha256,
         generation.rendered_sha256,
         generation.started_at,
-        inputs_sha256,
+        generation.inputs_sha256,
     )
 
 

@@ -41,9 +41,10 @@ def rfc3339(moment: datetime | None) -> str | None:
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Generation:
-    """One loaded config: generation N is what the worker started by the N-th reload runs."""
+    """One loaded config: generation N is what the worker started by the N-th reload runs.
+    A value: a runtime apply that changes what the worker runs publishes a new one."""
 
     number: int
     model: Config  # the effective config this generation's worker runs

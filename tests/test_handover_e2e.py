@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import pytest
 
@@ -100,7 +101,7 @@ async def test_control_step_synchronous_handover_gives_503s(rundir):
                 assert changes is not None and len(changes) == 2
                 result = await apply_changes(rig.cli, rig.worker, changes, phased=False)
                 assert result.ok, result.refused
-                rig.generation.model = new
+                rig.generation = replace(rig.generation, model=new)
 
             load = await hand_over(rig, ports, apply)
             await asyncio.sleep(0.1)

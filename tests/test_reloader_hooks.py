@@ -2,8 +2,8 @@
 
 prepare gets the next effective config while `haproxy -c` checks it (whatever the verdict),
 before_reload gets it again before the reload, after_reload the outcome;
-a runtime_apply that returns True replaces the reload (no new worker, the generation
-updated in place, `runtime_applied` recorded); reload_now() reloads unchanged
+a runtime_apply whose outcome is applied replaces the reload (no new worker, the same
+generation with what it now runs, `runtime_applied` recorded); reload_now() reloads unchanged
 content and returns its record.
 """
 
@@ -22,6 +22,7 @@ import pytest
 from supervisor.effective import ConfigCheck, Effective, prepare_runtime_dir, start_effective_check
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
+from supervisor.haproxy.runtime import RuntimeOutcome
 from supervisor.master import MasterProcess
 from supervisor.reloader import Reloader
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
@@ -127,10 +128,10 @@ async def running(rundir: Path, apply_at_runtime: bool):
     hooks = Recorder()
     applied: list[tuple[int, list[str]]] = []
 
-    async def runtime_apply(current: Generation, model: Config, effective: Effective) -> bool:
+    async def runtime_apply(current: Generation, model: Config, effective: Effective) -> RuntimeOutcome:
         # Stand-in for haproxy/runtime/: claims address-only changes, as the real one would plan them.
         applied.append((current.number, [f"{s.key}={s.endpoint}" for s in model.servers()]))
-        return apply_at_runtime
+        return RuntimeOutcome(True, model) if apply_at_runtime else RuntimeOutcome(False)
 
     master = MasterProcess(settings, state, cli)
     reloader = Reloader(settings, state, cli, master, hooks=hooks, runtime_apply=runtime_apply)
@@ -161,7 +162,8 @@ async def test_runtime_apply_true_replaces_the_reload(rundir: Path):
         await wait_until(lambda: state.reloads.runtime_applied == 1)
         assert applied == [(1, ["app/s1=127.0.0.1:10"])]
         current = state.current
-        assert current is first and current.number == 1 and current.worker_pid == worker
+        assert current is not None and current.number == 1 and current.worker_pid == worker
+        assert current.started_at == first.started_at, "the same generation, a new value"
         assert current.model.server_map()["app/s1"].port == 10
         effective = (rundir / "run" / "haproxy.cfg").read_text()
         assert "127.0.0.1:10" in effective and current.effective_sha256 == state.last_good_sha256

@@ -1,0 +1,57 @@
+"""What is plugged into the reloader: the displaced-worker hooks around each change, the
+runtime apply, and the server-state save before a reload."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+from ..effective import Effective
+from ..haproxy.config import Config
+from ..haproxy.runtime import RuntimeOutcome
+from ..state import Generation
+
+log = logging.getLogger(__package__)
+
+
+class ReloadHooks(Protocol):
+    """What the displaced-worker component needs around each change."""
+
+    async def prepare(self, effective: Effective) -> None: ...
+
+    async def before_reload(self, effective: Effective) -> None: ...
+
+    async def after_reload(self, ok: bool) -> None: ...
+
+    async def refresh(self) -> None: ...
+
+
+class NoHooks:
+    async def prepare(self, effective: Effective) -> None:
+        return None
+
+    async def before_reload(self, effective: Effective) -> None:
+        return None
+
+    async def after_reload(self, ok: bool) -> None:
+        return None
+
+    async def refresh(self) -> None:
+        return None
+
+
+# (current generation, new effective model, the effective config) -> what the worker now runs.
+RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[RuntimeOutcome]]
+# (current generation, next effective model, state file) -> saved. Runs just before a reload so
+# the new worker starts with the current worker's server states (maint, DOWN, weights).
+SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
+
+
+async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> None:
+    # A component's failure must not stop a reload that protects the fleet from stale configs.
+    try:
+        await getattr(hooks, name)(*args)
+    except Exception:
+        log.exception("hook %s raised", name)
