@@ -227,7 +227,7 @@ class Daemon:
         state = self.state
         applier = RuntimeApplier(
             self.cli, remove_wait_s=settings.reload.remove_wait_s, background=settings.reload.remove_in_background,
-            removals=state.pending_removals,
+            publish_removals=state.publish_pending_removals,
             current_pid=lambda: state.current.worker_pid if state.current is not None else None,
         )
         runtime_apply = applier if settings.reload.runtime_apply else None

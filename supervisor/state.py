@@ -182,7 +182,7 @@ class Convergence:
         self.transient = transient
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingRemoval:
     """A server the rendered config no longer has that the current worker still holds, because
     `del server` is refused while connections are attached to it. It is in maint at the
@@ -214,7 +214,7 @@ class State:
     generations: dict[int, Generation] = field(default_factory=dict)
     current_generation: int | None = None
     old_workers: dict[int, OldWorker] = field(default_factory=dict)
-    pending_removals: dict[str, PendingRemoval] = field(default_factory=dict)  # by backend/server
+    pending_removals: Mapping[str, PendingRemoval] = field(default_factory=dict)  # by backend/server
     reloads: ReloadStats = field(default_factory=ReloadStats)
     rendered_path: str | None = None
     rendered_sha256: str | None = None
@@ -255,6 +255,10 @@ class State:
         self.old_worker_counts.append((now, count))
 
     # ------------------------------------------------------------ publish (one owner each)
+
+    def publish_pending_removals(self, removals: Mapping[str, PendingRemoval]) -> None:
+        """The runtime applier's pending removals: what they are now, a copy."""
+        self.pending_removals = dict(removals)
 
     def publish_paths(self, rendered: str, effective: str) -> None:
         """The reloader: the rendered and effective config paths it works with."""

@@ -252,8 +252,10 @@ async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_delet
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
-    removals: dict = {}
-    applier = RuntimeApplier(cli, remove_wait_s=0.3, removals=removals, current_pid=lambda: current.worker_pid)
+    published: list[dict] = []
+    applier = RuntimeApplier(cli, remove_wait_s=0.3, current_pid=lambda: current.worker_pid,
+                             publish_removals=lambda removals: published.append(dict(removals)))
+    removals = applier.pending.removals
     assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True  # live, no reload
     assert list(removals) == ["app1/app1_r1"] and removals["app1/app1_r1"].last_answer == ATTACHED
     # Taken out before the pending state: maint, then the placeholder address.
@@ -271,6 +273,9 @@ async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_delet
         tries = cli.sent.count("del server app1/app1_r1")
         await asyncio.sleep(0.2)
         assert cli.sent.count("del server app1/app1_r1") == tries  # nothing more once deleted
+        # Each change was published: held, retried (sessions shut down along the way), deleted.
+        assert list(published[0]) == ["app1/app1_r1"] and published[-1] == {}
+        assert any(p and p["app1/app1_r1"].sessions_shut_down for p in published)
     finally:
         task.cancel()
 
@@ -281,8 +286,8 @@ async def test_a_pending_removal_ends_when_its_worker_is_no_longer_current(repla
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
-    removals: dict = {}
-    applier = RuntimeApplier(cli, removals=removals, current_pid=lambda: current.worker_pid)
+    applier = RuntimeApplier(cli, current_pid=lambda: current.worker_pid)
+    removals = applier.pending.removals
     assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True
     assert removals
     task = asyncio.get_running_loop().create_task(applier.run())
@@ -304,7 +309,7 @@ async def test_a_server_added_back_while_its_removal_is_pending_reloads_if_still
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
-    applier = RuntimeApplier(cli, removals={}, current_pid=lambda: current.worker_pid)
+    applier = RuntimeApplier(cli, current_pid=lambda: current.worker_pid)
     assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True
     current.model = new
     assert (await applier(current, old, SimpleNamespace(effective_model=old))).applied is False  # app1_r1 is back

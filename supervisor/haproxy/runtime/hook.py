@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ...state import PendingRemoval
 from ..answers import is_servers_state, parse_servers_state
 from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process
 from ..config import Config
 from ..server_state import clear_server_state, save_server_state
 from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT, MembershipResult, apply_membership
 from .apply import ApplyResult, apply_changes, deleted, send_step
-from .pending import LEFT_BY_EARLIER_DAEMON, PendingRemovals, left_pending
+from .pending import LEFT_BY_EARLIER_DAEMON, PendingRemovals, Publish, left_pending
 from .plan import RuntimePlan, completed_plan, runtime_plan
 
 log = logging.getLogger(__package__)
@@ -66,7 +65,7 @@ class RuntimeApplier:
         remove_wait_s: float = 10.0,
         *,
         background: bool = True,
-        removals: dict[str, PendingRemoval] | None = None,
+        publish_removals: Publish | None = None,
         current_pid: Callable[[], int | None] | None = None,
     ) -> None:
         self.cli = cli
@@ -78,8 +77,7 @@ class RuntimeApplier:
         # Workers this daemon has changed servers in: what they hold is what their model says.
         self._known_workers: set[int] = set()
         # Removals whose `del server` HAProxy still refuses; `run()` retries them.
-        self.pending = PendingRemovals(cli, {} if removals is None else removals, remove_wait_s, current_pid,
-                                       line_limit)
+        self.pending = PendingRemovals(cli, remove_wait_s, current_pid, line_limit, publish_removals)
 
     async def run(self) -> None:
         """The background retries of pending removals (a task for as long as the daemon runs)."""
