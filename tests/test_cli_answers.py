@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.answers import parse_servers_state, parse_show_map, split_answers
+from supervisor.haproxy.answers import parse_map_list, parse_prepare_map, parse_servers_state, parse_show_map
+from supervisor.haproxy.batch_answers import split_answers
 from supervisor.haproxy.config import Config
+from supervisor.haproxy.membership import loaded_slot_table
 from supervisor.haproxy.runtime.apply import deleted, refusal
 from supervisor.haproxy.runtime.pending import left_pending
 from supervisor.steering.states import LiveTally
@@ -112,6 +114,15 @@ def test_listings(version):
     assert parse_show_map(empty) == []
     (listed,) = split_answers(cases["show map"][1], cases["show map"][0])
     assert "(<slots>) pattern loaded from file" in listed
+    table = "/run/hs/slots-0123456789abcdef.map"  # the capture scrubbed its path
+    assert parse_map_list(listed.replace("<slots>", table)) == [table]
+    assert loaded_slot_table(listed.replace("<slots>", table)) == table
+    assert loaded_slot_table(listed.replace("<slots>", "/run/hs/steer.map")) is None
+
+
+def test_prepare_map_answers_its_version_or_an_error():
+    assert parse_prepare_map("New version created: 3\n\n") == 3
+    assert parse_prepare_map("Unknown map identifier. Please use #<id> or <file>.\n") is None
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .answers import parse_map_list
 from .config import Config, Section
 from .guard import SLOT_TABLE_PREFIX, slot_table
 from .names import ServerKey, validate_name
@@ -268,10 +269,6 @@ def slot_map_commands(path: str, held: dict[str, str], config: Config, backends:
 
 
 def loaded_slot_table(show_map: str) -> str | None:
-    """The slot table file a worker loaded, from its `show map` list
-    (`<id> (<path>) pattern loaded from file ...`)."""
-    for line in show_map.splitlines():
-        m = re.match(r"^-?\d+ \((/[A-Za-z0-9_./-]+)\) ", line)
-        if m and _SLOT_TABLE_NAME.fullmatch(m.group(1).rsplit("/", 1)[-1]):
-            return m.group(1)
-    return None
+    """The slot table file a worker loaded, from its `show map` list."""
+    tables = [path for path in parse_map_list(show_map) if _SLOT_TABLE_NAME.fullmatch(path.rsplit("/", 1)[-1])]
+    return tables[0] if tables else None

@@ -10,11 +10,11 @@ cleanly; until then the worker's map is unknown and is read before the next try.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..haproxy.answers import parse_prepare_map
 from ..haproxy.api import CLIError, MasterCLI, on_process
 from .entries import Entries
 from .lines import answer_problem, delta_lines, is_whole_answer, map_entries, phase_lines
@@ -81,10 +81,9 @@ async def push(
 async def replace_map(cli: MasterCLI, map_path: str, pid: int, entries: dict[str, str], limit: int) -> int:
     """Swap the whole map at once: a new version filled by payloads, then committed."""
     answer = await cli.on(pid, f"prepare map {map_path}")
-    m = re.search(r"New version created: (\d+)", answer)
-    if m is None:
+    version = parse_prepare_map(answer)
+    if version is None:
         raise PushError(f"worker {pid}: prepare map: {answer.strip()[:200]}")
-    version = int(m[1])
     phase = Phase(adds=tuple(valid_entry(k, v) for k, v in entries.items()))
     await send(cli, pid, phase_lines(pid, map_path, phase, limit, version=version))
     await send(cli, pid, [on_process(pid, f"commit map @{version} {map_path}")])
