@@ -9,7 +9,7 @@ import pytest
 
 from supervisor.effective import effective_config, effective_config_and_table
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import (
+from supervisor.haproxy.inject import (
     GUARD_MARKER,
     SlotTable,
     guard_block,
@@ -178,7 +178,7 @@ def _settings(runtime: Path, observe: bool) -> Settings:
 @pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
 def test_guarded_corpus_passes_haproxy_check_without_warnings(haproxy, tmp_path, path, observe):
     from supervisor.effective import prepare_runtime_dir, write_slot_table
-    from supervisor.haproxy.global_policy import supervised_global
+    from supervisor.haproxy.inject import supervised_global
 
     settings = _settings(tmp_path / "run", observe)
     prepare_runtime_dir(settings)

@@ -140,7 +140,7 @@ async def running(rundir: Path, apply_at_runtime: bool):
     patched.start()
     tasks = [asyncio.create_task(master.run()), asyncio.create_task(reloader.run())]
     try:
-        await reloader.apply_change(force=True, reason="startup")
+        await reloader.reload_now(reason="startup")  # as the daemon starts it
         await wait_until(lambda: state.current is not None)
         yield Rig(rendered, front, state, reloader, hooks, applied, cli)
     finally:

@@ -9,12 +9,12 @@ import time
 
 from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import inject_guard
+from supervisor.haproxy.inject import inject_guard
 from supervisor.settings import Settings
 from supervisor.state import State
 from supervisor.steering.dead import Sections, live_view
 from supervisor.steering.plan import Planner
-from supervisor.steering.record import WorkerRecord
+from supervisor.steering.record import WorkerRecord, list_old_workers
 from supervisor.steering.rounds import PushRounds
 from supervisor.steering.states import LiveStates
 
@@ -53,7 +53,7 @@ def steered_worker(state: State) -> WorkerRecord:
     assert steering.steered == ["b/s1"]
     worker = WorkerRecord(PID, 1, held={}, pending=set())
     worker.want(steering)
-    state.publish_old_workers({PID: 1}, {PID: None})
+    list_old_workers(state, {PID}, {PID: 1})
     return worker
 
 

@@ -12,8 +12,6 @@ import ipaddress
 from dataclasses import dataclass
 from enum import Enum
 
-from ..haproxy.names import ServerKey
-
 PAYLOAD_MARK = b"<<"
 
 
@@ -78,7 +76,7 @@ def parse_command(text: bytes) -> Command:
 
 def _key(word: bytes) -> str | None:
     backend, sep, server = word.decode(errors="replace").partition("/")
-    return ServerKey.of(backend, server) if sep and backend and server else None
+    return f"{backend}/{server}" if sep and backend and server else None
 
 
 def parse_line(line: bytes) -> list[Command]:

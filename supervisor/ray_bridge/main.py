@@ -11,6 +11,7 @@ See docs/ray-serve.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -27,10 +28,9 @@ from ..binary import BRIDGE_NAME
 from ..effective import sha256_text
 from ..files import UnreadableFile, read_regular, write_new
 from ..haproxy.config import Config
-from ..haproxy.global_policy import first_stats_socket
+from ..haproxy.inject import first_stats_socket
 from ..settings import Settings, SettingsError, decode_text, load_settings
 from ..statusclient import StatusFetchError, fetch_status, status_target, url_from_listen
-from ..waiting import wait_set
 from .admin import AdminRelay, bind_over, socket_mode
 from .argv import PassThrough, Run, UsageError, parse_argv
 from .passthrough import exec_real_binary
@@ -152,8 +152,7 @@ class Bridge:
             else:
                 url = URL(self.url)
                 opened = asyncio.open_connection(url.host, url.port)
-            async with asyncio.timeout(2.0):
-                _, writer = await opened
+            _, writer = await asyncio.wait_for(opened, 2.0)
         except TimeoutError:
             return None
         except OSError as exc:
@@ -266,7 +265,8 @@ class Bridge:
                 elif now - quiet_since >= QUIET_FOR_S:
                     log.info("soft-stopped: no old worker serves this config; exiting")
                     return 0
-            await wait_set(self.stop, SOFT_STOP_POLL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), SOFT_STOP_POLL_S)
         return 0
 
 

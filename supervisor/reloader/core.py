@@ -237,11 +237,6 @@ class Reloader:
         self._requested_by.append(reason)
         return await asyncio.shield(future)
 
-    async def apply_change(self, force: bool, reason: str) -> ReloadRecord | None:
-        """One cycle now, outside the schedule (the daemon's first, before its tasks run)."""
-        attempt = await self._attempt(force, reason)
-        return attempt.record if attempt else None
-
     async def _attempt(self, force: bool, reason: str) -> Attempt | None:
         started = time.monotonic()
         if self.master.stopping:

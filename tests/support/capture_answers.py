@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from supervisor.haproxy.answers import parse_show_proc
-from supervisor.haproxy.api import MasterCLI
+from supervisor.haproxy.api import MasterCLI, parse_show_proc
 
 CAPTURED = Path(__file__).resolve().parent.parent / "captured"
 

@@ -23,8 +23,7 @@ from typing import Any
 import psutil
 import yaml
 
-from supervisor.haproxy.answers import ProcList
-from supervisor.haproxy.api import MasterCLI
+from supervisor.haproxy.api import MasterCLI, ProcList
 from tests.support.harness import ROOT, backends, free_port, haproxy_binary, kill_tree
 
 RENDERED = """\
