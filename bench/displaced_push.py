@@ -59,11 +59,11 @@ from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import Generation, State, utcnow
 from supervisor.steering import mapdiff
-from supervisor.steering.dead import Sections, known_dead_servers
-from supervisor.steering.entries import steer_entries
-from supervisor.steering.mapdiff import map_entries
+from supervisor.steering.dead import Sections
+from supervisor.steering.lines import map_entries
 from supervisor.steering.workers import OldWorkers
 from tests.support.harness import free_port, haproxy_binary, kill_tree, short_tmpdir
+from tests.support.wholes import known_dead_servers, steer_entries
 
 PER_BACKEND = 10
 
@@ -214,7 +214,7 @@ class Bench:
         # What the reloader does: check the config, and work the steering out meanwhile.
         check = await start_effective_check(haproxy_binary(), effective, self.rundir)
         spawned = time.monotonic()
-        await displaced.prepare(model)
+        await displaced.prepare(effective)
         prepared = time.monotonic()
         valid, message = await check.verdict()
         checked = time.monotonic()
@@ -224,7 +224,7 @@ class Bench:
         check_s = checked - spawned if checked - prepared > 0.001 else 0.0
         before_pid = self.state.current.worker_pid if self.state.current else None
         push_record = displaced.last_push
-        await displaced.before_reload(model)
+        await displaced.before_reload(effective)
         steered = time.monotonic()
         # When HAProxy answered the last push of the make-before-break (bookkeeping after it excluded).
         answered = displaced.last_push["steered_at"] if displaced.last_push is not push_record else steered

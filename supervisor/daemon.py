@@ -21,7 +21,9 @@ from typing import Any, Protocol
 from .controller import ControllerSockets
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .files import ensure_private_dir
-from .haproxy.api import MasterCLI, ProcList
+from .haproxy.answers import ProcList
+from .haproxy.api import MasterCLI
+from .haproxy.names import ServerKey
 from .haproxy.runtime import RuntimeApplier
 from .haproxy.stderr import ServerEvent, StderrRelay
 from .logs import setup_logging
@@ -81,14 +83,14 @@ class DaemonActions:
 
     async def mark_dead(self, backend: str, server: str) -> None:
         # Recorded at once; the displaced-worker loop wakes and pushes within milliseconds.
-        self._displaced().mark_dead(f"{backend}/{server}")
+        self._displaced().mark_dead(ServerKey.checked(backend, server))
 
     async def unmark_dead(self, backend: str, server: str) -> None:
-        self._displaced().unmark_dead(f"{backend}/{server}")
+        self._displaced().unmark_dead(ServerKey.checked(backend, server))
 
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in the config an old worker still runs."""
-        key = f"{backend}/{server}"
+        key = ServerKey.of(backend, server)
         if self._daemon.displaced is not None:
             return self._daemon.displaced.has_server(key)
         return any(key in g.model.server_map() for g in self._daemon.state.generations.values())
@@ -204,7 +206,7 @@ class Daemon:
             log.error("controller sockets: %s", exc.strerror or exc)
             await controller.close()
             return EXIT_CRASHED
-        self.state.haproxy_version = await haproxy_version(settings.haproxy.binary)
+        self.state.publish_haproxy_version(await haproxy_version(settings.haproxy.binary))
         relay: StderrRelay | None = StderrRelay(settings.haproxy.stderr_fifo)
         try:
             relay.open()
@@ -225,7 +227,7 @@ class Daemon:
         state = self.state
         applier = RuntimeApplier(
             self.cli, remove_wait_s=settings.reload.remove_wait_s, background=settings.reload.remove_in_background,
-            removals=state.pending_removals,
+            publish_removals=state.publish_pending_removals,
             current_pid=lambda: state.current.worker_pid if state.current is not None else None,
         )
         runtime_apply = applier if settings.reload.runtime_apply else None

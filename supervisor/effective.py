@@ -27,17 +27,12 @@ from .files import (
     read_regular,
     write_atomically,
 )
+from .haproxy.cache import ConfigCache
 from .haproxy.config import Config
-from .haproxy.inject import (
-    SLOT_TABLE_PREFIX,
-    RefusedGlobal,
-    SlotTable,
-    inject_guard_and_table,
-    inject_observe,
-    inject_server_state,
-    move_stats_socket,
-    supervised_global,
-)
+from .haproxy.global_policy import RefusedGlobal, move_stats_socket, supervised_global
+from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
+from .haproxy.observe import inject_observe
+from .haproxy.server_state import inject_server_state
 from .settings import Settings, SettingsError, decode_text
 from .writers import read_whole
 
@@ -116,10 +111,17 @@ def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Co
     return config, table
 
 
-def build_effective(settings: Settings, rendered_text: str) -> Effective:
+# What the daemon's builds of consecutive rendered configs share (lines, servers, guard
+# plans): each build starts a generation of it, nothing else parses with it.
+RENDERED_CONFIGS = ConfigCache()
+
+
+def build_effective(settings: Settings, rendered_text: str, cache: ConfigCache = RENDERED_CONFIGS) -> Effective:
     """The effective config: the rendered one without the global keywords that conflict with
-    being supervised (each drop logged; RenderedConfigError for a refused one), plus injections."""
-    model = Config.parse(rendered_text)
+    being supervised (each drop logged; RenderedConfigError for a refused one), plus injections.
+    `cache`: what the builds of earlier rendered configs kept, a generation of which this one starts."""
+    cache.new_generation()
+    model = Config.parse(rendered_text, cache)
     try:
         supervised, notes = supervised_global(model, settings.haproxy.master_socket_path)
     except RefusedGlobal as exc:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .effective import write_atomically
 from .files import ensure_private_dir
-from .haproxy.api import ProcList
+from .haproxy.answers import ProcList
 from .state import Generation, rfc3339
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,14 @@ class Snapshot:
     pending: PendingReload | None = None
 
 
-def record_of(generation: Generation, inputs_sha256: str | None) -> GenerationRecord:
+def record_of(generation: Generation) -> GenerationRecord:
     return GenerationRecord(
         generation.number,
         generation.worker_pid,
         generation.effective_sha256,
         generation.rendered_sha256,
         generation.started_at,
-        inputs_sha256,
+        generation.inputs_sha256,
     )
 
 

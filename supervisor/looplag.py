@@ -30,7 +30,7 @@ class LoopLag:
             self._worst_before = self._worst_now if now - self._window_start < 2 * self.WINDOW_S else 0.0
             self._worst_now, self._window_start = 0.0, now
         self._worst_now = max(self._worst_now, lag_s)
-        self.state.event_loop_lag_s = max(self._worst_now, self._worst_before)
+        self.state.publish_event_loop_lag(max(self._worst_now, self._worst_before))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,7 +1,11 @@
-"""What the daemon knows, in one place: written by the components, read by status.
+"""What the daemon knows, in one place: a read model that each owner publishes into, and
+status only reads.
 
-Plain mutable dataclasses, touched only from the event loop, so no locks. The
-status app renders them to JSON and Prometheus; nothing here does I/O.
+A field is written only by a `publish_*` method here, each called by the one component that
+owns that fact (the master process, the reloader's generations book, ...); status, the page
+and /metrics read the fields. A `Generation` is a value: a change to what a worker runs is a
+new value published in its place. Touched only from the event loop, so no locks; nothing
+here does I/O.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -36,9 +41,10 @@ def rfc3339(moment: datetime | None) -> str | None:
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Generation:
-    """One loaded config: generation N is what the worker started by the N-th reload runs."""
+    """One loaded config: generation N is what the worker started by the N-th reload runs.
+    A value: a runtime apply that changes what the worker runs publishes a new one."""
 
     number: int
     model: Config  # the effective config this generation's worker runs
@@ -46,6 +52,7 @@ class Generation:
     rendered_sha256: str
     started_at: datetime
     worker_pid: int | None = None
+    inputs_sha256: str | None = None  # digest of the files in haproxy.watch it was loaded with
 
 
 @dataclass
@@ -85,6 +92,15 @@ class PushState:
     state: PushStateName = "pending"
     at: datetime | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class PushNews:
+    """How one old worker's push went, as the steering publishes it."""
+
+    result: PushStateName
+    error: str | None = None
+    steered: tuple[str, ...] = ()  # with "ok": the "backend/server" it is kept away from
 
 
 @dataclass
@@ -166,7 +182,7 @@ class Convergence:
         self.transient = transient
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingRemoval:
     """A server the rendered config no longer has that the current worker still holds, because
     `del server` is refused while connections are attached to it. It is in maint at the
@@ -198,7 +214,7 @@ class State:
     generations: dict[int, Generation] = field(default_factory=dict)
     current_generation: int | None = None
     old_workers: dict[int, OldWorker] = field(default_factory=dict)
-    pending_removals: dict[str, PendingRemoval] = field(default_factory=dict)  # by backend/server
+    pending_removals: Mapping[str, PendingRemoval] = field(default_factory=dict)  # by backend/server
     reloads: ReloadStats = field(default_factory=ReloadStats)
     rendered_path: str | None = None
     rendered_sha256: str | None = None
@@ -237,6 +253,129 @@ class State:
             if last == count and (now - at).total_seconds() < self.OLD_WORKER_SAMPLE_S:
                 return
         self.old_worker_counts.append((now, count))
+
+    # ------------------------------------------------------------ publish (one owner each)
+
+    def publish_pending_removals(self, removals: Mapping[str, PendingRemoval]) -> None:
+        """The runtime applier's pending removals: what they are now, a copy."""
+        self.pending_removals = dict(removals)
+
+    def publish_paths(self, rendered: str, effective: str) -> None:
+        """The reloader: the rendered and effective config paths it works with."""
+        self.rendered_path, self.effective_path = rendered, effective
+
+    def publish_rendered(self, sha256: str) -> None:
+        """The reloader: the digest of the rendered config it last read."""
+        self.rendered_sha256 = sha256
+
+    def publish_reload(self, result: ReloadResult, duration_ms: float, error: str | None = None) -> ReloadRecord:
+        """The reloader: one cycle's outcome, counted and kept in the history."""
+        return self.reloads.record(result, duration_ms, error)
+
+    def publish_generation(self, generation: Generation, *, current: bool = False) -> None:
+        """The generations book: a generation, new or a new value of one; `current` makes it the
+        current one and its config the last good one."""
+        self.generations[generation.number] = generation
+        if current:
+            self.current_generation = generation.number
+            self.last_good_sha256 = generation.effective_sha256
+
+    def publish_pruned(self, numbers: Iterable[int]) -> list[Generation]:
+        """The generations book: generations whose worker is gone; those that were known."""
+        return [g for n in numbers if (g := self.generations.pop(n, None)) is not None]
+
+    def publish_converged(self) -> None:
+        """The reloader: the current worker runs the rendered config."""
+        self.convergence.reached()
+
+    def publish_unconverged(self, reason: str, transient: bool) -> None:
+        """The reloader: the current worker does not run the rendered config, and why."""
+        self.convergence.missed(reason, transient)
+
+    def publish_next_attempt(self, at: datetime | None, attempts: int | None = None) -> None:
+        """The reloader: when it tries again to converge (None: not by itself), and how many
+        attempts that makes."""
+        self.convergence.next_attempt_at = at
+        if attempts is not None:
+            self.convergence.attempts = attempts
+
+    def publish_master_socket(self, ok: bool) -> None:
+        """The reloader: whether the master's socket is in runtime_dir."""
+        self.master_socket_ok = ok
+
+    def publish_master(self, pid: int | None, server_events: bool = False) -> None:
+        """The master process: up with `pid` (and whether its stderr feeds the daemon), or down (None)."""
+        self.master_pid, self.master_up, self.server_events = pid, pid is not None, server_events
+
+    def publish_master_restart(self) -> int:
+        """The master process: one more restart; the count."""
+        self.master_restarts += 1
+        return self.master_restarts
+
+    def publish_haproxy_version(self, version: str | None) -> None:
+        """The daemon: what `haproxy -v` says."""
+        self.haproxy_version = version
+
+    def publish_event_loop_lag(self, lag_s: float) -> None:
+        """The loop-lag monitor: the worst delay of the event loop lately."""
+        self.event_loop_lag_s = lag_s
+
+    def publish_old_workers(
+        self, generations: Mapping[int, int | None], started: Mapping[int, datetime | None]
+    ) -> None:
+        """The steering: the old workers `show proc` lists, with the generation each runs;
+        `started`: when those not listed yet started (the others keep theirs)."""
+        for pid in [pid for pid in self.old_workers if pid not in generations]:
+            del self.old_workers[pid]
+        for pid, generation in generations.items():
+            record = self.old_workers.get(pid)
+            if record is None:
+                self.old_workers[pid] = OldWorker(pid, generation, started.get(pid))
+            elif record.generation is None:
+                record.generation = generation
+        self.note_old_workers()
+
+    def publish_pushes(self, pushes: Mapping[int, PushNews], failures: int = 0) -> None:
+        """The steering: how each old worker's last push went (a worker not listed as old yet
+        is left out), and how many pushes failed meanwhile."""
+        self.push_failures += failures
+        for pid, news in pushes.items():
+            record = self.old_workers.get(pid)
+            if record is None:
+                continue
+            if news.result == "ok":
+                record.steered = list(news.steered)
+                if record.push.state == "ok":
+                    continue  # keep the time of the push that made it so
+            record.push = PushState(news.result, utcnow() if news.result != "pending" else record.push.at, news.error)
+
+    def publish_push_round(self, duration_s: float) -> None:
+        """The steering: a round's pushes took this long, until the last one was answered."""
+        self.push_duration.observe(duration_s)
+
+    def publish_old_worker_stats(self, stats: Mapping[int, tuple[int | None, int | None]]) -> None:
+        """The steering: old workers' current connections and resident bytes (None: unknown,
+        the last value stays)."""
+        for pid, (connections, rss_bytes) in stats.items():
+            record = self.old_workers.get(pid)
+            if record is not None:
+                record.connections = connections if connections is not None else record.connections
+                record.rss_bytes = rss_bytes if rss_bytes is not None else record.rss_bytes
+
+    def publish_dead_servers(self, keys: Iterable[str]) -> None:
+        """The steering: every known-dead "backend/server", any reason."""
+        self.dead_servers = set(keys)
+
+    def publish_operator_dead(self, key: str, dead: bool) -> None:
+        """The steering, for the operator API: a "backend/server" marked dead, or unmarked."""
+        if dead:
+            self.operator_dead.add(key)
+        else:
+            self.operator_dead.discard(key)
+
+    def publish_state_reads(self, count: int) -> None:
+        """The steering: full `show servers state` reads it made."""
+        self.server_state_reads += count
 
     @property
     def uptime_s(self) -> float:

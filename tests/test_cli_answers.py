@@ -13,10 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.api import parse_servers_state, parse_show_map, split_answers
+from supervisor.haproxy.answers import parse_map_list, parse_prepare_map, parse_servers_state, parse_show_map
+from supervisor.haproxy.batch_answers import split_answers
 from supervisor.haproxy.config import Config
+from supervisor.haproxy.membership import loaded_slot_table
 from supervisor.haproxy.runtime.apply import deleted, refusal
 from supervisor.haproxy.runtime.pending import left_pending
+from supervisor.steering.states import LiveTally
+from tests.support.wholes import filter_server_state
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")
@@ -110,6 +114,15 @@ def test_listings(version):
     assert parse_show_map(empty) == []
     (listed,) = split_answers(cases["show map"][1], cases["show map"][0])
     assert "(<slots>) pattern loaded from file" in listed
+    table = "/run/hs/slots-0123456789abcdef.map"  # the capture scrubbed its path
+    assert parse_map_list(listed.replace("<slots>", table)) == [table]
+    assert loaded_slot_table(listed.replace("<slots>", table)) == table
+    assert loaded_slot_table(listed.replace("<slots>", "/run/hs/steer.map")) is None
+
+
+def test_prepare_map_answers_its_version_or_an_error():
+    assert parse_prepare_map("New version created: 3\n\n") == 3
+    assert parse_prepare_map("Unknown map identifier. Please use #<id> or <file>.\n") is None
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -128,6 +141,31 @@ def test_servers_state(version, label):
     kept = ("s4", "s6", "n0", "n1", "n2", "n3")
     config = Config.parse("backend b\n" + "".join(f"    server {n} 127.0.0.1:1\n" for n in kept))
     assert left_pending(states.values(), config) == ["b/held"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_reader_of_servers_state_reads_the_same_servers(version):
+    """The runtime path (parse_servers_state), the steering (LiveTally) and the state handed
+    to the next worker (server_state_parts) read one answer through one parser: the same
+    servers, on every version, and a row cut short (an answer that ends mid-row) is a
+    server to none of them. Control: before they shared it, the hand-over padded a short
+    row and kept it, which the other two dropped."""
+    commands, text = captured_cases(version)["show servers state"]
+    (answer,) = split_answers(text, commands)
+    answer = answer.replace("<port>", "8080") + "\n"  # the capture scrubbed its ports
+    cut = answer.rstrip("\n").rsplit(" ", 6)[0] + "\n"  # its last row without its last columns
+    servers = parse_servers_state(answer)
+    assert len(servers) == 7
+    # A config that gives each server the address and port it has: every one is handed over.
+    config = Config.parse("backend b\n" + "".join(f"    server {s.name} {s.address}:{s.port}\n" for s in servers))
+    for text, count in ((answer, 7), (cut, 6)):
+        parsed = sorted(s.key for s in parse_servers_state(text))
+        tally = LiveTally()
+        tally.add(text.replace(" 127.0.0.1 2 ", " 127.0.0.1 0 "))  # every server DOWN: each one noted
+        handed = filter_server_state(text, config, config).splitlines()[2:]
+        assert len(parsed) == count
+        assert sorted(tally.result().alive_by_key) == parsed
+        assert sorted(f"b/{line.split()[3]}" for line in handed) == parsed
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -6,7 +6,10 @@ import random
 
 import pytest
 
-from supervisor.haproxy.config import Config, parse_line, split_address, template_names
+from supervisor.haproxy.cache import ConfigCache
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.lexer import parse_line
+from supervisor.haproxy.resolution import split_address, template_names
 from tests.conftest import corpus_files
 from tests.support import reference_build as reference
 
@@ -101,8 +104,8 @@ def test_named_defaults_with_from():
     config = Config.parse(text)
     servers = config.server_map()
     assert servers["x/x1"].check and not servers["y/y1"].check
-    assert config.mode_of(config.backend("x")) == "http"
-    assert config.mode_of(config.backend("y")) == "tcp"
+    assert config.settings_of(config.backend("x")).mode == "http"
+    assert config.settings_of(config.backend("y")).mode == "tcp"
 
 
 def test_argument_words_are_not_flags():
@@ -221,11 +224,25 @@ def test_same_backend_body_gives_the_servers_of_its_name_and_defaults():
 
 def test_caches_keep_only_what_the_last_two_parses_used():
     """Memory stays bounded however many configs the daemon reads: entries of older parses go."""
-    from supervisor.haproxy import config as model
-
+    cache = ConfigCache()
     for i in range(5):
-        Config.parse(f"backend b{i}\n  server s 127.0.0.1:{i}\n").server_flags_by_backend()
-    lines = set(model._LINES.current) | set(model._LINES.previous)
+        cache.new_generation()
+        Config.parse(f"backend b{i}\n  server s 127.0.0.1:{i}\n", cache).server_flags_by_backend()
+    lines = set(cache.lines.current) | set(cache.lines.previous)
     assert lines == {"backend b3\n", "  server s 127.0.0.1:3\n", "backend b4\n", "  server s 127.0.0.1:4\n"}
-    bodies = {body for _, body in [*model._SERVER_FLAGS.current, *model._SERVER_FLAGS.previous]}
+    bodies = {body for _, body in [*cache.server_flags.current, *cache.server_flags.previous]}
     assert bodies == {"  server s 127.0.0.1:3\n", "  server s 127.0.0.1:4\n"}
+
+
+def test_a_parse_without_the_cache_leaves_it_as_it_was():
+    """Only its owner starts a generation of a cache: parses elsewhere (a readiness check, the
+    Ray bridge, an adoption) neither evict what the last builds kept nor fill it."""
+    cache = ConfigCache()
+    cache.new_generation()
+    kept = Config.parse("backend kept\n  server s 127.0.0.1:1\n", cache)
+    kept.servers()
+    for i in range(3):
+        Config.parse(f"backend other{i}\n  server s 127.0.0.1:{i}\n").servers()
+    assert set(cache.lines.current) == {"backend kept\n", "  server s 127.0.0.1:1\n"}
+    assert [key[0] for key in cache.section_servers.current] == ["kept"]
+    assert kept.copy().cache is cache  # an injection's copy keeps filling its parse's cache

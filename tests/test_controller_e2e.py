@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.api import ProcList
+from supervisor.haproxy.answers import ProcList
 from tests.support.controller import add_map_payload, disable, enable, sync_line, wrap
 from tests.support.daemon import Daemon
 from tests.support.harness import Backend, KeepAliveClient, backends, free_port

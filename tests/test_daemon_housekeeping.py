@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.effective import load_effective
-from supervisor.haproxy.api import CLIError, ProcList
+from supervisor.haproxy.answers import ProcList
+from supervisor.haproxy.api import CLIError
 from supervisor.settings import load_settings
 from tests.support.daemon import one_backend, write_atomic
 from tests.support.daemon import tagged_config as config

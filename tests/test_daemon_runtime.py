@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.haproxy.api import parse_servers_state
+from supervisor.haproxy.answers import parse_servers_state
 from tests.support.harness import free_port
 from tests.test_runtime_e2e import HEAD, LogReceiver, daemon_applies_under_load, pods, rolling_body, rolling_deployment
 from tests.test_runtime_e2e import initial_assignment as first_assignment

@@ -14,12 +14,13 @@ import pytest
 
 from supervisor.effective import effective_config
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_guard, inject_observe, slot_table
-from supervisor.haproxy.runtime.plan import plan_runtime_apply
+from supervisor.haproxy.guard import slot_table
+from supervisor.haproxy.observe import inject_observe
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.steering.dead import Sections
 from tests.conftest import CORPUS, corpus_files
 from tests.support import reference_build as reference
+from tests.support.wholes import inject_guard, plan_runtime_apply
 
 # The issue's example: the mode comes from two defaults up.
 CHAIN = """\
@@ -55,7 +56,7 @@ def settings_of(text: str, name: str):
 def test_mode_follows_a_from_chain():
     assert settings_of(CHAIN, "be").mode == "http"
     config = Config.parse(CHAIN)
-    assert config.mode_of(config.backend("be")) == "http"
+    assert config.settings_of(config.backend("be")).mode == "http"
 
 
 def test_guard_flavour_follows_the_chain():
@@ -101,7 +102,7 @@ def test_defaults_from_without_a_name_and_the_last_line_wins():
         "backend b\n    mode tcp\n    mode http\n    server s 127.0.0.1:1\n    server t 127.0.0.1:2 no-backup\n"
     )
     config = Config.parse(text)
-    assert config.mode_of(config.backend("b")) == "http"
+    assert config.settings_of(config.backend("b")).mode == "http"
     servers = config.server_map()
     assert (servers["b/s"].backup, servers["b/s"].weight) == (True, 7)
     assert (servers["b/t"].backup, servers["b/t"].weight) == (False, 7)

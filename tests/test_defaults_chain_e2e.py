@@ -16,10 +16,12 @@ import dataclasses
 import pytest
 
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
-from supervisor.haproxy.api import MasterCLI, parse_servers_state
-from supervisor.haproxy.inject import guard_rules
+from supervisor.haproxy.answers import parse_servers_state
+from supervisor.haproxy.api import MasterCLI
+from supervisor.haproxy.guard import guard_rules
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, Settings
-from supervisor.steering.mapdiff import Phase, phase_lines
+from supervisor.steering.lines import phase_lines
+from supervisor.steering.mapdiff import Phase
 from tests.support.harness import HAProxyMaster, KeepAliveClient, backends, free_port
 from tests.test_observe_e2e import drain_on_old_worker
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.effective import build_effective
-from supervisor.haproxy.api import MasterCLI, ProcList, parse_servers_state
-from supervisor.haproxy.config import Config
+from supervisor.haproxy.answers import ProcList, parse_servers_state
+from supervisor.haproxy.api import MasterCLI
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, backends, free_port
 from tests.support.supervised import Supervised, supervised
@@ -202,9 +202,9 @@ async def test_make_before_break_and_undo_after_a_failed_reload(rundir):
     async with old_worker(rundir, lambda p: server_lines(p, ["r1", "r2"])) as env:
         sup = env.sup
         current = sup.current_pid
-        next_model = Config.parse(build_effective(sup.settings, env.rendered(server_lines(env.ports, ["r2"]))).text)
+        effective = build_effective(sup.settings, env.rendered(server_lines(env.ports, ["r2"])))
         started = time.monotonic()
-        await sup.displaced.before_reload(next_model)
+        await sup.displaced.before_reload(effective)
         # Before any reload, the worker about to become old already avoids the dropped r1
         # (and so does the older one).
         assert await sup.map_of(current) == {"app_0": "r2", "app_n": "2"}
@@ -230,17 +230,17 @@ async def test_prepare_steers_nothing_and_before_reload_steers_the_same_either_w
         sup = env.sup
         current = sup.current_pid
         for prepared in (True, False):
-            # A new Config object each time: plans are found by content, not by object.
-            next_model = Config.parse(build_effective(sup.settings, env.rendered(server_lines(env.ports, ["r2"]))).text)
+            # A new Effective each time: plans are found by content, not by object.
+            effective = build_effective(sup.settings, env.rendered(server_lines(env.ports, ["r2"])))
             if prepared:
-                await sup.displaced.prepare(next_model)
+                await sup.displaced.prepare(effective)
                 await sup.displaced.sync()
                 await sup.displaced.sync()
                 # Nothing steered: not the old worker, not the one that would become old.
                 assert await sup.map_of(current) == {}
                 assert await sup.map_of(env.old_pid) == {}
                 assert "app/r1" not in sup.state.dead_servers
-            await sup.displaced.before_reload(next_model)
+            await sup.displaced.before_reload(effective)
             assert await sup.map_of(current) == {"app_0": "r2", "app_n": "2"}
             assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
             await sup.displaced.after_reload(False)  # the reload failed: back as it was

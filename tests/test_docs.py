@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.inject import guard_block
+from tests.support.wholes import guard_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -9,8 +9,8 @@ from pathlib import Path
 from supervisor.effective import build_effective
 from supervisor.gcpolicy import collector_paused, settle_after_reload
 from supervisor.settings import HAProxySettings, Settings
-from supervisor.steering.dead import Sections, known_dead_servers
-from supervisor.steering.entries import steer_entries
+from supervisor.steering.dead import Sections
+from tests.support.wholes import known_dead_servers, steer_entries
 
 CORPUS = Path(__file__).parent / "corpus"
 

@@ -18,7 +18,7 @@ from supervisor.generations import (
     plan_rebuild,
     prunable,
 )
-from supervisor.haproxy.api import Proc, ProcList, parse_show_proc
+from supervisor.haproxy.answers import Proc, ProcList, parse_show_proc
 from supervisor.haproxy.config import Config
 from supervisor.state import Generation
 

@@ -19,7 +19,7 @@ import pytest
 from supervisor.cli import main
 from supervisor.effective import RenderedConfigError, build_effective
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import RefusedGlobal, supervised_global
+from supervisor.haproxy.global_policy import RefusedGlobal, supervised_global
 from supervisor.master.process import master_command
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from tests.support.daemon import http_get

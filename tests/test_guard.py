@@ -9,15 +9,7 @@ import pytest
 
 from supervisor.effective import effective_config, effective_config_and_table
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import (
-    GUARD_MARKER,
-    SlotTable,
-    guard_block,
-    guarded_backends,
-    inject_guard,
-    slot_table,
-    slot_table_text,
-)
+from supervisor.haproxy.guard import GUARD_MARKER, SlotTable, slot_table, slot_table_text
 from supervisor.settings import (
     HAProxySettings,
     ObserveSettings,
@@ -27,6 +19,7 @@ from supervisor.settings import (
     SettingsError,
 )
 from tests.conftest import CORPUS, corpus_files
+from tests.support.wholes import guard_block, guarded_backends, inject_guard
 
 MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0123456789abcdef.map"
@@ -178,7 +171,7 @@ def _settings(runtime: Path, observe: bool) -> Settings:
 @pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
 def test_guarded_corpus_passes_haproxy_check_without_warnings(haproxy, tmp_path, path, observe):
     from supervisor.effective import prepare_runtime_dir, write_slot_table
-    from supervisor.haproxy.inject import supervised_global
+    from supervisor.haproxy.global_policy import supervised_global
 
     settings = _settings(tmp_path / "run", observe)
     prepare_runtime_dir(settings)

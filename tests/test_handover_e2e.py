@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import pytest
 
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import apply_changes
-from supervisor.haproxy.runtime.plan import plan_runtime_apply
 from tests.support.harness import free_port
+from tests.support.wholes import plan_runtime_apply
 from tests.test_runtime_e2e import (
     HEAD,
     PLACEHOLDER,
@@ -100,7 +101,7 @@ async def test_control_step_synchronous_handover_gives_503s(rundir):
                 assert changes is not None and len(changes) == 2
                 result = await apply_changes(rig.cli, rig.worker, changes, phased=False)
                 assert result.ok, result.refused
-                rig.generation.model = new
+                rig.generation = replace(rig.generation, model=new)
 
             load = await hand_over(rig, ports, apply)
             await asyncio.sleep(0.1)

@@ -12,7 +12,7 @@ from bench.config_parse import synthetic_config
 from bench.displaced_push import rendered
 from supervisor.effective import build_effective, effective_config
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_observe, observe_directive
+from supervisor.haproxy.observe import inject_observe, observe_directive
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import CORPUS, corpus_files
 from tests.support.reference_build import reference_effective
@@ -196,7 +196,7 @@ def test_guard_plans_kept_from_earlier_builds_give_what_a_cold_build_gives(tmp_p
     starts cold, even where the edit sits in a section the last build had planned."""
     import random
 
-    from supervisor.haproxy.config import clear_caches
+    from supervisor.haproxy.cache import ConfigCache
     from supervisor.settings import HAProxySettings, Settings
 
     settings = Settings(haproxy=HAProxySettings(runtime_dir=tmp_path))
@@ -208,6 +208,7 @@ def test_guard_plans_kept_from_earlier_builds_give_what_a_cold_build_gives(tmp_p
         "    server extra 10.1.1.1:80 backup\n", "    default-server backup\n",
     ]
     checked = 0
+    kept = ConfigCache()
     for text in corpus:
         lines = text.splitlines(keepends=True)
         for _ in range(20):
@@ -222,12 +223,11 @@ def test_guard_plans_kept_from_earlier_builds_give_what_a_cold_build_gives(tmp_p
                 edited.insert(i, edited[i])
             variant = "".join(edited)
             try:
-                build_effective(settings, text)  # plans of the unedited config are kept
-                warm = build_effective(settings, variant)
+                build_effective(settings, text, kept)  # plans of the unedited config are kept
+                warm = build_effective(settings, variant, kept)
             except Exception:
                 continue  # an edit our parser refuses is no case for this test
-            clear_caches()
-            cold = build_effective(settings, variant)
+            cold = build_effective(settings, variant, ConfigCache())
             assert warm.text == cold.text
             assert warm.slot_table == cold.slot_table
             checked += 1
@@ -236,7 +236,6 @@ def test_guard_plans_kept_from_earlier_builds_give_what_a_cold_build_gives(tmp_p
     body = "backend b\n    tcp-request content accept\n    http-request deny if { path /x }\n"
     body += "    server s1 10.0.0.1:80\n"
     texts = [f"defaults\n    mode {mode}\n{body}" for mode in ("http", "tcp")]
-    build_effective(settings, texts[0])
-    warm = build_effective(settings, texts[1])
-    clear_caches()
-    assert warm.text == build_effective(settings, texts[1]).text
+    build_effective(settings, texts[0], kept)
+    warm = build_effective(settings, texts[1], kept)
+    assert warm.text == build_effective(settings, texts[1], ConfigCache()).text

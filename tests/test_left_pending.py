@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.haproxy.api import ServerState
+from supervisor.haproxy.answers import ServerState
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.pending import left_pending
 

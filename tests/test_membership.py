@@ -12,8 +12,9 @@ import pytest
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.membership import loaded_slot_table, resolved_params, slot_map_commands
-from supervisor.haproxy.runtime.plan import plan_runtime_apply, runtime_plan
+from supervisor.haproxy.runtime.plan import runtime_plan
 from supervisor.settings import HAProxySettings, Settings
+from tests.support.wholes import plan_runtime_apply
 
 RAY = """\
 global
@@ -236,8 +237,9 @@ async def test_without_background_removals_a_del_server_refused_to_the_end_reloa
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
     applier = RuntimeApplier(cli, remove_wait_s=0.1, background=False)
-    assert await applier(current, new, SimpleNamespace(effective_model=new)) is False
-    assert current.model is new  # the added server is in service: the worker runs it
+    outcome = await applier(current, new, SimpleNamespace(effective_model=new))
+    assert outcome.applied is False
+    assert outcome.runs is new  # the added server is in service: the worker runs it
     assert "shutdown sessions server app1/app1_r1" in cli.sent
     assert cli.sent.index("set server app1/app1_r3 state ready") < cli.sent.index("set server app1/app1_r1 state maint")
 
@@ -250,9 +252,11 @@ async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_delet
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
-    removals: dict = {}
-    applier = RuntimeApplier(cli, remove_wait_s=0.3, removals=removals, current_pid=lambda: current.worker_pid)
-    assert await applier(current, new, SimpleNamespace(effective_model=new)) is True  # live, no reload
+    published: list[dict] = []
+    applier = RuntimeApplier(cli, remove_wait_s=0.3, current_pid=lambda: current.worker_pid,
+                             publish_removals=lambda removals: published.append(dict(removals)))
+    removals = applier.pending.removals
+    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True  # live, no reload
     assert list(removals) == ["app1/app1_r1"] and removals["app1/app1_r1"].last_answer == ATTACHED
     # Taken out before the pending state: maint, then the placeholder address.
     assert cli.sent.index("set server app1/app1_r1 state maint") < cli.sent.index(
@@ -269,6 +273,9 @@ async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_delet
         tries = cli.sent.count("del server app1/app1_r1")
         await asyncio.sleep(0.2)
         assert cli.sent.count("del server app1/app1_r1") == tries  # nothing more once deleted
+        # Each change was published: held, retried (sessions shut down along the way), deleted.
+        assert list(published[0]) == ["app1/app1_r1"] and published[-1] == {}
+        assert any(p and p["app1/app1_r1"].sessions_shut_down for p in published)
     finally:
         task.cancel()
 
@@ -279,9 +286,9 @@ async def test_a_pending_removal_ends_when_its_worker_is_no_longer_current(repla
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
-    removals: dict = {}
-    applier = RuntimeApplier(cli, removals=removals, current_pid=lambda: current.worker_pid)
-    assert await applier(current, new, SimpleNamespace(effective_model=new)) is True
+    applier = RuntimeApplier(cli, current_pid=lambda: current.worker_pid)
+    removals = applier.pending.removals
+    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True
     assert removals
     task = asyncio.get_running_loop().create_task(applier.run())
     try:
@@ -302,12 +309,13 @@ async def test_a_server_added_back_while_its_removal_is_pending_reloads_if_still
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
-    applier = RuntimeApplier(cli, removals={}, current_pid=lambda: current.worker_pid)
-    assert await applier(current, new, SimpleNamespace(effective_model=new)) is True
+    applier = RuntimeApplier(cli, current_pid=lambda: current.worker_pid)
+    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True
     current.model = new
-    assert await applier(current, old, SimpleNamespace(effective_model=old)) is False  # app1_r1 is back
+    assert (await applier(current, old, SimpleNamespace(effective_model=old))).applied is False  # app1_r1 is back
     cli.answers["del server"] = "Server deleted."
-    assert await applier(current, old, SimpleNamespace(effective_model=old)) is True  # deleted first, then added
+    # Deleted first, then added.
+    assert (await applier(current, old, SimpleNamespace(effective_model=old))).applied is True
 
 
 async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replaced):
@@ -322,8 +330,9 @@ async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replace
         "del server": "Server deleted.",
     })
     current = SimpleNamespace(model=old, worker_pid=42)
-    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is False
-    assert current.model is old
+    outcome = await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))
+    assert outcome.applied is False
+    assert current.model is old and outcome.runs is None
     assert "del server app1/app1_r3" in cli.sent  # taken back
     assert not any(c.startswith(("del server app1/app1_r1", "set server app1/app1_r1")) for c in cli.sent)
 
@@ -337,7 +346,7 @@ async def test_add_server_is_sent_again_in_experimental_mode_when_haproxy_asks_f
         experimental="This command is restricted to experimental mode only.",
     )
     current = SimpleNamespace(model=old, worker_pid=42)
-    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is True
+    assert (await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))).applied is True
     add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert cli.sent[:3] == [add, "experimental-mode on", add]
     assert "del server app1/app1_r1" in cli.sent
@@ -347,7 +356,7 @@ async def test_add_server_is_sent_again_in_experimental_mode_when_haproxy_asks_f
 
 
 def held_states(*servers: tuple[str, str, int]) -> list:
-    from supervisor.haproxy.api import ServerState
+    from supervisor.haproxy.answers import ServerState
 
     return [ServerState(key.split("/")[0], key.split("/")[1], addr, port, 2, 1, 1) for key, addr, port in servers]
 
@@ -423,7 +432,7 @@ async def test_a_change_a_killed_daemon_began_is_completed_at_runtime(replaced):
         "del server": "Server deleted.",
     })
     current = SimpleNamespace(model=old, worker_pid=42)
-    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is True
+    assert (await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))).applied is True
     assert "show servers state app1" in cli.sent
     assert cli.sent.count("add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check") == 1  # not twice
     assert "set server app1/app1_r3 state ready" in cli.sent and "del server app1/app1_r1" in cli.sent
@@ -438,7 +447,7 @@ async def test_control_a_worker_this_daemon_changed_is_not_read_again(replaced):
     applier = RuntimeApplier(cli)
     current = SimpleNamespace(model=old, worker_pid=42)
     applier._known_workers.add(42)
-    assert await applier(current, new, SimpleNamespace(effective_model=new)) is False
+    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is False
     assert "show servers state app1" not in cli.sent
 
 
@@ -472,7 +481,7 @@ async def test_a_name_added_back_over_a_removal_left_at_the_placeholder_is_delet
         "del server": "Server deleted.",
     })
     current = SimpleNamespace(model=old, worker_pid=42)
-    assert await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new)) is True
+    assert (await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))).applied is True
     add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert cli.sent.index("del server app1/app1_r3") < len(cli.sent) - 1 - cli.sent[::-1].index(add)
     assert cli.sent.count(add) == 2  # refused, then added once the leftover was deleted

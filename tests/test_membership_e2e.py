@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.api import parse_show_map
+from supervisor.haproxy.answers import parse_show_map
 from supervisor.haproxy.membership import loaded_slot_table
 from tests.support.daemon import Daemon, daemons
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir

@@ -10,7 +10,7 @@ import pytest
 
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import move_stats_socket
+from supervisor.haproxy.global_policy import move_stats_socket
 from supervisor.settings import HAProxySettings, Settings, SettingsError, load_settings
 from tests.conftest import CORPUS
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.api import parse_show_proc
+from supervisor.haproxy.answers import parse_show_proc
 from supervisor.reloader.bookkeeping import old_workers_over_max
 from supervisor.reloader.confirm import confirm_reload
 from supervisor.reloader.convergence import runs_goal

@@ -9,14 +9,14 @@ import time
 
 from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_guard
 from supervisor.settings import Settings
 from supervisor.state import State
 from supervisor.steering.dead import Sections, live_view
 from supervisor.steering.plan import Planner
-from supervisor.steering.record import WorkerRecord, list_old_workers
+from supervisor.steering.record import WorkerRecord
 from supervisor.steering.rounds import PushRounds
 from supervisor.steering.states import LiveStates
+from tests.support.wholes import inject_guard
 
 PID = 999_999_999  # no such process: the old worker's record has no start time
 RUNS = "defaults\n  mode http\nbackend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n"
@@ -53,7 +53,7 @@ def steered_worker(state: State) -> WorkerRecord:
     assert steering.steered == ["b/s1"]
     worker = WorkerRecord(PID, 1, held={}, pending=set())
     worker.want(steering)
-    list_old_workers(state, {PID}, {PID: 1})
+    state.publish_old_workers({PID: 1}, {PID: None})
     return worker
 
 

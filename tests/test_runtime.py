@@ -10,8 +10,9 @@ import pytest
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import apply_changes, refusal
 from supervisor.haproxy.runtime.changes import ServerChange, ordered_commands
-from supervisor.haproxy.runtime.plan import config_skeleton, plan_runtime_apply, runtime_plan
+from supervisor.haproxy.runtime.plan import config_skeleton, runtime_plan
 from tests.conftest import CORPUS
+from tests.support.wholes import plan_runtime_apply, to_endpoint
 
 INGRESS = (CORPUS / "ingress.cfg").read_text()
 
@@ -163,8 +164,8 @@ def test_invalid_changes_are_refused(overrides):
 
 
 def test_host_names_are_valid_addresses():
-    assert change(to_address="pod-1.default.svc.cluster.local").to_endpoint == "pod-1.default.svc.cluster.local:8080"
-    assert change(to_address="::1", to_port=1).to_endpoint == "[::1]:1"
+    assert to_endpoint(change(to_address="pod-1.default.svc.cluster.local")) == "pod-1.default.svc.cluster.local:8080"
+    assert to_endpoint(change(to_address="::1", to_port=1)) == "[::1]:1"
 
 
 # ---------------------------------------------------------------- plan_runtime_apply
@@ -401,7 +402,7 @@ def test_refusal(command, answer, accepted):
 def test_config_disabled_flag_alone_is_not_maint():
     # Captured on 2.6.12: a `disabled` slot is admin 5; after `state ready` it serves with
     # admin 4 (the "config said disabled" flag stays); after `state maint` on a live one, 1.
-    from supervisor.haproxy.api import parse_servers_state
+    from supervisor.haproxy.answers import parse_servers_state
 
     header = (
         "1\n# be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight srv_iweight "

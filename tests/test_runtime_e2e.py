@@ -17,21 +17,22 @@ import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
-from supervisor.haproxy.api import MasterCLI, ServerState, parse_servers_state, parse_show_proc
+from supervisor.haproxy.answers import ServerState, parse_servers_state, parse_show_proc
+from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime import RuntimeApplier
 from supervisor.haproxy.runtime.apply import apply_changes
 from supervisor.haproxy.runtime.changes import ServerChange
-from supervisor.haproxy.runtime.plan import plan_runtime_apply
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, utcnow
 from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, backends, free_port
+from tests.support.wholes import plan_runtime_apply
 
 pytestmark = pytest.mark.haproxy
 
@@ -116,12 +117,12 @@ class Rig:
         """What the reloader does with the runtime_apply hook: apply, then write and adopt the config."""
         effective = build_effective(self.settings, rendered)
         new_model = Config.parse(effective.text)
-        if not await self.applier(self.generation, new_model, effective):
+        outcome = await self.applier(self.generation, new_model, effective)
+        if not outcome.applied:
             return False
         write_effective(self.settings.haproxy.effective_config, effective)
-        self.generation.model = new_model
-        self.generation.effective_sha256 = effective.sha256
-        self.generation.rendered_sha256 = effective.rendered_sha256
+        self.generation = replace(self.generation, model=outcome.runs or new_model,
+                                  effective_sha256=effective.sha256, rendered_sha256=effective.rendered_sha256)
         return True
 
     async def reload_rendered(self, rendered: str, *, raw_state: bool = False) -> int:
@@ -417,7 +418,7 @@ async def test_control_rolling_deployment_address_first_gives_503s(rundir):
                 assert changes is not None
                 result = await apply_changes(rig.cli, rig.worker, changes, order=addr_first)
                 assert result.ok, result.refused
-                rig.generation.model = new
+                rig.generation = replace(rig.generation, model=new)
                 return len(result.applied)
 
             async def work() -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.config import _SERVER_KEYWORDS_WITH_ARG, Config
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.resolution import SERVER_KEYWORDS_WITH_ARG
 
 pytestmark = pytest.mark.haproxy
 
@@ -94,7 +95,7 @@ def test_the_probe_tells_flags_from_keywords_with_an_argument(binary_says):
 
 
 def test_the_list_agrees_with_the_binary_keyword_by_keyword(binary_says):
-    assert disagreements(binary_says, _SERVER_KEYWORDS_WITH_ARG) == {}
+    assert disagreements(binary_says, SERVER_KEYWORDS_WITH_ARG) == {}
 
 
 def test_control_the_wrapped_list_disagrees_with_the_binary(binary_says):

@@ -15,7 +15,7 @@ from supervisor.effective import (
     write_slot_table,
 )
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import SlotTable
+from supervisor.haproxy.guard import SlotTable
 from supervisor.settings import HAProxySettings, Settings
 
 RENDERED = "backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n  server bk 10.0.0.9:80 backup\n"

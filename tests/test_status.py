@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import stat
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,7 @@ def test_not_ready_reasons():
     assert not_ready_reason(state) is None
     state.last_good_sha256 = "0" * 64
     assert not_ready_reason(state) == "the current worker does not run the last good config"
-    state.generations[3].worker_pid = None
+    state.publish_generation(replace(state.generations[3], worker_pid=None))
     assert not_ready_reason(state) == "no current worker yet"
     state.master_up = False
     assert not_ready_reason(state) == "HAProxy master is not running"

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from supervisor.haproxy.api import validate_name
+from supervisor.haproxy.names import validate_name
 from supervisor.settings import Settings, StatusSettings
 from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app

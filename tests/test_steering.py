@@ -8,37 +8,34 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.api import Proc, ProcList, ServerState, parse_servers_state
+from supervisor.haproxy.answers import (
+    Proc,
+    ProcList,
+    ServerState,
+    parse_servers_state,
+    servers_state_parts,
+    show_info_by_pid,
+)
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_guard, slot_table
+from supervisor.haproxy.guard import backend_of_key, slot_table
 from supervisor.state import Generation
-from supervisor.steering.dead import (
-    ConfigDigest,
-    Sections,
-    dead_groups,
+from supervisor.steering.dead import ConfigDigest, Sections, dead_groups, line_limit, live_view
+from supervisor.steering.entries import FAIL_FAST
+from supervisor.steering.lines import answer_problem, delta_lines, is_whole_answer, map_entries, phase_lines
+from supervisor.steering.mapdiff import ROUTING_PHASES, BackendDelta, Phase, backend_delta, diff_phases
+from supervisor.steering.plan import Planner
+from supervisor.steering.procs import stuck_sessions, worker_generations
+from supervisor.steering.states import LiveStates, LiveTally
+from tests.support.wholes import (
+    diff_map,
+    inject_guard,
     known_dead_servers,
-    line_limit,
-    live_view,
+    map_commands,
+    parse_live_states,
+    steer_entries,
+    steered_servers,
     summarize_states,
 )
-from supervisor.steering.entries import FAIL_FAST, backend_of_key, steer_entries, steered_servers
-from supervisor.steering.mapdiff import (
-    ROUTING_PHASES,
-    BackendDelta,
-    Phase,
-    answer_problem,
-    backend_delta,
-    delta_lines,
-    diff_map,
-    diff_phases,
-    is_whole_answer,
-    map_commands,
-    map_entries,
-    phase_lines,
-)
-from supervisor.steering.plan import Planner
-from supervisor.steering.procs import split_show_info, stuck_sessions, worker_generations
-from supervisor.steering.states import LiveStates, LiveTally, parse_live_states, state_parts
 
 MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0.map"
@@ -658,7 +655,7 @@ def test_worker_generations_from_show_proc_and_state():
 
 def test_split_show_info_of_several_workers():
     text = "Name: HAProxy\nVersion: 2.6.12\nPid: 11\nCurrConns: 3\n\nName: HAProxy\nPid: 12\nCurrConns: 0\n"
-    info = split_show_info(text)
+    info = show_info_by_pid(text)
     assert info[11]["CurrConns"] == "3" and info[12]["CurrConns"] == "0"
 
 
@@ -914,7 +911,7 @@ def test_states_parsed_in_parts_are_the_states_parsed_whole(rows_per_part: int):
     answer = big_states_answer(5000)
     whole = parse_live_states(answer)
     tally = LiveTally()
-    parts = list(state_parts(answer, rows_per_part))
+    parts = list(servers_state_parts(answer, rows_per_part))
     for part in parts:
         tally.add(part)
     assert tally.result() == whole

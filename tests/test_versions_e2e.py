@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from supervisor.binary import resolve_binary
-from supervisor.steering.mapdiff import map_entries
+from supervisor.steering.lines import map_entries
 from tests.support.daemon import Daemon, http_get, one_backend
 from tests.support.daemon import tagged_config as config
 from tests.support.harness import KeepAliveClient, backends, free_port

@@ -12,6 +12,8 @@ import ipaddress
 from dataclasses import dataclass
 from enum import Enum
 
+from ..haproxy.names import ServerKey
+
 PAYLOAD_MARK = b"<<"
 
 
@@ -76,7 +78,7 @@ def parse_command(text: bytes) -> Command:
 
 def _key(word: bytes) -> str | None:
     backend, sep, server = word.decode(errors="replace").partition("/")
-    return f"{backend}/{server}" if sep and backend and server else None
+    return ServerKey.of(backend, server) if sep and backend and server else None
 
 
 def parse_line(line: bytes) -> list[Command]:

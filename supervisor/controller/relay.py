@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..files import bind_unix_private
-from ..haproxy.api import parse_servers_state, validate_name
+from ..haproxy.answers import parse_servers_state
+from ..haproxy.names import validate_name
 from .commands import Address, address_waits, has_payload, parse_line, safe_order, service_changes, session_prefix
 
 log = logging.getLogger(__name__)

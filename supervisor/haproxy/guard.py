@@ -75,11 +75,6 @@ def guard_use_server() -> str:
     return f"use-server %[var({_VARS[2]})] if {{ var({_VARS[2]}) -m found }}"
 
 
-def guard_block(mode: str, map_path: str, slot_table_path: str) -> list[str]:
-    """The whole block as it reads when nothing else sits between its rules and its `use-server`."""
-    return [GUARD_MARKER, *guard_rules(mode, map_path, slot_table_path), guard_use_server()]
-
-
 # The order HAProxy evaluates a proxy's request rules in. It warns about a rule written
 # after one of a later rank ("will still be processed before"), so the guard's lines go
 # where they are both first of their rank and free of that warning.
@@ -92,19 +87,12 @@ def _rank(line: Line) -> int | None:
     return _RULE_RANK.get(line.keyword)
 
 
-def inject_guard(config: Config, map_path: str | Path, slot_table_path: str | Path) -> Config:
-    """Put the guard's rules first among the request rules of every backend and listen that
-    has primary servers, and its `use-server` first among the `use-server` rules.
-
-    `slot_table_path` names the file that holds slot_table_text(slot_table(config)).
-    """
-    return _inject_guard(config, map_path, table_path=Path(slot_table_path))[0]
-
-
 def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
-    """inject_guard() naming SlotTable.of(config, directory), and that table: the servers are
-    looked at once for both (10,000 of them, on every reload)."""
-    return _inject_guard(config, map_path, directory=directory)
+    """Put the guard's rules first among the request rules of every backend and listen that
+    has primary servers, and its `use-server` first among the `use-server` rules; the rules
+    name the slot table SlotTable.of(config, directory), returned with the config: the
+    servers are looked at once for both (10,000 of them, on every reload)."""
+    return _inject_guard(config, map_path, directory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +131,7 @@ def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> Gua
     return GuardPlan(tuple(names), _above_comments(body, at), _above_comments(body, use_at), indent)
 
 
-def _inject_guard(
-    config: Config, map_path: str | Path, *, table_path: Path | None = None, directory: Path | None = None
-) -> tuple[Config, SlotTable]:
-    """With `directory`, the table is made from the config and named; with `table_path`, that
-    path is named, and the table returned stands for it without its text."""
+def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
     result = config.copy()
     # (defaults' flags, mode, body text) -> its plan: nothing else goes into it, so an edited
     # line gives another key, never a stale plan.
@@ -161,11 +145,7 @@ def _inject_guard(
             plan = _guard_plan(section.body, flags, mode)
             kept.put(key, plan)
         plans.append((section, mode, plan))
-    if table_path is not None:
-        table = SlotTable(table_path, "")
-    else:
-        assert directory is not None
-        table = SlotTable.of_rows([(s.name, list(plan.names)) for s, _, plan in plans if plan.names], directory)
+    table = SlotTable.of_rows([(s.name, list(plan.names)) for s, _, plan in plans if plan.names], directory)
     map_text, table_text = str(map_path), str(table.path)
     # The guard's lines differ only by mode, indentation and line ending: parse them once
     # for the 1,000 backends that share those (Lines are immutable, so they can be shared).
@@ -215,11 +195,6 @@ def _has_marker(body: list[Line]) -> bool:
 
 def _is_marker(line: Line) -> bool:
     return line.raw.strip() == GUARD_MARKER
-
-
-def guarded_backends(config: Config) -> frozenset[str]:
-    """Names of the backends whose guard block a steer map can drive."""
-    return frozenset(s.name for s in config.backends() if is_guarded(s))
 
 
 # ---------------------------------------------------------------- the slot table

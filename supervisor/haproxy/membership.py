@@ -23,18 +23,11 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .api import validate_name
-from .config import (
-    _SERVER_KEYWORDS_WITH_ARG,
-    BACKEND_KINDS,
-    PROXY_KINDS,
-    Config,
-    Section,
-    Server,
-    is_ip,
-    section_servers,
-)
-from .inject import SLOT_TABLE_PREFIX, slot_table
+from .answers import parse_map_list
+from .config import Config, Section
+from .guard import SLOT_TABLE_PREFIX, slot_table
+from .names import ServerKey, validate_name
+from .resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, is_ip, section_servers
 
 # Flags a fresh dynamic server starts without: `no-<flag>` after nothing that set it says
 # nothing, and `add server` refuses some of these negations (`no-check`).
@@ -71,8 +64,8 @@ class ServerAdd:
                 raise ValueError(f"{self.key}: `{word}` cannot go on a CLI line")
 
     @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.server}"
+    def key(self) -> ServerKey:
+        return ServerKey.of(self.backend, self.server)
 
     @property
     def add_command(self) -> str:
@@ -99,8 +92,8 @@ class ServerRemove:
         validate_name("server", self.server)
 
     @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.server}"
+    def key(self) -> ServerKey:
+        return ServerKey.of(self.backend, self.server)
 
 
 def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
@@ -112,7 +105,7 @@ def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
     i = 0
     while i < len(seq):
         word = seq[i]
-        if word in _SERVER_KEYWORDS_WITH_ARG and i + 1 < len(seq):
+        if word in SERVER_KEYWORDS_WITH_ARG and i + 1 < len(seq):
             items.pop(word, None)
             items[word] = (word, seq[i + 1])
             i += 2
@@ -128,27 +121,6 @@ def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
         items.pop(f"no-{word}", None)
         items[word] = (word,)
     return tuple(w for item in items.values() for w in item)
-
-
-def default_server_words(config: Config) -> dict[int, tuple[str, ...]]:
-    """id(section) -> the `default-server` words its defaults section passes on to it, `from`
-    chains followed as Config.resolved() follows them."""
-    last: tuple[str, ...] = ()
-    named: dict[str, tuple[str, ...]] = {}
-    passed: dict[int, tuple[str, ...]] = {}
-    for section in config.sections:
-        if section.kind not in PROXY_KINDS:
-            continue
-        wanted = section.from_defaults
-        if section.kind == "defaults":
-            base = named.get(wanted, ()) if wanted is not None else ()
-            own = tuple(w for line in section.body if line.words[:1] == ("default-server",) for w in line.words[1:])
-            last = base + own
-            if section.name:
-                named[section.name] = last
-        else:
-            passed[id(section)] = named.get(wanted, ()) if wanted is not None else last
-    return passed
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +182,6 @@ def membership(running: Config, new: Config, skeleton_of: Skeleton, first_differ
     old_frame, new_frame = _frame(running, skeleton_of), _frame(new, skeleton_of)
     if old_frame != new_frame:
         return first_difference(old_frame, new_frame)
-    defaults = default_server_words(new)
     adds: list[ServerAdd] = []
     removes: list[ServerRemove] = []
     common: list[tuple[Section, Section, list[tuple[Server, Server]]]] = []
@@ -232,17 +203,17 @@ def membership(running: Config, new: Config, skeleton_of: Skeleton, first_differ
                 return f"{where}: the default-server lines before `server {name}` differ"
             if before.skeleton != after.skeleton:
                 return f"{where}: {first_difference([before.skeleton], [after.skeleton])}"
-        old_servers = {s.name: s for s in section_servers(old_section, old_settings) if not s.template}
-        new_servers = section_servers(new_section, new_settings)
+        old_servers = {s.name: s for s in section_servers(old_section, old_settings, running.cache) if not s.template}
+        new_servers = section_servers(new_section, new_settings, new.cache)
         pairs = [(old_servers[s.name], s) for s in new_servers if not s.template and s.name in old_lines]
         templates = [(o, n) for o, n in zip(
-            [s for s in section_servers(old_section, old_settings) if s.template],
+            [s for s in section_servers(old_section, old_settings, running.cache) if s.template],
             [s for s in new_servers if s.template], strict=True)]
         common.append((old_section, new_section, templates + pairs))
         for server in new_servers:
             if server.template or server.name in old_lines:
                 continue
-            added = _add_of(new_section, server, defaults.get(id(new_section), ()))
+            added = _add_of(new_section, server, new_settings.server_default_words)
             if isinstance(added, str):
                 return added
             adds.append(added)
@@ -298,10 +269,6 @@ def slot_map_commands(path: str, held: dict[str, str], config: Config, backends:
 
 
 def loaded_slot_table(show_map: str) -> str | None:
-    """The slot table file a worker loaded, from its `show map` list
-    (`<id> (<path>) pattern loaded from file ...`)."""
-    for line in show_map.splitlines():
-        m = re.match(r"^-?\d+ \((/[A-Za-z0-9_./-]+)\) ", line)
-        if m and _SLOT_TABLE_NAME.fullmatch(m.group(1).rsplit("/", 1)[-1]):
-            return m.group(1)
-    return None
+    """The slot table file a worker loaded, from its `show map` list."""
+    tables = [path for path in parse_map_list(show_map) if _SLOT_TABLE_NAME.fullmatch(path.rsplit("/", 1)[-1])]
+    return tables[0] if tables else None

@@ -34,33 +34,18 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from ..files import write_atomically
+from .answers import ROW_TEXT, is_servers_state, servers_state_parts, servers_state_rows
 from .api import CLIError, MasterCLI
-from .config import Config, Server, is_ip
+from .config import Config, Section
+from .lexer import Line, parse_line, quote_word
+from .names import ServerKey
+from .resolution import PROXY_KINDS, Server, is_ip
 
 log = logging.getLogger(__name__)
 
 # A state file with no server: HAProxy loads it without a warning (an empty or missing
 # file makes every start log one).
 EMPTY_STATE = "1\n"
-
-
-def server_state_target(config: Config) -> Path | None:
-    """The file the worker of `config` loads its server state from, when it can be known.
-
-    The global `server-state-file`: absolute, or relative to an absolute
-    `server-state-base`. A relative path without a base resolves against HAProxy's
-    working directory, which is not ours to guess: None.
-    """
-    line = config.global_setting("server-state-file")
-    if line is None or len(line.words) < 2:
-        return None
-    path = Path(line.words[1])
-    if path.is_absolute():
-        return path
-    base = config.global_setting("server-state-base")
-    if base is not None and len(base.words) >= 2 and Path(base.words[1]).is_absolute():
-        return Path(base.words[1]) / path
-    return None
 
 
 def _same_ip(a: str, b: str) -> bool:
@@ -91,50 +76,89 @@ def _carries_over(
     return True  # a host name: the file holds what it resolved to
 
 
-def filter_server_state(text: str, running: Config, new: Config, forget: Collection[str] = ()) -> str:
-    """The saved `show servers state`, keeping only what the new worker should inherit."""
-    return "".join(server_state_parts(text, running, new, forget))
-
-
 def server_state_parts(
     text: str, running: Config, new: Config, forget: Collection[str] = (), rows_per_part: int = 2000
 ) -> Iterator[str]:
     """filter_server_state() in parts of `rows_per_part` rows (their concatenation is its
     answer; the first two are empty, after each config's servers are listed): a caller on
     the event loop lets it run between parts."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines or not lines[0].strip().isdigit():
+    if not is_servers_state(text):
         yield EMPTY_STATE
         return
     running_servers = running.server_map()
     yield ""
     new_servers = new.server_map()
     yield ""
-    out = [lines[0]]
-    columns: list[str] = []
+    out = [next(line for line in text.splitlines() if line.strip())]  # the format's version
+    header = ""
     forget = frozenset(forget)
-    for number, line in enumerate(lines[1:], 1):
-        if number % rows_per_part == 0:
-            yield "\n".join(out) + "\n" if out else ""
-            out = []
-        if line.startswith("# be_id"):
-            columns = line[2:].split()
-            out.append(line)
-            at = {name: columns.index(name) if name in columns else len(columns) for name in _ROW_COLUMNS}
-            i_be, i_name, i_addr, i_port = (at[name] for name in _ROW_COLUMNS)
-            continue
-        if line.startswith("#") or not columns:
-            continue
-        row = line.split()
-        row.extend([""] * (len(columns) + 1 - len(row)))  # a short row: the missing columns are ""
-        key = f"{row[i_be]}/{row[i_name]}"
-        if _carries_over(key, row[i_addr], row[i_port], running_servers, new_servers, forget):
-            out.append(line)
-    if out:
-        yield "\n".join(out) + "\n"
+    for part in servers_state_parts(text, rows_per_part):
+        for block in servers_state_rows(part, _ROW_COLUMNS):
+            if block.header != header:
+                header = block.header
+                out.append(header)
+            i_row, i_be, i_name, i_addr, i_port = (block.at.get(name, -1) for name in _ROW_COLUMNS)
+            for row in block.rows:
+                key = ServerKey.of(row[i_be], row[i_name])
+                port = row[i_port] if i_port >= 0 else ""
+                if _carries_over(key, row[i_addr], port, running_servers, new_servers, forget):
+                    out.append(row[i_row])
+        yield "\n".join(out) + "\n" if out else ""
+        out = []
 
 
-_ROW_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port")
+_ROW_COLUMNS = (ROW_TEXT, "be_name", "srv_name", "srv_addr", "srv_port")
+
+
+def _append_line(section: Section, words: str) -> None:
+    """Add a line after the section's last code line, indented and ended like its neighbours."""
+    code = [i for i, line in enumerate(section.body) if line.words]
+    neighbour: Line | None = section.body[code[-1]] if code else section.header
+    indent = (neighbour.indent if code and neighbour is not None else "") or "    "
+    ended = [line for line in (neighbour, section.header) if line is not None and line.raw.endswith("\n")]
+    ending = "\r\n" if ended and ended[0].raw.endswith("\r\n") else "\n"
+    if neighbour is not None and not neighbour.raw.endswith("\n"):
+        # The last line of a file without a final newline must not swallow the new one.
+        fixed = parse_line(neighbour.raw + ending)
+        if code:
+            section.body[code[-1]] = fixed
+        else:
+            section.header = fixed
+    section.body.insert(code[-1] + 1 if code else 0, parse_line(f"{indent}{words}{ending}"))
+
+
+def inject_server_state(config: Config, path: Path) -> Config:
+    """Make the worker load the server state saved before a reload, unless the config already does.
+
+    `server-state-file <path>` goes into global, `load-server-state-from-file global`
+    into every defaults section (and into backends that have no defaults to inherit
+    from). Each is left out when the rendered config already uses that keyword:
+    then it manages server state itself.
+    """
+    result = config.copy()
+    if result.global_setting("server-state-file") is None:
+        global_section = next((s for s in result.sections if s.kind == "global"), None)
+        if global_section is None:
+            global_section = Section(parse_line("global\n"))
+            result.sections.insert(1, global_section)
+        _append_line(global_section, f"server-state-file {quote_word(str(path))}")
+    already_loads = any(
+        line.keyword == "load-server-state-from-file"
+        for section in result.sections
+        if section.kind in PROXY_KINDS
+        for line in section.body
+    )
+    if not already_loads:
+        # One pass: a backend inherits from some defaults once any defaults section preceded it
+        # (or it names one with `from`); only those that do not need the line of their own.
+        seen_defaults = False
+        for section in result.sections:
+            seen_defaults = seen_defaults or section.kind == "defaults"
+            if section.kind == "defaults" or (
+                section.kind in ("backend", "listen") and not seen_defaults and section.from_defaults is None
+            ):
+                _append_line(section, "load-server-state-from-file global")
+    return result
 
 
 def clear_server_state(path: Path) -> None:
@@ -162,12 +186,11 @@ async def save_server_state(
         log.warning("cannot save server state of worker %d: %s; the new worker starts from its config", worker_pid, exc)
         write_atomically(path, EMPTY_STATE)
         return False
-    first = answer.lstrip().split("\n", 1)[0].strip()
-    if not first.isdigit():
+    if not is_servers_state(answer):
         log.warning(
             "cannot save server state of worker %d: unexpected answer %r; the new worker starts from its config",
             worker_pid,
-            first[:120],
+            answer.strip()[:120],
         )
         write_atomically(path, EMPTY_STATE)
         return False

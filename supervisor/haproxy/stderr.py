@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .api import validate_name
+from .names import ServerKey, validate_name
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ class ServerEvent:
     change: ServerChange
 
     @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.server}"
+    def key(self) -> ServerKey:
+        return ServerKey.of(self.backend, self.server)
 
 
 def parse_server_event(line: str) -> ServerEvent | None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from ..haproxy.api import CLIError, MasterCLI, ProcList
+from ..haproxy.answers import ProcList
+from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.server_state import clear_server_state
 from ..haproxy.stderr import StderrRelay
 from ..notify import child_environment
@@ -143,16 +144,12 @@ class MasterProcess:
 
     def _mark_up(self, pid: int) -> None:
         self.pid = pid
-        self.state.master_pid = pid
-        self.state.master_up = True
-        self.state.server_events = self.stderr is not None and self.stderr.feeds(pid)
+        self.state.publish_master(pid, server_events=self.stderr is not None and self.stderr.feeds(pid))
         self._up_since = time.monotonic()
         self._up.set()
 
     def _mark_down(self) -> None:
-        self.state.master_up = False
-        self.state.master_pid = None
-        self.state.server_events = False
+        self.state.publish_master(None)
         self._up.clear()
         self.pid = None
         self._child = None
@@ -323,8 +320,8 @@ class MasterProcess:
             await self._backoff(delay)
 
     async def _backoff(self, delay: float) -> None:
-        self.state.master_restarts += 1
-        log.warning("master restart in %gs restarts=%d", delay, self.state.master_restarts)
+        restarts = self.state.publish_master_restart()
+        log.warning("master restart in %gs restarts=%d", delay, restarts)
         await asyncio.sleep(delay)
 
     # ------------------------------------------------------------ stop

@@ -7,7 +7,8 @@ import socket
 import struct
 from pathlib import Path
 
-from ..haproxy.api import CLIError, MasterCLI, ProcList, parse_show_info
+from ..haproxy.answers import ProcList, show_info_by_pid
+from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.config import Config
 from .procfs import socket_inodes
 
@@ -92,10 +93,10 @@ async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
     a fresh worker holds few, so this stays cheap on a node with many connections.
     """
     try:
-        info = parse_show_info(await cli.on(pid, "show info", timeout=2))
+        infos = show_info_by_pid(await cli.on(pid, "show info", timeout=2))
     except CLIError:
         return False
-    if info.get("Pid") != str(pid):
+    if pid not in infos:
         return False  # `Can't find the target PID matching the prefix`: not reachable yet
     if not ports:
         return True

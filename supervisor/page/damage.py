@@ -8,7 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..haproxy.config import Config, template_names
+from ..haproxy.config import Config
+from ..haproxy.resolution import template_names
 from ..state import Generation, State
 
 

@@ -114,7 +114,8 @@ class AdminRelay:
 
     async def _open_worker(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         try:
-            opened = await asyncio.wait_for(asyncio.open_unix_connection(str(self.worker_socket)), 5)
+            async with asyncio.timeout(5):
+                opened = await asyncio.open_unix_connection(str(self.worker_socket))
         except (OSError, TimeoutError) as exc:
             if not self._worker_down:
                 log.warning("the daemon's worker does not answer on %s: %s", self.worker_socket, exc)

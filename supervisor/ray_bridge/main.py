@@ -11,7 +11,6 @@ See docs/ray-serve.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -28,9 +27,10 @@ from ..binary import BRIDGE_NAME
 from ..effective import sha256_text
 from ..files import UnreadableFile, read_regular, write_new
 from ..haproxy.config import Config
-from ..haproxy.inject import first_stats_socket
+from ..haproxy.global_policy import first_stats_socket
 from ..settings import Settings, SettingsError, decode_text, load_settings
 from ..statusclient import StatusFetchError, fetch_status, status_target, url_from_listen
+from ..waiting import wait_set
 from .admin import AdminRelay, bind_over, socket_mode
 from .argv import PassThrough, Run, UsageError, parse_argv
 from .passthrough import exec_real_binary
@@ -152,7 +152,8 @@ class Bridge:
             else:
                 url = URL(self.url)
                 opened = asyncio.open_connection(url.host, url.port)
-            _, writer = await asyncio.wait_for(opened, 2.0)
+            async with asyncio.timeout(2.0):
+                _, writer = await opened
         except TimeoutError:
             return None
         except OSError as exc:
@@ -265,8 +266,7 @@ class Bridge:
                 elif now - quiet_since >= QUIET_FOR_S:
                     log.info("soft-stopped: no old worker serves this config; exiting")
                     return 0
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), SOFT_STOP_POLL_S)
+            await wait_set(self.stop, SOFT_STOP_POLL_S)
         return 0
 
 

@@ -3,27 +3,32 @@
 watch -> debounce -> render -> skip if unchanged -> `haproxy -c` -> runtime apply or
 (write effective, `reload` on the master CLI, confirm with `show proc`) -> new generation.
 
-The decisions (when to reload, whether a reload took, which old workers exceed the
-limit, which paths are relevant) are pure and unit-tested; the I/O is a thin shell around
-them, tested end to end with the real binary. One `Reloader` object owns it all; its
-methods are grouped by idea, one module each, read in this order:
+Pure functions make every decision, each unit-tested with a table; a few parts each own
+their fields; `Reloader` holds the parts and keeps the tasks, the way gunicorn's Arbiter
+does. No class is spread over modules. Read in this order:
 
 - `schedule`: when the next cycle is due (debounce, min interval, retry backoff); pure.
+- `change`: what to do with a change: skip, runtime apply, reload; pure.
+- `convergence`: does the node run the rendered config, why not, is that passing, when to
+  retry; pure.
+- `confirm`: did a reload take, from `show proc` (pure), and `Confirmation`, the owner of a
+  reload HAProxy has not confirmed yet.
 - `watch`: which filesystem events count as a change, and the digest of watched files.
 - `problems`: disk errors as the shell words them; HAProxy's message on one line.
-- `base`: the hooks, the reloader's collaborators and state, shared by every part.
-- `bookkeeping`: the generations, and the files that record them and what runs.
-- `convergence`: does the node run the rendered config; if not, when to try again.
-- `confirm`: did a reload take, decided from `show proc`, now or later.
-- `cycle`: one change: check, runtime apply or reload, record.
+- `hooks`: what is plugged in: the steering's hooks, the runtime apply, the state save.
+- `bookkeeping`: `GenerationBook`, the owner of the generations (published into State) and
+  of the files that record them; `OldWorkerCap`, old_workers.max.
+- `disk`: `ConfigOnDisk`, the owner of the effective config on disk and of what runs.
+- `parts`: the parts together, and the steps several of them take at once.
+- `cycle`: one change under master.lock: settle, decide, check, runtime apply or reload.
 - `recovery`: first start, master restart, adoption after a daemon restart, runtime_dir lost.
-- `core`: the `Reloader` itself: its tasks (watch, schedule, housekeeping) and requests.
+- `core`: the `Reloader`: its tasks (watch, schedule, housekeeping), requests and handlers.
 
 Every module logs as `supervisor.reloader` (`getLogger(__package__)`): the log lines keep the
 name operators grep for, however the package is cut.
 """
 
-from .base import NoHooks, ReloadHooks
 from .core import Reloader
+from .hooks import NoHooks, ReloadHooks
 
 __all__ = ["NoHooks", "ReloadHooks", "Reloader"]

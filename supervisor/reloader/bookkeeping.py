@@ -1,20 +1,22 @@
-"""The generations the daemon knows, and the files that record them and what runs: the
-effective config on disk, generations/*.cfg, generations.json; old workers beyond the limit."""
+"""The generations book: the generations the daemon knows, published into State, and the files
+that record them (generations/*.cfg, generations.json); and the cap on old workers."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+from dataclasses import replace
+from datetime import datetime
 
 import psutil
 
-from ..effective import Effective, remove_stale_slot_tables, sha256_text, write_atomically, write_slot_table
-from ..generations import Snapshot, prunable, record_of
-from ..haproxy.api import Proc, ProcList
+from ..effective import Effective
+from ..generations import GenerationRecord, GenerationStore, PendingReload, Snapshot, prunable, record_of
+from ..haproxy.answers import Proc, ProcList
 from ..haproxy.config import Config
-from ..state import Generation, utcnow
-from .base import LoadedConfig, ReloaderBase
+from ..logs import RecurringConditions
+from ..state import Generation, State, utcnow
 from .problems import io_error_line
 
 log = logging.getLogger(__package__)
@@ -27,42 +29,70 @@ def old_workers_over_max(procs: ProcList, max_old: int) -> list[Proc]:
     return olds[:excess] if excess > 0 else []
 
 
-class Bookkeeping(ReloaderBase):
-    def _write_back(self) -> None:
-        """The effective config on disk is what a restarted master loads: keep it what runs."""
-        loaded = self.loaded
-        if loaded is None or loaded.sha256 == self._on_disk_sha:
-            return
-        try:
-            write_slot_table(loaded.slot_table)
-            self._write_effective_text(loaded.text)
-        except OSError as exc:
-            error = io_error_line(exc)
-            self.problems.happened("effective config", error, f"cannot write back the running config: {error}")
-            return
-        self.problems.over("effective config")
+class GenerationBook:
+    """Owns the generations: numbers them, publishes each value into State, and records them on
+    disk with the reload in flight, so that a restarted daemon knows what every worker runs."""
 
-    def _write_effective_text(self, text: str) -> None:
-        write_atomically(self.settings.haproxy.effective_config, text)
-        self._on_disk_sha = sha256_text(text)
+    def __init__(self, state: State, store: GenerationStore, problems: RecurringConditions) -> None:
+        self.state = state
+        self.store = store
+        self.problems = problems
+        self.last_number = 0
+        self.pending: PendingReload | None = None  # the reload sent and not yet decided, as recorded
+        self.last_procs: ProcList | None = None  # the last `show proc` answer observed
+        self._persisted: Snapshot | None = None
 
-    def _loaded_by(self, effective: Effective, inputs: str, after: ProcList) -> Generation:
-        """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation.
-        What HAProxy runs is decided; the writes that follow are bookkeeping, and their failure
-        (a full disk) changes nothing of it."""
-        worker = after.current_worker
-        assert worker is not None
-        generation = self._new_generation(
-            effective.effective_model, effective.sha256, effective.rendered_sha256, inputs, worker.pid
-        )
-        self.loaded = LoadedConfig.of(effective, inputs)
-        self._pending = None
-        self._write_generation_config(generation.number, effective.text)
-        self._remove_stale_slot_tables(effective)
-        self._observe(after)
+    @property
+    def current(self) -> Generation | None:
+        return self.state.current
+
+    def started(
+        self, model: Config, effective_sha: str, rendered_sha: str, inputs: str | None, worker_pid: int,
+        started_at: datetime | None = None,
+    ) -> Generation:
+        """A new worker runs this: the next generation, now the current one."""
+        self.last_number += 1
+        generation = Generation(self.last_number, model, effective_sha, rendered_sha, started_at or utcnow(),
+                                worker_pid, inputs)
+        self.state.publish_generation(generation, current=True)
         return generation
 
-    def _write_generation_config(self, number: int, text: str) -> None:
+    def kept(self, record: GenerationRecord, model: Config) -> Generation:
+        """A generation recorded by an earlier daemon whose worker still lives."""
+        generation = Generation(record.number, model, record.effective_sha256, record.rendered_sha256,
+                                record.started_at, record.worker_pid, record.inputs_sha256)
+        self.state.publish_generation(generation)
+        self.last_number = max(self.last_number, record.number)
+        return generation
+
+    def make_current(self, generation: Generation) -> None:
+        self.state.publish_generation(generation, current=True)
+
+    def ran(self, current: Generation, runs: Config, effective: Effective, *, whole: bool) -> Generation:
+        """A runtime apply changed what the current worker runs to `runs`: its new value. `whole`:
+        the whole change is live, and its config the last good one; else a reload finishes it."""
+        generation = replace(current, model=runs, effective_sha256=effective.sha256,
+                             rendered_sha256=effective.rendered_sha256)
+        self.state.publish_generation(generation, current=whole)
+        self.write_config(generation.number, effective.text)
+        self.persist()
+        return generation
+
+    def sending(self, pending: PendingReload) -> None:
+        """Recorded before it is sent: a daemon killed before HAProxy answers leaves the next one
+        what the new worker was given, so adopting it costs no reload."""
+        self.pending = pending
+        self.persist()
+
+    def decided(self, *, persist: bool = True) -> None:
+        """The reload in flight is decided (loaded or refused); recorded now, or by the caller's
+        next `persist` or `observe`."""
+        if self.pending is not None:
+            self.pending = None
+            if persist:
+                self.persist()
+
+    def write_config(self, number: int, text: str) -> None:
         try:
             self.store.write_config(number, text)
         except OSError as exc:
@@ -74,39 +104,17 @@ class Bookkeeping(ReloaderBase):
             return
         self.problems.over("generation configs")
 
-    def _remove_stale_slot_tables(self, running: Effective) -> None:
-        try:
-            removed = remove_stale_slot_tables(self.settings.haproxy.runtime_dir, running.slot_table)
-        except OSError as exc:  # a leftover file costs disk space, not the reload
-            log.warning("cannot remove old slot tables: %s", exc.strerror or exc)
-            return
-        if removed:
-            log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
+    def rewrite_all(self) -> None:
+        """Every generation's config and the index again (runtime_dir was lost); OSError raised."""
+        for number, generation in self.state.generations.items():
+            self.write_config(number, generation.model.render())
+        self._persisted = None
+        self.persist()
 
-    def _restore_loaded(self) -> bool:
-        """Put the config that runs back on disk, for a master restart to load (after a reload
-        HAProxy refused: nothing is pending any more)."""
-        if self._pending is not None:
-            self._pending = None
-            self._persist()
-        self._on_disk_sha = None
-        self._write_back()
-        return self.loaded is None or self._on_disk_sha == self.loaded.sha256
-
-    def _new_generation(
-        self, model: Config, effective_sha: str, rendered_sha: str, inputs: str | None, worker_pid: int
-    ) -> Generation:
-        self._last_number += 1
-        generation = Generation(self._last_number, model, effective_sha, rendered_sha, utcnow(), worker_pid)
-        self.state.generations[generation.number] = generation
-        self.state.current_generation = generation.number
-        self.state.last_good_sha256 = effective_sha
-        self._inputs[generation.number] = inputs
-        return generation
-
-    def _persist(self) -> None:
-        records = tuple(record_of(g, self._inputs.get(n)) for n, g in self.state.generations.items())
-        snapshot = Snapshot(records, self.state.current_generation, self._last_number, self._pending)
+    def persist(self) -> None:
+        generations = self.state.generations
+        records = tuple(record_of(g) for g in generations.values())
+        snapshot = Snapshot(records, self.state.current_generation, self.last_number, self.pending)
         if snapshot == self._persisted:
             return
         try:
@@ -118,23 +126,31 @@ class Bookkeeping(ReloaderBase):
             return
         self.problems.over("generations index")
 
-    def _observe(self, procs: ProcList) -> None:
-        """Prune dead generations and enforce old_workers.max from one `show proc` answer."""
+    def observe(self, procs: ProcList) -> None:
+        """Prune the generations whose worker `show proc` no longer lists."""
         self.last_procs = procs
         gone = prunable(self.state.generations, procs, self.state.current_generation)
-        for n in gone:
-            g = self.state.generations.pop(n)
-            self._inputs.pop(n, None)
-            log.info("generation pruned generation=%d worker=%s: worker gone", n, g.worker_pid)
+        for g in self.state.publish_pruned(gone):
+            log.info("generation pruned generation=%d worker=%s: worker gone", g.number, g.worker_pid)
         self.store.remove_configs(gone)
-        self._persist()
-        self.enforce_old_workers_max(procs)
+        self.persist()
 
-    def enforce_old_workers_max(self, procs: ProcList) -> list[int]:
-        limit = self.settings.old_workers.max
+    def old_count(self) -> int | None:
+        return len(self.last_procs.old_workers) if self.last_procs is not None else None
+
+
+class OldWorkerCap:
+    """old_workers.max: the oldest old workers beyond it are sent SIGTERM, once each."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._terminated: set[int] = set()  # old workers we sent SIGTERM, until they are gone
+
+    def enforce(self, procs: ProcList, generations: dict[int, Generation]) -> list[int]:
+        limit = self.limit
         self._terminated &= {p.pid for p in procs.old_workers}
         victims = [p for p in old_workers_over_max(procs, limit) if p.pid not in self._terminated]
-        by_pid = {g.worker_pid: n for n, g in self.state.generations.items()}
+        by_pid = {g.worker_pid: n for n, g in generations.items()}
         for proc in victims:
             log.warning(
                 "old worker pid=%d generation=%s SIGTERM: %d old workers alive > old_workers.max=%d, oldest first",
@@ -148,6 +164,3 @@ class Bookkeeping(ReloaderBase):
             except (ProcessLookupError, psutil.NoSuchProcess):
                 pass
         return [p.pid for p in victims]
-
-    def _old_count(self) -> int | None:
-        return len(self.last_procs.old_workers) if self.last_procs is not None else None

@@ -1,20 +1,21 @@
-"""Did a reload take? Decided from `show proc`: while the reload waits, or later, by housekeeping,
-for a reload HAProxy did not confirm within reload.timeout_s."""
+"""Did a reload take? Decided from `show proc` by a pure function, while the reload waits; and
+`Confirmation`, which owns a reload HAProxy did not confirm within reload.timeout_s until a
+later `show proc` settles it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from ..effective import Effective
-from ..haproxy.api import CLIError, ProcList
-from ..haproxy.config import Config
-from ..master.readiness import bind_ports, worker_ready
-from ..state import ReloadRecord
-from .base import Unconfirmed
-from .convergence import Convergence
+from ..haproxy.answers import ProcList
+from ..haproxy.api import CLIError, MasterCLI
+from ..master import MasterProcess
+from ..master.readiness import worker_ready
 
 log = logging.getLogger(__package__)
 
@@ -48,8 +49,50 @@ def confirm_reload(before: ProcList, after: ProcList) -> Verdict:
     return "pending"
 
 
-class Confirmation(Convergence):
-    async def _show_proc_until(self, deadline: float) -> ProcList:
+@dataclass(frozen=True)
+class Unconfirmed:
+    """A reload HAProxy did not confirm within reload.timeout_s: it may still take (a big
+    config loads for a minute), so the new config stays on disk until `show proc` settles it."""
+
+    before: ProcList
+    effective: Effective
+    inputs: str
+    sent: float  # monotonic
+    ports: set[int]  # the config's listening ports: a new worker is ready once it listens on them
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """How a reload ended while it was waited for."""
+
+    verdict: Verdict
+    after: ProcList | None
+    error: str | None = None
+    refused: bool = False  # HAProxy could not load the config
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a later `show proc` says of the unconfirmed reload. loading: a new worker is listed
+    but not ready yet, so nothing else may be sent; pending: no verdict yet; ok and failed: the
+    reload `of` is decided, and no longer held."""
+
+    verdict: Literal["loading", "pending", "ok", "failed"]
+    of: Unconfirmed | None = None
+
+
+class Confirmation:
+    """Confirms a reload from `show proc`, and holds one HAProxy has not confirmed (`unconfirmed`)."""
+
+    def __init__(self, cli: MasterCLI, master: MasterProcess, timeout_s: float,
+                 cli_failed: Callable[[], None]) -> None:
+        self.cli = cli
+        self.master = master
+        self.timeout_s = timeout_s
+        self.cli_failed = cli_failed
+        self.unconfirmed: Unconfirmed | None = None
+
+    async def show_proc_until(self, deadline: float) -> ProcList:
         """`show proc`, given up at `deadline`: a stopped master accepts a connection and never answers."""
         try:
             async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
@@ -57,15 +100,13 @@ class Confirmation(Convergence):
         except TimeoutError:
             raise CLIError("show proc: no answer within reload.timeout_s") from None
 
-    async def _confirm(
-        self, before: ProcList, deadline: float, ports: set[int]
-    ) -> tuple[Verdict, ProcList | None, str | None]:
+    async def confirm(self, before: ProcList, deadline: float, ports: set[int]) -> Confirmed:
         after: ProcList | None = None
         while True:
             if not self.master.alive:
-                return "failed", after, "haproxy master exited during the reload"
+                return Confirmed("failed", after, "haproxy master exited during the reload")
             try:
-                after = await self._show_proc_until(deadline)
+                after = await self.show_proc_until(deadline)
                 verdict = confirm_reload(before, after)
                 worker = after.current_worker
                 if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
@@ -74,56 +115,39 @@ class Confirmation(Convergence):
                 self.cli_failed()
                 verdict = "pending"
             if verdict == "ok":
-                return "ok", after, None
+                return Confirmed("ok", after)
             if verdict == "failed":
                 assert after is not None
-                self._refused = True
-                return "failed", after, (
+                return Confirmed("failed", after, (
                     f"HAProxy could not load the new config (show proc: failed={after.master_failed}); "
                     "its reason is in HAProxy's own log lines on the daemon's stderr"
-                )
+                ), refused=True)
             if time.monotonic() > deadline:
-                return "unknown", after, (
-                    f"no new worker in `show proc` within reload.timeout_s={self.settings.reload.timeout_s:g}s"
-                )
+                return Confirmed("unknown", after, (
+                    f"no new worker in `show proc` within reload.timeout_s={self.timeout_s:g}s"
+                ))
             await asyncio.sleep(CONFIRM_POLL_S)
 
-    def _reload_unknown(
-        self, before: ProcList, effective: Effective, inputs: str, error: str, started: float, model: Config
-    ) -> ReloadRecord:
-        self._unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(), bind_ports(model))
-        record = self._record("unknown", started, error)
-        log.warning(
-            "reload unknown duration_ms=%d: %s; HAProxy may still be loading it: %s keeps the new config "
-            "and `show proc` settles it",
-            record.duration_ms, error, self.settings.haproxy.effective_config,
-        )
-        return record
+    def hold(self, before: ProcList, effective: Effective, inputs: str, ports: set[int]) -> None:
+        """The reload was not confirmed in time: held until `show proc` settles it."""
+        self.unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(), ports)
 
-    async def _settle(self, procs: ProcList) -> bool:
-        """Decide an unconfirmed reload from a later `show proc` (with master.lock held). True
-        while HAProxy is still loading it: a new worker is listed but not ready yet (3.1+ lists
-        it before it has loaded its config), so nothing else may be sent meanwhile."""
-        pending = self._unconfirmed
-        if pending is None:
-            return False
-        verdict = confirm_reload(pending.before, procs)
+    def take(self) -> Unconfirmed | None:
+        """The unconfirmed reload, no longer held (a master restarted on its config)."""
+        held, self.unconfirmed = self.unconfirmed, None
+        return held
+
+    async def settle(self, procs: ProcList) -> Settled | None:
+        """Decide the unconfirmed reload from a later `show proc` (with master.lock held); None
+        when there is none."""
+        held = self.unconfirmed
+        if held is None:
+            return None
+        verdict = confirm_reload(held.before, procs)
         worker = procs.current_worker
-        if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, pending.ports):
-            return True
+        if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, held.ports):
+            return Settled("loading")
         if verdict == "pending":
-            return False
-        self._unconfirmed = None
-        waited = time.monotonic() - pending.sent
-        if verdict == "ok":
-            generation = self._loaded_by(pending.effective, pending.inputs, procs)
-            log.info("reload settled ok generation=%d worker=%s: confirmed %.1fs after it was sent",
-                     generation.number, generation.worker_pid, waited)
-            await self._call_hook("after_reload", True)
-        else:
-            error = f"HAProxy could not load the new config (show proc: failed={procs.master_failed})"
-            log.error("reload settled failed: %s", error)
-            self._restore_loaded()
-            self._refused = True
-            self._assess(self._record("failed", pending.sent, error))
-        return False
+            return Settled("pending")
+        self.unconfirmed = None
+        return Settled("ok" if verdict == "ok" else "failed", held)

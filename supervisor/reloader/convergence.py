@@ -1,18 +1,17 @@
-"""Does the node run the rendered config? When not, after a failed or unconfirmed attempt, when to
-try again (with backoff), or why not to."""
+"""Does the node run the rendered config? If not, why not, is that passing, and when to try
+again: judged from the facts the reloader holds, by one pure function."""
 
 from __future__ import annotations
 
-import logging
-import time
-from datetime import timedelta
+from dataclasses import dataclass
+from typing import Literal
 
-from ..state import ReloadRecord, utcnow
-from .bookkeeping import Bookkeeping
+from ..state import ReloadRecord, ReloadResult
 from .problems import one_line
-from .schedule import retry_delay
 
-log = logging.getLogger(__package__)
+# leave: the schedule stays as it is; stop: no attempt until the config changes or a reload is
+# asked for; backoff: the next attempt after retry_delay (schedule.py).
+Retry = Literal["leave", "stop", "backoff"]
 
 
 def runs_goal(goal: tuple[str, str | None] | None, current: tuple[str, str | None] | None) -> bool:
@@ -20,61 +19,72 @@ def runs_goal(goal: tuple[str, str | None] | None, current: tuple[str, str | Non
     return goal is not None and current is not None and goal == current
 
 
-class Convergence(Bookkeeping):
-    def _assess(self, record: ReloadRecord | None) -> None:
-        """Compare what the current worker runs (from `show proc`) with the goal; when they differ
-        after a failed or unconfirmed attempt, set the next attempt, with backoff."""
-        convergence = self.state.convergence
-        current = self.state.current
-        runs = None if current is None else (current.effective_sha256, self._inputs.get(current.number))
-        if (
-            self.master.up
-            and self.state.master_socket_ok
-            and self._unconfirmed is None
-            and not self.scheduler.pending
-            and runs_goal(self._goal, runs)
-        ):
-            if not convergence.converged:
-                # A write that changed nothing, or a reload that went through, says so itself.
-                routine = convergence.attempts == 0 and convergence.reason == "a change is pending"
-                log.log(logging.DEBUG if routine else logging.INFO,
-                        "converged: worker %s runs the rendered config (sha256=%s) after %.1fs, %d retries",
-                        current.worker_pid if current else None, self._goal[0][:12] if self._goal else None,
-                        convergence.unconverged_s(utcnow()), convergence.attempts)
-            convergence.reached()
-            return
-        if record is not None and record.result == "invalid":
-            self.scheduler.retry(None)
-            convergence.next_attempt_at = None
-            convergence.missed(f"the rendered config is invalid: {one_line(record.error or '', 200)}", transient=False)
-            return
-        if not self.master.up:
-            convergence.missed("the HAProxy master is not running", transient=True)
-        elif not self.state.master_socket_ok:
-            convergence.missed(f"{self.settings.haproxy.master_socket_path} is missing", transient=True)
-        elif record is not None and record.result in ("failed", "unknown"):
-            error = one_line(record.error or "", 200)
-            why = f"HAProxy refused the new config: {error}" if self._refused else f"reload {record.result}: {error}"
-            convergence.missed(why, transient=not self._refused)
-        elif self._unconfirmed is not None:
-            convergence.missed("HAProxy has not confirmed the last reload yet", transient=True)
-        elif convergence.converged or record is not None:
-            why = "the current worker does not run the rendered config"
-            convergence.missed("a change is pending" if self.scheduler.pending else why, transient=True)
-        if self._refused and record is not None and record.result == "failed":
-            # Not retried by itself: HAProxy refused the config (a port in use), and while it tries
-            # one (2.6: "Paused frontend") the serving worker's listeners accept nothing. The next
-            # change, SIGHUP or POST /reload tries again.
-            self.scheduler.retry(None)
-            convergence.next_attempt_at = None
-            log.warning("not converged: %s; not retried until the config changes or a reload is asked for",
-                        convergence.reason)
-            return
-        if record is not None and record.result in ("failed", "unknown") and self.scheduler.retry_at is None:
-            delay = retry_delay(convergence.attempts, self.settings.reload.retry_max_s)
-            convergence.attempts += 1
-            convergence.next_attempt_at = utcnow() + timedelta(seconds=delay)
-            self.scheduler.retry(time.monotonic() + delay)
-            self._wake.set()
-            log.warning("not converged for %.1fs: %s; attempt %d in %.1fs",
-                        convergence.unconverged_s(utcnow()), convergence.reason, convergence.attempts, delay)
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt to converge, as its outcome is judged: its record, and whether HAProxy
+    refused the config (could not load it), which is no passing failure."""
+
+    record: ReloadRecord
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the judgement goes by, gathered by the reloader when an attempt ends and between them."""
+
+    master_up: bool
+    master_socket_ok: bool
+    unconfirmed: bool  # a reload HAProxy has not confirmed yet
+    change_pending: bool  # the scheduler holds a change, a request or a retry
+    runs_goal: bool
+    converged: bool  # as published before this judgement
+    retry_set: bool  # a retry is scheduled already
+    attempt: Attempt | None = None  # the attempt just made; None between attempts
+    master_socket: str = "the master socket"
+
+
+@dataclass(frozen=True)
+class Judgement:
+    converged: bool
+    reason: str | None = None  # None while not converged: nothing new, the published reason stands
+    transient: bool = True  # a passing failure: retried, and /readyz says 503 once it lasts
+    retry: Retry = "leave"
+
+
+def judge_convergence(facts: Facts) -> Judgement:
+    """Converged when the master is up and reachable, nothing is unconfirmed or pending, and the
+    current worker runs the goal. Otherwise why not, whether that passes, and when to retry:
+    an invalid config or one HAProxy refused is not retried by itself (HAProxy serves the last
+    good config, and while it tries a config (2.6: "Paused frontend") the serving worker's
+    listeners accept nothing); a failed or unconfirmed reload is, with backoff."""
+    if (
+        facts.master_up and facts.master_socket_ok and not facts.unconfirmed
+        and not facts.change_pending and facts.runs_goal
+    ):
+        return Judgement(True)
+    attempt = facts.attempt
+    result: ReloadResult | None = attempt.record.result if attempt else None
+    error = one_line(attempt.record.error or "", 200) if attempt else ""
+    refused = attempt is not None and attempt.refused
+    if result == "invalid":
+        return Judgement(False, f"the rendered config is invalid: {error}", transient=False, retry="stop")
+    reason: str | None = None
+    transient = True
+    if not facts.master_up:
+        reason = "the HAProxy master is not running"
+    elif not facts.master_socket_ok:
+        reason = f"{facts.master_socket} is missing"
+    elif result in ("failed", "unknown"):
+        reason = f"HAProxy refused the new config: {error}" if refused else f"reload {result}: {error}"
+        transient = not refused
+    elif facts.unconfirmed:
+        reason = "HAProxy has not confirmed the last reload yet"
+    elif facts.converged or attempt is not None:
+        why = "the current worker does not run the rendered config"
+        reason = "a change is pending" if facts.change_pending else why
+    retry: Retry = "leave"
+    if refused and result == "failed":
+        retry = "stop"
+    elif result in ("failed", "unknown") and not facts.retry_set:
+        retry = "backoff"
+    return Judgement(False, reason, transient, retry)

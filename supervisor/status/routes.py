@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client.exposition import generate_latest
 
 from ..files import read_regular
-from ..haproxy.api import validate_name
+from ..haproxy.names import ServerKey
 from ..page.damage import BackendSizes
 from ..page.render import page_of
 from ..settings import Settings
@@ -142,7 +142,8 @@ async def _bounded_body(request: web.Request, handler: Callable[[web.Request], A
             return _closing(error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
         timeout = request.app[BODY_TIMEOUT_KEY]
         try:
-            await asyncio.wait_for(request.read(), timeout)
+            async with asyncio.timeout(timeout):
+                await request.read()
         except TimeoutError:
             return _closing(error_json(408, f"request body not received within {timeout:g} s"))
         except web.HTTPRequestEntityTooLarge:
@@ -222,14 +223,11 @@ class _Endpoints:
             log.warning("status: %s %s from %s: wrong bearer token", request.method, request.path, _peer(request))
             raise _Refused(401, "wrong bearer token", {"WWW-Authenticate": 'Bearer realm="haproxy-supervisor"'})
 
-    def server_from(self, request: web.Request) -> tuple[str, str]:
-        backend, server = request.match_info["backend"], request.match_info["server"]
+    def server_from(self, request: web.Request) -> ServerKey:
         try:
-            validate_name("backend", backend)
-            validate_name("server", server)
+            return ServerKey.checked(request.match_info["backend"], request.match_info["server"])
         except ValueError as exc:
             raise _Refused(400, str(exc)) from None
-        return backend, server
 
     async def reload(self, request: web.Request) -> web.Response:
         self.authorize(request)
@@ -245,22 +243,21 @@ class _Endpoints:
 
     async def mark_dead(self, request: web.Request) -> web.Response:
         self.authorize(request)
-        backend, server = self.server_from(request)
-        if not self.actions.has_server(backend, server):
-            raise _Refused(404, f"no server {backend}/{server} in any config HAProxy runs")
-        log.info("status: %s/%s marked dead by an operator (%s)", backend, server, _peer(request))
-        await self.actions.mark_dead(backend, server)
-        return web.json_response({"server": f"{backend}/{server}", "operator_dead": True})
+        key = self.server_from(request)
+        if not self.actions.has_server(key.backend, key.server):
+            raise _Refused(404, f"no server {key} in any config HAProxy runs")
+        log.info("status: %s marked dead by an operator (%s)", key, _peer(request))
+        await self.actions.mark_dead(key.backend, key.server)
+        return web.json_response({"server": key, "operator_dead": True})
 
     async def unmark_dead(self, request: web.Request) -> web.Response:
         self.authorize(request)
-        backend, server = self.server_from(request)
-        key = f"{backend}/{server}"
+        key = self.server_from(request)
         # A server that left every config may still be marked; it must stay possible to clear it.
-        if not self.actions.has_server(backend, server) and key not in self.state.operator_dead:
+        if not self.actions.has_server(key.backend, key.server) and key not in self.state.operator_dead:
             raise _Refused(404, f"no server {key} in any config HAProxy runs")
         log.info("status: %s no longer marked dead by an operator (%s)", key, _peer(request))
-        await self.actions.unmark_dead(backend, server)
+        await self.actions.unmark_dead(key.backend, key.server)
         return web.json_response({"server": key, "operator_dead": False})
 
 

@@ -1,9 +1,16 @@
-"""Steering old (displaced) workers away from dead servers.
+"""Steering old (displaced) workers away from dead servers, as a pipeline of pure steps.
 
-- dead.py: which servers are dead, per generation (config digests interned by content,
-  the current worker's server states, the three rules);
+Decide:
+- states.py: the current worker's `show servers state`, boiled down to evidence per endpoint;
+- dead.py: which servers are dead, per generation (config digests interned by content, the
+  three rules);
 - entries.py: what a backend's steer-map entries must be, given its dead servers;
-- mapdiff.py: from the entries a worker holds to the ordered CLI lines that change them;
-- plan.py: one round's wanted maps for every worker, memoised by content;
-- workers.py: the I/O shell that tracks, pushes, verifies, backs off and rebuilds.
+- plan.py: one round's wanted maps for every worker, memoised by content.
+Diff:
+- mapdiff.py: from the entries a worker holds to the phased changes that make them its plan.
+Wire:
+- lines.py: those changes as CLI lines, and the answers to them read.
+Around them, the shells: push.py (one worker's push and read-back, returning outcomes),
+rounds.py (the one place that changes a worker's record, record.py, and publishes to State)
+and workers.py (tracks, plans, pushes, verifies, backs off and rebuilds).
 """

@@ -22,14 +22,12 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..haproxy.api import DEFAULT_LINE_LIMIT, ServerState
-from ..haproxy.config import Config, Section, Server, is_ip, section_servers
-from ..haproxy.inject import SLOT_TABLE_PREFIX, is_guarded
-from .states import LiveStates
+from ..haproxy.api import DEFAULT_LINE_LIMIT
+from ..haproxy.config import Config, Section
+from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
+from ..haproxy.resolution import Server, is_ip, section_servers
+from .states import At, LiveStates
 
-# Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
-# strings cache their hash, and sets of thousands of them are compared on every drain.
-At = str
 DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
 
 
@@ -54,7 +52,7 @@ class SectionDigest:
     at_keys: dict[At, tuple[str, ...]] = field(compare=False)  # enabled servers per (backend, endpoint)
     present: frozenset[At] = field(compare=False)  # the same, as a set: where this section routes to
     named_hosts: tuple[Server, ...] = field(compare=False)  # given by host name: the live address differs
-    slots: tuple[Server, ...] = field(compare=False)  # the primaries; slot i is slots[i] (inject.slot_table)
+    slots: tuple[Server, ...] = field(compare=False)  # the primaries; slot i is slots[i] (guard.slot_table)
     guarded: bool = field(compare=False)
     all_backups: bool = field(compare=False)  # `option allbackups`
     changes_alone: bool = field(compare=False)  # some server is checked or observed: its state can change
@@ -108,25 +106,28 @@ class Sections:
     """Section digests interned by content (the section's text, and what applies to it from
     its defaults chain): a section identical in two configs is digested and stored once."""
 
-    RECENT_CONFIGS = 3  # whole configs remembered by their text: the next one, the current one
+    RECENT_CONFIGS = 3  # whole configs remembered by their sha256: the next one, the current one
 
     def __init__(self) -> None:
         self._by_key: dict[str, SectionDigest] = {}
-        self._by_text: dict[str, ConfigDigest] = {}
+        self._by_sha256: dict[str, ConfigDigest] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def digest(self, model: Config) -> ConfigDigest:
-        """The config's digest. A config seen lately is found by its whole text, which costs
-        a fraction of resolving its sections again (prepare, then before_reload)."""
-        text = model.render()
-        found = self._by_text.pop(text, None)
+    def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
+        """The config's digest. `sha256`: the digest of its effective text (Effective and
+        Generation carry it), by which a config seen lately is found without resolving its
+        sections again (prepare, then before_reload); None: a model with no such digest, whose
+        sections are still found by content."""
+        if sha256 is None:
+            return self._digest(model)
+        found = self._by_sha256.pop(sha256, None)
         if found is None:
             found = self._digest(model)
-        self._by_text[text] = found  # most recent last
-        while len(self._by_text) > self.RECENT_CONFIGS:
-            del self._by_text[next(iter(self._by_text))]
+        self._by_sha256[sha256] = found  # most recent last
+        while len(self._by_sha256) > self.RECENT_CONFIGS:
+            del self._by_sha256[next(iter(self._by_sha256))]
         return found
 
     def _digest(self, model: Config) -> ConfigDigest:
@@ -143,7 +144,7 @@ class Sections:
             key = inherited + (_SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text)
             digest = self._by_key.get(key)
             if digest is None:
-                servers = section_servers(section, settings)
+                servers = section_servers(section, settings, model.cache)
                 digest = self._by_key[key] = SectionDigest.of(key, servers, section, settings.all_backups)
             sections[section.name] = digest
         fingerprint = hashlib.blake2b(b"".join(sd.fingerprint for sd in sections.values()), digest_size=16)
@@ -164,7 +165,7 @@ class Sections:
         used = {sd.key for d in kept for sd in d.section_set}
         self._by_key = {k: v for k, v in self._by_key.items() if k in used}
         keys = {d.key for d in kept}
-        self._by_text = {t: d for t, d in self._by_text.items() if d.key in keys}
+        self._by_sha256 = {t: d for t, d in self._by_sha256.items() if d.key in keys}
 
 
 def line_limit(model: Config | None) -> int:
@@ -176,18 +177,6 @@ def line_limit(model: Config | None) -> int:
 
 
 # ---------------------------------------------------------------- the current worker's evidence
-
-
-def summarize_states(states: Iterable[ServerState]) -> LiveStates:
-    """From parsed states (no check details: op and admin state are the evidence)."""
-    down: set[At] = set()
-    up: set[At] = set()
-    by_key: dict[str, bool | None] = {}
-    for st in states:
-        where = at(st.backend, endpoint(st.address, st.port))
-        (up if st.alive else down).add(where)
-        by_key[st.key] = st.alive
-    return LiveStates(frozenset(down - up), frozenset(), by_key)
 
 
 @dataclass(frozen=True)
@@ -293,14 +282,3 @@ def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
     for key in keys:
         groups.setdefault(key.partition("/")[0], set()).add(key)
     return {backend: frozenset(members) for backend, members in groups.items()}
-
-
-def known_dead_servers(
-    generation_model: Config, latest_model: Config, live_states: Iterable[ServerState], operator_dead: Iterable[str]
-) -> frozenset[str]:
-    """The dead servers of `generation_model` as "backend/server", straight from the models:
-    the reference the memoised plan is checked against."""
-    sections = Sections()
-    latest = sections.digest(latest_model)
-    view = live_view(latest, summarize_states(live_states), operator_dead)
-    return frozenset().union(*dead_groups(sections.digest(generation_model), latest, view).values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterable
 
-from ..haproxy.config import Config
+from ..effective import Effective
 from ..state import Generation
 from .dead import ConfigDigest, Sections
 
@@ -46,14 +46,14 @@ class Digests:
         self.prepared: ConfigDigest | None = None  # the config prepare() planned for, until after_reload
         self._of_generation: dict[tuple[int, str], ConfigDigest] = {}
 
-    def of_model(self, model: Config) -> ConfigDigest:
-        return self.sections.digest(model)
+    def of_effective(self, effective: Effective) -> ConfigDigest:
+        return self.sections.digest(effective.effective_model, effective.sha256)
 
     def of(self, generation: Generation) -> ConfigDigest:
         key = (generation.number, generation.effective_sha256)
         digest = self._of_generation.get(key)
         if digest is None:
-            digest = self._of_generation[key] = self.sections.digest(generation.model)
+            digest = self._of_generation[key] = self.sections.digest(generation.model, generation.effective_sha256)
             self.servers.add(digest)
         return digest
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import psutil
 
+from ..haproxy.answers import is_servers_state, servers_state_parts, show_info_by_pid
 from ..haproxy.api import CLIError, MasterCLI, on_process
 from ..state import State
-from .procs import split_show_info
 from .record import WorkerRecord
-from .states import LiveStates, LiveTally, state_parts
+from .states import LiveStates, LiveTally
 
 COST_SHARE = 20  # reads take at most 1/COST_SHARE of the time
 # Without HAProxy's lines, servers without checks are still read this often: an operator's
@@ -63,10 +63,10 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     """One worker's `show servers state`, asked for and parsed."""
     started = time.monotonic()
     answer = await cli.on(pid, "show servers state")
-    if "# be_id" not in answer:
+    if not is_servers_state(answer):
         raise CLIError(f"show servers state: no answer from worker {pid}")
     tally = LiveTally()
-    for part in state_parts(answer, STATE_ROWS_PER_PART):
+    for part in servers_state_parts(answer, STATE_ROWS_PER_PART):
         tally.add(part)
         await asyncio.sleep(0)  # a 10,000-row answer would hold the operator API up
     states = tally.result()
@@ -74,20 +74,19 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     return LiveRead(pid, now, states, now - started, states.unusable())
 
 
-async def read_unusable(cli: MasterCLI, workers: Iterable[WorkerRecord], budget: int = 4) -> int:
+async def read_unusable(cli: MasterCLI, workers: Iterable[WorkerRecord], budget: int = 4) -> dict[int, LiveRead]:
     """Ask a few old workers not asked yet which servers they skip themselves (DOWN or MAINT in
     their own view): no use as targets. Not in the critical path: a worker is steered first
-    with what is known, and corrected when the answer comes. How many answered."""
+    with what is known, and corrected when the answer comes. The answers, by PID."""
 
-    async def one(worker: WorkerRecord) -> bool:
+    async def one(worker: WorkerRecord) -> LiveRead | None:
         with contextlib.suppress(CLIError):
-            read = await read_states(cli, worker.pid)
-            worker.unusable, worker.unusable_at = read.unusable, read.at
-            return True
-        return False
+            return await read_states(cli, worker.pid)
+        return None
 
     wanted = [w for w in workers if w.unusable is None and not w.current][:budget]
-    return sum(await asyncio.gather(*(one(w) for w in wanted)))
+    reads = await asyncio.gather(*(one(w) for w in wanted))
+    return {w.pid: read for w, read in zip(wanted, reads, strict=True) if read is not None}
 
 
 async def update_stats(cli: MasterCLI, state: State) -> None:
@@ -96,12 +95,12 @@ async def update_stats(cli: MasterCLI, state: State) -> None:
     if not pids:
         return
     answers = await cli.execute_many([on_process(pid, "show info") for pid in pids])
-    infos = split_show_info("\n".join(answers))
+    infos = show_info_by_pid("\n".join(answers))
+    stats: dict[int, tuple[int | None, int | None]] = {}
     for pid in pids:
-        record = state.old_workers.get(pid)
-        if record is None:
-            continue
         conns = infos.get(pid, {}).get("CurrConns", "")
-        record.connections = int(conns) if conns.isdigit() else record.connections
+        rss: int | None = None
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            record.rss_bytes = psutil.Process(pid).memory_info().rss
+            rss = psutil.Process(pid).memory_info().rss
+        stats[pid] = (int(conns) if conns.isdigit() else None, rss)
+    state.publish_old_worker_stats(stats)

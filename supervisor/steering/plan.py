@@ -50,6 +50,18 @@ class Steering:
         return {key: value for part in self.parts.values() for key, value in part}
 
 
+def reused_plans(
+    last: Mapping[int, Steering], workers: Mapping[int, tuple[ConfigDigest, frozenset[str]]]
+) -> dict[int, Steering]:
+    """The plans of a round made under the same basis that still hold: for a worker that
+    runs the same config and skips the same servers (the rest must be planned)."""
+    return {
+        pid: steering
+        for pid, (digest, unusable) in workers.items()
+        if (steering := last.get(pid)) is not None and steering.source == (digest.key, unusable)
+    }
+
+
 def nothing_steered(digest: ConfigDigest, latest: ConfigDigest, basis: Basis) -> Steering:
     """An empty map: what the current worker holds (unless it is about to become old)."""
     return Steering(basis, ("nothing steered", frozenset()), digest, latest, {}, {})

@@ -10,26 +10,17 @@ cleanly; until then the worker's map is unknown and is read before the next try.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from ..haproxy.answers import parse_prepare_map
 from ..haproxy.api import CLIError, MasterCLI, on_process
 from .entries import Entries
-from .mapdiff import (
-    PHASES,
-    ROUTING_PHASES,
-    BackendDelta,
-    Phase,
-    answer_problem,
-    delta_lines,
-    is_whole_answer,
-    map_entries,
-    phase_lines,
-    valid_entry,
-)
+from .lines import answer_problem, delta_lines, is_whole_answer, map_entries, phase_lines
+from .mapdiff import PHASES, ROUTING_PHASES, BackendDelta, Phase, valid_entry
+from .plan import Steering
 from .procs import stuck_sessions
-from .record import WorkerRecord
 
 # Above this many `set map`/`del map` commands for one worker the whole map is replaced
 # (prepare/commit): each such command is a CLI round of its own, while a replacement ships
@@ -42,47 +33,57 @@ class PushError(Exception):
     """A push or its read-back did not give the map we wanted. One line."""
 
 
-async def push(cli: MasterCLI, map_path: str, worker: WorkerRecord, steered_at: dict[int, float]) -> int:
-    """Bring one worker's map to its plan; the number of changes sent. `steered_at`: when its
-    routing phases were answered, by PID (only for workers that were sent anything)."""
-    wanted = worker.wanted
-    assert wanted is not None
-    if worker.held is None:
-        held = await read_map(cli, map_path, worker.pid)
-        worker.verified_at = time.monotonic()
-        deltas = [BackendDelta.between(held, wanted.entries())]
-        if not deltas[0].changes:
-            worker.held, worker.pending = wanted.parts, set()
-            return 0
-    else:
-        deltas = worker.deltas() or []
+@dataclass(frozen=True)
+class PushOutcome:
+    """What one push did, for the shell to apply to the worker's record."""
+
+    held: Mapping[str, Entries] | None  # what its map holds now; None: unknown (read it before the next try)
+    sent: int = 0  # changes sent
+    pushed: bool = False  # some line was sent: a read-back overlapping it proves nothing
+    read_at: float | None = None  # monotonic, when its map was read first (it was unknown)
+    steered_at: float | None = None  # monotonic, when its routing phases were answered
+    error: str | None = None
+
+
+async def push(
+    cli: MasterCLI, map_path: str, pid: int, wanted: Steering, deltas: Sequence[BackendDelta] | None
+) -> PushOutcome:
+    """Bring one worker's map to `wanted`. `deltas`: the changes its map needs, worked out
+    by the caller (None: its map is unknown, read it first). Touches no record."""
+    read_at: float | None = None
+    pushed = False
+    try:
+        if deltas is None:
+            held = await read_map(cli, map_path, pid)
+            read_at = time.monotonic()
+            deltas = [BackendDelta.between(held, wanted.entries())]
+            if not deltas[0].changes:
+                return PushOutcome(wanted.parts, read_at=read_at)
         if not deltas:
-            return 0
-    worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
-    limit, pid = wanted.digest.limit, worker.pid
-    if sum(d.singles for d in deltas) > REPLACE_ABOVE:
-        sent = await replace_map(cli, map_path, pid, wanted.entries(), limit)
-    else:
-        sent = sum(d.changes for d in deltas)
-        for lines in delta_lines(pid, map_path, deltas, limit, PHASES[:ROUTING_PHASES]):
-            await send(cli, pid, lines)
-        steered_at[pid] = time.monotonic()
-        for lines in delta_lines(pid, map_path, deltas, limit, PHASES[ROUTING_PHASES:]):
-            await send(cli, pid, lines)
-    steered_at.setdefault(pid, time.monotonic())
-    # A read-back that overlapped the push proves nothing: `pushes` moves again.
-    worker.held, worker.pending, worker.verify = wanted.parts, set(), True
-    worker.pushes += 1
-    return sent
+            return PushOutcome(wanted.parts)
+        limit = wanted.digest.limit
+        steered_at: float | None = None
+        pushed = True
+        if sum(d.singles for d in deltas) > REPLACE_ABOVE:
+            sent = await replace_map(cli, map_path, pid, wanted.entries(), limit)
+        else:
+            sent = sum(d.changes for d in deltas)
+            for lines in delta_lines(pid, map_path, deltas, limit, PHASES[:ROUTING_PHASES]):
+                await send(cli, pid, lines)
+            steered_at = time.monotonic()
+            for lines in delta_lines(pid, map_path, deltas, limit, PHASES[ROUTING_PHASES:]):
+                await send(cli, pid, lines)
+    except (CLIError, PushError, ValueError) as exc:
+        return PushOutcome(None, pushed=pushed, read_at=read_at, error=str(exc))
+    return PushOutcome(wanted.parts, sent, True, read_at, steered_at or time.monotonic())
 
 
 async def replace_map(cli: MasterCLI, map_path: str, pid: int, entries: dict[str, str], limit: int) -> int:
     """Swap the whole map at once: a new version filled by payloads, then committed."""
     answer = await cli.on(pid, f"prepare map {map_path}")
-    m = re.search(r"New version created: (\d+)", answer)
-    if m is None:
+    version = parse_prepare_map(answer)
+    if version is None:
         raise PushError(f"worker {pid}: prepare map: {answer.strip()[:200]}")
-    version = int(m[1])
     phase = Phase(adds=tuple(valid_entry(k, v) for k, v in entries.items()))
     await send(cli, pid, phase_lines(pid, map_path, phase, limit, version=version))
     await send(cli, pid, [on_process(pid, f"commit map @{version} {map_path}")])
@@ -98,21 +99,30 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
             raise PushError(f"worker {pid}: {problem}")
 
 
-Known = tuple[WorkerRecord, int, Mapping[str, Entries]]  # a worker, its push count, what it held
-ReadBack = tuple[WorkerRecord, int, Mapping[str, Entries], dict[str, str] | Exception]
+@dataclass(frozen=True)
+class ReadBack:
+    """One worker's map read back, beside what was known of it when the read was decided on
+    (a push meanwhile makes the read prove nothing: the shell compares)."""
+
+    pid: int
+    pushes: int  # its record's push count then
+    held: Mapping[str, Entries]  # what it held then
+    got: dict[str, str] | Exception  # the map, or why it could not be read
+
+
+Known = tuple[int, int, Mapping[str, Entries]]  # a worker's pid, its push count, what it held
 
 
 async def read_back(cli: MasterCLI, map_path: str, known: list[Known]) -> list[ReadBack]:
-    """Each worker's map, read at once, beside what was known of it when the reads were
-    decided on: a push meanwhile makes a read prove nothing (the caller compares)."""
+    """Each worker's map, read at once: (pid, push count, held) in, a ReadBack for each out."""
 
-    async def one(worker: WorkerRecord, pushes: int, held: Mapping[str, Entries]) -> ReadBack:
+    async def one(pid: int, pushes: int, held: Mapping[str, Entries]) -> ReadBack:
         try:
-            return worker, pushes, held, await read_map(cli, map_path, worker.pid)
+            return ReadBack(pid, pushes, held, await read_map(cli, map_path, pid))
         except (CLIError, PushError) as exc:
-            return worker, pushes, held, exc
+            return ReadBack(pid, pushes, held, exc)
 
-    return list(await asyncio.gather(*(one(w, pushes, held) for w, pushes, held in known)))
+    return list(await asyncio.gather(*(one(pid, pushes, held) for pid, pushes, held in known)))
 
 
 def map_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:

@@ -1,13 +1,11 @@
-"""What the shell keeps per worker (what its map holds and needs, per backend), and the
-old workers' records the status API shows."""
+"""What the shell keeps per worker: what its map holds and needs, per backend, and how its
+pushes went. Only PushRounds (rounds.py) changes a record; the functions here are pure."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from ..master.procfs import process_started_at
-from ..state import OldWorker, PushState, PushStateName, State, utcnow
 from .entries import Entries
 from .mapdiff import BackendDelta, backend_delta
 from .plan import Steering
@@ -35,51 +33,38 @@ class WorkerRecord:
 
     def want(self, steering: Steering | None) -> None:
         """Take a new plan; note which backends can now differ from what its map holds."""
-        before, self.wanted = self.wanted, steering
-        if steering is None or before is None or self.pending is None:
-            self.pending = None
-        elif steering.source != before.source:
-            self.pending = None  # another config, or other servers it skips: compare every backend
-        elif steering.previous == before.basis:
-            self.pending |= steering.changed
-        elif steering.basis != before.basis:
-            self.pending = None
+        self.pending = pending_after(self.wanted, steering, self.pending)
+        self.wanted = steering
 
     def deltas(self) -> list[BackendDelta] | None:
         """The changes its map needs, per backend (None: its map is unknown)."""
-        if self.held is None or self.wanted is None:
-            return None
-        held, parts = self.held, self.wanted.parts
-        backends = self.pending if self.pending is not None else held.keys() | parts.keys()
-        deltas = [backend_delta(held.get(b, ()), parts.get(b, ())) for b in backends if held.get(b) != parts.get(b)]
-        if not deltas:
-            self.held, self.pending = parts, set()
-        return deltas
+        return map_deltas(self.held, self.wanted, self.pending)
 
     def in_sync(self) -> bool:
         return self.wanted is not None and self.deltas() == []
 
 
-def list_old_workers(state: State, old_pids: set[int], generations: Mapping[int, int | None]) -> None:
-    """Status bookkeeping: State.old_workers follows `show proc`'s old workers."""
-    for pid in [pid for pid in state.old_workers if pid not in old_pids]:
-        del state.old_workers[pid]
-    for pid in old_pids:
-        record = state.old_workers.get(pid)
-        if record is None:
-            state.old_workers[pid] = OldWorker(pid, generations.get(pid), process_started_at(pid))
-        elif record.generation is None:
-            record.generation = generations.get(pid)
-    state.note_old_workers()
+def pending_after(before: Steering | None, after: Steering | None, pending: set[str] | None) -> set[str] | None:
+    """The backends where a worker's map may differ from its plan once it takes `after`
+    instead of `before` (None: any)."""
+    if after is None or before is None or pending is None:
+        return None
+    if after.source != before.source:
+        return None  # another config, or other servers it skips: compare every backend
+    if after.previous == before.basis:
+        return pending | after.changed
+    if after.basis != before.basis:
+        return None
+    return pending
 
 
-def record_push(state: State, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
-    """How a worker's last push went, in its status record (and the servers it is kept from)."""
-    record = state.old_workers.get(worker.pid)
-    if record is None:
-        return  # the worker about to become old: not listed as old yet
-    if result == "ok":
-        record.steered = worker.wanted.steered if worker.wanted is not None else []
-        if record.push.state == "ok":
-            return  # keep the time of the push that made it so
-    record.push = PushState(result, utcnow() if result != "pending" else record.push.at, error)
+def map_deltas(
+    held: Mapping[str, Entries] | None, wanted: Steering | None, pending: Collection[str] | None
+) -> list[BackendDelta] | None:
+    """The changes a map holding `held` needs to be `wanted`, per backend, looking only at
+    `pending` (None: at every backend). None: the map is unknown, or nothing is wanted."""
+    if held is None or wanted is None:
+        return None
+    parts = wanted.parts
+    backends = pending if pending is not None else held.keys() | parts.keys()
+    return [backend_delta(held.get(b, ()), parts.get(b, ())) for b in backends if held.get(b) != parts.get(b)]

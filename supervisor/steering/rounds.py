@@ -17,15 +17,20 @@ from collections.abc import Collection, Mapping
 
 from ..haproxy.api import CLIError, MasterCLI
 from ..settings import Settings
-from ..state import PushStateName, State
-from .push import GONE, PushError, end_stuck_streams, map_difference, push, read_back
-from .record import WorkerRecord, record_push
+from ..state import PushNews, PushStateName, State
+from .live import LiveRead
+from .mapdiff import BackendDelta
+from .plan import Steering
+from .push import GONE, PushOutcome, ReadBack, end_stuck_streams, map_difference, push, read_back
+from .record import WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
 
 
 class PushRounds:
-    """Pushes, read-backs and backoff for a set of WorkerRecords (the caller's, by PID)."""
+    """The one shell that changes WorkerRecords (the caller's, by PID): what `show proc`
+    lists, the plans, the outcomes of pushes and read-backs, and backoff. Their push records
+    reach State in one publish per step."""
 
     RECONCILE_INTERVAL_S = 5.0
     MAX_BACKOFF_S = 5.0
@@ -41,41 +46,102 @@ class PushRounds:
         self.cli = cli
         self.map_path = str(settings.haproxy.steer_map)
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
+        self._news: dict[int, PushNews] = {}  # push records not published yet
+        self._failures = 0  # failures not published yet
+
+    # ------------------------------------------------------------ what the shell learns
+
+    def track(
+        self,
+        workers: dict[int, WorkerRecord],
+        generations: Mapping[int, int | None],
+        current_pid: int | None,
+        live: LiveRead | None,
+    ) -> None:
+        """The workers `show proc` lists (old ones and the current one), each with the
+        generation it runs: records of the others dropped, new ones made."""
+        for pid in [pid for pid in workers if pid not in generations]:
+            del workers[pid]
+        for pid, generation in generations.items():
+            worker = workers.setdefault(pid, WorkerRecord(pid, generation))
+            if worker.generation is None:
+                worker.generation = generation
+            worker.current = pid == current_pid
+            if live is not None and live.pid == pid and (worker.current or worker.unusable is None):
+                # An old worker starts from its view as last seen while it was current: health
+                # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
+                worker.unusable = live.unusable
+
+    def want(self, worker: WorkerRecord, steering: Steering | None, refused: str | None = None) -> None:
+        """A worker's plan (None: leave its map alone); `refused`: why it cannot be steered."""
+        worker.want(steering)
+        if refused is not None:
+            self.record(worker, "failed", refused)
+
+    def own_views(self, workers: Mapping[int, WorkerRecord], reads: Mapping[int, LiveRead]) -> None:
+        """Old workers' own views (read_unusable's answers): the servers they skip themselves."""
+        for pid, read in reads.items():
+            worker = workers.get(pid)
+            if worker is not None:
+                worker.unusable, worker.unusable_at = read.unusable, read.at
+
+    def server_changed(self, worker: WorkerRecord) -> None:
+        """HAProxy wrote that one of an old worker's servers changed: ask its view again."""
+        worker.unusable = None
+
+    # ------------------------------------------------------------ pushes and read-backs
 
     async def push_all(self, workers: Collection[WorkerRecord]) -> None:
         """Push to every worker whose map differs from its plan (and is not backing off), all at once."""
         started = time.monotonic()
-        steered_at: dict[int, float] = {}
-        changes = [0]
-        due = []
+        due: list[tuple[WorkerRecord, list[BackendDelta] | None]] = []
         for worker in workers:
             if worker.wanted is None:
                 continue
-            if worker.in_sync():
+            deltas = worker.deltas()  # once per push: handed to it
+            if deltas == []:
+                worker.held, worker.pending = worker.wanted.parts, set()
                 self.record(worker, "ok")
             elif worker.retry_at <= started:
                 self.record(worker, "pending")
-                due.append(worker)
-
-        async def one(worker: WorkerRecord) -> None:
-            try:
-                changes[0] += await push(self.cli, self.map_path, worker, steered_at)
-            except (CLIError, PushError, ValueError) as exc:
-                worker.held = None  # somewhere in between: read it back before the next try
-                self.failed(worker, str(exc))
-            else:
-                worker.failures, worker.retry_at = 0, 0.0
-                self.record(worker, "ok")
-
-        await asyncio.gather(*(one(w) for w in due))
+                if worker.held is not None:
+                    worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
+                due.append((worker, deltas))
+        self.publish()
+        if not due:
+            return
+        outcomes = await asyncio.gather(*(push(self.cli, self.map_path, w.pid, w.wanted, d) for w, d in due))  # type: ignore[arg-type]
+        steered_at: list[float] = []
+        changes = 0
+        for (worker, _), outcome in zip(due, outcomes, strict=True):
+            self._apply_push(worker, outcome)
+            changes += outcome.sent
+            if outcome.steered_at is not None:
+                steered_at.append(outcome.steered_at)
         if steered_at:
-            self.state.push_duration.observe(time.monotonic() - started)
+            self.state.publish_push_round(time.monotonic() - started)
             self.last_push = {
                 "workers": len(steered_at),
-                "changes": changes[0],
-                "steered_s": max(steered_at.values()) - started,
-                "steered_at": max(steered_at.values()),  # monotonic, when the last one was answered
+                "changes": changes,
+                "steered_s": max(steered_at) - started,
+                "steered_at": max(steered_at),  # monotonic, when the last one was answered
             }
+        self.publish()
+
+    def _apply_push(self, worker: WorkerRecord, outcome: PushOutcome) -> None:
+        if outcome.read_at is not None:
+            worker.verified_at = outcome.read_at
+        if outcome.pushed:
+            worker.pushes += 1  # a read-back that overlapped the push proves nothing
+        if outcome.error is not None:
+            worker.held = None  # somewhere in between: read it back before the next try
+            self.failed(worker, outcome.error)
+            return
+        worker.held, worker.pending = outcome.held, set()
+        if outcome.pushed:
+            worker.verify = True
+        worker.failures, worker.retry_at = 0, 0.0
+        self.record(worker, "ok")
 
     async def verify_some(self, workers: Mapping[int, WorkerRecord], poll_s: float, lock: asyncio.Lock) -> bool:
         """Read back the maps just pushed, then those verified longest ago: each map at least
@@ -92,35 +158,44 @@ class PushRounds:
         due.sort(key=lambda w: (not w.verify, w.verified_at))
         per_poll = max(4, -(-len(workers) * poll_s // self.RECONCILE_INTERVAL_S))
 
-        known = [(w, w.pushes, w.held) for w in due[: int(per_poll)] if w.held is not None]
+        known = [(w.pid, w.pushes, w.held) for w in due[: int(per_poll)] if w.held is not None]
         results = await read_back(self.cli, self.map_path, known)
-        drifted = False
         async with lock:
-            for worker, pushes, held, got in results:
-                if workers.get(worker.pid) is not worker or worker.pushes != pushes or worker.held is not held:
-                    continue  # pushed again (or gone) meanwhile: this read proves nothing
-                if isinstance(got, Exception):
-                    worker.unread += 1
-                    if worker.unread < self.UNREAD_LIMIT:
-                        log.info("reading old worker %d's map back failed, will retry: %s", worker.pid, got)
-                        continue
-                    self.failed(worker, str(got))
-                after_push = worker.verify
-                worker.unread, worker.verify, worker.verified_at = 0, False, time.monotonic()
-                if isinstance(got, Exception):
-                    continue
-                if not after_push:
-                    # A reconcile also sweeps stuck streams again and, with `observe` (the only
-                    # thing that marks servers down in an old worker), re-reads its own view.
-                    worker.swept = frozenset()
-                    if self.settings.observe.enabled and not worker.current and self._own_view_due(worker):
-                        worker.unusable = None
-                difference = map_difference({key: value for part in held.values() for key, value in part}, got)
-                if difference:
-                    worker.held = None
-                    self.failed(worker, f"worker {worker.pid}: {difference}")
-                    drifted = True
+            drifted = False
+            for result in results:
+                worker = workers.get(result.pid)
+                if worker is not None:
+                    drifted |= self._apply_read_back(worker, result)
+            self.publish()
         return drifted
+
+    def _apply_read_back(self, worker: WorkerRecord, read: ReadBack) -> bool:
+        """True when the map read back differs from what was pushed."""
+        if worker.pushes != read.pushes or worker.held is not read.held:
+            return False  # pushed again meanwhile: this read proves nothing
+        got = read.got
+        if isinstance(got, Exception):
+            worker.unread += 1
+            if worker.unread < self.UNREAD_LIMIT:
+                log.info("reading old worker %d's map back failed, will retry: %s", worker.pid, got)
+                return False
+            self.failed(worker, str(got))
+        after_push = worker.verify
+        worker.unread, worker.verify, worker.verified_at = 0, False, time.monotonic()
+        if isinstance(got, Exception):
+            return False
+        if not after_push:
+            # A reconcile also sweeps stuck streams again and, with `observe` (the only
+            # thing that marks servers down in an old worker), re-reads its own view.
+            worker.swept = frozenset()
+            if self.settings.observe.enabled and not worker.current and self._own_view_due(worker):
+                worker.unusable = None
+        difference = map_difference({key: value for part in read.held.values() for key, value in part}, got)
+        if difference:
+            worker.held = None
+            self.failed(worker, f"worker {worker.pid}: {difference}")
+            return True
+        return False
 
     def _own_view_due(self, worker: WorkerRecord) -> bool:
         """An old worker's own view is read again at each reconcile, or, while HAProxy's lines
@@ -133,12 +208,20 @@ class PushRounds:
         worker.failures += 1
         worker.retry_at = time.monotonic() + min(self.MAX_BACKOFF_S, 0.1 * 2**worker.failures)
         if GONE not in error:
-            self.state.push_failures += 1
+            self._failures += 1
             log.warning("steering old worker %d failed (attempt %d): %s", worker.pid, worker.failures, error)
         self.record(worker, "failed", error)
 
     def record(self, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
-        record_push(self.state, worker, result, error)
+        """How a worker's push went, published with the others at the end of the step."""
+        steered = tuple(worker.wanted.steered) if result == "ok" and worker.wanted is not None else ()
+        self._news[worker.pid] = PushNews(result, error, steered)
+
+    def publish(self) -> None:
+        """The step's push records, into State at once."""
+        if self._news or self._failures:
+            self.state.publish_pushes(self._news, self._failures)
+            self._news, self._failures = {}, 0
 
     async def sweep(self, workers: Collection[WorkerRecord]) -> None:
         """End the streams of old workers that still wait on a dead server."""

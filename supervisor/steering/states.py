@@ -3,15 +3,14 @@ of dead.py), parsed in parts so that a big answer never holds the event loop for
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ..haproxy.api import ADMIN_MAINT_MASK
+from ..haproxy.answers import ADMIN_MAINT_MASK, servers_state_rows
+from ..haproxy.names import ServerKey
 
-if TYPE_CHECKING:
-    from .dead import At
+# Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
+# strings cache their hash, and sets of thousands of them are compared on every drain.
+At = str
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,6 @@ class LiveStates:
     def unusable(self) -> frozenset[str]:
         """Its servers that are DOWN or in maintenance: a `use-server` rule skips them."""
         return frozenset(k for k, verdict in self.alive_by_key.items() if verdict is False)
-
 
 
 _LIVE_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port", "srv_op_state", "srv_admin_state",
@@ -48,24 +46,15 @@ class LiveTally:
         self.by_key: dict[str, bool | None] = {}
 
     def add(self, text: str) -> None:
-        """Rows under their `# be_id` header: one regex pass (in C) over each block, then a
-        loop that does next to nothing for the usual row (alive)."""
+        """Rows of `show servers state` (answers.servers_state_rows): a loop that does next to
+        nothing for the usual row (alive)."""
         down, up, pending, by_key = self.down, self.up, self.pending, self.by_key
-        start = text.find("# be_id")
-        while start != -1:
-            end = text.find("\n", start)
-            header = text[start : end if end != -1 else len(text)]
-            columns = header[2:].split()
-            pattern = re.compile(
-                "^" + r"[ \t]+".join(r"(\S+)" if c in _LIVE_COLUMNS else r"\S+" for c in columns) + r"[ \t]*$", re.M
-            )
-            col = {name: i for i, name in enumerate(c for c in columns if c in _LIVE_COLUMNS)}
-            following = text.find("# be_id", start + 1)
-            block = text[end + 1 : following if following != -1 else len(text)] if end != -1 else ""
+        for block in servers_state_rows(text, _LIVE_COLUMNS):
+            col = block.at
             i_be, i_name, i_addr = col["be_name"], col["srv_name"], col["srv_addr"]
             i_port, i_op, i_admin = col.get("srv_port"), col["srv_op_state"], col["srv_admin_state"]
             i_cstate, i_cres, i_fqdn = col.get("srv_check_state"), col.get("srv_check_result"), col.get("srv_fqdn")
-            for v in pattern.findall(block):
+            for v in block.rows:
                 where = (v[i_be], v[i_addr], v[i_port] if i_port is not None else "")
                 admin = v[i_admin]
                 verdict: bool | None
@@ -80,8 +69,7 @@ class LiveTally:
                     if i_fqdn is None or v[i_fqdn] == "-":
                         continue  # the usual case: nothing more to note
                     verdict = True
-                by_key[f"{v[i_be]}/{v[i_name]}"] = verdict
-            start = following
+                by_key[ServerKey.of(v[i_be], v[i_name])] = verdict
 
     def result(self) -> LiveStates:
         def ats(raw: set[tuple[str, str, str]]) -> frozenset[At]:
@@ -89,26 +77,3 @@ class LiveTally:
 
         up = self.up
         return LiveStates(ats(self.down - up), ats(self.pending - up - self.down), dict(self.by_key))
-
-
-def parse_live_states(text: str) -> LiveStates:
-    """`show servers state` straight to LiveStates."""
-    tally = LiveTally()
-    tally.add(text)
-    return tally.result()
-
-
-def state_parts(text: str, rows: int) -> Iterator[str]:
-    """`show servers state` cut into parts of at most `rows` rows, each under its header, so
-    that a big answer can be parsed with the event loop running in between."""
-    start = text.find("# be_id")
-    while start != -1:
-        end = text.find("\n", start)
-        if end == -1:
-            return
-        header = text[start : end + 1]
-        following = text.find("# be_id", end)
-        lines = text[end + 1 : following if following != -1 else len(text)].split("\n")
-        for i in range(0, len(lines), rows):
-            yield header + "\n".join(lines[i : i + rows])
-        start = following

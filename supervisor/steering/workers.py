@@ -18,19 +18,23 @@ import time
 from collections.abc import Coroutine
 from typing import TypeVar
 
-from ..haproxy.api import CLIError, MasterCLI, ProcList, validate_name
-from ..haproxy.config import Config
+from ..effective import Effective
+from ..haproxy.answers import ProcList
+from ..haproxy.api import CLIError, MasterCLI
+from ..haproxy.names import ServerKey
 from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
+from ..master.procfs import process_started_at
 from ..settings import Settings
 from ..state import State
+from ..waiting import wait_set
 from .dead import ConfigDigest, LiveView, live_view
 from .digests import Digests
 from .exits import WorkerExits
 from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
-from .plan import Planner, Steering, nothing_steered
+from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
 from .procs import worker_generations
-from .record import WorkerRecord, list_old_workers
+from .record import WorkerRecord
 from .rounds import PushRounds
 from .states import LiveStates
 
@@ -48,6 +52,7 @@ class OldWorkers:
     STATS_INTERVAL_S = 1.0
     LIST_INTERVAL_S = 2.0  # at rest (nothing woke the steering) `show proc` is asked this often
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
+    RECENT_ROUNDS = 2  # rounds' plans kept: around a reload the next config's and the poll's take turns
 
     def __init__(
         self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
@@ -67,6 +72,7 @@ class OldWorkers:
         self._next: ConfigDigest | None = None  # set between before_reload and after_reload
         self._leaving_pid: int | None = None  # the worker about to become old
         self._dead_key: object = None  # what state.dead_servers was last made from
+        self._rounds: dict[Basis, dict[int, Steering]] = {}  # the last rounds' plans by PID, per basis
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -94,9 +100,10 @@ class OldWorkers:
                     await self.sync(fresh=self._live_due())
                 if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
                     self._wake.set()
-                answered = await self._interruptible(read_unusable(self.cli, self._workers.values()))
-                if answered:
-                    self.state.server_state_reads += answered
+                views = await self._interruptible(read_unusable(self.cli, self._workers.values()))
+                if views:
+                    self.state.publish_state_reads(len(views))
+                    self.rounds.own_views(self._workers, views)
                     self._wake.set()
                 if time.monotonic() >= self._stats_at:
                     self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
@@ -116,16 +123,15 @@ class OldWorkers:
                     failing.happened(exc)
             except Exception:
                 log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            await wait_set(self._wake, self.poll_s)
             woken = self._wake.is_set()
             self._wake.clear()
 
-    async def prepare(self, next_model: Config) -> None:
+    async def prepare(self, effective: Effective) -> None:
         """Work out the next config's plans while `haproxy -c` checks it: before_reload then
         finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
         async with self._lock:
-            latest = self._digests.prepared = self._digests.of_model(next_model)
+            latest = self._digests.prepared = self._digests.of_effective(effective)
             current = self.state.current
             leaving = current.worker_pid if current is not None else None
             judged = self._judged(leaving)
@@ -134,11 +140,11 @@ class OldWorkers:
                     view = await self._live_view(latest, leaving, reuse=True)
                     await self._plan(latest, view, judged)
 
-    async def before_reload(self, next_model: Config) -> None:
+    async def before_reload(self, effective: Effective) -> None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
-        the servers `next_model` drops, before the reload is sent."""
+        the servers the next config drops, before the reload is sent."""
         current = self.state.current
-        self._next = self._digests.of_model(next_model)
+        self._next = self._digests.of_effective(effective)
         self._leaving_pid = current.worker_pid if current is not None else None
         for task in self._reads:  # the master relays one answer at a time: the pushes come first
             task.cancel()
@@ -161,6 +167,7 @@ class OldWorkers:
     async def refresh(self) -> None:
         """Recompute and push now: a runtime change altered the current config in place."""
         self._digests = Digests()  # the current config changed in place; a runtime apply took the reload's place
+        self._rounds = {}
         await self.sync(fresh=True)
 
     def on_server_event(self, event: ServerEvent) -> None:
@@ -168,18 +175,18 @@ class OldWorkers:
         states again (the current one's: its checks; an old one's: `observe` marking down)."""
         worker = self._workers.get(event.pid)
         if worker is not None and not worker.current:
-            worker.unusable = None
+            self.rounds.server_changed(worker)
         else:  # the current worker, or a new one not listed yet
             self._live_stale = True
         log.debug("server event: worker %d: %s %s", event.pid, event.key, event.change)
         self._wake.set()
 
     def mark_dead(self, key: str) -> None:
-        self.state.operator_dead.add(_check_key(key))
+        self.state.publish_operator_dead(ServerKey.parse(key), True)
         self._wake.set()
 
     def unmark_dead(self, key: str) -> None:
-        self.state.operator_dead.discard(_check_key(key))
+        self.state.publish_operator_dead(ServerKey.parse(key), False)
         self._wake.set()
 
     @property
@@ -230,39 +237,30 @@ class OldWorkers:
     def _track(self, procs: ProcList) -> None:
         generations = worker_generations(procs, self.state.generations)
         current = procs.current_worker
-        old_pids = {p.pid for p in procs.old_workers}
-        targets = old_pids | ({current.pid} if current is not None else set())
-        for pid in [pid for pid in self._workers if pid not in targets]:
-            del self._workers[pid]
-        self._exits.watch_only(old_pids)
-        live = self._live
-        for pid in targets:
-            worker = self._workers.setdefault(pid, WorkerRecord(pid, generations.get(pid)))
-            if worker.generation is None:
-                worker.generation = generations.get(pid)
-            worker.current = current is not None and pid == current.pid
-            if live is not None and live.pid == pid and (worker.current or worker.unusable is None):
-                # An old worker starts from its view as last seen while it was current: health
-                # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
-                worker.unusable = live.unusable
-        list_old_workers(self.state, old_pids, generations)
+        old = {p.pid: generations.get(p.pid) for p in procs.old_workers}
+        self._exits.watch_only(old)
+        current_pid = current.pid if current is not None else None
+        targets = {pid: generations.get(pid) for pid in (*old, *([current_pid] if current_pid is not None else []))}
+        self.rounds.track(self._workers, targets, current_pid, self._live)
+        listed = self.state.old_workers
+        self.state.publish_old_workers(old, {pid: process_started_at(pid) for pid in old if pid not in listed})
 
     async def _steer(self, procs: ProcList, reuse: bool) -> None:
         current = self.state.current
         latest = self._next if self._next is not None else (self._digests.of(current) if current is not None else None)
         if latest is None:
-            self.state.dead_servers = set()
+            self.state.publish_dead_servers(())
             return
         leaving = self._leaving_pid if self._next is not None else None
         judged = self._judged(leaving)
         for worker in self._workers.values():
             generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
             if generation is None:
-                worker.want(None)
-                self.rounds.record(worker, "failed", "the config this worker runs is unknown: it cannot be steered")
+                self.rounds.want(worker, None, "the config this worker runs is unknown: it cannot be steered")
             elif worker.pid not in judged:
                 digest = self._digests.of(generation)
-                worker.want(nothing_steered(digest, latest, (latest.key, LiveView())) if digest.guarded else None)
+                empty = nothing_steered(digest, latest, (latest.key, LiveView())) if digest.guarded else None
+                self.rounds.want(worker, empty)
         plans: dict[int, Steering] = {}
         if judged:
             current_worker = procs.current_worker
@@ -272,16 +270,15 @@ class OldWorkers:
             for pid, steering in plans.items():
                 worker = self._workers[pid]
                 if steering.digest.guarded:
-                    worker.want(steering)
+                    self.rounds.want(worker, steering)
                 else:
-                    worker.want(None)
-                    self.rounds.record(worker, "failed", "its config has no guard: it cannot be steered")
+                    self.rounds.want(worker, None, "its config has no guard: it cannot be steered")
         await self.rounds.push_all(self._workers.values())
         # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:
             self._dead_key = dead_key
-            self.state.dead_servers = set().union(*(s.dead for s in plans.values()))
+            self.state.publish_dead_servers(set().union(*(s.dead for s in plans.values())))
             self._planner.keep_only(self._digests.keep_only(self.state.generations.values(), latest))
         if self.settings.old_workers.shutdown_stuck_sessions:
             await self.rounds.sweep(self._workers.values())
@@ -290,11 +287,19 @@ class OldWorkers:
         self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
     ) -> dict[int, Steering]:
         """The planner's plans, one worker at a time: the operator API and the pushes under way
-        get the event loop in between."""
-        plans: dict[int, Steering] = {}
+        get the event loop in between. A plan made in a recent round under the same basis, for
+        the same worker content, is taken as it is: a reload plans each worker in prepare, and
+        before_reload and after_reload find them."""
+        basis: Basis = (latest.key, view)
+        last = self._rounds.pop(basis, {})
+        plans = reused_plans(last, judged)
         for pid, worker in judged.items():
-            plans.update(self._planner.plan(latest, view, {pid: worker}))
-            await asyncio.sleep(0)
+            if pid not in plans:
+                plans.update(self._planner.plan(latest, view, {pid: worker}))
+                await asyncio.sleep(0)
+        self._rounds[basis] = plans  # most recent last
+        while len(self._rounds) > self.RECENT_ROUNDS:
+            del self._rounds[next(iter(self._rounds))]
         return plans
 
     # ------------------------------------------------------------ the current worker's evidence
@@ -320,7 +325,7 @@ class OldWorkers:
 
     async def _fetch_live(self, pid: int) -> None:
         self._live_stale = False  # a line written while the read is under way calls for another
-        self.state.server_state_reads += 1
+        self.state.publish_state_reads(1)
         self._live = await read_states(self.cli, pid)
 
     async def _interruptible(self, read: Coroutine[object, object, R]) -> R:
@@ -337,10 +342,3 @@ class OldWorkers:
             raise
         finally:
             self._reads.discard(task)
-
-
-def _check_key(key: str) -> str:
-    backend, sep, server = key.partition("/")
-    if not sep:
-        raise ValueError(f"invalid server key {key!r}: expected backend/server")
-    return f"{validate_name('backend', backend)}/{validate_name('server', server)}"

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from supervisor.haproxy.api import MasterCLI, parse_show_proc
+from supervisor.haproxy.answers import parse_show_proc
+from supervisor.haproxy.api import MasterCLI
 
 CAPTURED = Path(__file__).resolve().parent.parent / "captured"
 

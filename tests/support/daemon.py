@@ -23,7 +23,8 @@ from typing import Any
 import psutil
 import yaml
 
-from supervisor.haproxy.api import MasterCLI, ProcList
+from supervisor.haproxy.answers import ProcList
+from supervisor.haproxy.api import MasterCLI
 from tests.support.harness import ROOT, backends, free_port, haproxy_binary, kill_tree
 
 RENDERED = """\

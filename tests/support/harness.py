@@ -227,7 +227,7 @@ class HAProxyMaster:
         return b"".join(chunks).decode()
 
     def worker_pids(self) -> tuple[int | None, list[int]]:
-        from supervisor.haproxy.api import parse_show_proc
+        from supervisor.haproxy.answers import parse_show_proc
 
         procs = parse_show_proc(self.command("show proc"))
         current = procs.current_worker

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.inject import inject_observe
+from supervisor.haproxy.observe import inject_observe
 from supervisor.settings import Settings
 from tests.support.daemon import DaemonSupervised, daemons
 from tests.support.harness import HAProxyMaster, KeepAliveClient, VanishedNode, backends, free_port

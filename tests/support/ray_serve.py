@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import yaml
 
-from supervisor.haproxy.api import parse_servers_state
+from supervisor.haproxy.answers import parse_servers_state
 from supervisor.statusclient import StatusFetchError, fetch_status
 from tests.support.harness import ROOT
 

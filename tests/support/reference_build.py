@@ -14,27 +14,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.haproxy.config import (
-    _SERVER_KEYWORDS_WITH_ARG,
-    BACKEND_KINDS,
-    PROXY_KINDS,
-    SECTION_KEYWORDS,
-    Config,
-    Line,
-    Section,
-    quote_word,
-    template_names,
-)
-from supervisor.haproxy.inject import (
+from supervisor.haproxy.config import SECTION_KEYWORDS, Config, Section
+from supervisor.haproxy.global_policy import supervised_global
+from supervisor.haproxy.guard import (
     _RULE_RANK,
     GUARD_MARKER,
     _above_comments,
     _rank,
     guard_rules,
     guard_use_server,
-    observe_directive,
-    supervised_global,
 )
+from supervisor.haproxy.lexer import Line, quote_word
+from supervisor.haproxy.observe import observe_directive
+from supervisor.haproxy.resolution import BACKEND_KINDS, PROXY_KINDS, SERVER_KEYWORDS_WITH_ARG, template_names
 from supervisor.settings import Settings
 
 
@@ -128,7 +120,7 @@ class Flags:
                 observe = True
             elif p == "track":
                 track = arg
-            if p in _SERVER_KEYWORDS_WITH_ARG:
+            if p in SERVER_KEYWORDS_WITH_ARG:
                 i += 1
             i += 1
         return Flags(check, backup, observe, track)

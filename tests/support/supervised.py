@@ -22,7 +22,7 @@ from supervisor.haproxy.config import Config
 from supervisor.master.readiness import bind_ports, worker_ready
 from supervisor.settings import Settings
 from supervisor.state import Generation, State, utcnow
-from supervisor.steering.mapdiff import map_entries
+from supervisor.steering.lines import map_entries
 from supervisor.steering.workers import OldWorkers
 from tests.support.harness import HAProxyMaster
 
@@ -84,12 +84,12 @@ class Supervised:
         before = self.current_pid
         check = await start_effective_check(self.settings.haproxy.binary, effective, self.settings.haproxy.runtime_dir)
         try:
-            await self.displaced.prepare(next_model)
+            await self.displaced.prepare(effective)
         finally:
             valid, message = await check.verdict()
         if not valid:
             raise ValueError(f"haproxy -c refused the config: {message}")
-        await self.displaced.before_reload(next_model)
+        await self.displaced.before_reload(effective)
         write_effective(self.settings.haproxy.effective_config, effective)
         started = time.monotonic()
         with contextlib.suppress(CLIError):  # 2.6 may drop the connection as the master re-executes
@@ -111,7 +111,7 @@ class Supervised:
             if new_pid is None:
                 await asyncio.sleep(0.01)
         self.reload_seconds.append(time.monotonic() - started)
-        # The same object before_reload saw: its digest is reused.
+        # The same effective config before_reload saw: its digest is found by its sha256.
         self.register(next_model, effective.rendered_sha256, effective.sha256, new_pid)
         await self.displaced.after_reload(True)
         return new_pid

@@ -10,7 +10,14 @@ from pathlib import Path
 from supervisor.haproxy.answers import ServerState
 from supervisor.haproxy.api import on_process
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import is_count_key
+from supervisor.haproxy.guard import (
+    GUARD_MARKER,
+    guard_rules,
+    guard_use_server,
+    inject_guard_and_table,
+    is_count_key,
+    is_guarded,
+)
 from supervisor.haproxy.runtime.changes import ServerChange
 from supervisor.haproxy.runtime.plan import runtime_plan
 from supervisor.haproxy.server_state import server_state_parts
@@ -133,3 +140,22 @@ def phase_commands(pid: int, map_path: str, phase: Phase) -> list[str]:
         *(on_process(pid, f"del map {map_path} {k}") for k in phase.dels),
         *(on_process(pid, f"add map {map_path} {k} {v}") for k, v in phase.adds),
     ]
+
+
+def guard_block(mode: str, map_path: str, slot_table_path: str) -> list[str]:
+    """The guard's whole block as it reads when nothing else sits between its rules and its
+    `use-server`."""
+    return [GUARD_MARKER, *guard_rules(mode, map_path, slot_table_path), guard_use_server()]
+
+
+def guarded_backends(config: Config) -> frozenset[str]:
+    """Names of the backends whose guard block a steer map can drive."""
+    return frozenset(s.name for s in config.backends() if is_guarded(s))
+
+
+def inject_guard(config: Config, map_path: str | Path, slot_table_path: str | Path) -> Config:
+    """inject_guard_and_table(), its rules naming `slot_table_path` instead of the
+    content-addressed table it makes (a path the rules may name, else ValueError)."""
+    guard_rules("tcp", str(map_path), str(slot_table_path))
+    guarded, table = inject_guard_and_table(config, map_path, Path(slot_table_path).parent)
+    return Config.parse(guarded.render().replace(f"map({table.path})", f"map({slot_table_path})"))

@@ -21,6 +21,6 @@ One idea a module:
 Every module logs as `supervisor.haproxy.runtime` (`getLogger(__package__)`).
 """
 
-from .hook import RuntimeApplier
+from .hook import RuntimeApplier, RuntimeOutcome
 
-__all__ = ["RuntimeApplier"]
+__all__ = ["RuntimeApplier", "RuntimeOutcome"]

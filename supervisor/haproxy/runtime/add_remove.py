@@ -8,9 +8,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process, parse_show_map
+from ..answers import parse_show_map
+from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process
 from ..config import Config
-from ..inject import is_guarded
+from ..guard import is_guarded
 from ..membership import ServerAdd, loaded_slot_table, slot_map_commands
 from .apply import apply_changes, deleted, refusal, send_line, send_step
 from .plan import RuntimePlan

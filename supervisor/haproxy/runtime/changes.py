@@ -30,7 +30,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from ..api import validate_name
+from ..names import ServerKey, validate_name
 
 MAX_WEIGHT = 256  # HAProxy's absolute weight range is 0..256
 DEFAULT_WEIGHT = 1
@@ -100,8 +100,8 @@ class ServerChange:
             raise ValueError(f"{self.key}: cannot drop the port of a server at runtime")
 
     @property
-    def key(self) -> str:
-        return f"{self.backend}/{self.server}"
+    def key(self) -> ServerKey:
+        return ServerKey.of(self.backend, self.server)
 
     @property
     def address_changed(self) -> bool:
@@ -111,15 +111,10 @@ class ServerChange:
     def weight_changed(self) -> bool:
         return self.from_weight != self.to_weight
 
-    @property
-    def to_endpoint(self) -> str:
-        host = f"[{self.to_address}]" if ":" in self.to_address else self.to_address
-        return host if self.to_port is None else f"{host}:{self.to_port}"
-
 
 def ordered_commands(change: ServerChange) -> list[str]:
     """The CLI commands for one change, in the only order that never routes wrongly (module doc)."""
-    target = f"{change.backend}/{change.server}"
+    target = change.key
     weight = [f"set server {target} weight {change.to_weight}"] if change.weight_changed else []
     disabling = change.was_enabled and not change.enabled
     if not change.address_changed and not disabling:

@@ -5,36 +5,54 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ...state import PendingRemoval
-from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process, parse_servers_state
+from ..answers import is_servers_state, parse_servers_state
+from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process
 from ..config import Config
 from ..server_state import clear_server_state, save_server_state
 from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT, MembershipResult, apply_membership
 from .apply import ApplyResult, apply_changes, deleted, send_step
-from .pending import LEFT_BY_EARLIER_DAEMON, PendingRemovals, left_pending
+from .pending import LEFT_BY_EARLIER_DAEMON, PendingRemovals, Publish, left_pending
 from .plan import RuntimePlan, completed_plan, runtime_plan
 
 log = logging.getLogger(__package__)
 
 
 class _Generation(Protocol):
-    model: Config
-    worker_pid: int | None
+    @property
+    def model(self) -> Config: ...
+
+    @property
+    def worker_pid(self) -> int | None: ...
 
 
 class _Effective(Protocol):
     text: str
 
 
-class RuntimeApplier:
-    """`runtime_apply(current, new_model, effective) -> bool` for the reloader.
+@dataclass(frozen=True)
+class RuntimeOutcome:
+    """What a runtime apply left the current worker running.
 
-    True: the change is live in the current worker and no reload is needed (the reloader
-    then writes the effective config and updates the generation's model in place).
-    False: a reload must do it; either the plan needs one, or a command was refused.
+    `applied`: the whole change is live, no reload is needed. `runs`: the model the worker
+    now runs when the apply changed it: the new one when applied, or, when a reload must
+    finish the change, the new config's servers (removed ones left in maint) once the new
+    servers are in service there; None when its servers are as they were.
+    """
+
+    applied: bool
+    runs: Config | None = None
+
+
+class RuntimeApplier:
+    """`runtime_apply(current, new_model, effective) -> RuntimeOutcome` for the reloader.
+
+    Applied: the change is live in the current worker and no reload is needed (the reloader
+    then writes the effective config and records the generation the worker now runs).
+    Not applied: a reload must do it; either the plan needs one, or a command was refused.
     Servers whose sequence was refused are remembered in `forget`, so that the next
     server-state save leaves them out and the reload starts them from the config rather
     than keeping them in the maint this module left them in.
@@ -47,7 +65,7 @@ class RuntimeApplier:
         remove_wait_s: float = 10.0,
         *,
         background: bool = True,
-        removals: dict[str, PendingRemoval] | None = None,
+        publish_removals: Publish | None = None,
         current_pid: Callable[[], int | None] | None = None,
     ) -> None:
         self.cli = cli
@@ -59,8 +77,7 @@ class RuntimeApplier:
         # Workers this daemon has changed servers in: what they hold is what their model says.
         self._known_workers: set[int] = set()
         # Removals whose `del server` HAProxy still refuses; `run()` retries them.
-        self.pending = PendingRemovals(cli, {} if removals is None else removals, remove_wait_s, current_pid,
-                                       line_limit)
+        self.pending = PendingRemovals(cli, remove_wait_s, current_pid, line_limit, publish_removals)
 
     async def run(self) -> None:
         """The background retries of pending removals (a task for as long as the daemon runs)."""
@@ -77,7 +94,7 @@ class RuntimeApplier:
         except CLIError as exc:
             log.warning("worker %d: cannot read its servers for pending removals: %s", pid, exc)
             return []
-        if "# be_id" not in answer:
+        if not is_servers_state(answer):
             log.warning("worker %d: `show servers state` answered: %s", pid, answer.strip()[:200] or "nothing")
             return []
         keys = left_pending(parse_servers_state(answer), current.model)
@@ -85,20 +102,22 @@ class RuntimeApplier:
             self.pending.hold(pid, dict.fromkeys(keys, LEFT_BY_EARLIER_DAEMON))
         return keys
 
-    async def __call__(self, current: _Generation, new_model: Config, effective: _Effective | None = None) -> bool:
+    async def __call__(
+        self, current: _Generation, new_model: Config, effective: _Effective | None = None
+    ) -> RuntimeOutcome:
         # Compare effective with effective: the generation's model is the effective config.
         new = effective.effective_model if effective is not None else new_model
         if current.worker_pid is None:
-            return False
+            return RuntimeOutcome(False)
         plan = runtime_plan(current.model, new)
         changes = plan.changes
         if changes is None:
             log.info("runtime apply not possible, reloading: %s", plan.why_reload)
-            return False
+            return RuntimeOutcome(False)
         if plan.membership_changes:
             return await self._apply_membership(current, plan, new)
         if not changes:
-            return True
+            return RuntimeOutcome(True, new)
         result = await apply_changes(self.cli, current.worker_pid, changes, line_limit=self.line_limit)
         self.last_result = result
         for change in result.applied:
@@ -110,9 +129,9 @@ class RuntimeApplier:
             current.worker_pid, len(result.applied), len(result.refused), len(result.skipped),
             result.commands_sent, result.lines_sent,
         )
-        return result.ok
+        return RuntimeOutcome(True, new) if result.ok else RuntimeOutcome(False)
 
-    async def _apply_membership(self, current: _Generation, plan: RuntimePlan, new: Config) -> bool:
+    async def _apply_membership(self, current: _Generation, plan: RuntimePlan, new: Config) -> RuntimeOutcome:
         assert current.worker_pid is not None
         pid = current.worker_pid
         back = [a.key for a in plan.adds if self.pending.holds(pid, a.key)]
@@ -120,7 +139,7 @@ class RuntimeApplier:
             # The worker holds a server of that name still; a reload starts from the config.
             log.info("runtime apply not possible, reloading: %s added back while its removal is pending: %s",
                      still[0], self.pending.removals[still[0]].last_answer)
-            return False
+            return RuntimeOutcome(False)
         result = await self._membership(pid, plan, new)
         if result.held_already and pid not in self._known_workers:
             # A worker this daemon has not changed yet holds part of this change: a daemon
@@ -146,13 +165,11 @@ class RuntimeApplier:
             result.commands_sent,
         )
         if result.ok:
-            return True
+            return RuntimeOutcome(True, new)
         log.info("runtime apply not possible, reloading: %s", result.why)
-        if result.made:
-            # The new servers are in service there: the worker runs the new config's servers
-            # (and removed ones left in maint), which is what its steering must go by once old.
-            current.model = new
-        return False
+        # Once the new servers are in service there, the worker runs the new config's servers
+        # (and removed ones left in maint), which is what its steering must go by once old.
+        return RuntimeOutcome(False, new if result.made else None)
 
     async def _membership(self, pid: int, plan: RuntimePlan, new: Config) -> MembershipResult:
         return await apply_membership(
@@ -167,7 +184,7 @@ class RuntimeApplier:
                 answer = await self.cli.execute(on_process(pid, f"show servers state {backend}"))
             except CLIError as exc:
                 return f"cannot read its servers: {exc}"
-            if "# be_id" not in answer:
+            if not is_servers_state(answer):
                 return f"`show servers state {backend}` answered: {answer.strip()[:200] or 'nothing'}"
             held += parse_servers_state(answer)
         # An add held in maint at the placeholder is a removal an earlier daemon left pending

@@ -15,11 +15,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
+from types import MappingProxyType
 
 from ...state import PendingRemoval
-from ..api import DEFAULT_LINE_LIMIT, MasterCLI, ServerState, on_process
+from ..answers import ServerState
+from ..api import DEFAULT_LINE_LIMIT, MasterCLI, on_process
 from ..config import Config
 from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
 from .apply import deleted, send_line, send_step
@@ -49,34 +52,45 @@ def retry_delay(tries: int) -> float:
     return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** max(0, tries - 1))
 
 
+Publish = Callable[[Mapping[str, PendingRemoval]], None]
+
+
 class PendingRemovals:
-    """The current worker's pending removals (`removals`, shown by /status and /metrics) and
-    the task that retries them (`run()`)."""
+    """The current worker's pending removals (`removals`, a read-only view; each change is
+    handed to `publish`, for /status and /metrics) and the task that retries them (`run()`)."""
 
     def __init__(
         self,
         cli: MasterCLI,
-        removals: dict[str, PendingRemoval],
         remove_wait_s: float,
         current_pid: Callable[[], int | None] | None = None,
         line_limit: int = DEFAULT_LINE_LIMIT,
+        publish: Publish | None = None,
     ) -> None:
-        self.cli, self.removals, self.remove_wait_s = cli, removals, remove_wait_s
+        self.cli, self.remove_wait_s = cli, remove_wait_s
         self.current_pid, self.line_limit = current_pid, line_limit
         self.prefix: dict[int, list[str]] = {}  # a worker's `experimental-mode on`, if it asked for it
+        self._removals: dict[str, PendingRemoval] = {}
+        self.removals: Mapping[str, PendingRemoval] = MappingProxyType(self._removals)
+        self._publish = publish
         self._wake = asyncio.Event()
+
+    def _changed(self) -> None:
+        if self._publish is not None:
+            self._publish(self._removals)
 
     def hold(self, worker_pid: int, answers: dict[str, str], prefix: Iterable[str] = ()) -> None:
         """Servers of `worker_pid` whose `del server` was refused (key -> its last answer)."""
         now, wall = time.monotonic(), datetime.now(UTC)
         for key, answer in answers.items():
-            self.removals[key] = PendingRemoval(
+            self._removals[key] = PendingRemoval(
                 key, int(worker_pid), wall, now, tries=1, last_answer=answer, next_try_monotonic=now + retry_delay(1)
             )
             log.info("worker %d: %s pending removal: %s; it is in maint at the placeholder and routes nothing, "
                      "`del server` is retried in the background", worker_pid, key, answer)
         if prefix:
             self.prefix[int(worker_pid)] = list(prefix)
+        self._changed()
         self._wake.set()
 
     def holds(self, worker_pid: int, key: str) -> bool:
@@ -112,11 +126,13 @@ class PendingRemovals:
         if self.current_pid is None:
             return
         current = self.current_pid()
-        for key, removal in list(self.removals.items()):
-            if removal.worker_pid != current:
-                del self.removals[key]
-                log.info("%s pending removal ends: worker %d is no longer the current worker (a reload left the "
-                         "server behind)", key, removal.worker_pid)
+        replaced = [r for r in self._removals.values() if r.worker_pid != current]
+        for removal in replaced:
+            del self._removals[removal.key]
+            log.info("%s pending removal ends: worker %d is no longer the current worker (a reload left the "
+                     "server behind)", removal.key, removal.worker_pid)
+        if replaced:
+            self._changed()
 
     async def _retry(self, due: list[PendingRemoval], now: float) -> None:
         by_worker: dict[int, list[PendingRemoval]] = {}
@@ -129,19 +145,25 @@ class PendingRemovals:
                          pid, len(shut), self.remove_wait_s)
                 await self._send(pid, [f"shutdown sessions server {r.key}" for r in shut])
                 for removal in shut:
-                    removal.sessions_shut_down = True
+                    if removal.key in self._removals:
+                        self._removals[removal.key] = replace(self._removals[removal.key], sessions_shut_down=True)
             commands = [f"del server {r.key}" for r in removals]
             answers = await self._send(pid, commands)
             after = time.monotonic()
             for removal, command, answer in zip(removals, commands, answers, strict=True):
+                if removal.key not in self._removals:
+                    continue  # ended while the answer was on its way
                 if deleted(command, answer, asked_before=True):
-                    self.removals.pop(removal.key, None)
+                    del self._removals[removal.key]
                     log.info("worker %d: %s deleted after %d tries, %.1fs after its removal", pid, removal.key,
                              removal.tries + 1, after - removal.since_monotonic)
                     continue
-                removal.tries += 1
-                removal.last_answer = (answer or "no answer").strip()
-                removal.next_try_monotonic = after + retry_delay(removal.tries)
+                held = self._removals[removal.key]
+                self._removals[removal.key] = replace(
+                    held, tries=held.tries + 1, last_answer=(answer or "no answer").strip(),
+                    next_try_monotonic=after + retry_delay(held.tries + 1),
+                )
+            self._changed()
 
     async def _send(self, pid: int, commands: list[str]) -> list[str | None]:
         prefix = self.prefix.get(pid)

@@ -8,9 +8,10 @@ import ipaddress
 import logging
 from dataclasses import dataclass, replace
 
-from ..api import ServerState
-from ..config import _SERVER_KEYWORDS_WITH_ARG, BACKEND_KINDS, Config, Section, Server
+from ..answers import ServerState
+from ..config import Config, Section
 from ..membership import ServerAdd, ServerRemove, membership
+from ..resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server
 from .changes import DEFAULT_WEIGHT, ServerChange
 
 log = logging.getLogger(__package__)
@@ -73,7 +74,7 @@ def _without_runtime_fields(words: tuple[str, ...]) -> tuple[str, ...]:
             i += 2
             continue
         kept.append(word)
-        if word in _SERVER_KEYWORDS_WITH_ARG and i + 1 < len(params):
+        if word in SERVER_KEYWORDS_WITH_ARG and i + 1 < len(params):
             kept.append(params[i + 1])
             i += 1
         i += 1
@@ -160,17 +161,6 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
     wanted = set(new.server_map()) | {r.key for r in removes}
     removes += [ServerRemove(s.backend, s.name) for s in held if s.key not in wanted]
     return replace(plan, adds=tuple(adds), removes=tuple(removes), present=tuple(present))
-
-
-def plan_runtime_apply(running: Config, new: Config) -> list[ServerChange] | None:
-    """The in-place runtime changes that turn `running` into `new`, or None when they cannot
-    (a reload, or servers added or removed: runtime_plan() has those).
-
-    [] means nothing HAProxy sees differs (comments, spacing). Pass like with like:
-    both effective configs (or both rendered), so injections compare equal.
-    """
-    plan = runtime_plan(running, new)
-    return None if plan.membership_changes else plan.changes
 
 
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:

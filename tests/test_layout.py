@@ -1,0 +1,48 @@
+"""The shape of supervisor/ as the team keeps it: no module over 400 lines, and no function
+that only the tests or the benchmarks call (those live in tests/support/)."""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 400
+
+
+def names_used(root: Path) -> Counter[str]:
+    """Every name a module under `root` refers to: loaded, read as an attribute, imported, or
+    given as a string (a hook called by its name)."""
+    used: Counter[str] = Counter()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name):
+                used[node.id] += 1
+            elif isinstance(node, ast.Attribute):
+                used[node.attr] += 1
+            elif isinstance(node, ast.alias):
+                used[(node.asname or node.name).rsplit(".", 1)[-1]] += 1
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                used[node.value] += 1
+    return used
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "supervisor").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}  # fmt: skip
+    assert long == {}
+
+
+def test_no_function_in_supervisor_is_called_only_by_tests_or_benchmarks():
+    """Control: thirteen such functions before tests/support/wholes.py took them."""
+    product = names_used(ROOT / "supervisor")
+    elsewhere = names_used(ROOT / "tests") + names_used(ROOT / "bench")
+    only_there: list[str] = []
+    for path in sorted((ROOT / "supervisor").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = node.name
+                if not name.startswith("__") and product[name] == 0 and elsewhere[name] > 0:
+                    only_there.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    assert only_there == []
