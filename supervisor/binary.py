@@ -10,11 +10,15 @@ variable names the Ray bridge (docs/ray-serve.md), it is Ray's instruction, not 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
+from .haproxy.routing import HASHED_ID, ID_TIMES_4096, NodeKeys
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -80,3 +84,38 @@ def with_resolved_binary(settings: Settings) -> Settings:
     if resolved == settings.haproxy.binary:
         return settings
     return dataclasses.replace(settings, haproxy=dataclasses.replace(settings.haproxy, binary=resolved))
+
+
+# A consistent-hash backend with `hash-key id`: the binaries that accept the keyword key their
+# ring points off the hash of the server id (3.0.11), the others off the id times 4096
+# (2.6.12, 2.8.25), as routing.py says.
+_HASH_KEY_PROBE = """\
+defaults
+    mode http
+    timeout connect 1s
+    timeout client 1s
+    timeout server 1s
+frontend probe
+    bind 127.0.0.1:9
+    default_backend probe
+backend probe
+    balance uri
+    hash-type consistent
+    server s 127.0.0.1:1 hash-key id
+"""
+
+
+@functools.lru_cache(maxsize=8)
+def chash_node_keys(binary: str) -> NodeKeys:
+    """How `binary` keys its consistent-hash ring points: asked once with `haproxy -c`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".cfg") as probe:
+        probe.write(_HASH_KEY_PROBE)
+        probe.flush()
+        try:
+            done = subprocess.run(
+                [resolve_binary(binary), "-c", "-q", "-f", probe.name], capture_output=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("could not ask %s how it keys consistent hashing (%s); assuming ids times 4096", binary, exc)
+            return ID_TIMES_4096
+    return HASHED_ID if done.returncode == 0 else ID_TIMES_4096

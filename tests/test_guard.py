@@ -48,7 +48,7 @@ def test_block_shape_http_and_tcp():
     # the slot table is consulted only for a slot the steer map does not override
     assert http[-4] == (
         f"http-request set-var(txn.hsv_srv) be_name,concat(_,txn.hsv_slot),map({TABLE}) "
-        "if { var(txn.hsv_n) -m int gt 0 } !{ var(txn.hsv_srv) -m found }"
+        "if { var(txn.hsv_slot) -m found } !{ var(txn.hsv_srv) -m found }"
     )
     # then a hop for the server so chosen replaces it; both variables start unset
     assert http[-3:-1] == [

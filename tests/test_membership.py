@@ -485,3 +485,18 @@ async def test_a_name_added_back_over_a_removal_left_at_the_placeholder_is_delet
     add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert cli.sent.index("del server app1/app1_r3") < len(cli.sent) - 1 - cli.sent[::-1].index(add)
     assert cli.sent.count(add) == 2  # refused, then added once the leftover was deleted
+
+
+def test_slot_map_commands_move_the_cookie_rows_with_their_servers():
+    text = (
+        "backend b\n    mode http\n    cookie SRV insert\n    server r1 127.0.0.1:9001 cookie c1\n"
+        "    server r2 127.0.0.1:9002 cookie c2\n    server r3 127.0.0.1:9003 cookie c3\n"
+    )
+    held = {"b_0": "r1", "b_1": "r2", "b_2": "r3", "b/cc1": "0", "b/cc2": "1", "b/cc3": "2"}
+    assert slot_map_commands("/m", held, Config.parse(text), {"b"}) == []
+    # r1 removed at runtime: r2 and r3 move up a slot, and their cookies with them
+    removed = Config.parse(text.replace("    server r1 127.0.0.1:9001 cookie c1\n", ""))
+    assert slot_map_commands("/m", held, removed, {"b"}) == [
+        "set map /m b_0 r2", "set map /m b_1 r3", "set map /m b/cc2 0", "set map /m b/cc3 1",
+        "del map /m b_2", "del map /m b/cc1",
+    ]

@@ -62,8 +62,8 @@ class ConfigCache:
         self.server_flags: RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = RecentlyUsed()
         # (a backend's name, what applies to it, its body's text) -> its servers.
         self.section_servers: RecentlyUsed[tuple[str, ProxySettings, str], tuple[Server, ...]] = RecentlyUsed()
-        # (defaults' flags, mode, a backend body's text) -> where the guard goes in it.
-        self.guard_plans: RecentlyUsed[tuple[ServerFlags, str, str], GuardPlan] = RecentlyUsed()
+        # (what applies to a backend, its name, its body's text) -> where the guard goes in it.
+        self.guard_plans: RecentlyUsed[tuple[ProxySettings, str, str], GuardPlan] = RecentlyUsed()
 
     def new_generation(self) -> None:
         """A new rendered config is about to be parsed: keep what the last two used."""

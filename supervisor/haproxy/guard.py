@@ -14,7 +14,8 @@ from pathlib import Path
 
 from .config import Config, Section
 from .lexer import Line, parse_line
-from .resolution import ServerFlags, server_line_flags, template_names
+from .resolution import ProxySettings, ServerFlags, server_line_flags, template_names
+from .routing import BUCKET_BITS, PLAIN, Routing, routing_of, server_ids
 
 GUARD_MARKER = "# haproxy-supervisor guard"
 # Two maps drive the guard. The slot table (a file per config, written by the supervisor,
@@ -32,23 +33,38 @@ GUARD_MARKER = "# haproxy-supervisor guard"
 COUNT_SUFFIX = "n"
 HOP_SEPARATOR = "/"
 SLOT_TABLE_PREFIX = "slots-"
+# What the guard reproduces of HAProxy's own choice (routing.py) reads two more kinds of keys.
+# In the slot table: `<backend>/c<cookie value>` and `<backend>/s<server id>` -> the home slot
+# (its index) of the primary a cookie or a stick-table entry names. In the steer map:
+# `<backend>_t` = the total weight a map-based hash is taken modulo in that worker (for a
+# consistent hash, the number of buckets), and `<backend>_h<i>` = the server for the hash
+# positions (buckets) i whose server is dead.
+COOKIE_ROW = "/c"
+STICK_ROW = "/s"
+TOTAL_SUFFIX = "t"
+HASH_PREFIX = "h"
 # Variables live in the txn scope; the prefix keeps them away from the rendered config's own.
 _VARS = ("txn.hsv_n", "txn.hsv_slot", "txn.hsv_srv", "txn.hsv_hop")
+_CK, _SID, _T, _KEY, _H = "txn.hsv_ck", "txn.hsv_sid", "txn.hsv_t", "txn.hsv_key", "txn.hsv_h"
 # A map path goes inside a converter argument, where `,`, `)`, blanks and quotes would break it.
 _SAFE_MAP_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
 
 
-def guard_rules(mode: str, map_path: str, slot_table_path: str) -> list[str]:
+def guard_rules(mode: str, map_path: str, slot_table_path: str, routing: Routing = PLAIN) -> list[str]:
     """The request rules (without indentation) that let a map steer one backend.
 
-    With the steer map empty the backend routes as its config says. With `<be>_n` = N > 0,
-    each request picks a random slot below N; the steer map's entry for that slot, if any,
-    else the slot table's, names the server the `use-server` rule sends it to, ahead of the
+    With the steer map empty the backend routes as its config says. With `<be>_n` = N > 0 the
+    request goes where HAProxy would send it, unless that server is not to be used (the
+    steer map overrides its home slot): first a cookie naming a primary, then each stick
+    rule's stored server, then a map-based hash's position (`<be>_h<i>` for a dead server's
+    position; none: HAProxy's own hashing routes it). Otherwise a random slot below N is
+    drawn, up to twice more while the steer map overrides a slot of the table (a slot of a
+    server not to be used: the overrides are the fallback only), and the steer map's entry for it, else
+    the slot table's, names the server the `use-server` rule sends it to, ahead of the
     backend's own `use-server` rules and its balancing. With N = 0 the request is answered
     with a 503 (HTTP) or its connection closed (TCP) at once. A `<be>/<server>` entry for
-    the server so chosen replaces it (a hop, see above). The target and hop variables are
-    unset first: a `listen` section that switches to another guarded backend would
-    otherwise carry them over.
+    the server so chosen replaces it (a hop, see above). Every variable is unset first: a
+    `listen` section that switches to another guarded backend would otherwise carry them over.
     """
     for path in (map_path, slot_table_path):
         if not _SAFE_MAP_PATH.match(path):
@@ -58,14 +74,54 @@ def guard_rules(mode: str, map_path: str, slot_table_path: str) -> list[str]:
     n, slot, srv, hop = _VARS
     steered = f"{{ var({n}) -m int gt 0 }}"
     unset = f"!{{ var({srv}) -m found }}"
-    return [
-        f"{rule} unset-var({srv})",
-        f"{rule} unset-var({hop})",
+    no_slot = f"!{{ var({slot}) -m found }}"
+    has_slot = f"{{ var({slot}) -m found }}"
+    overridden = f"{{ be_name,concat(_,{slot}),map({map_path}) -m found }}"
+    in_table = f"{{ be_name,concat(_,{slot}),map({slot_table_path}) -m found }}"
+    persisted = [*([_CK] if routing.cookie else []), *([_SID] if routing.sticks else [])]
+    persisted += [_T, _KEY, _H] if routing.hashed else []
+    # A plain backend's slot is always drawn (a `listen` section's is overwritten): no unset.
+    rules = [f"{rule} unset-var({var})" for var in (srv, hop, *([slot] if persisted else []), *persisted)]
+    rules += [
         f"{rule} set-var({n}) be_name,concat(_{COUNT_SUFFIX}),map({map_path},-1)",
         f"{rule} {refuse} if {{ var({n}) -m int 0 }}",
-        f"{rule} set-var({slot}) rand,mod({n}) if {steered}",
-        f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({map_path}) if {steered}",
-        f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({slot_table_path}) if {steered} {unset}",
+    ]
+    # The home slot of the server a cookie or a stick entry names, if the steer map leaves it.
+    drop_overridden = f"{rule} unset-var({slot}) if {has_slot} {overridden}"
+    cookie_found, sid_found = f"{{ var({_CK}) -m found }}", f"{{ var({_SID}) -m found }}"
+    key_given = f"{{ var({_KEY}) -m found }} !{{ var({_KEY}) -m len 0 }}"
+    if routing.cookie:
+        rules += [
+            f"{rule} set-var({_CK}) {routing.cookie} if {steered}",
+            f"{rule} set-var({slot}) be_name,concat({COOKIE_ROW},{_CK}),map({slot_table_path}) if {cookie_found}",
+            drop_overridden,
+        ]
+    for stick in routing.sticks:
+        rules += [
+            f"{rule} set-var({_SID}) {stick} if {steered} {no_slot}",
+            f"{rule} set-var({slot}) be_name,concat({STICK_ROW},{_SID}),map({slot_table_path})"
+            f" if {no_slot} {sid_found}",
+            drop_overridden,
+        ]
+    drawn = no_slot if persisted else ""
+    if routing.hash_key:
+        hashing = f",{routing.hash_function}" if routing.hash_function else ""
+        # A map-based hash's position in the server map, or a consistent hash's bucket.
+        position = f"div({1 << (32 - BUCKET_BITS)})" if routing.consistent else f"mod({_T})"
+        rules += [
+            f"{rule} set-var({_T}) be_name,concat(_{TOTAL_SUFFIX}),map({map_path},0) if {steered} {no_slot}",
+            f"{rule} set-var({_KEY}) {routing.hash_key} if {{ var({_T}) -m int gt 0 }}",
+            f"{rule} set-var({_H}) var({_KEY}){hashing},{position} if {key_given}",
+            f"{rule} set-var({srv}) be_name,concat(_{HASH_PREFIX},{_H}),map({map_path}) if {{ var({_H}) -m found }}",
+        ]
+        drawn = f"{no_slot} !{{ var({_H}) -m found }}"
+    return [
+        *rules,
+        f"{rule} set-var({slot}) rand,mod({n}) if {steered} {drawn}".rstrip(),
+        f"{rule} set-var({slot}) rand,mod({n}) if {has_slot} {overridden} {in_table}",
+        f"{rule} set-var({slot}) rand,mod({n}) if {has_slot} {overridden} {in_table}",
+        f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({map_path}) if {has_slot}",
+        f"{rule} set-var({srv}) be_name,concat(_,{slot}),map({slot_table_path}) if {has_slot} {unset}",
         f"{rule} set-var({hop}) be_name,concat({HOP_SEPARATOR},{srv}),map({map_path}) if {steered}",
         f"{rule} set-var({srv}) var({hop}) if {{ var({hop}) -m found }}",
     ]
@@ -103,16 +159,22 @@ class GuardPlan:
     backends of a thousand."""
 
     names: tuple[str, ...]  # the primaries, in slot order
+    rows: tuple[tuple[str, str], ...]  # the slot table's persistence rows: (key suffix, home slot)
+    routing: Routing
     at: int | None  # where the rules go; None: no guard (no primary, or guarded already)
     use_at: int  # where the `use-server` goes
     indent: str
 
 
-def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> GuardPlan:
-    names = primary_names(body, server_line_flags(body, defaults_flags))
+def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> GuardPlan:
+    mode = settings.mode
+    server_lines = server_line_flags(body, settings.server_defaults)
+    names = primary_names(body, server_lines)
     indent = next((line.indent for line in body if line.words), "") or "    "
+    routing = routing_of(settings, body, backend) if names else PLAIN
+    rows = _persistence_rows(body, server_lines, routing)
     if not names or _has_marker(body):
-        return GuardPlan(tuple(names), None, 0, indent)
+        return GuardPlan(tuple(names), rows, routing, None, 0, indent)
     own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
     # Most lines are no request rule at all: look at their first word before ranking them.
     ranks = {
@@ -128,28 +190,47 @@ def _guard_plan(body: list[Line], defaults_flags: ServerFlags, mode: str) -> Gua
         use_at = (later[-1] + 1) if later else at
     else:
         use_at = first_use_server
-    return GuardPlan(tuple(names), _above_comments(body, at), _above_comments(body, use_at), indent)
+    return GuardPlan(tuple(names), rows, routing, _above_comments(body, at), _above_comments(body, use_at), indent)
+
+
+def _persistence_rows(
+    body: list[Line], server_lines: list[tuple[int, ServerFlags]], routing: Routing
+) -> tuple[tuple[str, str], ...]:
+    """(key suffix, home slot) for each primary a cookie value or a stick entry can name."""
+    if not routing.cookie and not routing.sticks:
+        return ()
+    servers: list[tuple[str, bool, str | None, tuple[str, ...]]] = []  # name, backup, cookie, params
+    for index, flags in server_lines:
+        words = body[index].words
+        if words[0] == "server":
+            servers.append((words[1], flags.backup, flags.cookie, words[3:]))
+        else:
+            servers += [(name, flags.backup, None, words[4:]) for name in template_names(words[1], words[2])]
+    home = {name: i for i, name in enumerate(name for name, backup, _, _ in servers if not backup)}
+    rows: list[tuple[str, str]] = []
+    if routing.cookie:
+        seen: set[str] = set()
+        for name, backup, cookie, _ in servers:
+            # HAProxy takes the first server whose cookie matches.
+            if cookie is not None and cookie not in seen and re.fullmatch(r"[^\s;,]+", cookie):
+                seen.add(cookie)
+                if not backup:
+                    rows.append((f"{COOKIE_ROW}{cookie}", str(home[name])))
+    if routing.sticks:
+        ids = server_ids([(name, params) for name, _, _, params in servers])
+        rows += [(f"{STICK_ROW}{ids[name]}", str(home[name])) for name, backup, _, _ in servers if not backup]
+    return tuple(rows)
+
 
 
 def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
     result = config.copy()
-    # (defaults' flags, mode, body text) -> its plan: nothing else goes into it, so an edited
-    # line gives another key, never a stale plan.
-    kept = result.cache.guard_plans
-    plans: list[tuple[Section, str, GuardPlan]] = []
-    for section, settings in result.backends_with_settings():
-        mode, flags = settings.mode, settings.server_defaults
-        key = (flags, mode, "".join([line.raw for line in section.body]))
-        plan = kept.get(key)
-        if plan is None:
-            plan = _guard_plan(section.body, flags, mode)
-            kept.put(key, plan)
-        plans.append((section, mode, plan))
-    table = SlotTable.of_rows([(s.name, list(plan.names)) for s, _, plan in plans if plan.names], directory)
+    plans = _plans(result)
+    table = SlotTable.of_plans(plans, directory)
     map_text, table_text = str(map_path), str(table.path)
-    # The guard's lines differ only by mode, indentation and line ending: parse them once
-    # for the 1,000 backends that share those (Lines are immutable, so they can be shared).
-    blocks: dict[tuple[str, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
+    # The guard's lines differ only by mode, routing, indentation and line ending: parse them
+    # once for the 1,000 backends that share those (Lines are immutable, so they can be shared).
+    blocks: dict[tuple[str, Routing, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
     for section, mode, plan in plans:
         at = plan.at
         if at is None:
@@ -159,14 +240,14 @@ def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tupl
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
             section.header = parse_line(section.header.raw + newline)
-        block = blocks.get((mode, indent, newline))
+        block = blocks.get((mode, plan.routing, indent, newline))
         if block is None:
 
             def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
                 return [parse_line(f"{indent}{text}{newline}") for text in texts]
 
-            block = blocks[(mode, indent, newline)] = (
-                lines([GUARD_MARKER, *guard_rules(mode, map_text, table_text)]),
+            block = blocks[(mode, plan.routing, indent, newline)] = (
+                lines([GUARD_MARKER, *guard_rules(mode, map_text, table_text, plan.routing)]),
                 lines([guard_use_server()]),
                 lines([GUARD_MARKER, guard_use_server()]),
             )
@@ -175,6 +256,21 @@ def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tupl
         use_server = use_server_alone if use_at == at else use_server_marked
         section.body = [*body[:at], *rules, *body[at:use_at], *use_server, *body[use_at:]]
     return result, table
+
+
+def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
+    # (settings, name, body text) -> its plan: nothing else goes into it, so an edited line
+    # gives another key, never a stale plan.
+    kept = config.cache.guard_plans
+    plans: list[tuple[Section, str, GuardPlan]] = []
+    for section, settings in config.backends_with_settings():
+        key = (settings, section.name, "".join([line.raw for line in section.body]))
+        plan = kept.get(key)
+        if plan is None:
+            plan = _guard_plan(section.body, settings, section.name)
+            kept.put(key, plan)
+        plans.append((section, settings.mode, plan))
+    return plans
 
 
 def _above_comments(body: list[Line], index: int) -> int:
@@ -229,9 +325,20 @@ def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]])
     return names
 
 
-def slot_table_text(table: list[tuple[str, list[str]]]) -> str:
-    """The slot table as an HAProxy map file: `<backend>_<i> <server>` per line."""
-    return "".join(f"{backend}_{i} {name}\n" for backend, names in table for i, name in enumerate(names))
+def slot_table_text(table: list[tuple[str, list[str]]], rows: list[tuple[str, str]] | None = None) -> str:
+    """The slot table as an HAProxy map file: `<backend>_<i> <server>` per line, then the
+    persistence rows (`<backend>/c<cookie>`, `<backend>/s<id>` -> home slot)."""
+    slots = "".join(f"{backend}_{i} {name}\n" for backend, names in table for i, name in enumerate(names))
+    return slots + "".join(f"{key} {value}\n" for key, value in rows or [])
+
+
+def persistence_rows(config: Config) -> list[tuple[str, str]]:
+    """Every guarded backend's persistence rows, as whole map keys and values."""
+    return _rows_of(_plans(config))
+
+
+def _rows_of(plans: list[tuple[Section, str, GuardPlan]]) -> list[tuple[str, str]]:
+    return [(f"{s.name}{suffix}", slot) for s, _, plan in plans if plan.names for suffix, slot in plan.rows]
 
 
 @dataclass(frozen=True)
@@ -244,11 +351,18 @@ class SlotTable:
 
     @classmethod
     def of(cls, config: Config, directory: Path) -> SlotTable:
-        return cls.of_rows(slot_table(config), directory)
+        return cls.of_plans(_plans(config), directory)
 
     @classmethod
-    def of_rows(cls, rows: list[tuple[str, list[str]]], directory: Path) -> SlotTable:
-        text = slot_table_text(rows)
+    def of_plans(cls, plans: list[tuple[Section, str, GuardPlan]], directory: Path) -> SlotTable:
+        slots = [(s.name, list(plan.names)) for s, _, plan in plans if plan.names]
+        return cls.of_rows(slots, directory, _rows_of(plans))
+
+    @classmethod
+    def of_rows(
+        cls, rows: list[tuple[str, list[str]]], directory: Path, persistence: list[tuple[str, str]] | None = None
+    ) -> SlotTable:
+        text = slot_table_text(rows, persistence or [])
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return cls(directory / f"{SLOT_TABLE_PREFIX}{digest}.map", text)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .answers import parse_map_list
 from .config import Config, Section
-from .guard import SLOT_TABLE_PREFIX, slot_table
+from .guard import COOKIE_ROW, SLOT_TABLE_PREFIX, STICK_ROW, persistence_rows, slot_table
 from .names import ServerKey, validate_name
 from .resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, is_ip, section_servers
 
@@ -247,13 +247,19 @@ def _add_of(section: Section, server: Server, inherited: tuple[str, ...]) -> Ser
 
 def slot_map_commands(path: str, held: dict[str, str], config: Config, backends: set[str]) -> list[str]:
     """The map commands that make a worker's slot table (`held`, read with `show map`) what
-    `config` gives `backends`: `set map` / `add map` for new and changed slots, then
-    `del map` for the slots that are gone."""
+    `config` gives `backends`: `set map` / `add map` for new and changed slots and
+    persistence rows (a cookie's or a stick entry's home slot moves with its server), then
+    `del map` for those that are gone."""
     wanted = {
         f"{backend}_{i}": name
         for backend, names in slot_table(config)
         if backend in backends
         for i, name in enumerate(names)
+    }
+    persistence = tuple(f"{b}{row}" for b in backends for row in (COOKIE_ROW, STICK_ROW))
+    wanted |= {
+        key: slot for key, slot in persistence_rows(config)
+        if key.startswith(persistence) and not any(c in key for c in ";\\ \t")
     }
     prefixes = tuple(f"{b}_" for b in backends)
     commands = [
@@ -265,6 +271,7 @@ def slot_map_commands(path: str, held: dict[str, str], config: Config, backends:
         f"del map {path} {key}" for key in held if key not in wanted and key.startswith(prefixes)
         and key[key.rindex("_") + 1:].isdigit() and key[: key.rindex("_")] in backends
     ]
+    commands += [f"del map {path} {key}" for key in held if key not in wanted and key.startswith(persistence)]
     return commands
 
 

@@ -63,6 +63,7 @@ class Server:
     line_index: int  # index into the section body of the line that declares it
     # Made once: server_map() and the steering look it up for each of 10,000 servers.
     key: ServerKey = field(init=False, repr=False, compare=False)
+    cookie: str | None = None  # its `cookie` value, its own or from `default-server`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", ServerKey.of(self.backend, self.name))
@@ -110,7 +111,7 @@ def is_ip(address: str) -> bool:
 
 # The words ServerFlags.apply acts on; every other word of a server line is passed over.
 _FLAG_WORDS = frozenset(
-    {"check", "no-check", "backup", "no-backup", "disabled", "enabled", "observe", "track", "weight"}
+    {"check", "no-check", "backup", "no-backup", "disabled", "enabled", "observe", "track", "weight", "cookie"}
 )
 
 
@@ -124,6 +125,7 @@ class ServerFlags:
     observe: bool = False
     track: str | None = None
     weight: int | None = None
+    cookie: str | None = None
 
     def apply(self, params: tuple[str, ...]) -> ServerFlags:
         if not params:
@@ -136,7 +138,7 @@ class ServerFlags:
 @functools.lru_cache(maxsize=4096)
 def _apply_params(flags: ServerFlags, params: tuple[str, ...]) -> ServerFlags:
     check, backup, disabled = flags.check, flags.backup, flags.disabled
-    observe, track, weight = flags.observe, flags.track, flags.weight
+    observe, track, weight, cookie = flags.observe, flags.track, flags.weight, flags.cookie
     n = len(params)
     i = 0
     while i < n:
@@ -161,10 +163,12 @@ def _apply_params(flags: ServerFlags, params: tuple[str, ...]) -> ServerFlags:
                 track = arg
             elif p == "weight" and arg is not None and arg.isdigit():
                 weight = int(arg)
+            elif p == "cookie" and arg is not None:
+                cookie = arg
         if p in SERVER_KEYWORDS_WITH_ARG:
             i += 1
         i += 1
-    return ServerFlags(check, backup, disabled, observe, track, weight)
+    return ServerFlags(check, backup, disabled, observe, track, weight, cookie)
 
 
 def _leading_int(text: str) -> int:
@@ -242,17 +246,20 @@ class ProxySettings:
     all_backups: bool = False  # `option allbackups`
     server_defaults: ServerFlags = _NO_FLAGS
     server_default_words: tuple[str, ...] = ()
+    cookie: tuple[str, ...] = ()  # the words after `cookie` (persistence), if any
+    hash_type: tuple[str, ...] = ()  # the words after `hash-type`; none: map-based sdbm
 
 
 BUILT_IN = ProxySettings()
 # The first words of the lines that change a ProxySettings; every other line is passed over.
-_SETTING_KEYWORDS = frozenset({"mode", "balance", "option", "no", "default", "default-server"})
+_SETTING_KEYWORDS = frozenset({"mode", "balance", "option", "no", "default", "default-server", "cookie", "hash-type"})
 
 
 def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxySettings:
     """`base` (what the section inherits) with the section's own lines applied."""
     mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
     default_words = base.server_default_words
+    cookie, hash_type = base.cookie, base.hash_type
     changed = False
     for line in body:
         words = line.words
@@ -270,12 +277,16 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
         elif kw == "default-server" and is_defaults:
             flags = flags.apply(words[1:])
             default_words += words[1:]
+        elif kw == "cookie" and len(words) > 1:
+            cookie = words[1:]
+        elif kw == "hash-type" and len(words) > 1:
+            hash_type = words[1:]
         else:
             continue
         changed = True
     if not changed:
         return base
-    return ProxySettings(mode, balance, all_backups, flags, default_words)
+    return ProxySettings(mode, balance, all_backups, flags, default_words, cookie, hash_type)
 
 
 def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySettings]]:
@@ -350,4 +361,5 @@ def _server(
         weight=f.weight,
         template=template,
         line_index=index,
+        cookie=f.cookie,
     )

@@ -26,6 +26,7 @@ from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
 from ..haproxy.resolution import Server, is_ip, section_servers
+from ..haproxy.routing import routing_of
 from .states import At, LiveStates
 
 DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
@@ -56,9 +57,12 @@ class SectionDigest:
     guarded: bool = field(compare=False)
     all_backups: bool = field(compare=False)  # `option allbackups`
     changes_alone: bool = field(compare=False)  # some server is checked or observed: its state can change
+    hashing: str = field(compare=False, default="")  # "map-based" or "consistent": its guard reproduces a hash
 
     @classmethod
-    def of(cls, key: str, servers: list[Server], section: Section, all_backups: bool) -> SectionDigest:
+    def of(
+        cls, key: str, servers: list[Server], section: Section, all_backups: bool, hashing: str = ""
+    ) -> SectionDigest:
         at_keys: dict[At, list[str]] = {}
         for s in servers:
             if not s.disabled:
@@ -76,6 +80,7 @@ class SectionDigest:
             guarded=is_guarded(section),
             all_backups=all_backups,
             changes_alone=any(s.check or s.observe or "agent-check" in s.params for s in servers),
+            hashing=hashing,
         )
 
 
@@ -145,7 +150,9 @@ class Sections:
             digest = self._by_key.get(key)
             if digest is None:
                 servers = section_servers(section, settings, model.cache)
-                digest = self._by_key[key] = SectionDigest.of(key, servers, section, settings.all_backups)
+                routing = routing_of(settings, section.body, section.name)
+                hashing = ("consistent" if routing.consistent else "map-based") if routing.hashed else ""
+                digest = self._by_key[key] = SectionDigest.of(key, servers, section, settings.all_backups, hashing)
             sections[section.name] = digest
         fingerprint = hashlib.blake2b(b"".join(sd.fingerprint for sd in sections.values()), digest_size=16)
         return ConfigDigest(

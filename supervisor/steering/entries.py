@@ -3,17 +3,31 @@
 Map layout (one steer map for all backends, read by the guard that haproxy/guard.py puts in
 every backend, next to its config's slot table): `<backend>_n` = how many slots the
 backend's requests pick from (`0`: answer 503 / close at once), `<backend>_<i>` = the server
-for slot i instead of the slot table's. A drain that kills one primary of ten costs two
-entries per backend, not ten.
+for slot i instead of the slot table's, and for i at or past the table's end a draw that
+weights call for. A backend whose guard reproduces a map-based hash also gets `<backend>_t`
+(the worker's total weight) and `<backend>_h<i>` for the hash positions of dead servers.
+A drain that kills one primary of ten equal ones costs two entries per backend, not ten.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
+from collections.abc import Mapping
 from typing import Literal
 
-from ..haproxy.guard import count_key, slot_key
+from ..haproxy.guard import HASH_PREFIX, TOTAL_SUFFIX, count_key, slot_key
 from ..haproxy.resolution import Server
+from ..haproxy.routing import (
+    BUCKET_BITS,
+    ID_TIMES_4096,
+    NodeKeys,
+    consistent_buckets,
+    effective_weight,
+    ring,
+    server_ids,
+    server_map,
+)
 from .dead import SectionDigest
 
 NoBackup = Literal["fail-fast", "keep"]
@@ -22,7 +36,11 @@ Entries = tuple[tuple[str, str], ...]  # one backend's entries, sorted by key: c
 
 
 def section_entries(
-    section: SectionDigest, dead: frozenset[str], no_backup: NoBackup, unusable: frozenset[str]
+    section: SectionDigest,
+    dead: frozenset[str],
+    no_backup: NoBackup,
+    unusable: frozenset[str],
+    node_keys: NodeKeys = ID_TIMES_4096,
 ) -> Entries:
     """One backend's entries. `dead` and `unusable` may hold other backends' keys too.
 
@@ -46,20 +64,92 @@ def section_entries(
 
     if not any(s.key in dead and not s.disabled and s.weight != 0 and s.key not in unusable for s in section.slots):
         return ()
-    primaries = [s.name for s in section.slots if usable(s)]
+    live = [s for s in section.slots if usable(s)]
+    primaries = [s.name for s in live]
     if primaries:
+        weights = {s.name: effective_weight(s) for s in live}
         overrides = tuple(
-            (slot_key(backend, i), min(primaries, key=lambda name, i=i: _rank(backend, i, name)))
+            (slot_key(backend, i), min(primaries, key=lambda name, i=i: _weighted_rank(backend, i, name, weights)))
             for i, s in enumerate(section.slots)
             if not usable(s)
         )
-        return tuple(sorted((*overrides, (count_key(backend), str(len(section.slots))))))
+        draws = weighted_draws(live, len(section.slots))
+        extra = tuple((slot_key(backend, len(section.slots) + j), name) for j, name in enumerate(draws))
+        hashed = hash_entries(section, dead, unusable, live, node_keys) if section.hashing else ()
+        count = (count_key(backend), str(len(section.slots) + len(draws)))
+        return tuple(sorted((*overrides, *extra, *hashed, count)))
     backups = [s.name for s in section.servers if s.backup and usable(s)]
     targets = backups if section.all_backups else backups[:1]
     if not targets:
         return ((count_key(backend), FAIL_FAST),) if no_backup == "fail-fast" else ()
     slots = ((slot_key(backend, i), name) for i, name in enumerate(targets))
     return tuple(sorted((*slots, (count_key(backend), str(len(targets))))))
+
+
+# The most of a draw's slots that may be overridden: the guard draws three times, so at most
+# this cubed of the requests take an override (a fallback spread by weighted rendezvous),
+# which keeps every share within 3 points of its weight's.
+MAX_OVERRIDDEN = 1 / 3
+
+
+def weighted_draws(live: list[Server], slots: int) -> list[str]:
+    """The slots past the table's end (`slots` long) that make a draw pick each live primary
+    in proportion to its weight: with weights over their gcd w_i, server i has its own slot
+    and k * w_i - 1 more, k the least (from 1) that leaves at most MAX_OVERRIDDEN of all
+    slots overridden. None while the weights are equal and few slots are overridden (a
+    drain of one primary of ten costs no draw slot), nor for one live primary."""
+    if len(live) < 2:
+        return []
+    weights = [effective_weight(s) for s in live]
+    divisor = 0
+    for w in weights:
+        divisor = math.gcd(divisor, w)
+    units = [w // max(divisor, 1) for w in weights]
+    overridden = slots - len(live)
+    k = 1
+    while overridden > MAX_OVERRIDDEN * (slots + k * sum(units) - len(live)):
+        k += 1
+    return [s.name for s, u in zip(live, units, strict=True) for _ in range(k * u - 1)]
+
+
+def hash_entries(
+    section: SectionDigest, dead: frozenset[str], unusable: frozenset[str], live: list[Server], node_keys: NodeKeys
+) -> Entries:
+    """`<be>_t` and the `<be>_h<i>` overrides of a hash the guard reproduces, over the servers
+    the worker sees usable (dead ones among them: it cannot tell). Map-based: the positions
+    of the map whose server is dead, each to a live primary by weighted rendezvous hashing.
+    Consistent: the buckets a dead server's arcs touch (routing.consistent_buckets)."""
+    backend = section.name
+    seen_up = [s.name for s in section.servers if not s.disabled and s.key not in unusable]
+    dead_names = {s.name for s in section.servers if s.key in dead}
+    if section.hashing == "consistent":
+        ids = server_ids([(s.name, s.params) for s in section.servers])
+        buckets = consistent_buckets(ring(section.servers, seen_up, ids, node_keys), dead_names)
+        if not buckets:
+            return ()
+        entries = [(f"{backend}_{HASH_PREFIX}{b}", name) for b, name in buckets.items()]
+        return tuple((*entries, (f"{backend}_{TOTAL_SUFFIX}", str(1 << BUCKET_BITS))))
+    table = server_map(section.servers, seen_up)
+    if not table:
+        return ()
+    weights = {s.name: effective_weight(s) for s in live}
+
+    def score(position: int, name: str) -> float:
+        draw = (_rank(backend, -1 - position, name) + 1) / 2**32
+        return -math.log(draw) / weights[name]
+
+    entries = [
+        (f"{backend}_{HASH_PREFIX}{i}", min(weights, key=lambda name, i=i: score(i, name)))
+        for i, name in enumerate(table)
+        if name in dead_names
+    ]
+    return tuple((*entries, (f"{backend}_{TOTAL_SUFFIX}", str(len(table)))))
+
+
+def _weighted_rank(backend: str, slot: int, server: str, weights: Mapping[str, int]) -> float:
+    """Weighted rendezvous hashing: a server wins a slot with a chance in proportion to its
+    weight; with equal weights the order is _rank's."""
+    return -math.log(1 - _rank(backend, slot, server) / 2**32) / weights[server]
 
 
 def _rank(backend: str, slot: int, server: str) -> int:

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..haproxy.routing import ID_TIMES_4096, NodeKeys
 from .dead import ConfigDigest, DeadGroups, LiveView, by_backend_of, changed_backends, dead_group, dead_groups
 from .entries import Entries, NoBackup, section_entries
 
@@ -77,8 +78,9 @@ class Planner:
 
     RECENT = 3  # plans kept per worker content: a reload's next config and the current one take turns
 
-    def __init__(self, no_backup: NoBackup) -> None:
+    def __init__(self, no_backup: NoBackup, node_keys: NodeKeys = ID_TIMES_4096) -> None:
         self.no_backup = no_backup
+        self.node_keys = node_keys  # how the workers' binary keys a consistent-hash ring
         self._recent: dict[tuple[str, frozenset[str]], dict[Basis, Steering]] = {}
 
     def plan(
@@ -119,7 +121,7 @@ class Planner:
         nothing: frozenset[str] = frozenset()
 
         def entries_of(backend: str, dead: frozenset[str]) -> Entries:
-            args = (digest.sections[backend], dead, self.no_backup, skipped.get(backend, nothing))
+            args = (digest.sections[backend], dead, self.no_backup, skipped.get(backend, nothing), self.node_keys)
             return _entries(args)
 
         if last is None:

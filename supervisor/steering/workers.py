@@ -18,6 +18,7 @@ import time
 from collections.abc import Coroutine
 from typing import TypeVar
 
+from ..binary import chash_node_keys
 from ..effective import Effective
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError, MasterCLI
@@ -65,7 +66,7 @@ class OldWorkers:
         self.rounds = PushRounds(settings, state, cli, reconcile_interval_s)
         self._workers: dict[int, WorkerRecord] = {}
         self._digests = Digests()
-        self._planner = Planner(settings.old_workers.no_backup)
+        self._planner = Planner(settings.old_workers.no_backup, chash_node_keys(settings.haproxy.binary))
         self._live: LiveRead | None = None
         self._live_stale = False  # HAProxy wrote that a server of the current worker changed
         self._down: frozenset[str] = frozenset()  # the last view's down endpoints

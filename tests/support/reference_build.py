@@ -26,7 +26,8 @@ from supervisor.haproxy.guard import (
 )
 from supervisor.haproxy.lexer import Line, quote_word
 from supervisor.haproxy.observe import observe_directive
-from supervisor.haproxy.resolution import BACKEND_KINDS, PROXY_KINDS, SERVER_KEYWORDS_WITH_ARG, template_names
+from supervisor.haproxy.resolution import BACKEND_KINDS, PROXY_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, template_names
+from supervisor.haproxy.routing import routing_of, server_ids
 from supervisor.settings import Settings
 
 
@@ -242,6 +243,22 @@ def slot_table_path(config: Config, directory: Path) -> Path:
         for section in backends(config)
         for i, name in enumerate(s.name for s in config.servers(section) if not s.backup)
     ]
+    # Then what cookies and stick entries can name: the home slot of each primary.
+    for section in backends(config):
+        servers = config.servers(section)
+        home = {s.name: i for i, s in enumerate(s for s in servers if not s.backup)}
+        if not home:
+            continue
+        routing = routing_of(config.settings_of(section), section.body, section.name)
+        if routing.cookie:
+            first: dict[str, Server] = {}
+            for server in servers:
+                if server.cookie is not None:
+                    first.setdefault(server.cookie, server)
+            rows += [f"{section.name}/c{value} {home[s.name]}\n" for value, s in first.items() if not s.backup]
+        if routing.sticks:
+            ids = server_ids([(s.name, s.params) for s in servers])
+            rows += [f"{section.name}/s{ids[s.name]} {home[s.name]}\n" for s in servers if not s.backup]
     return directory / f"slots-{hashlib.sha256(''.join(rows).encode()).hexdigest()[:16]}.map"
 
 
@@ -266,7 +283,8 @@ def inject_guard(config: Config, map_path: str | Path, table_path: Path) -> Conf
         ranked = [i for i, r in enumerate(ranks) if r is not None]
         at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
         first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
-        rules = lines([GUARD_MARKER, *guard_rules(mode, str(map_path), str(table_path))])
+        routing = routing_of(result.settings_of(section), section.body, section.name)
+        rules = lines([GUARD_MARKER, *guard_rules(mode, str(map_path), str(table_path), routing)])
         if first_use_server is None:
             later = [i for i in ranked if i >= at]
             use_at = (later[-1] + 1) if later else at

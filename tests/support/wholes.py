@@ -18,6 +18,7 @@ from supervisor.haproxy.guard import (
     is_count_key,
     is_guarded,
 )
+from supervisor.haproxy.routing import ID_TIMES_4096, NodeKeys
 from supervisor.haproxy.runtime.changes import ServerChange
 from supervisor.haproxy.runtime.plan import runtime_plan
 from supervisor.haproxy.server_state import server_state_parts
@@ -87,14 +88,18 @@ def known_dead_servers(
 
 
 def steer_entries(
-    digest: ConfigDigest, dead: Iterable[str], no_backup: NoBackup, unusable: frozenset[str] = frozenset()
+    digest: ConfigDigest,
+    dead: Iterable[str],
+    no_backup: NoBackup,
+    unusable: frozenset[str] = frozenset(),
+    node_keys: NodeKeys = ID_TIMES_4096,
 ) -> dict[str, str]:
     """The whole steer map a worker running `digest` needs, given its dead servers."""
     entries: dict[str, str] = {}
     for backend, keys in sorted(by_backend_of(dead).items()):
         section = digest.sections.get(backend)
         if section is not None:
-            entries.update(section_entries(section, keys, no_backup, unusable))
+            entries.update(section_entries(section, keys, no_backup, unusable, node_keys))
     return entries
 
 

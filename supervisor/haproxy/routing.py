@@ -1,0 +1,313 @@
+"""How HAProxy picks a server, as far as the guard can reproduce it before HAProxy does.
+
+The guard (guard.py) overrides a steered old worker's routing only for the requests HAProxy
+would send to a dead server. For that it must know, per request, which server HAProxy is
+about to pick, with HAProxy's own sample fetches and converters:
+
+- cookie persistence: the request's cookie value names a server (`cookie` on its line or
+  from `default-server`); `prefix` mode puts the value before a `~`, `maxidle`/`maxlife`
+  add `|` dates after it;
+- stick tables: `stick match` / `stick on` rules read the server id a key stored
+  (`table_server_id`); servers are numbered as HAProxy numbers them (`id`, else the lowest
+  free id in config order);
+- `hash-type map-based` hashing (`uri`, `source`, `hdr()`, `url_param`, `rdp-cookie`,
+  `hash <expr>`): the key hashed by the backend's hash function, modulo the total weight of
+  the servers the worker sees up, indexes the server map HAProxy builds (server_map below,
+  from lb_map.c's recalc_server_map);
+- `hash-type consistent`: the same key and hash (with `avalanche`, HAProxy's default there)
+  falls on a ring of 16 points per unit of weight per server (lb_chash.c), each point
+  owning the hashes closest to it. Where a point's key comes from differs: 2.6.12 and
+  2.8.25 hash the server id times 4096 plus the point's index, 3.0.11 the hash of the id
+  plus the index; chash_node_keys() in binary.py asks the binary which (`hash-key`, which
+  came with the second, is refused by the first). The guard reads the hash's top 12 bits
+  (a bucket); a bucket a dead server's points touch is overridden (consistent_buckets).
+
+What cannot be reproduced exactly (`uri len/depth`, `hdr(...) use_domain_only`,
+`url_param ... check_post`, IPv6 `source`, `source` with consistent hashing, `hash-key`
+other than `id`, `hash-balance-factor`, dynamic cookies, conditional stick rules,
+leastconn and roundrobin's state) is left to the weighted draw of guard.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from math import gcd
+
+from .lexer import Line
+from .resolution import ProxySettings, Server
+
+# A name or argument that goes into a sample expression: no `,`, `)`, blanks, quotes or `#`.
+_SAFE_ARG = re.compile(r"^[A-Za-z0-9_.:-]+$")
+# A whole sample expression copied from the config (a stick rule's pattern, `balance hash`).
+_SAFE_EXPR = re.compile(r"^[A-Za-z0-9_.:(),/-]+$")
+_HASH_FUNCTIONS = ("sdbm", "djb2", "wt6", "crc32")
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """What the guard of one backend reproduces of HAProxy's choice. Every field is a sample
+    expression (or None: not reproduced)."""
+
+    cookie: str | None = None  # the request's server cookie value
+    sticks: tuple[str, ...] = ()  # per stick rule that matches, in order: the server id it stored
+    hash_key: str | None = None  # the key HAProxy hashes
+    hash_function: str | None = None  # the converter that hashes it like HAProxy (None: the key is the hash)
+    consistent: bool = False  # `hash-type consistent`: a bucket of the ring, not a map position
+
+    @property
+    def hashed(self) -> bool:
+        return self.hash_key is not None
+
+
+PLAIN = Routing()
+
+
+def routing_of(settings: ProxySettings, body: Sequence[Line], backend: str) -> Routing:
+    """The backend's Routing, from its resolved settings and its own lines."""
+    hashing = _hash_of(settings)
+    if settings.hash_type[:1] == ("consistent",) and hashing:
+        balance_factor = any(line.words[:1] == ("hash-balance-factor",) for line in body)
+        if hashing["hash_function"] is None or balance_factor or any(_hash_keys(line.words) for line in body):
+            hashing = {}
+    return Routing(
+        cookie=_cookie_expr(settings) if settings.mode == "http" else None,
+        sticks=_stick_exprs(body, backend),
+        consistent=bool(hashing) and settings.hash_type[:1] == ("consistent",),
+        **hashing,  # type: ignore[arg-type]
+    )
+
+
+def _hash_keys(words: tuple[str, ...]) -> bool:
+    """Whether a server line sets a `hash-key` other than `id` (the default, reproduced)."""
+    if words[:1] not in (("server",), ("server-template",), ("default-server",)):
+        return False
+    return any(w == "hash-key" and words[i + 1] != "id" for i, w in enumerate(words[:-1]))
+
+
+def _cookie_expr(settings: ProxySettings) -> str | None:
+    words = settings.cookie
+    if not words or not _SAFE_ARG.match(words[0]) or "dynamic" in words[1:]:
+        return None
+    expr = f"req.cook({words[0]})"
+    if "prefix" in words[1:]:
+        return expr + ",field(1,~)"
+    if "maxidle" in words[1:] or "maxlife" in words[1:]:
+        return expr + ",field(1,|)"
+    return expr
+
+
+def _stick_exprs(body: Sequence[Line], backend: str) -> tuple[str, ...]:
+    exprs: list[str] = []
+    for line in body:
+        words = line.words
+        if len(words) < 3 or words[0] != "stick" or words[1] not in ("match", "on"):
+            continue
+        rest = list(words[3:])
+        table = backend
+        if rest[:1] == ["table"] and len(rest) > 1:
+            table, rest = rest[1], rest[2:]
+        if rest or not _SAFE_EXPR.match(words[2]) or not _SAFE_ARG.match(table):
+            continue  # a condition the guard does not evaluate, or a pattern it cannot copy
+        exprs.append(f"{words[2]},table_server_id({table})")
+    return tuple(exprs)
+
+
+def _hash_of(settings: ProxySettings) -> dict[str, str | None]:
+    none: dict[str, str | None] = {}
+    kind, *rest = settings.hash_type or ("map-based",)
+    if kind not in ("map-based", "consistent") or settings.balance == ():
+        return none
+    function = rest[0] if rest and rest[0] in (*_HASH_FUNCTIONS, "none") else "sdbm"
+    if function == "none":
+        return none
+    # `hash-type consistent` alone means sdbm with avalanche (cfgparse-listen.c).
+    avalanche = "avalanche" in rest or (kind == "consistent" and not rest)
+    converter = f"{function}(1)" if avalanche else function
+    algo, *options = settings.balance
+    if algo == "uri":
+        if "len" in options or "depth" in options:
+            return none
+        whole, path_only = "whole" in options, "path-only" in options
+        key = ("pathq" if whole else "path") if path_only else ("url" if whole else "url,field(1,?)")
+        return {"hash_key": key, "hash_function": converter}
+    if algo == "source" and not options and not avalanche:
+        # get_server_sh() XORs the address's 32-bit words and ignores the hash function: for
+        # IPv4 that is the address as an integer (an IPv6 address casts to no integer, and
+        # such a request is drawn instead).
+        return {"hash_key": "src", "hash_function": None}
+    if algo.startswith("hdr(") and algo.endswith(")") and not options:
+        name = algo[4:-1]
+        return {"hash_key": f"req.hdr({name},1)", "hash_function": converter} if _SAFE_ARG.match(name) else none
+    if algo == "url_param" and len(options) == 1 and _SAFE_ARG.match(options[0]):
+        return {"hash_key": f"url_param({options[0]})", "hash_function": converter}
+    if algo.startswith("rdp-cookie(") and algo.endswith(")") and not options:
+        name = algo[11:-1]
+        return {"hash_key": f"req.rdp_cookie({name})", "hash_function": converter} if _SAFE_ARG.match(name) else none
+    if algo == "hash" and len(options) == 1 and _SAFE_EXPR.match(options[0]):
+        return {"hash_key": options[0], "hash_function": converter}
+    return none
+
+
+# ---------------------------------------------------------------- servers as HAProxy numbers them
+
+
+def server_ids(servers: Iterable[tuple[str, Sequence[str]]]) -> dict[str, int]:
+    """name -> the id HAProxy gives each of (name, its line's parameters): its `id`, else the
+    lowest id not taken, in config order, counting from 1 (every server, backups included)."""
+    listed = list(servers)
+    ids: dict[str, int] = {}
+    for name, params in listed:
+        for i, word in enumerate(params[:-1]):
+            if word == "id" and params[i + 1].isdigit():
+                ids[name] = int(params[i + 1])
+    taken = set(ids.values())
+    next_id = 1
+    for name, _ in listed:
+        if name in ids:
+            continue
+        while next_id in taken:
+            next_id += 1
+        ids[name] = next_id
+        taken.add(next_id)
+    return ids
+
+
+def effective_weight(server: Server) -> int:
+    return server.weight if server.weight is not None else 1
+
+
+def server_map(servers: Sequence[Server], up: Iterable[str]) -> list[str]:
+    """The map-based server map a worker builds (lb_map.c: init_server_map's weights over their
+    gcd, then recalc_server_map), given the names of the servers it sees usable: index
+    `hash % len(map)` is the server a hash picks. Primaries while one is usable, else the
+    backups (the first one alone without `option allbackups`: not reproduced, empty)."""
+    usable = set(up)
+    weights = [effective_weight(s) for s in servers]
+    divisor = 0
+    for w in weights:
+        divisor = gcd(divisor, w)
+    divisor = divisor or 1
+    eweight = {s.name: (effective_weight(s) + divisor - 1) // divisor for s in servers}
+    chosen = [s for s in servers if not s.backup and s.name in usable and eweight[s.name] > 0]
+    if not chosen:
+        return []
+    total = sum(eweight[s.name] for s in chosen)
+    if total == 1 or len(chosen) == 1:
+        return [chosen[0].name] * total
+    score = {s.name: 0 for s in chosen}
+    table: list[str] = []
+    for _ in range(total):
+        best: str | None = None
+        best_value = 0
+        for s in chosen:
+            score[s.name] += eweight[s.name]
+            value = (score[s.name] + total) // total
+            if best is None or value > best_value:
+                best, best_value = s.name, value
+        assert best is not None
+        table.append(best)
+        score[best] -= total
+    return table
+
+
+# ---------------------------------------------------------------- consistent hashing
+
+_M32 = 0xFFFFFFFF
+
+
+def full_hash(a: int) -> int:
+    """HAProxy's full_hash() (Bob Jenkins' avalanche, then a prime multiply), on 32 bits."""
+    a = ((a + 0x7ED55D16) + (a << 12)) & _M32
+    a = ((a ^ 0xC761C23C) ^ (a >> 19)) & _M32
+    a = ((a + 0x165667B1) + (a << 5)) & _M32
+    a = ((a + 0xD3A2646C) ^ (a << 9)) & _M32
+    a = ((a + 0xFD7046C5) + (a << 3)) & _M32
+    a = ((a ^ 0xB55A4F09) ^ (a >> 16)) & _M32
+    return (a * 3221225473) & _M32
+
+
+def sdbm(data: bytes) -> int:
+    h = 0
+    for c in data:
+        h = (c + (h << 6) + (h << 16) - h) & _M32
+    return h
+
+
+NodeKeys = str  # "id-times-4096" (2.6, 2.8) or "hashed-id" (3.0): where a ring point's key comes from
+ID_TIMES_4096, HASHED_ID = "id-times-4096", "hashed-id"
+BUCKET_BITS = 12  # the guard reads a hash's top 12 bits: 4,096 buckets
+
+
+def ring(
+    servers: Sequence[Server], up: Iterable[str], ids: dict[str, int], node_keys: NodeKeys
+) -> list[tuple[int, str]]:
+    """The consistent-hash ring of a worker that sees `up` usable: (point key, server)
+    sorted, 16 points per unit of weight per primary (backups: a ring of their own, not
+    reproduced)."""
+    usable = set(up)
+    points: list[tuple[int, str]] = []
+    for s in servers:
+        weight = effective_weight(s)
+        if s.backup or s.name not in usable or weight <= 0:
+            continue
+        puid = ids[s.name]
+        for node in range(weight * 16):
+            seed = (full_hash(puid) + node) if node_keys == HASHED_ID else (puid * 4096 + node)
+            points.append((full_hash(seed & _M32), s.name))
+    points.sort()
+    return points
+
+
+def _arcs(points: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
+    """(first hash, last hash, server) of each point's arc: the hashes closer to it than to
+    its neighbours (a tie goes to the point before, as in chash_get_server_hash), unwrapped
+    into [0, 2^32)."""
+    arcs: list[tuple[int, int, str]] = []
+    n = len(points)
+    for i, (key, name) in enumerate(points):
+        before, after = points[i - 1][0], points[(i + 1) % n][0]
+        first = (before + ((key - before) & _M32) // 2 + 1) & _M32 if n > 1 else 0
+        last = (key + ((after - key) & _M32) // 2) & _M32 if n > 1 else _M32
+        if first <= last:
+            arcs.append((first, last, name))
+        else:
+            arcs += [(first, _M32, name), (0, last, name)]
+    return arcs
+
+
+def consistent_buckets(points: list[tuple[int, str]], dead: set[str]) -> dict[int, str]:
+    """bucket -> the server for every bucket that some dead server's arc touches: the live
+    server owning most of the bucket, else the one the ring without the dead servers gives
+    the bucket's middle (where HAProxy sends those keys once they are DOWN)."""
+    shift = 32 - BUCKET_BITS
+    live_points = [(k, name) for k, name in points if name not in dead]
+    if not live_points or not any(name in dead for _, name in points):
+        return {}
+    owned: dict[int, dict[str, int]] = {}
+    dead_buckets: set[int] = set()
+    for first, last, name in _arcs(points):
+        for bucket in range(first >> shift, (last >> shift) + 1):
+            low, high = max(first, bucket << shift), min(last, ((bucket + 1) << shift) - 1)
+            owned.setdefault(bucket, {})
+            owned[bucket][name] = owned[bucket].get(name, 0) + high - low + 1
+            if name in dead:
+                dead_buckets.add(bucket)
+    keys = [k for k, _ in live_points]
+    result: dict[int, str] = {}
+    for bucket in sorted(dead_buckets):
+        live = {name: size for name, size in owned[bucket].items() if name not in dead}
+        if live:
+            result[bucket] = max(sorted(live), key=lambda name: live[name])
+        else:
+            result[bucket] = lookup(live_points, keys, (bucket << shift) + (1 << (shift - 1)))
+    return result
+
+
+def lookup(points: list[tuple[int, str]], keys: list[int], h: int) -> str:
+    """The server chash_get_server_hash() picks for hash `h` (no `avoid`, no balance factor)."""
+    j = bisect.bisect_left(keys, h)
+    after, before = points[j % len(points)], points[j - 1]
+    return before[1] if ((h - before[0]) & _M32) <= ((after[0] - h) & _M32) else after[1]
