@@ -34,16 +34,16 @@ def effective_of(tmp_path, servers: list[str]):
     return build_effective(settings, RENDERED.format(servers=lines))
 
 
-def test_an_effective_config_is_digested_by_its_sha256_without_rendering_it(tmp_path):
+async def test_an_effective_config_is_digested_by_its_sha256_without_rendering_it(tmp_path):
     effective = effective_of(tmp_path, ["r1", "r2"])
     same = effective_of(tmp_path, ["r1", "r2"])  # the same content in another object
     digests = Digests()
     with mock.patch.object(Config, "render", side_effect=AssertionError("rendered again")):
-        first = digests.of_effective(effective)
-        again = digests.of_effective(same)  # found by its sha256
+        first = await digests.of_effective(effective)
+        again = await digests.of_effective(same)  # found by its sha256
     assert again is first
     assert first.sections["app"].by_name.keys() == {"r1", "r2"}
-    other = digests.of_effective(effective_of(tmp_path, ["r2"]))
+    other = await digests.of_effective(effective_of(tmp_path, ["r2"]))
     assert other.key != first.key
 
 
@@ -287,3 +287,24 @@ def test_answers_to_map_lines_table():
     assert [is_whole_answer(a) for a in ("\n", "0x1 a_0 s1\n\n", "0x1 a_0 s1\n", "")] == [True, True, False, False]
     assert map_entries("0x1 a_0 s1\n0x2 a_n 2\n\n") == {"a_0": "s1", "a_n": "2"}
     assert map_entries("0x1 a_0 s1\n0x2 a_0 s2\n\n") == {"a_0": ""}
+
+
+def test_a_config_is_digested_in_slices_that_give_the_same_digest():
+    from supervisor.steering.dead import Sections
+
+    text = "defaults\n    mode http\n" + "".join(
+        f"backend b{i}\n    server s1 10.0.{i // 250}.{i % 250}:80\n" for i in range(450)
+    )
+    sliced = Sections()
+    steps = sliced.digesting(Config.parse(text), "sha")
+    turns = 0
+    while True:
+        try:
+            next(steps)
+            turns += 1
+        except StopIteration as done:
+            result = done.value
+            break
+    assert turns == 450 // Sections.SLICE
+    assert result == Sections().digest(Config.parse(text))
+    assert sliced.digest(Config.parse(text), "sha") is result  # found again by its sha256, in one step

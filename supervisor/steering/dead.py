@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..haproxy.api import DEFAULT_LINE_LIMIT
@@ -125,20 +125,31 @@ class Sections:
         Generation carry it), by which a config seen lately is found without resolving its
         sections again (prepare, then before_reload); None: a model with no such digest, whose
         sections are still found by content."""
-        if sha256 is None:
-            return self._digest(model)
-        found = self._by_sha256.pop(sha256, None)
+        steps = self.digesting(model, sha256)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def digesting(self, model: Config, sha256: str | None = None) -> Generator[None, None, ConfigDigest]:
+        """digest() in steps of SLICE sections, for a caller that lets the event loop run
+        in between (a new 10,000-server config takes tens of milliseconds); returns the digest."""
+        found = self._by_sha256.pop(sha256, None) if sha256 is not None else None
         if found is None:
-            found = self._digest(model)
-        self._by_sha256[sha256] = found  # most recent last
-        while len(self._by_sha256) > self.RECENT_CONFIGS:
-            del self._by_sha256[next(iter(self._by_sha256))]
+            found = yield from self._digest(model)
+        if sha256 is not None:
+            self._by_sha256[sha256] = found  # most recent last
+            while len(self._by_sha256) > self.RECENT_CONFIGS:
+                del self._by_sha256[next(iter(self._by_sha256))]
         return found
 
-    def _digest(self, model: Config) -> ConfigDigest:
+    SLICE = 200  # sections digested between two turns of the event loop
+
+    def _digest(self, model: Config) -> Generator[None, None, ConfigDigest]:
         sections: dict[str, SectionDigest] = {}
         applied: dict[object, str] = {}  # one ProxySettings serves hundreds of backends: one repr
-        for section, settings in model.backends_with_settings():
+        for i, (section, settings) in enumerate(model.backends_with_settings(), 1):
             inherited = applied.get(settings)
             if inherited is None:
                 inherited = applied[settings] = repr(settings) + "\n"
@@ -154,6 +165,8 @@ class Sections:
                 hashing = ("consistent" if routing.consistent else "map-based") if routing.hashed else ""
                 digest = self._by_key[key] = SectionDigest.of(key, servers, section, settings.all_backups, hashing)
             sections[section.name] = digest
+            if i % self.SLICE == 0:
+                yield
         fingerprint = hashlib.blake2b(b"".join(sd.fingerprint for sd in sections.values()), digest_size=16)
         return ConfigDigest(
             key=fingerprint.hexdigest(),

@@ -3,6 +3,7 @@ effective config's sha256), the config prepare() planned for, and an index of th
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Collection, Iterable
 
@@ -46,8 +47,15 @@ class Digests:
         self.prepared: ConfigDigest | None = None  # the config prepare() planned for, until after_reload
         self._of_generation: dict[tuple[int, str], ConfigDigest] = {}
 
-    def of_effective(self, effective: Effective) -> ConfigDigest:
-        return self.sections.digest(effective.effective_model, effective.sha256)
+    async def of_effective(self, effective: Effective) -> ConfigDigest:
+        """The next config's digest, the event loop let run between its slices."""
+        steps = self.sections.digesting(effective.effective_model, effective.sha256)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(0)
 
     def of(self, generation: Generation) -> ConfigDigest:
         key = (generation.number, generation.effective_sha256)

@@ -132,7 +132,7 @@ class OldWorkers:
         """Work out the next config's plans while `haproxy -c` checks it: before_reload then
         finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
         async with self._lock:
-            latest = self._digests.prepared = self._digests.of_effective(effective)
+            latest = self._digests.prepared = await self._digests.of_effective(effective)
             current = self.state.current
             leaving = current.worker_pid if current is not None else None
             judged = self._judged(leaving)
@@ -145,7 +145,7 @@ class OldWorkers:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
         the servers the next config drops, before the reload is sent."""
         current = self.state.current
-        self._next = self._digests.of_effective(effective)
+        self._next = await self._digests.of_effective(effective)
         self._leaving_pid = current.worker_pid if current is not None else None
         for task in self._reads:  # the master relays one answer at a time: the pushes come first
             task.cancel()
