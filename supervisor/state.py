@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -100,7 +100,7 @@ class PushNews:
 
     result: PushStateName
     error: str | None = None
-    steered: tuple[str, ...] = ()  # with "ok": the "backend/server" it is kept away from
+    steered: Sequence[str] = ()  # with "ok": the "backend/server" it is kept away from (the plan's, not copied)
 
 
 @dataclass
@@ -344,7 +344,7 @@ class State:
             if record is None:
                 continue
             if news.result == "ok":
-                record.steered = list(news.steered)
+                record.steered = news.steered if isinstance(news.steered, list) else list(news.steered)
                 if record.push.state == "ok":
                     continue  # keep the time of the push that made it so
             record.push = PushState(news.result, utcnow() if news.result != "pending" else record.push.at, news.error)

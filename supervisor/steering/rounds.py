@@ -214,7 +214,7 @@ class PushRounds:
 
     def record(self, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
         """How a worker's push went, published with the others at the end of the step."""
-        steered = tuple(worker.wanted.steered) if result == "ok" and worker.wanted is not None else ()
+        steered = worker.wanted.steered if result == "ok" and worker.wanted is not None else ()
         self._news[worker.pid] = PushNews(result, error, steered)
 
     def publish(self) -> None:
