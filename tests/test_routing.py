@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import SlotTable, inject_guard, slot_table
+from supervisor.haproxy.guard import SlotTable, slot_table
 from supervisor.haproxy.routing import (
     BUCKET_BITS,
     HASHED_ID,
@@ -25,7 +25,7 @@ from supervisor.haproxy.routing import (
     server_map,
 )
 from supervisor.steering.dead import Sections
-from tests.support.wholes import steer_entries
+from tests.support.wholes import inject_guard, steer_entries
 
 MAP, TABLE = "/run/hs/steer.map", "/run/hs/slots-0.map"
 
