@@ -15,6 +15,7 @@ import pytest
 from supervisor.haproxy.stderr import ServerEvent
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from supervisor.waiting import wait_set
+from tests.support.daemon import RENDERED
 from tests.support.harness import backends, free_port
 from tests.support.supervised import supervised
 
@@ -63,34 +64,15 @@ async def test_control_wait_for_drops_the_cancel() -> None:
     assert not await _stops_when_woken_and_cancelled(_wait_for_set)
 
 
-RENDERED = """\
-global
-    hard-stop-after 10s
-
-defaults
-    mode http
-    timeout connect 500ms
-    timeout client 5s
-    timeout server 5s
-
-frontend fe
-    bind 127.0.0.1:{front}
-    default_backend app
-
-backend app
-    server a 127.0.0.1:{port}
-"""
-
-
 @pytest.mark.haproxy
 async def test_old_workers_stop_when_cancelled_as_a_server_event_wakes_them(rundir: Path) -> None:
     settings = Settings(
         haproxy=HAProxySettings(runtime_dir=rundir), old_workers=OldWorkerSettings(poll_interval_ms=50)
     )
-    with backends("a") as started:
-        rendered = RENDERED.format(front=free_port(), port=started["a"].port)
+    with backends("s1") as started:
+        rendered = RENDERED.format(front=free_port(), tag="t", backend=f"127.0.0.1:{started['s1'].port}")
         async with supervised(settings, rendered) as sup:
-            event = ServerEvent(sup.current_pid, "app", "a", "DOWN")
+            event = ServerEvent(sup.current_pid, "app", "s1", "DOWN")
             for _ in range(20):
                 await asyncio.sleep(0.03)  # mostly parked in its wait between polls
                 task = sup.task
