@@ -1,5 +1,6 @@
-"""The README and docs/: every relative link leads to a file and heading that exist, and the
-guard block that docs/steering.md shows is the one the daemon injects."""
+"""The README and docs/: every relative link leads to a file and heading that exist, the
+module map in docs/architecture.md names every module under supervisor/ and no other, and
+the guard block that docs/steering.md shows is the one the daemon injects."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]: *<?([^>\s]+)>?", flags=re.M)
 
 
 def prose(text: str) -> str:
@@ -36,21 +38,73 @@ def anchors(text: str) -> set[str]:
 
 
 def relative_links(page: Path) -> list[str]:
-    return [target for target in LINK.findall(prose(page.read_text()))
+    """Inline links and reference definitions, but those with a scheme (https:, mailto:)."""
+    text = prose(page.read_text())
+    return [target for target in LINK.findall(text) + REFERENCE.findall(text)
             if not re.match(r"^[a-z][a-z0-9+.-]*:", target)]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_relative_link_leads_to_a_file_and_heading(page: Path):
+def broken_links(page: Path, root: Path = ROOT) -> list[str]:
+    """Each relative link of `page` whose file, or heading in it, does not exist."""
     broken = []
     for target in relative_links(page):
         path_part, _, anchor = target.partition("#")
         linked = (page.parent / path_part).resolve() if path_part else page
         if not linked.exists():
-            broken.append(f"{target}: no file {linked.relative_to(ROOT)}")
+            broken.append(f"{target}: no file {linked.relative_to(root)}")
         elif anchor and (linked.suffix != ".md" or anchor not in anchors(linked.read_text())):
-            broken.append(f"{target}: no heading #{anchor} in {linked.relative_to(ROOT)}")
+            broken.append(f"{target}: no heading #{anchor} in {linked.relative_to(root)}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_leads_to_a_file_and_heading(page: Path):
+    broken = broken_links(page)
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_a_broken_link_is_reported(tmp_path: Path):
+    """The control: a page whose links miss a file, a heading in another page, a heading of
+    its own, or hide behind a reference definition, is reported once per broken link."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "other.md").write_text("# Other page\n\n## Its part\n")
+    page = tmp_path / "README.md"
+    page.write_text(
+        "# Front\n\n"
+        "[fine](docs/other.md#its-part), [fine too](#front), [web](https://example.com/x.md)\n"
+        "[gone](docs/missing.md), [no part](docs/other.md#no-such-part), [no heading](#nowhere)\n"
+        "[by reference][ref]\n\n[ref]: docs/also-missing.md\n"
+    )
+    assert broken_links(page, tmp_path) == [
+        "docs/missing.md: no file docs/missing.md",
+        "docs/other.md#no-such-part: no heading #no-such-part in docs/other.md",
+        "#nowhere: no heading #nowhere in README.md",
+        "docs/also-missing.md: no file docs/also-missing.md",
+    ]
+
+
+def module_map() -> dict[str, str]:
+    """docs/architecture.md's module table: the first cell (a module, or a package ending in
+    `/`) to the text of the row."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w/.]+)` \|.*$", text, flags=re.M)}
+
+
+def test_the_module_map_names_every_module_and_no_other():
+    package = ROOT / "supervisor"
+    modules = {str(path.relative_to(package)) for path in package.rglob("*.py")
+               if path.name not in {"__init__.py", "__main__.py"}}
+    rows = module_map()
+    named = {name for name in rows if name.endswith(".py")}
+    for name, row in rows.items():
+        if name.endswith("/"):
+            assert (package / name).is_dir(), f"the module map names {name}, which is not a package"
+            # A package's row names its modules as `x.py`, or by what they hold: `x.Name`.
+            named |= {name + module for module in re.findall(r"`(\w+\.py)`", row)}
+            named |= {name + module + ".py" for module in re.findall(r"`(\w+)\.\w+", row)
+                      if (package / name / f"{module}.py").exists()}
+    assert sorted(modules - named) == [], "modules the map does not name"
+    assert sorted(named - modules) == [], "modules the map names that do not exist"
 
 
 def test_links_are_found_and_a_broken_one_is_caught(tmp_path: Path):
