@@ -52,7 +52,13 @@ from pathlib import Path
 import psutil
 
 from supervisor.daemon import watch_children_without_threads
-from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
+from supervisor.effective import (
+    build_effective,
+    off_the_loop,
+    prepare_runtime_dir,
+    start_effective_check,
+    write_effective,
+)
 from supervisor.gcpolicy import collector_paused, settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
@@ -208,7 +214,8 @@ class Bench:
 
     async def _reload(self, cli: MasterCLI, displaced: OldWorkers, text: str, figures: Figures | None) -> None:
         started = time.monotonic()
-        effective = build_effective(self.settings, text)
+        # In a thread, as the reloader builds it: a build on the loop would be lag the daemon has not.
+        effective = await off_the_loop(lambda: build_effective(self.settings, text))
         model = effective.effective_model  # what the reloader uses
         built = time.monotonic()
         # What the reloader does: check the config, and work the steering out meanwhile.
