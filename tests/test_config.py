@@ -145,6 +145,30 @@ def test_parse_gives_the_straightforward_parse_every_time(path):
             assert config.render() == text
 
 
+# Pieces of configs that cut and join in every way the parse must see through: headers
+# indented, quoted, escaped, glued to a comment, ending the text, after a lone `\r`.
+_PIECES = [
+    "global\n  maxconn 10\n", "defaults\n  mode http\n", "defaults named\n", "frontend f\n  bind :80\n",
+    "backend a\n  server s 127.0.0.1:1\n", "backend a\n  server s 127.0.0.1:2 backup\n",
+    "  backend indented\n  server s 127.0.0.1:3\n", '"backend" quoted\n', "back\\end escaped\n",
+    "backend#glued\n", "listen l\r\n  server s 127.0.0.1:4\r\n", "backend lone-cr\r  server x 1.1.1.1:1\r",
+    "backends not-a-header\n", "  server orphan 127.0.0.1:5\n", "# a comment\n", "\n", "backend last",
+    "resolvers dns\n  nameserver d 127.0.0.1:53\n", "\x0cbackend after-form-feed\n",
+]
+
+
+def test_a_parse_that_reuses_earlier_parses_is_the_straightforward_parse():
+    """Config.parse takes runs of lines it parsed before from the cache, whole: configs that
+    share some of their runs with the last ones, wherever they sit, still parse as line by line."""
+    rng = random.Random(7)
+    cache = ConfigCache()
+    for _ in range(400):
+        cache.new_generation()
+        text = "".join(rng.choice(_PIECES) for _ in range(rng.randrange(0, 9)))
+        assert _line_fields(Config.parse(text, cache)) == _line_fields(reference.parse(text)), repr(text)
+        assert Config.parse(text, cache).render() == text
+
+
 def test_tokenizer_agrees_with_the_straightforward_one_on_random_lines():
     rng = random.Random(4)
     alphabet = [" ", " ", "\t", "#", '"', "'", "\\", "a", "b", "server", "\r", "\n", "\xa0", "\x1f", ":", "80"]
@@ -230,6 +254,9 @@ def test_caches_keep_only_what_the_last_two_parses_used():
         Config.parse(f"backend b{i}\n  server s 127.0.0.1:{i}\n", cache).server_flags_by_backend()
     lines = set(cache.lines.current) | set(cache.lines.previous)
     assert lines == {"backend b3\n", "  server s 127.0.0.1:3\n", "backend b4\n", "  server s 127.0.0.1:4\n"}
+    assert set(cache.chunks.current) | set(cache.chunks.previous) == {
+        "backend b3\n  server s 127.0.0.1:3\n", "backend b4\n  server s 127.0.0.1:4\n"
+    }
     bodies = {body for _, body in [*cache.server_flags.current, *cache.server_flags.previous]}
     assert bodies == {"  server s 127.0.0.1:3\n", "  server s 127.0.0.1:4\n"}
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from .lexer import Line, parse_line
 
 if TYPE_CHECKING:
+    from .config import Chunk
     from .guard import GuardPlan
     from .resolution import ProxySettings, Server, ServerFlags
 
@@ -52,12 +53,15 @@ class ConfigCache:
     cache it was parsed with (its copies too); one parsed without one gets its own, shared
     with nothing. The owner calls new_generation() before it parses the next rendered config."""
 
-    __slots__ = ("guard_plans", "lines", "section_servers", "server_flags")
+    __slots__ = ("chunks", "guard_plans", "lines", "section_servers", "server_flags")
 
     def __init__(self) -> None:
         # A line's text -> its Line: a parse of the next rendered config takes the previous
         # one's Lines instead of splitting 15,000 lines again.
         self.lines: RecentlyUsed[str, Line] = RecentlyUsed()
+        # A run of whole lines -> its parse (config.py's Chunk): most sections of the next
+        # config are the same text, and a lookup of a section is cheaper than one per line.
+        self.chunks: RecentlyUsed[str, Chunk] = RecentlyUsed()
         # (the defaults' flags, a backend body's text) -> server_line_flags() of that body.
         self.server_flags: RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = RecentlyUsed()
         # (a backend's name, what applies to it, its body's text) -> its servers.
@@ -67,7 +71,7 @@ class ConfigCache:
 
     def new_generation(self) -> None:
         """A new rendered config is about to be parsed: keep what the last two used."""
-        for kept in (self.lines, self.server_flags, self.section_servers, self.guard_plans):
+        for kept in (self.chunks, self.lines, self.server_flags, self.section_servers, self.guard_plans):
             kept.new_generation()
 
     def line(self, raw: str) -> Line:
