@@ -164,6 +164,7 @@ class GuardPlan:
     at: int | None  # where the rules go; None: no guard (no primary, or guarded already)
     use_at: int  # where the `use-server` goes
     indent: str
+    slot_lines: str = ""  # its rows of slot_table_text(), made once with the plan
 
 
 def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> GuardPlan:
@@ -173,8 +174,9 @@ def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> Guar
     indent = next((line.indent for line in body if line.words), "") or "    "
     routing = routing_of(settings, body, backend) if names else PLAIN
     rows = _persistence_rows(body, server_lines, routing)
+    slots = slot_table_text([(backend, names)])
     if not names or _has_marker(body):
-        return GuardPlan(tuple(names), rows, routing, None, 0, indent)
+        return GuardPlan(tuple(names), rows, routing, None, 0, indent, slots)
     own_rank = _RULE_RANK["tcp-request" if mode != "http" else "http-request"]
     # Most lines are no request rule at all: look at their first word before ranking them.
     ranks = {
@@ -190,7 +192,8 @@ def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> Guar
         use_at = (later[-1] + 1) if later else at
     else:
         use_at = first_use_server
-    return GuardPlan(tuple(names), rows, routing, _above_comments(body, at), _above_comments(body, use_at), indent)
+    at, use_at = _above_comments(body, at), _above_comments(body, use_at)
+    return GuardPlan(tuple(names), rows, routing, at, use_at, indent, slots)
 
 
 def _persistence_rows(
@@ -220,7 +223,6 @@ def _persistence_rows(
         ids = server_ids([(name, params) for name, _, _, params in servers])
         rows += [(f"{STICK_ROW}{ids[name]}", str(home[name])) for name, backup, _, _ in servers if not backup]
     return tuple(rows)
-
 
 
 def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
@@ -355,14 +357,12 @@ class SlotTable:
 
     @classmethod
     def of_plans(cls, plans: list[tuple[Section, str, GuardPlan]], directory: Path) -> SlotTable:
-        slots = [(s.name, list(plan.names)) for s, _, plan in plans if plan.names]
-        return cls.of_rows(slots, directory, _rows_of(plans))
+        # slot_table_text() of the plans' rows, from the text each plan keeps of its own.
+        text = "".join([plan.slot_lines for _, _, plan in plans]) + slot_table_text([], _rows_of(plans))
+        return cls.of_text(text, directory)
 
     @classmethod
-    def of_rows(
-        cls, rows: list[tuple[str, list[str]]], directory: Path, persistence: list[tuple[str, str]] | None = None
-    ) -> SlotTable:
-        text = slot_table_text(rows, persistence or [])
+    def of_text(cls, text: str, directory: Path) -> SlotTable:
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return cls(directory / f"{SLOT_TABLE_PREFIX}{digest}.map", text)
 

@@ -109,6 +109,17 @@ def is_ip(address: str) -> bool:
     return True
 
 
+def _kept_hash(value: ServerFlags | ProxySettings, compared: tuple[object, ...]) -> int:
+    # `compared`: the fields its __eq__ compares. The hash is kept once made: these are keys
+    # of the parse caches, looked up for each of a thousand backends at every build, and a
+    # dataclass's own __hash__ hashes every field again at each lookup.
+    kept = value._hash
+    if kept is None:
+        kept = hash(compared)
+        object.__setattr__(value, "_hash", kept)
+    return kept
+
+
 # The words ServerFlags.apply acts on; every other word of a server line is passed over.
 _FLAG_WORDS = frozenset(
     {"check", "no-check", "backup", "no-backup", "disabled", "enabled", "observe", "track", "weight", "cookie"}
@@ -126,6 +137,11 @@ class ServerFlags:
     track: str | None = None
     weight: int | None = None
     cookie: str | None = None
+    _hash: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        compared = (self.check, self.backup, self.disabled, self.observe, self.track, self.weight, self.cookie)
+        return _kept_hash(self, compared)
 
     def apply(self, params: tuple[str, ...]) -> ServerFlags:
         if not params:
@@ -248,6 +264,12 @@ class ProxySettings:
     server_default_words: tuple[str, ...] = ()
     cookie: tuple[str, ...] = ()  # the words after `cookie` (persistence), if any
     hash_type: tuple[str, ...] = ()  # the words after `hash-type`; none: map-based sdbm
+    _hash: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        compared = (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
+                    self.cookie, self.hash_type)
+        return _kept_hash(self, compared)
 
 
 BUILT_IN = ProxySettings()
@@ -284,9 +306,13 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
         else:
             continue
         changed = True
-    if not changed:
+    # The same object when nothing differs (most backends restate their defaults' `balance`):
+    # the caches keyed by it then compare it by identity.
+    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type)
+    if not changed or settings == (base.mode, base.balance, base.all_backups, base.server_defaults,
+                                   base.server_default_words, base.cookie, base.hash_type):
         return base
-    return ProxySettings(mode, balance, all_backups, flags, default_words, cookie, hash_type)
+    return ProxySettings(*settings)
 
 
 def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySettings]]:
