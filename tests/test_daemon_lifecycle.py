@@ -76,7 +76,8 @@ async def test_adoption_rebuilds_old_worker_generations(make):
     """An old worker still draining when the daemon dies keeps its generation after adoption."""
     async with one_backend(make) as node:
         d, front, b1, w1 = node.daemon, node.front, node.backend, node.worker
-        slow = asyncio.get_running_loop().create_task(http_get(front, "/slow?ms=3000", timeout=10))
+        # Long enough to outlast a daemon restart on a loaded machine: w1 must still be draining.
+        slow = asyncio.get_running_loop().create_task(http_get(front, "/slow?ms=8000", timeout=20))
         await asyncio.sleep(0.2)
         d.write(config(front, b1, "v2"))
         w2 = await d.wait_generation(2)
