@@ -110,7 +110,8 @@ def test_bridge_no_request_fails_but_those_in_flight_on_the_killed_replica(bridg
 
 def test_bridge_churn_of_servers_only_makes_no_reload_and_no_old_worker(bridge: dict[str, Any]) -> None:
     for name in SERVERS_ONLY:
-        assert step(bridge, name)["renders"] >= 1 and not step(bridge, name)["beyond_servers"], name
+        assert step(bridge, name)["renders"] >= 1, name
+        assert not step(bridge, name)["beyond_servers"], f"{name}:\n{step(bridge, name)['beyond_servers_diff']}"
         seen = during(bridge, name)
         assert seen["reloads"] == NO_RELOAD, name
         assert seen["runtime_applied"] >= 1, name
@@ -165,7 +166,7 @@ def test_stock_ray_refuses_requests_when_the_manager_dies(stock: dict[str, Any])
 
 def test_stock_ray_starts_an_haproxy_for_each_change_of_servers(stock: dict[str, Any]) -> None:
     for name in SERVERS_ONLY:
-        assert not step(stock, name)["beyond_servers"], name
+        assert not step(stock, name)["beyond_servers"], f"{name}:\n{step(stock, name)['beyond_servers_diff']}"
         assert spawned_during(stock, name) >= 1, name
     # Ray's every HAProxy is a process of its own, no master's worker, and old ones stay a while.
     assert len(stock["haproxy"]["masters"]) == len(stock["haproxy"]["first_seen"])

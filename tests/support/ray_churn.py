@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
+import difflib
+import itertools
 import json
 import os
 import re
@@ -86,8 +87,8 @@ async def wait_async(predicate: Callable[[], Any], timeout: float, what: str) ->
 
 
 class RenderLog:
-    """Ray's config file, read every 20 ms in a thread: when each new text appeared, and the
-    digest of its text without the replicas' server lines."""
+    """Ray's config file, read every 20 ms in a thread: when each new text appeared, and that
+    text without the replicas' server lines."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -102,8 +103,7 @@ class RenderLog:
                 text = self.path.read_text()
                 if text and text != last:
                     last = text
-                    beyond_servers = hashlib.sha256(SERVER_LINE.sub("", text).encode()).hexdigest()
-                    self.renders.append((time.monotonic(), beyond_servers))
+                    self.renders.append((time.monotonic(), SERVER_LINE.sub("", text)))
 
     def start(self) -> None:
         self._thread.start()
@@ -112,11 +112,22 @@ class RenderLog:
         self._stop.set()
         self._thread.join(5)
 
-    def in_window(self, start: float, end: float) -> tuple[int, bool]:
-        """(renders from start to end, whether any differed beyond servers from the one before)."""
-        before = [digest for at, digest in self.renders if at < start][-1:]
-        during = [digest for at, digest in self.renders if start <= at <= end]
-        return len(during), len(set(before + during)) > 1
+    def in_window(self, start: float, end: float) -> tuple[int, str]:
+        """(renders from start to end, a diff of the first that differed beyond servers from the
+        one before, or "")."""
+        before = [text for at, text in self.renders if at < start][-1:]
+        during = [text for at, text in self.renders if start <= at <= end]
+        texts = before + during
+        for older, newer in itertools.pairwise(texts):
+            if older != newer:
+                return len(during), beyond_servers_diff(older, newer)
+        return len(during), ""
+
+
+def beyond_servers_diff(older: str, newer: str, max_lines: int = 30) -> str:
+    lines = list(difflib.unified_diff(older.splitlines(), newer.splitlines(), "before", "after", n=1, lineterm=""))
+    cut = [f"... {len(lines) - max_lines} more lines"] if len(lines) > max_lines else []
+    return "\n".join(lines[:max_lines] + cut)
 
 
 @dataclass
@@ -178,9 +189,9 @@ class Churn:
         after = await self.until_servers(name, lambda now: settled(before, now))
         await asyncio.sleep(SETTLE_S)
         ended = time.monotonic()
-        renders, beyond_servers = self.renders.in_window(started, ended)
+        renders, diff = self.renders.in_window(started, ended)
         self.steps.append({"name": name, "started": started, "acted": acted, "ended": ended,
-                           "renders": renders, "beyond_servers": beyond_servers,
+                           "renders": renders, "beyond_servers": bool(diff), "beyond_servers_diff": diff,
                            "servers_before": sorted(before), "servers_after": sorted(after)})
         print(f"step {name!r}: {acted - started:.1f} s, then {ended - acted:.1f} s; {renders} renders", flush=True)
 
