@@ -166,6 +166,7 @@ def test_stock_ray_refuses_requests_when_the_manager_dies(stock: dict[str, Any])
 
 def test_stock_ray_starts_an_haproxy_for_each_change_of_servers(stock: dict[str, Any]) -> None:
     for name in SERVERS_ONLY:
+        assert step(stock, name)["renders"] >= 1, name
         assert not step(stock, name)["beyond_servers"], f"{name}:\n{step(stock, name)['beyond_servers_diff']}"
         assert spawned_during(stock, name) >= 1, name
     # Ray's every HAProxy is a process of its own, no master's worker, and old ones stay a while.

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import difflib
+import fcntl
 import itertools
 import json
 import os
@@ -86,9 +87,22 @@ async def wait_async(predicate: Callable[[], Any], timeout: float, what: str) ->
     return value
 
 
+def read_whole_render(path: Path) -> str:
+    """Ray's config as Ray last wrote it. Ray truncates and rewrites the file in place, holding
+    an exclusive flock on `<path>.lock` meanwhile; a read outside that lock can catch a torn
+    write (a text cut at a page boundary, or two renders spliced), so this one holds the lock
+    shared."""
+    with open(f"{path}.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            return path.read_text()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class RenderLog:
-    """Ray's config file, read every 20 ms in a thread: when each new text appeared, and that
-    text without the replicas' server lines."""
+    """Ray's config file, read every 20 ms in a thread (never mid-write: `read_whole_render`):
+    when each new text appeared, and that text without the replicas' server lines."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -100,7 +114,7 @@ class RenderLog:
         last = None
         while not self._stop.wait(0.02):
             with contextlib.suppress(OSError):
-                text = self.path.read_text()
+                text = read_whole_render(self.path)
                 if text and text != last:
                     last = text
                     self.renders.append((time.monotonic(), SERVER_LINE.sub("", text)))
