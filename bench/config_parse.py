@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from bench._doc import markdown_table
 from bench.displaced_push import rendered
 from supervisor.effective import build_effective, effective_config
 from supervisor.haproxy.cache import ConfigCache
@@ -46,16 +47,18 @@ def timed(fn, repeat: int, before=None) -> list[float]:
     return samples
 
 
-def report(label: str, samples: list[float]) -> None:
+def p90(samples: list[float]) -> float:
     ordered = sorted(samples)
-    p90 = ordered[int(len(ordered) * 0.9) - 1]
-    print(f"{label:<44} median {statistics.median(samples):7.1f} ms   p90 {p90:7.1f} ms   n={len(samples)}")
+    return ordered[max(0, int(len(ordered) * 0.9) - 1)]
 
 
-def main() -> None:
+def report(label: str, samples: list[float]) -> None:
+    print(f"{label:<44} median {statistics.median(samples):7.1f} ms   p90 {p90(samples):7.1f} ms   n={len(samples)}")
+
+
+def measure(repeat: int = 15) -> list[tuple[str, list[float]]]:
+    """Each row's label and its samples, milliseconds."""
     text = synthetic_config(10_000)
-    servers = len(Config.parse(text).servers())
-    print(f"config: {servers} servers, {len(text.splitlines())} lines, {len(text) // 1024} KiB")
     # Every warm run after the first reuses the Lines and server flags of the one before, as
     # the daemon does from one rendered config to the next; a cold start (a fresh cache) has
     # none of them.
@@ -65,18 +68,7 @@ def main() -> None:
         kept.new_generation()
         return Config.parse(text, kept)
 
-    report("parse + render (10k servers)", timed(lambda: warm(text).render(), 15))
-    report("parse + servers() (10k servers)", timed(lambda: warm(text).servers(), 15))
     full = Settings(observe=ObserveSettings(enabled=True), old_workers=OldWorkerSettings(guard=True))
-    report(
-        "parse + all injections + render (10k)",
-        timed(lambda: effective_config(warm(text), full).render(), 15),
-    )
-    report("cold: parse + servers() (10k)", timed(lambda: Config.parse(text).servers(), 15))
-    report(
-        "cold: parse + all injections + render (10k)",
-        timed(lambda: effective_config(Config.parse(text), full).render(), 15),
-    )
     # The reloader's step on the displaced-push benchmark's config, with the default settings
     # (guard and server state on, observe off): each run a new rendered config, one line changed.
     shape = rendered(10_000, 18080, {1: 1})
@@ -85,8 +77,34 @@ def main() -> None:
     def build(cache: ConfigCache) -> None:
         build_effective(Settings(), shape.replace("maxconn 2000", f"maxconn {2000 + next(versions)}"), cache)
 
-    report("build_effective, a new config each run", timed(lambda: build(kept), 15))
-    report("cold: build_effective", timed(lambda: build(ConfigCache()), 15))
+    return [
+        ("parse + render (10k servers)", timed(lambda: warm(text).render(), repeat)),
+        ("parse + servers() (10k servers)", timed(lambda: warm(text).servers(), repeat)),
+        ("parse + all injections + render (10k)", timed(lambda: effective_config(warm(text), full).render(), repeat)),
+        ("cold: parse + servers() (10k)", timed(lambda: Config.parse(text).servers(), repeat)),
+        (
+            "cold: parse + all injections + render (10k)",
+            timed(lambda: effective_config(Config.parse(text), full).render(), repeat),
+        ),
+        ("build_effective, a new config each run", timed(lambda: build(kept), repeat)),
+        ("cold: build_effective", timed(lambda: build(ConfigCache()), repeat)),
+    ]
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: median and p90 of 15 runs (3 when quick)."""
+    rows = [
+        (label, f"{statistics.median(s):.1f}", f"{p90(s):.1f}", len(s)) for label, s in measure(3 if quick else 15)
+    ]
+    return markdown_table(["10,000 servers", "median ms", "p90 ms", "runs"], rows)
+
+
+def main() -> None:
+    text = synthetic_config(10_000)
+    servers = len(Config.parse(text).servers())
+    print(f"config: {servers} servers, {len(text.splitlines())} lines, {len(text) // 1024} KiB")
+    for label, samples in measure():
+        report(label, samples)
 
 
 if __name__ == "__main__":

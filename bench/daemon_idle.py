@@ -46,6 +46,7 @@ from pathlib import Path
 
 import psutil
 
+from bench._doc import markdown_table
 from bench.displaced_push import drained, rendered, server_name
 from tests.support.daemon import Daemon
 from tests.support.harness import free_port, short_tmpdir
@@ -199,6 +200,25 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False) -> d
         daemon.cleanup()
         shutil.rmtree(directory, ignore_errors=True)
     return figures
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: 16 old workers of 10,000 servers, 20 marks (2 of 200, 3 when quick)."""
+    workers, servers, posts = (2, 200, 3) if quick else (16, 10_000, 20)
+    f = asyncio.run(run(workers, servers, posts))
+    return markdown_table([f"{workers} old workers, {servers:,} servers", "figure"], [
+        ("daemon CPU at rest", f"{f['idle_cpu_pct']:.2f} % of a core"),
+        (f"full state reads in {IDLE_S:.0f} s at rest", f"{f['idle_reads']:.0f}"),
+        ("daemon RSS", f"{f['rss_mb']:.0f} MB"),
+        ("`POST` / `DELETE` a server, median", f"{f['post_p50_ms']:.1f} / {f['delete_p50_ms']:.1f} ms"),
+        (f"`POST` / `DELETE` a server, worst of {posts}", f"{f['post_max_ms']:.1f} / {f['delete_max_ms']:.1f} ms"),
+        ("`POST` a server no config has (404)", f"{f['post_unknown_ms']:.1f} ms"),
+        ("longest callback at rest", f"{f['held_idle_ms']:.1f} ms"),
+        ("longest callback, the marks and their push rounds", f"{f['held_post_ms']:.1f} ms"),
+        ("longest callback, a drain's reload and push round", f"{f['held_reload_ms']:.1f} ms"),
+        ("lag gauge: at rest / marks / reload",
+         f"{f['lag_idle_ms']:.1f} / {f['lag_post_ms']:.1f} / {f['lag_reload_ms']:.1f} ms"),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:

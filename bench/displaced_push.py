@@ -40,17 +40,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from bench._doc import markdown_table
 from supervisor.daemon import watch_children_without_threads
 from supervisor.effective import (
     build_effective,
@@ -363,6 +366,38 @@ def report(workers: int, servers: int, f: Figures) -> None:
         f"  {ms(f.lag)}  {f.rss_mb:8.0f}",
         flush=True,
     )
+
+
+def one_line(workers: int, servers: int, rounds: int) -> Figures:
+    """One combination, as `--line-only` runs it (section() calls it in a fresh process)."""
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    watch_children_without_threads()  # as `haproxy-supervisor run` does
+    return asyncio.run(Bench(workers, servers).run(rounds))
+
+
+# docs/benchmarks.md's combinations (old workers, servers): the fleet sizes the prose is about,
+# and a small config for scale.
+SECTION = ((50, 10_000), (16, 10_000), (1, 10))
+QUICK = ((1, 10), (2, 100))
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: p50 / p99 over 20 rounds (3 when quick), each line in a fresh process."""
+    rounds = 3 if quick else 20
+    found = []
+    for workers, servers in QUICK if quick else SECTION:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            f = pool.submit(one_line, workers, servers, rounds).result()
+
+        def ms(samples: list[float]) -> str:
+            return f"{percentile(samples, 0.5) * 1000:.1f} / {percentile(samples, 0.99) * 1000:.1f}"
+
+        found.append((workers, f"{servers:,}", len(f.overhead), ms(f.to_steered), ms(f.overhead), ms(f.build),
+                      ms(f.prepare), ms(f.check), ms(f.steered), ms(f.reload), ms(f.after), ms(f.marked),
+                      ms(f.lag), f"{f.rss_mb:.0f}"))
+    header = ("W", "S", "rounds", "to-steer", "overhead", "build", "prepare", "check", "steered", "reload", "after",
+              "marked", "lag", "RSS MB")
+    return markdown_table(header, found)
 
 
 def without_hops() -> None:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bench._doc import markdown_table
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from tests.support.harness import KeepAliveClient, short_tmpdir
 from tests.support.incident import APPS, Shape, Supervise, daemon_supervised, plain_haproxy, staged_drain, with_observe
@@ -145,20 +146,39 @@ def format_seconds(value: float) -> str:
     return f"{value:.3f} s" if value < 0.1 else f"{value:.1f} s"
 
 
+HEADER = ("mode", "failed", "slower than 0.5 s", "worst", "median", "all requests together", "x supervisor")
+
+
+def rows(results: list[Result]) -> list[tuple[str, ...]]:
+    """The table's rows; the last result is the supervisor, the basis of the ratio."""
+    basis = results[-1].total
+    return [
+        (
+            r.mode, f"{r.failed} / {len(r.answers)}", str(r.slow), format_seconds(r.worst), format_seconds(r.median),
+            format_seconds(r.total), f"{r.total / basis if basis > 0 else math.inf:,.0f}",
+        )
+        for r in results
+    ]
+
+
 def table(results: list[Result]) -> str:
     """A Markdown table; the last result is the supervisor, the basis of the ratio."""
-    basis = results[-1].total
-    lines = [
-        "| mode | failed | slower than 0.5 s | worst | median | all requests together | x supervisor |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        ratio = r.total / basis if basis > 0 else math.inf
-        lines.append(
-            f"| {r.mode} | {r.failed} / {len(r.answers)} | {r.slow} | {format_seconds(r.worst)} "
-            f"| {format_seconds(r.median)} | {format_seconds(r.total)} | {ratio:,.0f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(HEADER, rows(results))
+
+
+# docs/benchmarks.md's configurations: the incident as staged, then three old workers alive at
+# the drain with a shorter connect timeout.
+SECTION = (Parameters(), Parameters(connect_timeout_s=0.5, old_workers=3))
+QUICK = (Parameters(requests=6, spacing_ms=50),)
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: each configuration's three modes, one after the other."""
+    found = []
+    for params in QUICK if quick else SECTION:
+        label = f"{params.old_workers}, {params.connect_timeout_s:g} s"
+        found += [(label, *row) for row in rows(asyncio.run(run(params)))]
+    return markdown_table(("old workers, timeout connect", *HEADER), found)
 
 
 async def run(params: Parameters) -> list[Result]:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from bench._doc import markdown_table
 from tests.support.fidelity import BACKENDS, Figures, fidelity_disabled, staged
 from tests.support.harness import short_tmpdir
 from tests.support.incident import daemon_supervised, plain_haproxy
@@ -104,32 +105,46 @@ def what(backend: str) -> str:
     return f"`{lines[0]}`: shares of {names} %"
 
 
-async def run(runs: int, connections: int) -> None:
+async def measure(runs: int, connections: int) -> dict[str, list[dict[str, Figures]]]:
     results: dict[str, list[dict[str, Figures]]] = {mode: [] for mode in MODES}
     for i in range(runs):
         for mode in MODES:
             results[mode].append(await one_run(mode, connections))
             print(f"  run {i + 1}: {mode} done", flush=True)
-    print(f"\nmedians of {runs} runs; `bad`: failed, or 0.5 s or more\n")
-    print("| backend | what is measured | " + " | ".join(MODES) + " |")
-    print("| --- | --- | " + " | ".join("---" for _ in MODES) + " |")
-    for backend in BACKENDS:
-        cells = [cell([r[backend] for r in results[mode]]) for mode in MODES]
-        print(f"| `{backend}` | {what(backend)} | " + " | ".join(cells) + " |")
+    return results
+
+
+def table(results: dict[str, list[dict[str, Figures]]]) -> str:
+    """The markdown table: a row per backend, a column per mode, and the bad requests of all."""
+    rows = [
+        (f"`{backend}`", what(backend), *(cell([r[backend] for r in results[mode]]) for mode in MODES))
+        for backend in BACKENDS
+    ]
     totals = []
     for mode in MODES:
         bad = statistics.median(sum(f.bad for f in r.values()) for r in results[mode])
         total = sum(f.total for f in results[mode][0].values())
         totals.append(f"{bad:.0f} of {total}")
-    print("| all | requests failed or 0.5 s or more | " + " | ".join(totals) + " |")
+    rows.append(("all", "requests failed or 0.5 s or more", *totals))
+    return markdown_table(("backend", "what is measured", *MODES), rows)
+
+
+RUNS = 3
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: medians of 3 runs, 12 held connections per backend (1 run of 2 when quick)."""
+    return table(asyncio.run(measure(1, 2) if quick else measure(RUNS, 12)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=RUNS)
     parser.add_argument("--connections", type=int, default=12, help="held per backend")
     args = parser.parse_args()
-    asyncio.run(run(args.runs, args.connections))
+    results = asyncio.run(measure(args.runs, args.connections))
+    print(f"\nmedians of {args.runs} runs; `bad`: failed, or 0.5 s or more\n")
+    print(table(results))
 
 
 if __name__ == "__main__":

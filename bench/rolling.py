@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._doc import markdown_table  # noqa: E402
 from tests.support.daemon import Daemon, daemons  # noqa: E402
 from tests.support.harness import VanishedNode, free_port, short_tmpdir  # noqa: E402
 from tests.support.rolling import Load, ray_config  # noqa: E402
@@ -257,6 +258,45 @@ def version_of(binary: str) -> str:
     return m.group(1).split("-")[0] if m else "?"
 
 
+Row = tuple[str, str, dict[str, float]]  # HAProxy version, variant, figures
+
+
+def measure(binaries: list[str], backends: int, replicas: int, clients: int, moved: int, drains: int,
+            compare: bool) -> list[Row]:
+    """Each binary's rolling deployment and vanished-node drains (and, with compare, the rolling with reloads)."""
+    found: list[Row] = []
+    for binary in binaries:
+        os.environ["HAPROXY_BIN"] = binary
+        version = version_of(binary)
+        runs = [
+            ("rolling", lambda: deployment(True, backends, replicas, clients)),
+            ("vanished-node drain", lambda: drain(backends, replicas, clients, moved, drains)),
+        ]
+        if compare:
+            runs.append(("rolling, reloads", lambda: deployment(False, backends, replicas, clients)))
+        for variant, run in runs:
+            found.append((version, variant, asyncio.run(run())))
+            print(f"  {version} {variant} done", flush=True)
+    return found
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: `--compare` on each binary (2 backends, 1 drain, 2.6 only when quick)."""
+    if quick:
+        found = measure(default_binaries()[:1], 2, 2, 2, 2, 1, True)
+    else:
+        found = measure(default_binaries(), 20, 4, 8, 4, 5, True)
+    rows = [
+        (version, variant, r["changes"], r["reloads"], r["old_workers"], r["requests"], r["non_200"],
+         r.get("non_200_vanishing", ""), f"{r['slowest_s']:.3f}", f"{r['live_median_s']:.3f}",
+         f"{r['live_worst_s']:.3f}", r["pending"], r["shutdowns"])
+        for version, variant, r in found
+    ]
+    header = ("haproxy", "variant", "changes", "reloads", "old workers", "requests", "non-200",
+              "non-200 as the node vanished", "slowest s", "live median s", "live max s", "pending", "shut down")
+    return markdown_table(header, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", type=int, default=20)
@@ -270,26 +310,17 @@ def main() -> None:
     print(f"{args.backends} backends x {args.replicas} replicas, {args.clients} keep-alive clients; rolling: each "
           f"replica replaced by a new name on a new port; drain: {args.moved} replicas of a vanished node "
           f"(connects hang) moved in one write, {args.drains} times")
+    found = measure(args.binary or default_binaries(), args.backends, args.replicas, args.clients, args.moved,
+                    args.drains, args.compare)
     print(f"{'haproxy':<9}{'variant':<22}{'changes':>8}{'reloads':>8}{'old wk':>8}{'requests':>10}{'non-200':>8}"
           f"{'slowest s':>10}{'live med s':>11}{'live max s':>11}{'pending':>8}{'shut down':>10}")
     vanishing: list[str] = []
-    for binary in args.binary or default_binaries():
-        os.environ["HAPROXY_BIN"] = binary
-        version = version_of(binary)
-        runs = [
-            ("rolling", lambda: deployment(True, args.backends, args.replicas, args.clients)),
-            ("vanished-node drain", lambda: drain(args.backends, args.replicas, args.clients, args.moved, args.drains)),
-        ]
-        if args.compare:
-            runs.append(("rolling, reloads", lambda: deployment(False, args.backends, args.replicas, args.clients)))
-        for variant, run in runs:
-            r = asyncio.run(run())
-            print(f"{version:<9}{variant:<22}{r['changes']:>8}{r['reloads']:>8}{r['old_workers']:>8}"
-                  f"{r['requests']:>10}{r['non_200']:>8}{r['slowest_s']:>10.3f}{r['live_median_s']:>11.3f}"
-                  f"{r['live_worst_s']:>11.3f}{r['pending']:>8}{r['shutdowns']:>10}",
-                  flush=True)
-            if "non_200_vanishing" in r:
-                vanishing.append(f"{version}: {r['non_200_vanishing']}")
+    for version, variant, r in found:
+        print(f"{version:<9}{variant:<22}{r['changes']:>8}{r['reloads']:>8}{r['old_workers']:>8}"
+              f"{r['requests']:>10}{r['non_200']:>8}{r['slowest_s']:>10.3f}{r['live_median_s']:>11.3f}"
+              f"{r['live_worst_s']:>11.3f}{r['pending']:>8}{r['shutdowns']:>10}")
+        if "non_200_vanishing" in r:
+            vanishing.append(f"{version}: {r['non_200_vanishing']}")
     print(f"drain: non-200 before the write, as the node vanished: {', '.join(vanishing)}")
 
 

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._doc import markdown_table  # noqa: E402
 from supervisor.haproxy.api import MasterCLI  # noqa: E402
 from supervisor.haproxy.config import Config  # noqa: E402
 from supervisor.haproxy.runtime.apply import apply_changes  # noqa: E402
@@ -74,17 +75,26 @@ async def timed_apply(cli: MasterCLI, pid: int, old: str, new: str) -> tuple[flo
     return (planned - started) * 1000, (applied - planned) * 1000, len(changes), result.commands_sent, result.lines_sent
 
 
-def median_row(name: str, rows: list[tuple[float, float, int, int, int]]) -> str:
+Timing = tuple[float, float, int, int, int]  # plan ms, apply ms, servers, commands, lines
+
+
+def median_of(rows: list[Timing]) -> tuple[int, int, int, float, float, float]:
+    """servers, commands, lines, then the medians of plan and apply (ms) and the apply per server (us)."""
     plan_ms = statistics.median(r[0] for r in rows)
     apply_ms = statistics.median(r[1] for r in rows)
     servers, commands, lines = rows[0][2:]
-    per_server_us = apply_ms * 1000 / servers
+    return servers, commands, lines, plan_ms, apply_ms, apply_ms * 1000 / servers
+
+
+def median_row(name: str, rows: list[Timing]) -> str:
+    servers, commands, lines, plan_ms, apply_ms, per_server_us = median_of(rows)
     return (
         f"{name:<10} {servers:>7} {commands:>8} {lines:>6} {plan_ms:>9.1f} {apply_ms:>9.1f} {per_server_us:>10.1f}"
     )
 
 
-async def run(slots: int, rounds: int) -> None:
+async def run(slots: int, rounds: int) -> tuple[str, dict[str, list[Timing]], float]:
+    """HAProxy's version, each scenario's timings, and the median reload (ms)."""
     rundir = short_tmpdir("hs-bench-")
     front, port_a, port_b = free_port(), free_port(), free_port()
     cfg = rundir / "haproxy.cfg"
@@ -109,19 +119,20 @@ async def run(slots: int, rounds: int) -> None:
             started = time.perf_counter()
             master.reload()
             reloads.append((time.perf_counter() - started) * 1000)
-        print(f"runtime apply, {slots} servers per scenario, median of {rounds} rounds (HAProxy "
-              f"{master.command('show version').strip()}):")
-        print(f"{'scenario':<10} {'servers':>7} {'commands':>8} {'lines':>6} {'plan ms':>9} {'apply ms':>9} "
-              f"{'us/server':>10}")
-        print(median_row("enable", enable))
-        print(median_row("disable", disable))
-        print(median_row("readdress", readdress))
-        reload_ms = statistics.median(reloads)
-        print(f"for scale: reload until the new worker shows in `show proc`: median {reload_ms:.1f} ms "
-              "(and each reload leaves an old worker behind)")
+        version = master.command("show version").strip()
+        return version, {"enable": enable, "disable": disable, "readdress": readdress}, statistics.median(reloads)
     finally:
         master.stop()
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: 1,000 servers, 5 rounds (100 and 2 when quick)."""
+    _, scenarios, reload_ms = asyncio.run(run(100 if quick else 1000, 2 if quick else 5))
+    rows = [(name, *(f"{v:.1f}" if isinstance(v, float) else v for v in median_of(timings)))
+            for name, timings in scenarios.items()]
+    rows.append(("reload, for scale (until the new worker is in `show proc`)", "", "", "", "", f"{reload_ms:.1f}", ""))
+    return markdown_table(["scenario", "servers", "commands", "lines", "plan ms", "apply ms", "us per server"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,7 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    asyncio.run(run(args.slots, args.rounds))
+    version, scenarios, reload_ms = asyncio.run(run(args.slots, args.rounds))
+    print(f"runtime apply, {args.slots} servers per scenario, median of {args.rounds} rounds (HAProxy {version}):")
+    print(f"{'scenario':<10} {'servers':>7} {'commands':>8} {'lines':>6} {'plan ms':>9} {'apply ms':>9} "
+          f"{'us/server':>10}")
+    for name, timings in scenarios.items():
+        print(median_row(name, timings))
+    print(f"for scale: reload until the new worker shows in `show proc`: median {reload_ms:.1f} ms "
+          "(and each reload leaves an old worker behind)")
 
 
 if __name__ == "__main__":

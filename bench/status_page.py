@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 
 import aiohttp
 
+from bench._doc import markdown_table
 from supervisor.page.damage import BackendSizes, backends_of
 from supervisor.page.render import page_of
 from supervisor.settings import Settings
@@ -36,15 +37,18 @@ from tests.support.status_state import RecordingActions, fleet_state
 RUNS = 30
 
 
-def figures(name: str, values: list[float]) -> str:
+def p90(values: list[float]) -> float:
     ordered = sorted(values)
-    p90 = ordered[int(len(ordered) * 0.9) - 1]
-    return f"{name:<14} median {statistics.median(values):7.1f} ms   p90 {p90:7.1f} ms   n={len(values)}"
+    return ordered[max(0, int(len(ordered) * 0.9) - 1)]
 
 
-def timed(action: Callable[[], object], before: Callable[[], object] = lambda: None) -> list[float]:
+def figures(name: str, values: list[float]) -> str:
+    return f"{name:<14} median {statistics.median(values):7.1f} ms   p90 {p90(values):7.1f} ms   n={len(values)}"
+
+
+def timed(action: Callable[[], object], runs: int, before: Callable[[], object] = lambda: None) -> list[float]:
     values = []
-    for _ in range(RUNS):
+    for _ in range(runs):
         before()
         started = time.perf_counter()
         action()
@@ -52,13 +56,13 @@ def timed(action: Callable[[], object], before: Callable[[], object] = lambda: N
     return values
 
 
-async def over_http(state) -> tuple[list[float], int]:
+async def over_http(state, runs: int) -> tuple[list[float], int]:
     port = free_port()
     runner = await start_status_server(build_app(state, Settings(), RecordingActions(state)), f"127.0.0.1:{port}")
     values, size = [], 0
     try:
         async with aiohttp.ClientSession() as session:
-            for _ in range(RUNS):
+            for _ in range(runs):
                 started = time.perf_counter()
                 async with session.get(f"http://127.0.0.1:{port}/") as answer:
                     size = len(await answer.read())
@@ -68,7 +72,8 @@ async def over_http(state) -> tuple[list[float], int]:
     return values, size
 
 
-def main() -> None:
+def measure(runs: int = RUNS) -> tuple[str, list[tuple[str, list[float]]], int]:
+    """The state's description, each row's label and samples (milliseconds), and the page's size."""
     now = datetime.now(UTC)
     state = fleet_state(now)
     settings = Settings()
@@ -81,12 +86,36 @@ def main() -> None:
         cold_sizes[:] = [BackendSizes()]
         backends_of.cache_clear()
 
-    print(f"{len(state.dead_servers):,} dead of 10,000 servers, {len(state.old_workers)} old workers")
-    print(figures("document", timed(lambda: status_document(state, settings, now))))
-    print(figures("page", timed(lambda: page_of(state, doc, now, sizes))))
-    print(figures("page, cold", timed(lambda: page_of(state, doc, now, cold_sizes[0]), forget)))
-    values, size = asyncio.run(over_http(state))
-    print(figures("GET /", values) + f"   {size / 1024:.0f} KiB")
+    described = f"{len(state.dead_servers):,} dead of 10,000 servers, {len(state.old_workers)} old workers"
+    rows = [
+        ("document", timed(lambda: status_document(state, settings, now), runs)),
+        ("page", timed(lambda: page_of(state, doc, now, sizes), runs)),
+        ("page, cold", timed(lambda: page_of(state, doc, now, cold_sizes[0]), runs, forget)),
+    ]
+    values, size = asyncio.run(over_http(state, runs))
+    return described, [*rows, ("GET /", values)], size
+
+
+def section(quick: bool = False) -> str:
+    """docs/benchmarks.md's table: 30 runs (3 when quick)."""
+    described, rows, size = measure(3 if quick else RUNS)
+    labels = {
+        "document": "the /status document",
+        "page": "the page from it",
+        "page, cold": "the page right after a reload",
+        "GET /": f"`GET /` over HTTP ({size / 1024:.0f} KiB)",
+    }
+    return markdown_table(
+        [described, "median ms", "p90 ms", "runs"],
+        [(labels[name], f"{statistics.median(v):.1f}", f"{p90(v):.1f}", len(v)) for name, v in rows],
+    )
+
+
+def main() -> None:
+    described, rows, size = measure()
+    print(described)
+    for name, values in rows:
+        print(figures(name, values) + (f"   {size / 1024:.0f} KiB" if name == "GET /" else ""))
 
 
 if __name__ == "__main__":
