@@ -155,10 +155,15 @@ def rows(results: list[Result]) -> list[tuple[str, ...]]:
     return [
         (
             r.mode, f"{r.failed} / {len(r.answers)}", str(r.slow), format_seconds(r.worst), format_seconds(r.median),
-            format_seconds(r.total), f"{r.total / basis if basis > 0 else math.inf:,.0f}",
+            format_seconds(r.total), format_ratio(r.total / basis if basis > 0 else math.inf),
         )
         for r in results
     ]
+
+
+def format_ratio(value: float) -> str:
+    """Whole numbers from 10 up; below, two digits, so that a mode faster than the basis is not 0."""
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
 
 
 def table(results: list[Result]) -> str:

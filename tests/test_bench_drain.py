@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.drain import Answer, Result, spread, table
+from bench.drain import Answer, Result, rows, spread, table
 
 
 def test_requests_go_to_the_apps_in_turn_and_to_every_old_worker():
@@ -22,3 +22,10 @@ def test_table_counts_failed_and_slow_and_compares_with_the_supervisor():
     lines = table([plain, supervisor]).splitlines()
     assert lines[2] == "| plain | 1 / 3 | 2 | 4.0 s | 3.0 s | 7.0 s | 1,001 |"
     assert lines[3] == "| supervisor | 0 / 3 | 0 | 0.003 s | 0.002 s | 0.007 s | 1 |"
+
+
+def test_a_ratio_below_ten_keeps_two_digits():
+    fast = Result("fast", [Answer("echo", 200, 0.5)])
+    slow = Result("slow", [Answer("echo", 200, 0.75)])
+    basis = Result("basis", [Answer("echo", 200, 1.0)])
+    assert [row[-1] for row in rows([fast, slow, basis])] == ["0.5", "0.75", "1"]
