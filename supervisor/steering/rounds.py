@@ -19,7 +19,6 @@ from ..haproxy.api import CLIError, MasterCLI
 from ..settings import Settings
 from ..state import PushNews, PushStateName, State
 from .live import LiveRead
-from .mapdiff import BackendDelta
 from .plan import Steering
 from .push import GONE, PushOutcome, ReadBack, end_stuck_streams, map_difference, push, read_back
 from .record import WorkerRecord
@@ -94,23 +93,33 @@ class PushRounds:
     async def push_all(self, workers: Collection[WorkerRecord]) -> None:
         """Push to every worker whose map differs from its plan (and is not backing off), all at once."""
         started = time.monotonic()
-        due: list[tuple[WorkerRecord, list[BackendDelta] | None]] = []
-        for worker in workers:
-            if worker.wanted is None:
-                continue
-            deltas = worker.deltas()  # once per push: handed to it
-            if deltas == []:
-                worker.held, worker.pending = worker.wanted.parts, set()
-                self.record(worker, "ok")
-            elif worker.retry_at <= started:
-                self.record(worker, "pending")
-                if worker.held is not None:
-                    worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
-                due.append((worker, deltas))
-        self.publish()
+        due: list[tuple[WorkerRecord, asyncio.Task[PushOutcome]]] = []
+        try:
+            for worker in list(workers):
+                wanted = worker.wanted
+                if wanted is None:
+                    continue
+                deltas = worker.deltas()  # once per push: handed to it
+                if deltas == []:
+                    worker.held, worker.pending = wanted.parts, set()
+                    self.record(worker, "ok")
+                elif worker.retry_at <= started:
+                    self.record(worker, "pending")
+                    if worker.held is not None:
+                        worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
+                    pushed = push(self.cli, self.map_path, worker.pid, wanted, deltas)
+                    due.append((worker, asyncio.ensure_future(pushed)))
+                    # Its lines go out while the next worker's changes are worked out: with fifty
+                    # old workers, HAProxy relays the first pushes instead of waiting for the last plan.
+                    await asyncio.sleep(0)
+            self.publish()
+            outcomes = await asyncio.gather(*(task for _, task in due))
+        except BaseException:
+            for _, task in due:
+                task.cancel()
+            raise
         if not due:
             return
-        outcomes = await asyncio.gather(*(push(self.cli, self.map_path, w.pid, w.wanted, d) for w, d in due))  # type: ignore[arg-type]
         steered_at: list[float] = []
         changes = 0
         for (worker, _), outcome in zip(due, outcomes, strict=True):
