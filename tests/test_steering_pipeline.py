@@ -295,16 +295,19 @@ def test_a_config_is_digested_in_slices_that_give_the_same_digest():
     text = "defaults\n    mode http\n" + "".join(
         f"backend b{i}\n    server s1 10.0.{i // 250}.{i % 250}:80\n" for i in range(450)
     )
+    def turns_and_digest(sections: Sections, model: Config, sha256: str | None) -> tuple[int, object]:
+        steps, turns = sections.digesting(model, sha256), 0
+        while True:
+            try:
+                next(steps)
+                turns += 1
+            except StopIteration as done:
+                return turns, done.value
+
     sliced = Sections()
-    steps = sliced.digesting(Config.parse(text), "sha")
-    turns = 0
-    while True:
-        try:
-            next(steps)
-            turns += 1
-        except StopIteration as done:
-            result = done.value
-            break
-    assert turns == 450 // Sections.SLICE
+    turns, result = turns_and_digest(sliced, Config.parse(text), "sha")
+    assert turns == 450 // Sections.NEW_SLICE  # every section digested anew: the short slices
     assert result == Sections().digest(Config.parse(text))
     assert sliced.digest(Config.parse(text), "sha") is result  # found again by its sha256, in one step
+    turns, again = turns_and_digest(sliced, Config.parse(text), None)  # found again section by section
+    assert turns == 450 // Sections.SLICE and again == result

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
-from ..haproxy.resolution import Server, is_ip, section_servers
+from ..haproxy.resolution import BACKEND_KINDS, Server, is_ip, section_servers
 from ..haproxy.routing import routing_of
 from .states import At, LiveStates
 
@@ -144,12 +144,18 @@ class Sections:
                 del self._by_sha256[next(iter(self._by_sha256))]
         return found
 
-    SLICE = 200  # sections digested between two turns of the event loop
+    # Between two turns of the event loop: SLICE sections found, or NEW_SLICE digested anew
+    # (their servers made, about ten times the work: a drain brings a hundred at once).
+    SLICE = 200
+    NEW_SLICE = 20
 
     def _digest(self, model: Config) -> Generator[None, None, ConfigDigest]:
         sections: dict[str, SectionDigest] = {}
         applied: dict[object, str] = {}  # one ProxySettings serves hundreds of backends: one repr
-        for i, (section, settings) in enumerate(model.backends_with_settings(), 1):
+        looked = made = 0
+        # resolved() as it goes, not backends_with_settings(): resolving them all is a slice's work.
+        backends = ((s, settings) for s, settings in model.resolved() if s.kind in BACKEND_KINDS)
+        for section, settings in backends:
             inherited = applied.get(settings)
             if inherited is None:
                 inherited = applied[settings] = repr(settings) + "\n"
@@ -164,8 +170,11 @@ class Sections:
                 routing = routing_of(settings, section.body, section.name)
                 hashing = ("consistent" if routing.consistent else "map-based") if routing.hashed else ""
                 digest = self._by_key[key] = SectionDigest.of(key, servers, section, settings.all_backups, hashing)
+                made += 1
             sections[section.name] = digest
-            if i % self.SLICE == 0:
+            looked += 1
+            if looked >= self.SLICE or made >= self.NEW_SLICE:
+                looked = made = 0
                 yield
         fingerprint = hashlib.blake2b(b"".join(sd.fingerprint for sd in sections.values()), digest_size=16)
         return ConfigDigest(
