@@ -21,7 +21,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._doc import DOC, RUN, SectionError, check_sections, failed_section, replace_sections, this_run
+from bench._doc import (
+    DOC,
+    FRONT_DOOR,
+    RUN,
+    SectionError,
+    check_sections,
+    failed_section,
+    replace_sections,
+    section_names,
+    shared_sections,
+    this_run,
+)
 from tests.support.harness import haproxy_binary
 
 # The three-way drain table is the headline: it comes first.
@@ -62,6 +73,8 @@ def main(argv: list[str]) -> int:
     if doc is not None:
         try:
             check_sections(doc.read_text(), [RUN, *names])
+            if doc == DOC:
+                check_sections(FRONT_DOOR.read_text(), section_names(FRONT_DOOR.read_text()))
         except SectionError as error:
             parser.error(f"{doc}: {error}")
         # The tree as the benchmarks run it, taken before they start.
@@ -83,6 +96,9 @@ def main(argv: list[str]) -> int:
         # Read again: the doc's prose may have been edited while the benchmarks ran.
         doc.write_text(replace_sections(doc.read_text(), sections))
         print(f"wrote {doc}", flush=True)
+        if doc == DOC:  # make bench: the README's headline tables come from the same run
+            FRONT_DOOR.write_text(shared_sections(FRONT_DOOR.read_text(), sections))
+            print(f"wrote {FRONT_DOOR}", flush=True)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -18,6 +18,8 @@ from pathlib import Path
 
 RUN = "run"  # the section that says which commit, HAProxy, Python and machine
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+# The README's headline tables: the same sections as the doc's, written from the same run.
+FRONT_DOOR = Path(__file__).resolve().parents[1] / "README.md"
 _OPENING = re.compile(r"^<!-- bench:([a-z_][a-z0-9_]*) -->$", re.MULTILINE)
 
 
@@ -64,6 +66,12 @@ def replace_sections(doc: str, sections: Mapping[str, str]) -> str:
         start, end = _bounds(doc, name)
         doc = doc[:start] + body.strip("\n") + doc[end:]
     return doc
+
+
+def shared_sections(doc: str, sections: Mapping[str, str]) -> str:
+    """`doc` with those of `sections` it has markers for replaced (the README's headline tables)."""
+    names = set(section_names(doc))
+    return replace_sections(doc, {name: body for name, body in sections.items() if name in names})
 
 
 def failed_section(name: str, error: str) -> str:

@@ -14,6 +14,7 @@ import pytest
 import bench.__main__ as runner
 from bench._doc import (
     DOC,
+    FRONT_DOOR,
     RUN,
     SectionError,
     check_sections,
@@ -22,6 +23,7 @@ from bench._doc import (
     replace_sections,
     run_line,
     section_names,
+    shared_sections,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +112,19 @@ def test_every_module_has_a_section_in_the_doc_and_every_section_a_module():
     check_sections(DOC.read_text(), sections)
     for name in runner.modules():
         assert callable(importlib.import_module(f"bench.{name}").section), name
+
+
+def test_the_readme_carries_only_module_sections_and_make_bench_fills_them():
+    """The front door's headline tables are the doc's sections of the same names, from one run."""
+    front = FRONT_DOOR.read_text()
+    names = section_names(front)
+    assert names and set(names) <= set(runner.modules()), names
+    check_sections(front, names)
+    filled = shared_sections(front, {name: f"table of {name}" for name in [*names, "not_in_the_readme"]})
+    for name in names:
+        assert f"<!-- bench:{name} -->\ntable of {name}\n<!-- /bench:{name} -->" in filled
+    assert "not_in_the_readme" not in filled
+    assert filled != front
 
 
 def test_a_module_that_raises_reports_its_reason(tmp_path):
