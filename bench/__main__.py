@@ -24,6 +24,7 @@ from pathlib import Path
 from bench._doc import (
     DOC,
     FRONT_DOOR,
+    ROOT,
     RUN,
     SectionError,
     check_sections,
@@ -37,7 +38,6 @@ from tests.support.harness import haproxy_binary
 
 # The three-way drain table is the headline: it comes first.
 HEADLINE = "drain"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def modules() -> list[str]:
@@ -74,7 +74,8 @@ def main(argv: list[str]) -> int:
         try:
             check_sections(doc.read_text(), [RUN, *names])
             if doc == DOC:
-                check_sections(FRONT_DOOR.read_text(), section_names(FRONT_DOOR.read_text()))
+                front = FRONT_DOOR.read_text()
+                check_sections(front, section_names(front))
         except SectionError as error:
             parser.error(f"{doc}: {error}")
         # The tree as the benchmarks run it, taken before they start.

@@ -17,9 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 RUN = "run"  # the section that says which commit, HAProxy, Python and machine
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
 # The README's headline tables: the same sections as the doc's, written from the same run.
-FRONT_DOOR = Path(__file__).resolve().parents[1] / "README.md"
+FRONT_DOOR = ROOT / "README.md"
 _OPENING = re.compile(r"^<!-- bench:([a-z_][a-z0-9_]*) -->$", re.MULTILINE)
 
 

@@ -160,7 +160,11 @@ class Config:
 
     def backends_with_settings(self) -> list[tuple[Section, ProxySettings]]:
         """Each backend/listen section with its ProxySettings, in one pass."""
-        return [(s, settings) for s, settings in self.resolved() if s.kind in BACKEND_KINDS]
+        return list(self.each_backend_with_settings())
+
+    def each_backend_with_settings(self) -> Iterator[tuple[Section, ProxySettings]]:
+        """backends_with_settings(), each resolved as the walk reaches it."""
+        return ((s, settings) for s, settings in self.resolved() if s.kind in BACKEND_KINDS)
 
     def servers(self, backend: Section | None = None) -> list[Server]:
         """Every server of every backend (or of one), in config order, templates expanded."""

@@ -164,7 +164,7 @@ class GuardPlan:
     at: int | None  # where the rules go; None: no guard (no primary, or guarded already)
     use_at: int  # where the `use-server` goes
     indent: str
-    slot_lines: str = ""  # its rows of slot_table_text(), made once with the plan
+    slot_lines: str  # its rows of slot_table_text(), made once with the plan
 
 
 def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> GuardPlan:

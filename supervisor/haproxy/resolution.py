@@ -109,13 +109,13 @@ def is_ip(address: str) -> bool:
     return True
 
 
-def _kept_hash(value: ServerFlags | ProxySettings, compared: tuple[object, ...]) -> int:
-    # `compared`: the fields its __eq__ compares. The hash is kept once made: these are keys
-    # of the parse caches, looked up for each of a thousand backends at every build, and a
-    # dataclass's own __hash__ hashes every field again at each lookup.
+def _kept_hash(value: ServerFlags | ProxySettings) -> int:
+    # The hash of what its __eq__ compares, kept once made: these are keys of the parse
+    # caches, looked up for each of a thousand backends at every build, and a dataclass's own
+    # __hash__ hashes every field again at each lookup.
     kept = value._hash
     if kept is None:
-        kept = hash(compared)
+        kept = hash(value.compared())
         object.__setattr__(value, "_hash", kept)
     return kept
 
@@ -139,9 +139,12 @@ class ServerFlags:
     cookie: str | None = None
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
+    def compared(self) -> tuple[object, ...]:
+        """Its fields, as its __eq__ compares them."""
+        return (self.check, self.backup, self.disabled, self.observe, self.track, self.weight, self.cookie)
+
     def __hash__(self) -> int:
-        compared = (self.check, self.backup, self.disabled, self.observe, self.track, self.weight, self.cookie)
-        return _kept_hash(self, compared)
+        return _kept_hash(self)
 
     def apply(self, params: tuple[str, ...]) -> ServerFlags:
         if not params:
@@ -266,10 +269,13 @@ class ProxySettings:
     hash_type: tuple[str, ...] = ()  # the words after `hash-type`; none: map-based sdbm
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
+    def compared(self) -> tuple[object, ...]:
+        """Its fields, as its __eq__ compares them and its constructor takes them."""
+        return (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
+                self.cookie, self.hash_type)
+
     def __hash__(self) -> int:
-        compared = (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
-                    self.cookie, self.hash_type)
-        return _kept_hash(self, compared)
+        return _kept_hash(self)
 
 
 BUILT_IN = ProxySettings()
@@ -309,8 +315,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     # The same object when nothing differs (most backends restate their defaults' `balance`):
     # the caches keyed by it then compare it by identity.
     settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type)
-    if not changed or settings == (base.mode, base.balance, base.all_backups, base.server_defaults,
-                                   base.server_default_words, base.cookie, base.hash_type):
+    if not changed or settings == base.compared():
         return base
     return ProxySettings(*settings)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
-from ..haproxy.resolution import BACKEND_KINDS, Server, is_ip, section_servers
+from ..haproxy.resolution import Server, is_ip, section_servers
 from ..haproxy.routing import routing_of
 from .states import At, LiveStates
 
@@ -153,9 +153,8 @@ class Sections:
         sections: dict[str, SectionDigest] = {}
         applied: dict[object, str] = {}  # one ProxySettings serves hundreds of backends: one repr
         looked = made = 0
-        # resolved() as it goes, not backends_with_settings(): resolving them all is a slice's work.
-        backends = ((s, settings) for s, settings in model.resolved() if s.kind in BACKEND_KINDS)
-        for section, settings in backends:
+        # Resolved as the walk goes: resolving them all up front is a slice's work.
+        for section, settings in model.each_backend_with_settings():
             inherited = applied.get(settings)
             if inherited is None:
                 inherited = applied[settings] = repr(settings) + "\n"
