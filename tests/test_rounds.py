@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
-from supervisor.settings import Settings
+from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import State
 from supervisor.steering.dead import Sections, live_view
 from supervisor.steering.plan import Planner
@@ -134,3 +135,55 @@ async def test_a_read_back_overlapping_a_push_proves_nothing():
     cli.execute = push_meanwhile  # type: ignore[method-assign]
     assert await rounds.verify_some({PID: worker}, 0.25, lock) is False
     assert state.push_failures == 0 and worker.held is not None and worker.verify
+
+
+async def test_a_round_steers_every_worker_before_it_tidies_any():
+    """The phases after the routing ones go out only once every worker's routing lines were
+    answered: on the master's few connections, one worker's tidy-up would delay another's
+    steering."""
+
+    def config(servers: list[str]) -> str:
+        lines = "".join(f"  server {s} 10.0.0.{s[1:]}:80\n" for s in servers)
+        return f"defaults\n  mode http\nbackend b\n  balance roundrobin\n{lines}"
+
+    sections, planner = Sections(), Planner("fail-fast")
+    runs, two_dead, one_dead = (
+        sections.digest(inject_guard(Config.parse(config(servers)), "/run/hs/steer.map", "/run/hs/t.map"))
+        for servers in (["s1", "s2", "s3", "s4"], ["s3", "s4"], ["s2", "s3", "s4"])
+    )
+    pids = (PID, PID + 1)
+    plans = [
+        planner.plan(latest, live_view(latest, LiveStates(), ()), {pid: (runs, frozenset()) for pid in pids})
+        for latest in (two_dead, one_dead)
+    ]
+
+    class SlowerForOne(ScriptedCLI):
+        async def execute(self, line: str, timeout: float | None = None) -> str:
+            if line.startswith(f"@!{pids[1]} "):
+                await asyncio.sleep(0.02)  # the second worker answers later than the first
+            return await super().execute(line, timeout)
+
+    state, cli = State(), SlowerForOne()
+    state.publish_old_workers(dict.fromkeys(pids, 1), dict.fromkeys(pids))
+    workers = []
+    for pid in pids:
+        worker = WorkerRecord(pid, 1, held=plans[0][pid].parts, pending=set())
+        worker.want(plans[0][pid])
+        worker.want(plans[1][pid])  # s2 is back: slots to drop once the count no longer promises them
+        workers.append(worker)
+    await PushRounds(Settings(), state, cli).push_all(workers)  # type: ignore[arg-type]
+    stages = [("tidy" if " del map " in line else "routing", line.split()[0]) for line in cli.lines]
+    assert {stage for stage, _ in stages} == {"routing", "tidy"}
+    assert stages == sorted(stages, key=lambda s: s[0] == "tidy"), stages
+    assert all(state.old_workers[pid].push.state == "ok" for pid in pids)
+
+
+async def test_a_map_path_no_cli_line_can_carry_fails_the_push_and_nothing_is_sent():
+    state, cli = State(), ScriptedCLI()
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/two words")))
+    rounds = PushRounds(settings, state, cli)  # type: ignore[arg-type]
+    worker = steered_worker(state)
+    await rounds.push_all([worker])
+    record = state.old_workers[PID].push
+    assert record.state == "failed" and "invalid map path" in (record.error or "")
+    assert cli.lines == [] and worker.failures == 1

@@ -165,6 +165,7 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
     from supervisor.state import State
     from supervisor.steering import record as record_module
     from supervisor.steering.plan import Planner
+    from supervisor.steering.workers import OldWorkers
     from tests.support.harness import KeepAliveClient
     from tests.test_displaced_e2e import old_worker, server_lines
 
@@ -179,12 +180,25 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
             planned.extend(workers)
             return real_plan(self, latest, view, workers)
 
-        worked_out: list[int] = []
+        worked_out: list[str] = []  # the hook that was running, per map_deltas
+        hook = ["none"]
         real_deltas = record_module.map_deltas
 
         def map_deltas(held, wanted, pending):
-            worked_out.append(1)
+            worked_out.append(hook[0])
             return real_deltas(held, wanted, pending)
+
+        def marked(name):
+            real = getattr(OldWorkers, name)
+
+            async def run(self, *args):
+                hook[0] = name
+                try:
+                    return await real(self, *args)
+                finally:
+                    hook[0] = "none"
+
+            return run
 
         published: list[str] = []
         real_publish = State.publish_pushes
@@ -200,6 +214,9 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
             mock.patch.object(Planner, "plan", plan),
             mock.patch.object(record_module, "map_deltas", map_deltas),
             mock.patch.object(State, "publish_pushes", publish_pushes),
+            mock.patch.object(OldWorkers, "prepare", marked("prepare")),
+            mock.patch.object(OldWorkers, "before_reload", marked("before_reload")),
+            mock.patch.object(OldWorkers, "after_reload", marked("after_reload")),
         ):
             try:
                 await sup.reload(env.rendered(server_lines(env.ports, ["r2"])))
@@ -207,9 +224,10 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
             finally:
                 await held.close()
         assert sorted(planned) == sorted([env.old_pid, leaving])  # once each, not once per hook
-        # Two push rounds, one map_deltas per worker in each: before_reload's (the old worker
-        # and the one about to become old), after_reload's (those two and the new current one).
-        assert len(worked_out) == 2 + 3, worked_out
+        # Two push rounds, one map_deltas per worker in each: before_reload's, worked out in
+        # prepare while `haproxy -c` runs (the old worker and the one about to become old), and
+        # after_reload's (those two and the new current one).
+        assert worked_out == ["prepare"] * 2 + ["after_reload"] * 3, worked_out
         assert published == ["pushes"] * 4  # before and after the pushes, in each of the two rounds
         assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
 

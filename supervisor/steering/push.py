@@ -1,10 +1,12 @@
 """One worker's map brought to its plan through the master CLI, and read back; its stuck
 streams ended.
 
-A push sends only what differs, backend by backend, in the phases of mapdiff.diff_phases()
-(it counts as steered once the routing phases are answered), or, above REPLACE_ABOVE
-commands, replaces the whole map atomically. It counts once HAProxy answered every command
-cleanly; until then the worker's map is unknown and is read before the next try.
+A push sends only what differs, backend by backend, in the phases of mapdiff.diff_phases(),
+or, above REPLACE_ABOVE commands, replaces the whole map atomically. It runs in two stages:
+steer() sends the routing phases (the worker is steered once they are answered), tidy() the
+rest, so that a round can steer every worker before it tidies any. It counts once HAProxy
+answered every command cleanly; until then the worker's map is unknown and is read before
+the next try.
 """
 
 from __future__ import annotations
@@ -45,37 +47,68 @@ class PushOutcome:
     error: str | None = None
 
 
-async def push(
-    cli: MasterCLI, map_path: str, pid: int, wanted: Steering, deltas: Sequence[BackendDelta] | None
-) -> PushOutcome:
-    """Bring one worker's map to `wanted`. `deltas`: the changes its map needs, worked out
-    by the caller (None: its map is unknown, read it first). Touches no record."""
+@dataclass(frozen=True)
+class Outgoing:
+    """One worker's push as it goes on the wire: the lines of its routing phases and of its
+    tidy-up, each a list of ranks sent one after another, or its whole map replaced."""
+
+    sent: int  # changes
+    replace: bool = False
+    routing: Sequence[list[str]] = ()
+    tidy: Sequence[list[str]] = ()
+
+
+def outgoing(pid: int, map_path: str, wanted: Steering, deltas: Sequence[BackendDelta]) -> Outgoing:
+    """The lines that carry `deltas` (not empty) to worker `pid`, whose plan is `wanted`."""
+    if sum(d.singles for d in deltas) > REPLACE_ABOVE:
+        return Outgoing(sum(len(part) for part in wanted.parts.values()), replace=True)
+    limit = wanted.digest.limit
+    routing = delta_lines(pid, map_path, deltas, limit, PHASES[:ROUTING_PHASES])
+    tidy = delta_lines(pid, map_path, deltas, limit, PHASES[ROUTING_PHASES:])
+    return Outgoing(sum(d.changes for d in deltas), False, routing, tidy)
+
+
+@dataclass(frozen=True)
+class Steered:
+    """A push after its first stage: the outcome if it is over, else the tidy-up still to send."""
+
+    outcome: PushOutcome  # what the push did if nothing is left to send
+    tidy: Sequence[list[str]] = ()  # lines of the later phases, rank after rank
+
+
+async def steer(cli: MasterCLI, map_path: str, pid: int, wanted: Steering, going: Outgoing | None) -> Steered:
+    """Steer one worker to `wanted`: its routing phases sent and answered, or its whole map
+    replaced. `going`: its push, worked out by the caller (None: its map is unknown, read it
+    first). Touches no record."""
     read_at: float | None = None
     pushed = False
     try:
-        if deltas is None:
+        if going is None:
             held = await read_map(cli, map_path, pid)
             read_at = time.monotonic()
-            deltas = [BackendDelta.between(held, wanted.entries())]
-            if not deltas[0].changes:
-                return PushOutcome(wanted.parts, read_at=read_at)
-        if not deltas:
-            return PushOutcome(wanted.parts)
-        limit = wanted.digest.limit
-        steered_at: float | None = None
+            delta = BackendDelta.between(held, wanted.entries())
+            if not delta.changes:
+                return Steered(PushOutcome(wanted.parts, read_at=read_at))
+            going = outgoing(pid, map_path, wanted, [delta])
         pushed = True
-        if sum(d.singles for d in deltas) > REPLACE_ABOVE:
-            sent = await replace_map(cli, map_path, pid, wanted.entries(), limit)
-        else:
-            sent = sum(d.changes for d in deltas)
-            for lines in delta_lines(pid, map_path, deltas, limit, PHASES[:ROUTING_PHASES]):
-                await send(cli, pid, lines)
-            steered_at = time.monotonic()
-            for lines in delta_lines(pid, map_path, deltas, limit, PHASES[ROUTING_PHASES:]):
-                await send(cli, pid, lines)
+        if going.replace:
+            sent = await replace_map(cli, map_path, pid, wanted.entries(), wanted.digest.limit)
+            return Steered(PushOutcome(wanted.parts, sent, True, read_at, time.monotonic()))
+        for lines in going.routing:
+            await send(cli, pid, lines)
+        return Steered(PushOutcome(wanted.parts, going.sent, True, read_at, time.monotonic()), going.tidy)
     except (CLIError, PushError, ValueError) as exc:
-        return PushOutcome(None, pushed=pushed, read_at=read_at, error=str(exc))
-    return PushOutcome(wanted.parts, sent, True, read_at, steered_at or time.monotonic())
+        return Steered(PushOutcome(None, pushed=pushed, read_at=read_at, error=str(exc)))
+
+
+async def tidy(cli: MasterCLI, pid: int, steered: Steered) -> PushOutcome:
+    """The push's second stage: the later phases' lines, rank after rank."""
+    try:
+        for lines in steered.tidy:
+            await send(cli, pid, lines)
+    except (CLIError, PushError) as exc:
+        return PushOutcome(None, pushed=True, read_at=steered.outcome.read_at, error=str(exc))
+    return steered.outcome
 
 
 async def replace_map(cli: MasterCLI, map_path: str, pid: int, entries: dict[str, str], limit: int) -> int:

@@ -40,6 +40,10 @@ class WorkerRecord:
         """The changes its map needs, per backend (None: its map is unknown)."""
         return map_deltas(self.held, self.wanted, self.pending)
 
+    def deltas_to(self, steering: Steering) -> list[BackendDelta] | None:
+        """The changes its map would need once it takes `steering` (None: its map is unknown)."""
+        return map_deltas(self.held, steering, pending_after(self.wanted, steering, self.pending))
+
     def in_sync(self) -> bool:
         return self.wanted is not None and self.deltas() == []
 
@@ -67,4 +71,9 @@ def map_deltas(
         return None
     parts = wanted.parts
     backends = pending if pending is not None else held.keys() | parts.keys()
-    return [backend_delta(held.get(b, ()), parts.get(b, ())) for b in backends if held.get(b) != parts.get(b)]
+    # Plans share the entries of the backends they did not change, so most compare by identity.
+    return [
+        backend_delta(h or (), p or ())
+        for b in backends
+        if (h := held.get(b)) is not (p := parts.get(b)) and h != p
+    ]

@@ -11,19 +11,45 @@ failure only UNREAD_LIMIT times in a row: the master drops connections while it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from ..haproxy.api import CLIError, MasterCLI
 from ..settings import Settings
 from ..state import PushNews, PushStateName, State
+from .entries import Entries
 from .live import LiveRead
+from .mapdiff import BackendDelta
 from .plan import Steering
-from .push import GONE, PushOutcome, ReadBack, end_stuck_streams, map_difference, push, read_back
+from .push import (
+    GONE,
+    Outgoing,
+    PushOutcome,
+    ReadBack,
+    Steered,
+    end_stuck_streams,
+    map_difference,
+    outgoing,
+    read_back,
+    steer,
+    tidy,
+)
 from .record import WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A push worked out before it was due: good while the worker holds `held` and wants `wanted`."""
+
+    held: Mapping[str, Entries]
+    wanted: Steering
+    deltas: list[BackendDelta]
+    going: Outgoing | None  # None: no change
 
 
 class PushRounds:
@@ -47,6 +73,7 @@ class PushRounds:
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
         self._news: dict[int, PushNews] = {}  # push records not published yet
         self._failures = 0  # failures not published yet
+        self._ahead: dict[int, Ahead] = {}  # pushes worked out before they were due, by pid
 
     # ------------------------------------------------------------ what the shell learns
 
@@ -91,15 +118,20 @@ class PushRounds:
     # ------------------------------------------------------------ pushes and read-backs
 
     async def push_all(self, workers: Collection[WorkerRecord]) -> None:
-        """Push to every worker whose map differs from its plan (and is not backing off), all at once."""
+        """Push to every worker whose map differs from its plan (and is not backing off), all at
+        once: every worker steered first, then every map tidied."""
         started = time.monotonic()
-        due: list[tuple[WorkerRecord, asyncio.Task[PushOutcome]]] = []
+        due: list[tuple[WorkerRecord, asyncio.Task[Steered]]] = []
         try:
             for worker in list(workers):
                 wanted = worker.wanted
                 if wanted is None:
                     continue
-                deltas = worker.deltas()  # once per push: handed to it
+                try:
+                    deltas, going = self._worked_out(worker, wanted)
+                except ValueError as exc:  # an entry or a map path that no CLI line can carry
+                    self.failed(worker, str(exc))
+                    continue
                 if deltas == []:
                     worker.held, worker.pending = wanted.parts, set()
                     self.record(worker, "ok")
@@ -107,13 +139,17 @@ class PushRounds:
                     self.record(worker, "pending")
                     if worker.held is not None:
                         worker.held, worker.pushes = None, worker.pushes + 1  # in between until every answer is in
-                    pushed = push(self.cli, self.map_path, worker.pid, wanted, deltas)
-                    due.append((worker, asyncio.ensure_future(pushed)))
+                    steering = steer(self.cli, self.map_path, worker.pid, wanted, going)
+                    due.append((worker, asyncio.ensure_future(steering)))
                     # Its lines go out while the next worker's changes are worked out: with fifty
                     # old workers, HAProxy relays the first pushes instead of waiting for the last plan.
                     await asyncio.sleep(0)
             self.publish()
-            outcomes = await asyncio.gather(*(task for _, task in due))
+            steered = await asyncio.gather(*(task for _, task in due))
+            # The master relays a few lines at a time: one worker's tidy-up sent while another
+            # still waits for its routing would delay that worker's steering.
+            pids = [worker.pid for worker, _ in due]
+            outcomes = await asyncio.gather(*(tidy(self.cli, pid, s) for pid, s in zip(pids, steered, strict=True)))
         except BaseException:
             for _, task in due:
                 task.cancel()
@@ -136,6 +172,31 @@ class PushRounds:
                 "steered_at": max(steered_at),  # monotonic, when the last one was answered
             }
         self.publish()
+
+    async def work_ahead(self, workers: Mapping[int, WorkerRecord], plans: Mapping[int, Steering]) -> None:
+        """Work out each worker's push to its next plan now (while `haproxy -c` checks the next
+        config), for push_all to find if neither changed meanwhile: a reload's make-before-break
+        push then only sends lines."""
+        self._ahead = {}
+        for pid, plan in plans.items():
+            worker = workers.get(pid)
+            if worker is None or worker.held is None or not plan.digest.guarded:
+                continue
+            with contextlib.suppress(ValueError):  # push_all reports it
+                deltas = worker.deltas_to(plan)
+                if deltas is not None:
+                    going = outgoing(pid, self.map_path, plan, deltas) if deltas else None
+                    self._ahead[pid] = Ahead(worker.held, plan, deltas, going)
+            await asyncio.sleep(0)  # the operator API and the pushes under way get the loop in between
+
+    def _worked_out(self, worker: WorkerRecord, wanted: Steering) -> tuple[list[BackendDelta] | None, Outgoing | None]:
+        """The changes a worker's map needs, and the push that carries them (None: none, or its
+        map is unknown): as worked out ahead if that still holds."""
+        ahead = self._ahead.pop(worker.pid, None)
+        if ahead is not None and ahead.held is worker.held and ahead.wanted is wanted:
+            return ahead.deltas, ahead.going
+        deltas = worker.deltas()
+        return deltas, outgoing(worker.pid, self.map_path, wanted, deltas) if deltas else None
 
     def _apply_push(self, worker: WorkerRecord, outcome: PushOutcome) -> None:
         if outcome.read_at is not None:

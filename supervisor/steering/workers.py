@@ -139,7 +139,7 @@ class OldWorkers:
             if judged:
                 with contextlib.suppress(CLIError):
                     view = await self._live_view(latest, leaving, reuse=True)
-                    await self._plan(latest, view, judged)
+                    await self.rounds.work_ahead(self._workers, await self._plan(latest, view, judged))
 
     async def before_reload(self, effective: Effective) -> None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
