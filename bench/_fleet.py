@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from supervisor.haproxy.api import CLIError, MasterCLI
 from tests.support.harness import haproxy_binary, kill_tree
 
 PER_BACKEND = 10
+TMPFS = Path("/dev/shm")
+
+
+def runtime_tmpdir(prefix: str) -> Path:
+    """A runtime_dir for the fleet on a tmpfs, as the daemon's is under systemd (RuntimeDirectory=,
+    in /run): on a disk, writing the check's copy of a 10,000-server config can wait on the
+    journal, a stall the daemon does not have. /tmp where there is no /dev/shm."""
+    parent = TMPFS if TMPFS.is_dir() and os.access(TMPFS, os.W_OK) else Path("/tmp")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
 
 Moved = dict[tuple[int, int], int]  # (backend, replica) -> the round that moved it to a new address

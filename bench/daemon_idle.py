@@ -47,9 +47,9 @@ from pathlib import Path
 import psutil
 
 from bench._doc import markdown_table
-from bench.displaced_push import drained, rendered, server_name
+from bench._fleet import drained, rendered, runtime_tmpdir, server_name
 from tests.support.daemon import Daemon
-from tests.support.harness import free_port, short_tmpdir
+from tests.support.harness import free_port
 
 IDLE_S = 30.0
 SETTLE_S = 22.0  # longer than the lag gauge's window (10 to 20 s)
@@ -122,7 +122,7 @@ def longest_callback_ms(log: Path, start: float, end: float) -> float:
 
 
 async def run(workers: int, servers: int, posts: int, checks: bool = False) -> dict[str, float]:
-    directory = short_tmpdir("hsi-")
+    directory = runtime_tmpdir("hsi-")
     callbacks = directory / "callbacks.log"
     front = free_port()
     base = rendered(servers, front, {})

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from bench._doc import markdown_table
-from bench._fleet import LagProbe, Master, Moved, drained, percentile, rendered, server_name
+from bench._fleet import LagProbe, Master, Moved, drained, percentile, rendered, runtime_tmpdir, server_name
 from supervisor.daemon import watch_children_without_threads
 from supervisor.effective import (
     build_effective,
@@ -71,7 +71,7 @@ from supervisor.steering import mapdiff
 from supervisor.steering.dead import Sections
 from supervisor.steering.lines import map_entries
 from supervisor.steering.workers import OldWorkers
-from tests.support.harness import free_port, haproxy_binary, short_tmpdir
+from tests.support.harness import free_port, haproxy_binary
 from tests.support.wholes import known_dead_servers, steer_entries
 
 
@@ -96,7 +96,7 @@ class Bench:
         self.gc_policy = gc_policy
         self.workers = workers
         self.servers = servers
-        self.rundir = short_tmpdir("hsb-")
+        self.rundir = runtime_tmpdir("hsb-")
         self.settings = Settings(haproxy=HAProxySettings(runtime_dir=self.rundir))
         self.front = free_port()
         self.moved: Moved = {}
