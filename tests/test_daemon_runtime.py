@@ -1,7 +1,7 @@
 """The daemon applies slot changes of a rolling deployment at runtime: the controller rewrites
 the rendered config, the daemon turns each rewrite into ordered Runtime API commands, under
 steady load, with zero 503s and no reload (the master's reload counter does not move).
-The address-first control lives in tests/test_runtime_e2e.py."""
+The address-first control lives in tests/test_runtime_rolling_e2e.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 
 from supervisor.haproxy.answers import parse_servers_state
 from tests.support.harness import free_port
-from tests.test_runtime_e2e import HEAD, LogReceiver, daemon_applies_under_load, pods, rolling_body, rolling_deployment
-from tests.test_runtime_e2e import initial_assignment as first_assignment
+from tests.support.runtime_rig import HEAD, LogReceiver, daemon_applies_under_load, pods
+from tests.test_runtime_rolling_e2e import initial_assignment as first_assignment
+from tests.test_runtime_rolling_e2e import rolling_body, rolling_deployment
 
 pytestmark = pytest.mark.haproxy
 

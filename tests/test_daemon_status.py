@@ -1,6 +1,7 @@
 """Every status endpoint against `haproxy-supervisor run` itself: real daemon, real HAProxy,
 real HTTP on 127.0.0.1, the refusals included. The app's own edge cases (unix sockets, the
-CLI, the page in Chromium) are in tests/test_status_http.py and test_status_browser.py."""
+CLI, the page in Chromium) are in tests/test_status_http_*.py, test_status_command.py and
+test_status_browser.py."""
 
 from __future__ import annotations
 

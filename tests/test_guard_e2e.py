@@ -22,7 +22,7 @@ pytestmark = pytest.mark.haproxy
 
 # `close-spread-time infinite`: the old worker keeps the clients it holds until hard-stop-after.
 # With a window HAProxy closes each at a random moment in it, and a test that counts the
-# answers on a held connection fails at random (see test_displaced_e2e.py).
+# answers on a held connection fails at random (see tests/support/old_worker.py).
 RENDERED = """\
 global
     hard-stop-after 60s

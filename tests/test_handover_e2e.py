@@ -19,8 +19,7 @@ from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import apply_changes
 from tests.support.harness import free_port
-from tests.support.wholes import plan_runtime_apply
-from tests.test_runtime_e2e import (
+from tests.support.runtime_rig import (
     HEAD,
     PLACEHOLDER,
     LogReceiver,
@@ -32,6 +31,7 @@ from tests.test_runtime_e2e import (
     running_rig,
     under_load,
 )
+from tests.support.wholes import plan_runtime_apply
 
 pytestmark = pytest.mark.haproxy
 

@@ -1,6 +1,6 @@
 """The push rounds' bookkeeping (steering/rounds.py) with a scripted master CLI: backoff after
 a failed push, a drifted map pushed again, a cut-off read-back given UNREAD_LIMIT tries.
-What HAProxy does with the lines is the end-to-end suite's (test_displaced_e2e.py)."""
+What HAProxy does with the lines is the end-to-end suite's (test_displaced_*_e2e.py)."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
     from supervisor.steering.plan import Planner
     from supervisor.steering.workers import OldWorkers
     from tests.support.harness import KeepAliveClient
-    from tests.test_displaced_e2e import old_worker, server_lines
+    from tests.support.old_worker import old_worker, server_lines
 
     async with old_worker(rundir, lambda p: server_lines(p, ["r1", "r2"]), shutdown_stuck_sessions=False) as env:
         sup = env.sup

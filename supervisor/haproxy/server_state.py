@@ -6,7 +6,7 @@ effective config names in `server-state-file`; the new worker loads it at start-
 checks, does not start UP in the new worker.
 
 HAProxy 2.6 applies that file with rules that do not fit a config that changes
-(checked with the real binary, see tests/test_runtime_e2e.py):
+(checked with the real binary, see tests/test_runtime_across_reloads_e2e.py):
 
 - `srv_port` from the file always overrides the port in the new config, so a server
   moved to another port would keep the old one. (The address of a server written as an

@@ -3,6 +3,10 @@
 Tests observe it through its log lines, the master CLI and the files in runtime_dir.
 Every daemon and every HAProxy master it started is stopped by PID in cleanup(),
 including masters left running after a `kill -9` of the daemon.
+
+HTTP through HAProxy (tests/support/http_requests.py) and the daemon as a "Supervised"
+(tests/support/daemon_supervised.py) live in modules of their own; their names are re-exported
+here, where the tests and the benchmarks import them with the daemon.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ import yaml
 
 from supervisor.haproxy.answers import ProcList
 from supervisor.haproxy.api import MasterCLI
+from tests.support.daemon_supervised import DaemonSupervised as DaemonSupervised
+from tests.support.daemon_supervised import StatusSnapshot as StatusSnapshot
+from tests.support.daemon_supervised import _metric_values as _metric_values
 from tests.support.harness import ROOT, backends, free_port, haproxy_binary, kill_tree
+from tests.support.http_requests import RequestLoop as RequestLoop
+from tests.support.http_requests import http_get as http_get
 
 RENDERED = """\
 global
@@ -266,74 +275,6 @@ def daemons(directory: Path) -> Iterator[Callable[..., Daemon]]:
             d.cleanup()
 
 
-# ---------------------------------------------------------------- HTTP through HAProxy
-
-
-async def http_get(port: int, path: str = "/", timeout: float = 5.0) -> tuple[int, dict[str, str], str]:
-    """One request on a new connection: (status, headers, body); status 0 when it failed."""
-    writer = None
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
-        writer.write(f"GET {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-    except (OSError, TimeoutError, asyncio.IncompleteReadError):
-        return 0, {}, ""
-    finally:
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode(errors="replace").split("\r\n")
-    try:
-        status = int(lines[0].split(" ", 2)[1])
-    except (IndexError, ValueError):
-        return 0, {}, ""
-    headers = {}
-    for line in lines[1:]:
-        key, _, value = line.partition(":")
-        headers[key.strip().lower()] = value.strip()
-    return status, headers, body.decode(errors="replace").strip()
-
-
-class RequestLoop:
-    """Sequential requests on fresh connections until stopped; bounded in count and in time."""
-
-    def __init__(
-        self, port: int, max_requests: int = 5000, max_seconds: float = 30, pause: float = 0.005, path: str = "/"
-    ) -> None:
-        self.port = port
-        self.path = path
-        self.max_requests = max_requests
-        self.max_seconds = max_seconds
-        self.pause = pause
-        self.results: list[tuple[int, str]] = []  # (status, x-tag)
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> RequestLoop:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    async def _run(self) -> None:
-        deadline = time.monotonic() + self.max_seconds
-        while not self._stop.is_set() and len(self.results) < self.max_requests and time.monotonic() < deadline:
-            status, headers, _ = await http_get(self.port, self.path, timeout=3)
-            self.results.append((status, headers.get("x-tag", "")))
-            await asyncio.sleep(self.pause)
-
-    async def stop(self) -> list[tuple[int, str]]:
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-        return self.results
-
-    @property
-    def failures(self) -> list[tuple[int, str]]:
-        return [r for r in self.results if r[0] != 200]
-
-
 # ---------------------------------------------------------------- a daemon in front of one backend
 
 
@@ -372,88 +313,3 @@ async def one_backend(
         d = make(tagged_config(front, address, tag), settings)
         d.start()
         yield Node(d, front, address, await d.wait_generation(1))
-
-
-# ---------------------------------------------------------------- the daemon as a "Supervised"
-
-
-class StatusSnapshot:
-    """The parts of State that end-to-end checks read, rebuilt from the daemon's /status and
-    /metrics, so a check written against the in-process component reads the real daemon."""
-
-    def __init__(self, doc: dict, metrics: str) -> None:
-        from types import SimpleNamespace
-
-        self.doc = doc
-        self.dead_servers = set(doc["dead_servers"])
-        self.old_workers = {
-            w["pid"]: SimpleNamespace(
-                push=SimpleNamespace(**w["push"]), steered=w["steered"], started_at=w["age_s"],
-                generation=w["generation"],
-            )
-            for w in doc["old_workers"]
-        }
-        values = _metric_values(metrics)
-        self.push_failures = int(values.get("haproxy_supervisor_push_failures_total", 0))
-        self.push_duration = SimpleNamespace(count=int(values.get("haproxy_supervisor_push_duration_seconds_count", 0)))
-
-
-def _metric_values(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if not sample.labels
-    }
-
-
-class DaemonSupervised:
-    """The real daemon behind the interface of tests/support/supervised.Supervised."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        from tests.support.harness import HAProxyMaster
-
-        self.daemon = daemon
-        # Only its master-CLI helpers are used (command, worker_pids): the daemon owns HAProxy.
-        self.master = HAProxyMaster(daemon.runtime / "haproxy.cfg", daemon.runtime)
-        self.generation = 1
-        self.state: StatusSnapshot | None = None
-
-    @property
-    def current_pid(self) -> int:
-        pid, _ = self.master.worker_pids()
-        assert pid is not None
-        return pid
-
-    async def reload(self, rendered: str) -> int:
-        self.generation += 1
-        self.daemon.write(rendered)
-        return await self.daemon.wait_generation(self.generation)
-
-    async def request(self, path: str) -> tuple[int, str]:
-        import aiohttp
-
-        connector = aiohttp.UnixConnector(path=str(self.daemon.directory / "status.sock"))
-        async with aiohttp.ClientSession(connector=connector) as session, session.get(f"http://daemon{path}") as r:
-            return r.status, await r.text()
-
-    async def refresh_state(self) -> StatusSnapshot:
-        import json
-
-        _, doc = await self.request("/status")
-        _, metrics = await self.request("/metrics")
-        self.state = StatusSnapshot(json.loads(doc), metrics)
-        return self.state
-
-    async def wait_steered(self, pids: list[int], timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            state = await self.refresh_state()
-            workers = [state.old_workers.get(pid) for pid in pids]
-            if all(w is not None and w.push.state == "ok" and w.steered for w in workers):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"old workers not steered: {state.doc['old_workers']}")
-            await asyncio.sleep(0.05)
