@@ -12,7 +12,7 @@ from typing import Protocol
 from ..settings import Settings
 from ..state import ReloadRecord
 from .facade import MasterFacade
-from .relay import RuntimeRelay
+from .relay import HAPROXY_STATS_MAXCONN, RuntimeRelay
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,18 @@ class ControllerSockets:
 
     def __init__(
         self, settings: Settings, reload_now: Callable[[], Awaitable[ReloadRecord | None]],
-        marks: Callable[[], Marks | None],
+        marks: Callable[[], Marks | None], capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN,
     ) -> None:
         c = settings.controller
+        mode, owner = c.socket_mode_bits, c.socket_owner_ids
         self.relay = (
-            RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, steer_on_service(marks))
+            RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, steer_on_service(marks), capacity,
+                         c.queue_timeout_s, c.idle_timeout_s, mode, owner)
             if c.runtime_socket is not None else None
         )
         self.facade = (
-            MasterFacade(c.master_socket, settings.haproxy.master_socket_path, reload_now)
+            MasterFacade(c.master_socket, settings.haproxy.master_socket_path, reload_now, c.idle_timeout_s,
+                         mode, owner)
             if c.master_socket is not None else None
         )
 

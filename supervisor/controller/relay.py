@@ -11,6 +11,12 @@ check it runs on the next reads the answer of the command it sent next.
 
 Servers a line takes out of service are made known-dead to the old workers before the line
 is sent (`on_service`); servers it puts back are unmarked.
+
+However many callers connect, at most as many connections reach HAProxy's socket as it
+accepts (`UpstreamSlots`, sized by `stats_socket_capacity`): a line reordered takes one per
+command in turn, a line relayed as it is one for its session. Callers wait in arrival order,
+up to a bounded time; a line that waited that long is answered `[3]:` and never sent. A
+connection idle for `idle_timeout_s` (HAProxy's `stats timeout`) is closed.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from ..files import bind_unix_private
 from ..haproxy.answers import parse_servers_state
+from ..haproxy.config import Config
 from ..haproxy.names import validate_name
 from .commands import Address, address_waits, has_payload, parse_line, safe_order, service_changes, session_prefix
 
@@ -31,9 +39,13 @@ log = logging.getLogger(__name__)
 
 # client-native waits 30 s for an answer; a command of ours must not outlast it.
 COMMAND_TIMEOUT_S = 30.0
-# A first line longer than this is relayed without being read as commands (HAProxy's own
-# limit, tune.bufsize, is 16 KiB by default).
+# A first line longer than this is refused with one line (HAProxy's own limit, tune.bufsize,
+# is 16 KiB by default; the controller cuts its lines at 16,000 bytes).
 LINE_LIMIT = 1 << 20
+# HAProxy's `stats maxconn` when neither it nor the socket's `maxconn` is set.
+HAPROXY_STATS_MAXCONN = 10
+# How many connections may wait for the daemon's listening sockets to accept them.
+LISTEN_BACKLOG = 4096
 CHUNK = 1 << 16
 # How long a server may take to show an address change before it is put in service anyway.
 ADDRESS_WAIT_S = 1.0
@@ -42,18 +54,104 @@ ADDRESS_POLL_S = 0.002
 ServiceCallback = Callable[[str, bool], None]  # ("backend/server", in service?)
 
 
+def stats_socket_capacity(config: Config | None, path: Path) -> int:
+    """How many connections HAProxy accepts at once on its stats socket at `path`: the
+    socket's own `maxconn`, else global `stats maxconn`, else HAProxy's default."""
+    if config is None:
+        return HAPROXY_STATS_MAXCONN
+    capacity = HAPROXY_STATS_MAXCONN
+    socket_maxconn = None
+    for section in config.sections:
+        if section.kind != "global":
+            continue
+        for line in section.body:
+            words = line.words
+            if words[:2] == ("stats", "maxconn") and len(words) > 2 and words[2].isdigit():
+                capacity = int(words[2])
+            elif words[:2] == ("stats", "socket") and len(words) > 2 and words[2] == str(path):
+                for i, word in enumerate(words[3:-1], start=3):
+                    if word == "maxconn" and words[i + 1].isdigit():
+                        socket_maxconn = int(words[i + 1])
+    return max(1, socket_maxconn if socket_maxconn is not None else capacity)
+
+
+class QueueTimeout(Exception):
+    """A caller waited its whole bound for a connection to HAProxy's socket."""
+
+
+class UpstreamSlots:
+    """At most `capacity()` connections to HAProxy's socket at once; the callers beyond it
+    wait in arrival order, each at most `wait_s` (QueueTimeout)."""
+
+    def __init__(self, capacity: Callable[[], int], wait_s: float) -> None:
+        self.capacity = capacity
+        self.wait_s = wait_s
+        self.in_use = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        await self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self) -> None:
+        if not self._waiting and self.in_use < self.capacity():
+            self.in_use += 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await turn  # _release counted us in
+        except TimeoutError:
+            if turn.done() and not turn.cancelled():
+                self._release()  # the slot came as the wait ran out: pass it on
+            raise QueueTimeout(f"waited {self.wait_s:g}s for one of HAProxy's {self.capacity()} "
+                               "runtime connections") from None
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self._release()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(turn)
+
+    def _release(self) -> None:
+        self.in_use -= 1
+        while self._waiting and self.in_use < self.capacity():
+            turn = self._waiting.popleft()
+            if not turn.done():
+                self.in_use += 1
+                turn.set_result(None)
+
+
 class RuntimeRelay:
     """A unix socket at `listen` in front of HAProxy's runtime socket at `upstream`."""
 
-    def __init__(self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None) -> None:
+    def __init__(
+        self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None,
+        capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN, queue_wait_s: float = 10.0,
+        idle_timeout_s: float = 10.0, socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
+    ) -> None:
         self.listen = listen
         self.upstream = upstream
         self.on_service = on_service
+        self.slots = UpstreamSlots(capacity, queue_wait_s)
+        self.idle_timeout_s = idle_timeout_s
+        self.socket_mode = socket_mode
+        self.socket_owner = socket_owner
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._server = await start_unix_server(self._serve, self.listen)
+        self._server = await start_unix_server(self._serve, self.listen, self.socket_mode, self.socket_owner)
         log.info("controller runtime socket %s relays to %s", self.listen, self.upstream)
 
     async def close(self) -> None:
@@ -72,6 +170,8 @@ class RuntimeRelay:
         self._connections.add(task)
         try:
             await self._serve_one(reader, writer)
+        except IdleTimeout:
+            log.debug("controller runtime socket: idle for %gs: closed", self.idle_timeout_s)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.warning("controller runtime socket: connection ended: %s", exc or type(exc).__name__)
         finally:
@@ -79,12 +179,11 @@ class RuntimeRelay:
             writer.close()
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await reader.readuntil(b"\n")
-        except asyncio.IncompleteReadError as partial:
-            line = partial.partial  # no newline before EOF: HAProxy judges it
-        except asyncio.LimitOverrunError:
-            line = b""
+        line = await read_first_line(reader, self.idle_timeout_s)
+        if line is None:
+            writer.write(error_answer(f"a line longer than {LINE_LIMIT} bytes is refused"))
+            await writer.drain()
+            return
         commands = parse_line(line.rstrip(b"\n"))
         changes = service_changes(commands)
         if self.on_service is not None:
@@ -95,7 +194,10 @@ class RuntimeRelay:
         if (order == sorted(order) and not waits) or not line.endswith(b"\n"):
             await self._pipe(line, reader, writer)
             return
-        payload = await read_payload(reader) if has_payload(line.rstrip(b"\n")) else b""
+        payload = b""
+        if has_payload(line.rstrip(b"\n")):
+            async with idle_timeout(self.idle_timeout_s):
+                payload = await read_payload(reader)
         texts = [c.text for c in commands]
         prefix = session_prefix(commands)
         answer = await self._send_in_order(texts, order, prefix, payload, waits)
@@ -113,6 +215,8 @@ class RuntimeRelay:
             head_answer = await self._roundtrip(head + b"\n") if prefix else b""
         except OSError as exc:
             return unreachable_answer(prefix, self.upstream, exc)
+        except QueueTimeout as exc:
+            return b"\n" * prefix + error_answer(str(exc))
         answers: dict[int, bytes] = {}
         last = len(texts) - 1
         for index in order:
@@ -125,6 +229,8 @@ class RuntimeRelay:
                 answer = await self._roundtrip(data)
             except OSError as exc:
                 answer = error_answer(f"{self.upstream}: {exc.strerror or exc}")
+            except QueueTimeout as exc:
+                answer = error_answer(str(exc))
             else:
                 if answer.startswith(head_answer):
                     answer = answer[len(head_answer) :]
@@ -146,7 +252,7 @@ class RuntimeRelay:
         while True:
             try:
                 answer = await self._roundtrip(line)
-            except OSError:
+            except (OSError, QueueTimeout):
                 return
             states = {s.name: s for s in parse_servers_state(answer.decode(errors="replace"))}
             state = states.get(server)
@@ -159,21 +265,58 @@ class RuntimeRelay:
             await asyncio.sleep(ADDRESS_POLL_S)
 
     async def _roundtrip(self, data: bytes) -> bytes:
-        async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            reader, writer = await asyncio.open_unix_connection(self.upstream)
-            try:
-                writer.write(data)
-                await writer.drain()
-                return await reader.read()  # HAProxy closes after a line it does not prompt for
-            finally:
-                writer.close()
+        async with self.slots.held():
+            async with asyncio.timeout(COMMAND_TIMEOUT_S):
+                reader, writer = await asyncio.open_unix_connection(self.upstream)
+                try:
+                    writer.write(data)
+                    await writer.drain()
+                    return await reader.read()  # HAProxy closes after a line it does not prompt for
+                finally:
+                    writer.close()
 
     async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         prefix = session_prefix(parse_line(first.rstrip(b"\n")))
-        await pipe_through(
-            "controller runtime socket", self.upstream, lambda: asyncio.open_unix_connection(self.upstream),
-            lambda exc: unreachable_answer(prefix, self.upstream, exc), first, reader, writer,
-        )
+        try:
+            async with self.slots.held():
+                await pipe_through(
+                    "controller runtime socket", self.upstream, lambda: asyncio.open_unix_connection(self.upstream),
+                    lambda exc: unreachable_answer(prefix, self.upstream, exc), first, reader, writer,
+                    self.idle_timeout_s,
+                )
+        except QueueTimeout as exc:
+            writer.write(b"\n" * prefix + error_answer(str(exc)))
+            await writer.drain()
+
+
+class IdleTimeout(Exception):
+    """A connection sent and received nothing for the idle timeout."""
+
+
+@contextlib.asynccontextmanager
+async def idle_timeout(seconds: float) -> AsyncIterator[Callable[[], None]]:
+    """IdleTimeout after `seconds`, counted again from each call of what it yields."""
+    loop = asyncio.get_running_loop()
+    timer = asyncio.timeout(seconds)
+    try:
+        async with timer:
+            yield lambda: timer.reschedule(loop.time() + seconds)
+    except TimeoutError:
+        if timer.expired():
+            raise IdleTimeout() from None
+        raise
+
+
+async def read_first_line(reader: asyncio.StreamReader, idle_s: float) -> bytes | None:
+    """A connection's first line with its newline (without one at EOF); None for one longer
+    than LINE_LIMIT. IdleTimeout when it does not come in time."""
+    async with idle_timeout(idle_s):
+        try:
+            return await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as partial:
+            return partial.partial  # no newline before EOF: HAProxy judges it
+        except asyncio.LimitOverrunError:
+            return None
 
 
 async def pipe_through(
@@ -184,9 +327,12 @@ async def pipe_through(
     first: bytes,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
+    idle_s: float,
+    check: Callable[[bytes], bytes | None] | None = None,
 ) -> None:
-    """Send `first` upstream, then relay both ways; an upstream that cannot be reached is
-    answered `unreachable(exc)`."""
+    """Send `first` upstream, then relay both ways until nothing moves for `idle_s`; an
+    upstream that cannot be reached is answered `unreachable(exc)`. `check`: each later line
+    from the client before it goes upstream; what it returns ends the session with that answer."""
     try:
         up_reader, up_writer = await connect()
     except OSError as exc:
@@ -197,7 +343,7 @@ async def pipe_through(
     try:
         up_writer.write(first)
         await up_writer.drain()
-        await relay_both_ways(reader, writer, up_reader, up_writer)
+        await relay_both_ways(reader, writer, up_reader, up_writer, idle_s, check)
     finally:
         up_writer.close()
 
@@ -207,25 +353,58 @@ async def relay_both_ways(
     writer: asyncio.StreamWriter,
     up_reader: asyncio.StreamReader,
     up_writer: asyncio.StreamWriter,
+    idle_s: float,
+    check: Callable[[bytes], bytes | None] | None = None,
 ) -> None:
-    """Copy both ways until the upstream side closes (HAProxy ends the session)."""
+    """Copy both ways until the upstream side closes (HAProxy ends the session), or nothing
+    moved either way for `idle_s` (IdleTimeout)."""
+    refused: list[bytes] = []
 
-    async def to_upstream() -> None:
-        while chunk := await reader.read(CHUNK):
-            up_writer.write(chunk)
-            await up_writer.drain()
-        if up_writer.can_write_eof():
-            up_writer.write_eof()
+    async with idle_timeout(idle_s) as active:
 
-    forward = asyncio.create_task(to_upstream())
-    try:
-        while chunk := await up_reader.read(CHUNK):
-            writer.write(chunk)
-            await writer.drain()
-    finally:
-        forward.cancel()
-        with contextlib.suppress(asyncio.CancelledError, OSError):
-            await forward
+        async def to_upstream() -> None:
+            if check is None:
+                while chunk := await reader.read(CHUNK):
+                    active()
+                    up_writer.write(chunk)
+                    await up_writer.drain()
+            else:
+                while True:
+                    try:
+                        line = await reader.readuntil(b"\n")
+                    except asyncio.IncompleteReadError as partial:
+                        line = partial.partial
+                    except asyncio.LimitOverrunError:
+                        refused.append(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
+                        break
+                    if not line:
+                        break
+                    active()
+                    answer = check(line)
+                    if answer is not None:
+                        refused.append(answer)
+                        break
+                    up_writer.write(line)
+                    await up_writer.drain()
+            if refused:
+                up_writer.close()
+                return
+            if up_writer.can_write_eof():
+                up_writer.write_eof()
+
+        forward = asyncio.create_task(to_upstream())
+        try:
+            while chunk := await up_reader.read(CHUNK):
+                active()
+                writer.write(chunk)
+                await writer.drain()
+        finally:
+            forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await forward
+    if refused:
+        writer.write(refused[0])
+        await writer.drain()
 
 
 async def read_payload(reader: asyncio.StreamReader) -> bytes:
@@ -253,16 +432,29 @@ def unreachable_answer(prefix: int, upstream: Path, exc: OSError) -> bytes:
     return b"\n" * prefix + error_answer(f"HAProxy's runtime socket {upstream}: {exc.strerror or exc}")
 
 
-async def start_unix_server(serve: Callable, path: Path) -> asyncio.AbstractServer:
-    """Listen at `path`, replacing a socket a previous daemon left there; the socket is the
-    owner's and its group's (the controller runs in the same pod, as the same user)."""
+def error_line(message: str) -> bytes:
+    """An error in the master socket's shape: one line."""
+    return f"haproxy-supervisor: {message}\n".encode()
+
+
+async def start_unix_server(
+    serve: Callable, path: Path, mode: int = 0o660, owner: tuple[int, int] | None = None,
+) -> asyncio.AbstractServer:
+    """Listen at `path`, replacing a socket a previous daemon left there. The socket's file
+    has `mode` (never wider while it is being made) and, when given, `owner` (uid, gid): the
+    controller's user, who runs in another container of the pod."""
     with contextlib.suppress(FileNotFoundError):
         if path.is_socket():
             path.unlink()
     path.parent.mkdir(parents=True, exist_ok=True)
-    sock = bind_unix_private(path, 0o660)
+    sock = bind_unix_private(path, mode & 0o700 if owner is not None else mode)
     try:
-        return await asyncio.start_unix_server(serve, sock=sock, limit=LINE_LIMIT)
+        if owner is not None:
+            os.chown(path, *owner)
+            os.chmod(path, mode)
+        # Callers come all at once (a sync of every backend, scrapers, an operator's socat):
+        # the kernel's queue of 100 would refuse some before the loop accepts them.
+        return await asyncio.start_unix_server(serve, sock=sock, limit=LINE_LIMIT, backlog=LISTEN_BACKLOG)
     except BaseException:
         sock.close()
         raise
