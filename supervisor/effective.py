@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import errno
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -210,14 +212,51 @@ async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:
     return await (await start_check(binary, text, directory)).verdict()
 
 
+def source_lines(rendered_text: str, effective_text: str) -> list[int]:
+    """For each line of the effective config (index 0 is its line 1), the rendered config's
+    line it comes from: the same line, the line an injection edited, or, for a line an
+    injection added, the rendered line before it (1 when there is none)."""
+    rendered, effective = rendered_text.splitlines(), effective_text.splitlines()
+    lines: list[int] = []
+    matcher = difflib.SequenceMatcher(None, rendered, effective, autojunk=False)
+    for tag, r1, r2, e1, e2 in matcher.get_opcodes():
+        for offset in range(e2 - e1):
+            if tag == "equal" or (tag == "replace" and offset < r2 - r1):
+                lines.append(r1 + offset + 1)
+            elif tag == "replace":
+                lines.append(r2)
+            else:  # inserted
+                lines.append(max(r1, 1))
+    return lines
+
+
+def name_rendered_lines(message: str, checked: str, rendered: Path, lines: list[int]) -> str:
+    """HAProxy's messages about the file `checked` (the effective config), as HAProxy run on
+    the rendered config alone gives them: `[<checked>:N]` names the rendered file and the
+    line N came from, and every other mention of `checked` the rendered file."""
+
+    def located(m: re.Match[str]) -> str:
+        number = int(m[1])
+        source = lines[number - 1] if 0 < number <= len(lines) else number
+        return f"[{rendered}:{source}]"
+
+    named = re.sub(rf"\[{re.escape(checked)}:(\d+)\]", located, message)
+    return named.replace(checked, str(rendered))
+
+
 class ConfigCheck:
     """`haproxy -c` under way: HAProxy checks on a core of its own while the caller works on
-    (the displaced-worker component works out the next config's steering meanwhile)."""
+    (the displaced-worker component works out the next config's steering meanwhile).
+    `source`: the rendered config's path and text, which the messages then name instead of
+    the copy checked (None: `<effective config>`)."""
 
-    def __init__(self, tmp: Path, proc: asyncio.subprocess.Process | None, error: str | None) -> None:
+    def __init__(self, tmp: Path, proc: asyncio.subprocess.Process | None, error: str | None,
+                 text: str = "", source: tuple[Path, str] | None = None) -> None:
         self._tmp = tmp
         self._proc = proc
         self._error = error
+        self._text = text
+        self._source = source
 
     async def verdict(self) -> tuple[bool, str]:
         """(valid, HAProxy's own message); removes the copy it checked."""
@@ -225,18 +264,27 @@ class ConfigCheck:
             if self._proc is None:
                 return False, self._error or "haproxy -c did not start"
             out, _ = await self._proc.communicate()
-            message = out.decode(errors="replace").strip().replace(str(self._tmp), "<effective config>")
+            message = out.decode(errors="replace").strip()
+            if self._source is not None and str(self._tmp) in message:
+                path, rendered_text = self._source
+                message = await off_the_loop(
+                    lambda: name_rendered_lines(message, str(self._tmp), path, source_lines(rendered_text, self._text)))
+            else:
+                message = message.replace(str(self._tmp), "<effective config>")
             # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
             return self._proc.returncode == 0, message
         finally:
             self._tmp.unlink(missing_ok=True)
 
 
-async def start_effective_check(binary: str, effective: Effective, directory: Path) -> ConfigCheck:
+async def start_effective_check(
+    binary: str, effective: Effective, directory: Path, rendered: Path | None = None,
+) -> ConfigCheck:
     """start_check() on an effective config, once the slot table it names is on disk (the
-    check opens it)."""
+    check opens it). With `rendered` (the rendered config's path) the messages name its lines."""
     write_slot_table(effective.slot_table)
-    return await start_check(binary, effective.text, directory)
+    source = (rendered, effective.rendered_text) if rendered is not None else None
+    return await start_check(binary, effective.text, directory, source)
 
 
 CHECK_PREFIX, CHECK_SUFFIX = ".validate.", ".cfg"
@@ -275,7 +323,7 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
+async def start_check(binary: str, text: str, directory: Path, source: tuple[Path, str] | None = None) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
     must ask for the verdict: that reaps the process and removes the copy."""
     # Named by its maker: remove_stale_checks leaves a living process's copy alone.
@@ -296,4 +344,4 @@ async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return ConfigCheck(tmp, proc, None)
+    return ConfigCheck(tmp, proc, None, text, source)

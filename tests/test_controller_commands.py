@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
 from supervisor.controller.commands import (
@@ -17,6 +20,9 @@ from supervisor.controller.commands import (
     session_prefix,
     split_line,
 )
+from supervisor.controller.facade import classify_master_command, master_line_check
+from supervisor.controller.relay import QueueTimeout, UpstreamSlots, stats_socket_capacity
+from supervisor.haproxy.config import Config
 from tests.support.controller import disable, enable, sync_line
 
 
@@ -216,3 +222,129 @@ def test_requested_address(text: bytes, expected: Address | None) -> None:
 def test_address_waits(line: bytes, waits: dict[int, Address]) -> None:
     commands = parse_line(line.rstrip(b"\n"))
     assert address_waits(commands, safe_order(commands)) == waits
+
+
+# ---------------------------------------------------------------- the master socket's words
+
+
+@pytest.mark.parametrize(
+    ("line", "kinds"),
+    [
+        (b"reload", ["RELOAD"]),
+        (b"reload;quit", ["RELOAD", "PASS"]),
+        (b"  reload\t", ["RELOAD"]),
+        (b"@master reload", ["RELOAD"]),
+        (b"@master\t reload ;quit", ["RELOAD", "PASS"]),
+        (b"show proc;reload;quit", ["PASS", "RELOAD", "PASS"]),
+        # anything else that would start a reload, or another start, in the master: refused
+        (b"RELOAD", ["REFUSED"]),
+        (b"Reload;quit", ["REFUSED", "PASS"]),
+        (b"hard-reload", ["REFUSED"]),
+        (b"@master hard-reload;quit", ["REFUSED", "PASS"]),
+        (b"@1 reload", ["REFUSED"]),
+        (b"@!1234 reload", ["REFUSED"]),
+        (b"@@1 reload", ["REFUSED"]),
+        (b"@master reload now", ["REFUSED"]),
+        (b"re\\load", ["REFUSED"]),
+        (b"'reload'", ["REFUSED"]),
+        (b'"reload"', ["REFUSED"]),
+        (b"show proc\\;reload", ["REFUSED"]),  # one command to us, perhaps two to HAProxy
+        (b"_send_status READY --pid 1", ["REFUSED"]),
+        (b"mcli-debug-mode on", ["REFUSED"]),
+        (b"expert-mode on;reload", ["PASS", "RELOAD"]),
+        # passed as they are
+        (b"help", ["PASS"]),
+        (b"show proc", ["PASS"]),
+        (b"@1 show info", ["PASS"]),
+        (b"@1 set severity-output number;@1 show info;quit", ["PASS", "PASS", "PASS"]),
+        (b"show startup-logs", ["PASS"]),
+        (b"prompt", ["PASS"]),
+    ],
+)
+def test_master_words_go_the_daemons_way_are_refused_or_pass(line: bytes, kinds: list[str]) -> None:
+    assert [classify_master_command(c).name for c in split_line(line)] == kinds
+
+
+@pytest.mark.parametrize(
+    ("line", "refused"),
+    [(b"show proc\n", False), (b"reload\n", True), (b"@master hard-reload\r\n", True), (b"help;RELOAD\n", True)],
+)
+def test_a_later_line_of_a_relayed_session_is_checked(line: bytes, refused: bool) -> None:
+    answer = master_line_check(line)
+    assert (answer is not None) == refused
+    if answer is not None:
+        assert answer.startswith(b"haproxy-supervisor: ") and answer.count(b"\n") == 1, answer
+
+
+def test_controller_socket_settings(tmp_path) -> None:
+    from supervisor.settings import SettingsError, load_settings
+
+    base = "haproxy:\n  move_stats_socket: true\ncontroller:\n  runtime_socket: /r.sock\n"
+    defaults = load_settings(_write(tmp_path, base)).controller
+    assert (defaults.idle_timeout_s, defaults.queue_timeout_s) == (10, 10)
+    assert (defaults.socket_mode_bits, defaults.socket_owner_ids) == (0o660, None)
+    chosen = load_settings(_write(tmp_path, base + "  socket_owner: 'nobody:65534'\n  socket_mode: '0600'\n"))
+    assert (chosen.controller.socket_mode_bits, chosen.controller.socket_owner_ids) == (0o600, (65534, 65534))
+    for bad, message in [
+        ("  socket_mode: '0666'\n", r"controller\.socket_mode: 0666 lets every user in"),
+        ("  socket_mode: 'rw'\n", r"controller\.socket_mode: must be an octal mode"),
+        ("  socket_owner: 'nobody'\n", r"controller\.socket_owner: must be \"uid:gid\""),
+        ("  socket_owner: 'no-such-user-here:0'\n", r"controller\.socket_owner: no user 'no-such-user-here'"),
+        ("  idle_timeout_s: 0\n", r"controller\.idle_timeout_s"),
+    ]:
+        with pytest.raises(SettingsError, match=message):
+            load_settings(_write(tmp_path, base + bad))
+
+
+# ---------------------------------------------------------------- the relay's queue, pure parts
+
+
+@pytest.mark.parametrize(
+    ("global_lines", "capacity"),
+    [
+        ("", 10),
+        ("    stats socket /run/s.sock mode 600 level admin\n", 10),
+        ("    stats maxconn 3\n    stats socket /run/s.sock level admin\n", 3),
+        ("    stats maxconn 3\n    stats socket /run/s.sock level admin maxconn 40\n", 40),
+        ("    stats socket /other.sock maxconn 40\n", 10),
+    ],
+)
+def test_stats_socket_capacity(global_lines: str, capacity: int) -> None:
+    config = Config.parse(f"global\n{global_lines}\ndefaults\n    mode http\n")
+    assert stats_socket_capacity(config, Path("/run/s.sock")) == capacity
+
+
+async def test_upstream_slots_queue_in_arrival_order_and_bound_the_wait() -> None:
+    slots = UpstreamSlots(lambda: 2, wait_s=0.3)
+    order: list[int] = []
+    most = 0
+    release = asyncio.Event()
+
+    async def caller(i: int) -> None:
+        nonlocal most
+        async with slots.held():
+            most = max(most, slots.in_use)
+            order.append(i)
+            await release.wait()
+
+    tasks = [asyncio.create_task(caller(i)) for i in range(6)]
+    await asyncio.sleep(0.05)
+    assert (slots.in_use, slots.waiting) == (2, 4)
+    release.set()
+    await asyncio.gather(*tasks)
+    assert order == list(range(6)) and most == 2 and slots.in_use == 0
+
+    async def hold() -> None:
+        async with slots.held():
+            await asyncio.sleep(1)
+
+    holders = [asyncio.create_task(hold()) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueTimeout, match=r"waited 0\.3s for one of HAProxy's 2 runtime connections"):
+        async with slots.held():
+            pass
+    assert slots.waiting == 0
+    for task in holders:
+        task.cancel()
+    await asyncio.gather(*holders, return_exceptions=True)
+    assert slots.in_use == 0

@@ -20,7 +20,16 @@ from pathlib import Path
 
 from ..state import ReloadRecord
 from .commands import split_line
-from .relay import CHUNK, LINE_LIMIT, IdleTimeout, error_line, pipe_through, read_first_line, start_unix_server
+from .relay import (
+    CHUNK,
+    LINE_LIMIT,
+    IdleTimeout,
+    error_line,
+    pipe_through,
+    read_first_line,
+    refuse_long_line,
+    start_unix_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +132,7 @@ class MasterFacade:
         try:
             line = await read_first_line(reader, self.idle_timeout_s)
             if line is None:
-                writer.write(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
-                await writer.drain()
+                await refuse_long_line(reader, writer, error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
                 return
             commands = split_line(line.rstrip(b"\r\n"))
             if all(classify_master_command(c) is MasterCommand.PASS for c in commands):

@@ -42,6 +42,8 @@ COMMAND_TIMEOUT_S = 30.0
 # A first line longer than this is refused with one line (HAProxy's own limit, tune.bufsize,
 # is 16 KiB by default; the controller cuts its lines at 16,000 bytes).
 LINE_LIMIT = 1 << 20
+# How long the rest of a refused line is read and dropped before the connection closes.
+DISCARD_S = 1.0
 # HAProxy's `stats maxconn` when neither it nor the socket's `maxconn` is set.
 HAPROXY_STATS_MAXCONN = 10
 # How many connections may wait for the daemon's listening sockets to accept them.
@@ -181,8 +183,7 @@ class RuntimeRelay:
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         line = await read_first_line(reader, self.idle_timeout_s)
         if line is None:
-            writer.write(error_answer(f"a line longer than {LINE_LIMIT} bytes is refused"))
-            await writer.drain()
+            await refuse_long_line(reader, writer, error_answer(f"a line longer than {LINE_LIMIT} bytes is refused"))
             return
         commands = parse_line(line.rstrip(b"\n"))
         changes = service_changes(commands)
@@ -420,6 +421,19 @@ async def read_payload(reader: asyncio.StreamReader) -> bytes:
         if part in (b"\n", b"\r\n"):
             break
     return b"".join(lines)
+
+
+async def refuse_long_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: bytes) -> None:
+    """Answer a line too long to read, then take what the caller still sends, for a moment:
+    closed with unread bytes, the socket would be reset and the caller lose the answer."""
+    writer.write(answer)
+    await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
+    with contextlib.suppress(TimeoutError, OSError):
+        async with asyncio.timeout(DISCARD_S):
+            while await reader.read(CHUNK):
+                pass
 
 
 def error_answer(message: str) -> bytes:

@@ -55,7 +55,7 @@ class Recovery:
         except Exception as exc:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config cannot be "
                               f"used ({exc}): refusing to start a second HAProxy") from None
-        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir)).verdict()
+        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
         if not ok:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config is invalid "
                               f"({one_line(message, 200)}): refusing to start a second HAProxy")
@@ -66,7 +66,7 @@ class Recovery:
         """No master yet: validate, write the effective config, and let the master start on it."""
         p = self.parts
         h = p.settings.haproxy
-        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir)).verdict()
+        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
         if ok:
             p.disk.write(effective)
             p.disk.runs(LoadedConfig.of(effective, inputs))
