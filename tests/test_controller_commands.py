@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from supervisor.controller.commands import (
     split_line,
 )
 from supervisor.controller.facade import classify_master_command, master_line_check
-from supervisor.controller.relay import QueueTimeout, UpstreamSlots, stats_socket_capacity
+from supervisor.controller.relay import QueueTimeout, UpstreamSlots, connect_unix, stats_socket_capacity
 from supervisor.haproxy.config import Config
 from tests.support.controller import disable, enable, sync_line
 
@@ -348,3 +350,71 @@ async def test_upstream_slots_queue_in_arrival_order_and_bound_the_wait() -> Non
         task.cancel()
     await asyncio.gather(*holders, return_exceptions=True)
     assert slots.in_use == 0
+
+
+# ---------------------------------------------------------------- a listener whose queue is full
+
+
+def full_listener(directory: Path) -> tuple[socket.socket, Path]:
+    """A unix listener with a queue of one that accepts nothing yet: HAProxy's stats socket
+    when more callers connect than it accepts."""
+    path = directory / "full.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    return listener, path
+
+
+async def test_control_asyncio_takes_a_full_queue_for_a_connect_in_progress(rundir) -> None:
+    """The cause of the relay's `[Errno 22] Invalid argument` (and of `Connection lost`):
+    each connection past the queue is handed back unconnected."""
+    listener, path = full_listener(rundir)
+    failures = []
+    try:
+        for _ in range(4):
+            reader, writer = await asyncio.open_unix_connection(path)
+            try:
+                async with asyncio.timeout(0.2):
+                    await reader.read()
+            except TimeoutError:
+                pass  # one that waits in the queue
+            except OSError as exc:
+                failures.append(exc.errno)
+            writer.close()
+    finally:
+        listener.close()
+    assert failures and set(failures) == {errno.EINVAL}, failures
+
+
+async def test_connect_unix_waits_for_the_listener_to_accept(rundir) -> None:
+    listener, path = full_listener(rundir)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        queued = [await connect_unix(path, 1) for _ in range(2)]  # the kernel takes one more than the backlog
+        late = asyncio.create_task(connect_unix(path, 5))
+        await asyncio.sleep(0.1)
+        assert not late.done()  # waits, instead of a socket that never connected
+        accepted = [(await loop.sock_accept(listener))[0] for _ in range(3)]
+        reader, writer = await asyncio.wait_for(late, 5)
+        accepted[-1].sendall(b"answer\n")
+        accepted[-1].close()
+        assert await reader.read() == b"answer\n"
+        writer.close()
+        with pytest.raises(OSError, match="queue stayed full"):
+            await _fill_then_connect(path)
+        for _, w in queued:
+            w.close()
+        for conn in accepted[:-1]:
+            conn.close()
+    finally:
+        listener.close()
+
+
+async def _fill_then_connect(path: Path) -> None:
+    held = [await connect_unix(path, 1) for _ in range(2)]
+    try:
+        await connect_unix(path, 0.05)
+    finally:
+        for _, w in held:
+            w.close()

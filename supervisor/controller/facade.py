@@ -21,9 +21,9 @@ from pathlib import Path
 from ..state import ReloadRecord
 from .commands import split_line
 from .relay import (
-    CHUNK,
     LINE_LIMIT,
     IdleTimeout,
+    connect_unix,
     error_line,
     pipe_through,
     read_first_line,
@@ -182,7 +182,7 @@ class MasterFacade:
         deadline = loop.time() + CONNECT_PATIENCE_S
         while True:
             try:
-                return await asyncio.open_unix_connection(self.upstream, limit=CHUNK)
+                return await connect_unix(self.upstream, CONNECT_PATIENCE_S)
             except (ConnectionRefusedError, FileNotFoundError):
                 if loop.time() > deadline:
                     raise

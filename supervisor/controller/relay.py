@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -268,7 +270,7 @@ class RuntimeRelay:
     async def _roundtrip(self, data: bytes) -> bytes:
         async with self.slots.held():
             async with asyncio.timeout(COMMAND_TIMEOUT_S):
-                reader, writer = await asyncio.open_unix_connection(self.upstream)
+                reader, writer = await connect_unix(self.upstream)
                 try:
                     writer.write(data)
                     await writer.drain()
@@ -281,13 +283,43 @@ class RuntimeRelay:
         try:
             async with self.slots.held():
                 await pipe_through(
-                    "controller runtime socket", self.upstream, lambda: asyncio.open_unix_connection(self.upstream),
+                    "controller runtime socket", self.upstream, lambda: connect_unix(self.upstream),
                     lambda exc: unreachable_answer(prefix, self.upstream, exc), first, reader, writer,
                     self.idle_timeout_s,
                 )
         except QueueTimeout as exc:
             writer.write(b"\n" * prefix + error_answer(str(exc)))
             await writer.drain()
+
+
+async def connect_unix(path: Path, patience_s: float = COMMAND_TIMEOUT_S, limit: int = CHUNK,
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the unix socket at `path`, retried while its listener's queue is full.
+
+    A non-blocking connect() to a unix socket whose backlog is full fails with EAGAIN, which
+    asyncio's open_unix_connection takes for a connect in progress: it hands back a socket
+    that never connected, whose reads fail with EINVAL and whose writes end in "Connection
+    lost". Here EAGAIN is what it is: HAProxy has not accepted yet, so wait and try again.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    delay = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(path))
+        except BlockingIOError:
+            sock.close()
+            if loop.time() >= deadline:
+                raise OSError(errno.EAGAIN, f"its queue stayed full for {patience_s:g}s") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_unix_connection(sock=sock, limit=limit)
 
 
 class IdleTimeout(Exception):
