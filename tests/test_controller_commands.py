@@ -418,3 +418,19 @@ async def _fill_then_connect(path: Path) -> None:
     finally:
         for _, w in held:
             w.close()
+
+
+def test_the_pod_spec_gives_both_sockets_to_the_controllers_user(tmp_path) -> None:
+    """contrib/kubernetes/pod.yaml: the controller's container user is the sockets' owner, and
+    the daemon's settings in it load."""
+    import yaml
+
+    from supervisor.settings import load_settings
+
+    pod, config_map = yaml.safe_load_all((Path(__file__).parents[1] / "contrib/kubernetes/pod.yaml").read_text())
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    controller = containers["controller"]["securityContext"]
+    assert controller["runAsNonRoot"] and "securityContext" in containers["haproxy-supervisor"]
+    settings = load_settings(_write(tmp_path, config_map["data"]["config.yaml"])).controller
+    assert settings.socket_owner_ids == (controller["runAsUser"], controller["runAsGroup"])
+    assert settings.socket_mode_bits == 0o600
