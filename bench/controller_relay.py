@@ -123,8 +123,10 @@ async def measure(binary: str, callers: tuple[int, ...], steps: int) -> list[tup
     try:
         async with sidecar(directory) as s:
             for count in callers:
-                for name, path in (("direct", s.stats_socket), ("relay", s.runtime_socket)):
-                    result = await simultaneous(path, caller_lines(count))
+                for name, path, retrying in (("direct", s.stats_socket, False),
+                                             ("direct, callers retry EAGAIN", s.stats_socket, True),
+                                             ("relay", s.runtime_socket, False)):
+                    result = await simultaneous(path, caller_lines(count), retrying=retrying)
                     rows.append((version, f"{count} callers", name, f"{result.lost} of {count}",
                                  *figures(result.latencies_ms), ""))
                     print(f"  {version} {count} callers {name}: lost {result.lost} {dict(result.errors)}", flush=True)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.controller.relay import connect_unix
 from tests.support.controller import add_map_payload, disable, enable, sync_line, wrap
 from tests.support.daemon import Daemon
 from tests.support.harness import Backend, KeepAliveClient, backends, free_port
@@ -246,9 +247,23 @@ class Callers:
         return sum(1 for a in self.answers if a is None or b"haproxy-supervisor" in a)
 
 
-async def simultaneous(path: Path, lines: list[bytes], timeout: float = 60) -> Callers:
+async def roundtrip_retrying(path: Path, data: bytes, timeout: float = 30) -> bytes:
+    """roundtrip(), by a client that waits while the socket's queue is full (EAGAIN) instead of
+    taking the socket asyncio hands back unconnected."""
+    async with asyncio.timeout(timeout):
+        reader, writer = await connect_unix(path, timeout)
+        try:
+            writer.write(data)
+            await writer.drain()
+            return await reader.read()
+        finally:
+            writer.close()
+
+
+async def simultaneous(path: Path, lines: list[bytes], timeout: float = 60, retrying: bool = False) -> Callers:
     """Every line on its own connection, all at once, as many callers (the Data Plane API, an
-    operator's socat, scrapers and the controller) sharing one socket."""
+    operator's socat, scrapers and the controller) sharing one socket. `retrying`: callers
+    that wait out a full queue."""
     start = asyncio.Event()
     errors: Counter = Counter()
     latencies: list[float] = []
@@ -257,7 +272,7 @@ async def simultaneous(path: Path, lines: list[bytes], timeout: float = 60) -> C
         await start.wait()
         began = time.monotonic()
         try:
-            answer = await roundtrip(path, line, timeout)
+            answer = await (roundtrip_retrying if retrying else roundtrip)(path, line, timeout)
         except (OSError, TimeoutError) as exc:
             errors[type(exc).__name__ + (f" {exc.strerror}" if isinstance(exc, OSError) else "")] += 1
             return None
