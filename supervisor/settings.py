@@ -147,8 +147,9 @@ class ControllerSettings:
     # HAProxy's `stats timeout` (10 s by default) closes its own.
     idle_timeout_s: float = 10
     # How long a line may wait for one of the connections HAProxy's stats socket accepts
-    # (its maxconn) before it is answered `[3]:`; the controller waits 30 s for an answer.
-    queue_timeout_s: float = 10
+    # (its maxconn) before it is answered `[3]:`: well before the controller, which waits 30 s for
+    # the whole answer, gives up.
+    queue_timeout_s: float = 20
     # Who may connect to both sockets: their owner as "uid:gid" (numbers or names; the
     # controller's user, in another container) and their mode, octal. Unset: the daemon's
     # user and group.

@@ -283,7 +283,7 @@ def test_controller_socket_settings(tmp_path) -> None:
 
     base = "haproxy:\n  move_stats_socket: true\ncontroller:\n  runtime_socket: /r.sock\n"
     defaults = load_settings(_write(tmp_path, base)).controller
-    assert (defaults.idle_timeout_s, defaults.queue_timeout_s) == (10, 10)
+    assert (defaults.idle_timeout_s, defaults.queue_timeout_s) == (10, 20)
     assert (defaults.socket_mode_bits, defaults.socket_owner_ids) == (0o660, None)
     chosen = load_settings(_write(tmp_path, base + "  socket_owner: 'nobody:65534'\n  socket_mode: '0600'\n"))
     assert (chosen.controller.socket_mode_bits, chosen.controller.socket_owner_ids) == (0o600, (65534, 65534))

@@ -141,7 +141,7 @@ class RuntimeRelay:
 
     def __init__(
         self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None,
-        capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN, queue_wait_s: float = 10.0,
+        capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN, queue_wait_s: float = 20.0,
         idle_timeout_s: float = 10.0, socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
     ) -> None:
         self.listen = listen
