@@ -13,10 +13,11 @@ Servers a line takes out of service are made known-dead to the old workers befor
 is sent (`on_service`); servers it puts back are unmarked.
 
 However many callers connect, at most as many connections reach HAProxy's socket as it
-accepts (`UpstreamSlots`, sized by `stats_socket_capacity`): a line reordered takes one per
-command in turn, a line relayed as it is one for its session. Callers wait in arrival order,
-up to a bounded time; a line that waited that long is answered `[3]:` and never sent. A
-connection idle for `idle_timeout_s` (HAProxy's `stats timeout`) is closed.
+accepts (`UpstreamSlots`, sized by `stats_socket_capacity`): a line, reordered or relayed as
+it is, holds one for as long as it takes (its commands go one connection after the other).
+Callers wait in arrival order, up to a bounded time; a line that waited that long is
+answered `[3]:` and never sent. A connection idle for `idle_timeout_s` (HAProxy's `stats
+timeout`) is closed.
 """
 
 from __future__ import annotations
@@ -203,7 +204,13 @@ class RuntimeRelay:
                 payload = await read_payload(reader)
         texts = [c.text for c in commands]
         prefix = session_prefix(commands)
-        answer = await self._send_in_order(texts, order, prefix, payload, waits)
+        try:
+            # One connection at a time for the whole line: once begun, its commands follow
+            # each other instead of each waiting behind every caller that came meanwhile.
+            async with self.slots.held():
+                answer = await self._send_in_order(texts, order, prefix, payload, waits)
+        except QueueTimeout as exc:
+            answer = b"\n" * prefix + error_answer(str(exc))
         log.info("controller runtime socket: %d commands sent in a safe order", len(texts))
         writer.write(answer)
         await writer.drain()
@@ -218,8 +225,6 @@ class RuntimeRelay:
             head_answer = await self._roundtrip(head + b"\n") if prefix else b""
         except OSError as exc:
             return unreachable_answer(prefix, self.upstream, exc)
-        except QueueTimeout as exc:
-            return b"\n" * prefix + error_answer(str(exc))
         answers: dict[int, bytes] = {}
         last = len(texts) - 1
         for index in order:
@@ -232,8 +237,6 @@ class RuntimeRelay:
                 answer = await self._roundtrip(data)
             except OSError as exc:
                 answer = error_answer(f"{self.upstream}: {exc.strerror or exc}")
-            except QueueTimeout as exc:
-                answer = error_answer(str(exc))
             else:
                 if answer.startswith(head_answer):
                     answer = answer[len(head_answer) :]
@@ -255,7 +258,7 @@ class RuntimeRelay:
         while True:
             try:
                 answer = await self._roundtrip(line)
-            except (OSError, QueueTimeout):
+            except OSError:
                 return
             states = {s.name: s for s in parse_servers_state(answer.decode(errors="replace"))}
             state = states.get(server)
@@ -268,15 +271,15 @@ class RuntimeRelay:
             await asyncio.sleep(ADDRESS_POLL_S)
 
     async def _roundtrip(self, data: bytes) -> bytes:
-        async with self.slots.held():
-            async with asyncio.timeout(COMMAND_TIMEOUT_S):
-                reader, writer = await connect_unix(self.upstream)
-                try:
-                    writer.write(data)
-                    await writer.drain()
-                    return await reader.read()  # HAProxy closes after a line it does not prompt for
-                finally:
-                    writer.close()
+        """One line to HAProxy on a connection of its own; the caller holds a slot."""
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            reader, writer = await connect_unix(self.upstream)
+            try:
+                writer.write(data)
+                await writer.drain()
+                return await reader.read()  # HAProxy closes after a line it does not prompt for
+            finally:
+                writer.close()
 
     async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         prefix = session_prefix(parse_line(first.rstrip(b"\n")))
