@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .controller import ControllerSockets
-from .controller.relay import stats_socket_capacity
+from .controller.connections import stats_socket_capacity
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .files import ensure_private_dir
 from .haproxy.answers import ProcList

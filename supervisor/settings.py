@@ -7,10 +7,8 @@ is wrong, so `run`, `check` and `render` can exit 2 without a traceback.
 from __future__ import annotations
 
 import dataclasses
-import grp
 import math
 import os
-import pwd
 import types
 import typing
 from collections.abc import Mapping
@@ -20,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .files import DEFAULT_MAX_READ_BYTES, UnreadableFile, read_regular
+from .files import DEFAULT_MAX_READ_BYTES, UnreadableFile, mode_bits, owner_ids, read_regular
 
 
 class SettingsError(Exception):
@@ -143,50 +141,13 @@ class ControllerSettings:
     runtime_socket: Path | None = None
     # Where it reloads (/var/run/haproxy-master.sock): `reload` runs the daemon's cycle.
     master_socket: Path | None = None
-    # A connection to either socket that moves nothing either way this long is closed, as
-    # HAProxy's `stats timeout` (10 s by default) closes its own.
+    # Both sockets (docs/controller.md): an idle connection closed (HAProxy's `stats timeout`);
+    # the wait for HAProxy's socket before a line is answered `[3]:` (the controller waits 30 s);
+    # owner "uid:gid" (numbers or names; unset: the daemon's) and octal mode.
     idle_timeout_s: float = 10
-    # How long a line may wait for one of the connections HAProxy's stats socket accepts
-    # (its maxconn) before it is answered `[3]:`: well before the controller, which waits 30 s for
-    # the whole answer, gives up.
     queue_timeout_s: float = 20
-    # Who may connect to both sockets: their owner as "uid:gid" (numbers or names; the
-    # controller's user, in another container) and their mode, octal. Unset: the daemon's
-    # user and group.
     socket_owner: str | None = None
     socket_mode: str = "0660"
-
-    @property
-    def socket_mode_bits(self) -> int:
-        return int(self.socket_mode, 8)
-
-    @property
-    def socket_owner_ids(self) -> tuple[int, int] | None:
-        """(uid, gid) of socket_owner; ValueError naming what cannot be resolved."""
-        if self.socket_owner is None:
-            return None
-        user, sep, group = self.socket_owner.partition(":")
-        if not sep or not user or not group:
-            raise ValueError(f"must be \"uid:gid\" (numbers or names), got {self.socket_owner!r}")
-        return _user_id(user), _group_id(group)
-
-
-def _user_id(name: str) -> int:
-    if name.isascii() and name.isdigit():
-        return int(name)
-    try:
-        return pwd.getpwnam(name).pw_uid
-    except KeyError:
-        raise ValueError(f"no user {name!r}") from None
-
-
-def _group_id(name: str) -> int:
-    if name.isascii() and name.isdigit():
-        return int(name)
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise ValueError(f"no group {name!r}") from None
 
 
 @dataclass(frozen=True)
@@ -221,6 +182,8 @@ _POSITIVE = {
 }
 # Keys that may be zero but not negative.
 _NON_NEGATIVE = {"reload.min_interval_ms", "reload.converge_grace_s", "reload.remove_wait_s"}
+# Strings read by a function of files.py, which says what is wrong with a bad one.
+_STRING_CHECKS = {"controller.socket_mode": mode_bits, "controller.socket_owner": owner_ids}
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
 # Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or
@@ -301,20 +264,7 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
     if settings.controller.runtime_socket is not None and not settings.haproxy.move_stats_socket:
         # The controller writes HAProxy's `stats socket` at the path the relay binds.
         raise SettingsError(f"{path}: controller.runtime_socket needs haproxy.move_stats_socket: true")
-    _check_controller_sockets(settings.controller, path)
     return apply_environment(settings, os.environ if environ is None else environ, path)
-
-
-def _check_controller_sockets(controller: ControllerSettings, path: Path) -> None:
-    mode = controller.socket_mode
-    if not (mode.isascii() and len(mode) <= 4 and mode and all(c in "01234567" for c in mode)):
-        raise SettingsError(f"{path}: controller.socket_mode: must be an octal mode like \"0600\", got {mode!r}")
-    if controller.socket_mode_bits & 0o007:
-        raise SettingsError(f"{path}: controller.socket_mode: {mode} lets every user in; give others no bits")
-    try:
-        _ = controller.socket_owner_ids
-    except ValueError as exc:
-        raise SettingsError(f"{path}: controller.socket_owner: {exc}") from None
 
 
 def apply_environment(settings: Settings, environ: Mapping[str, str], file: Path | str = "environment") -> Settings:
@@ -423,6 +373,10 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
             fail("cannot contain a NUL byte")
         if key == "status.listen":
             _check_listen(value, fail)
+        try:
+            _STRING_CHECKS.get(key, str)(value)
+        except ValueError as exc:
+            fail(str(exc))
         return value
     raise AssertionError(f"unhandled settings type {hint!r} for {key}")
 

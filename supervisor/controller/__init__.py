@@ -9,10 +9,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from ..files import mode_bits, owner_ids
 from ..settings import Settings
 from ..state import ReloadRecord
+from .connections import HAPROXY_STATS_MAXCONN
 from .facade import MasterFacade
-from .relay import HAPROXY_STATS_MAXCONN, RuntimeRelay
+from .relay import RuntimeRelay
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class ControllerSockets:
         marks: Callable[[], Marks | None], capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN,
     ) -> None:
         c = settings.controller
-        mode, owner = c.socket_mode_bits, c.socket_owner_ids
+        mode, owner = mode_bits(c.socket_mode), owner_ids(c.socket_owner) if c.socket_owner else None
         self.relay = (
             RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, steer_on_service(marks), capacity,
                          c.queue_timeout_s, c.idle_timeout_s, mode, owner)

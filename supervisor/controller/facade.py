@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..state import ReloadRecord
 from .commands import split_line
-from .relay import (
+from .connections import (
     LINE_LIMIT,
     IdleTimeout,
     connect_unix,
