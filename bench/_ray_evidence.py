@@ -71,6 +71,12 @@ def short_ss(ss_line: str) -> str:
     return " ".join([fields[0], f"Send-Q {fields[2]}", fields[3], "->", fields[4], f"pid {pid}", *kept])
 
 
+def roomy_log_queue() -> None:
+    """Inside the bench's own network namespace: a unix datagram socket queues 10 lines by
+    default (net.unix.max_dgram_qlen, per namespace), and HAProxy drops the lines that do not fit."""
+    Path("/proc/sys/net/unix/max_dgram_qlen").write_text("4096")
+
+
 class _Loop(threading.Thread):
     """Calls `step` every `interval` seconds until stopped."""
 

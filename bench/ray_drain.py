@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 
 from bench._doc import markdown_table
-from bench._ray_evidence import Evidence, explained
+from bench._ray_evidence import Evidence, explained, roomy_log_queue
 from bench._vanish import vanish
 from bench.drain import SLOW_S, Answer, Result, format_seconds
 from tests.support.harness import short_tmpdir
@@ -186,14 +186,14 @@ async def staged(
         await conn.open()
         assert (await conn.request(10, -1)).status == 200
     haproxy_before = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"]
-    daemon_deployed = daemon_counts(daemons[0]) if daemons else {}
+    daemon_deployed = (await asyncio.to_thread(daemon_counts, daemons[0])) if daemons else {}
 
     redeploy_at = time.monotonic()
     await asyncio.to_thread(deploy_apps, applications("v2"), False)
     wait_until(lambda: len(s := live_servers(head_sock, "http-moved")) == 2 and not s & routed["moved"], 90,
                "moved's new replicas routed")
     haproxy_at_vanish = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"]
-    daemon_redeployed = daemon_counts(daemons[0]) if daemons else {}
+    daemon_redeployed = (await asyncio.to_thread(daemon_counts, daemons[0])) if daemons else {}
 
     raylet = second.all_processes["raylet"][0].process.pid
     evidence.start_probes()
@@ -225,7 +225,7 @@ async def staged(
         },
     }
     if daemons:
-        daemon_end = daemon_counts(daemons[0])
+        daemon_end = await asyncio.to_thread(daemon_counts, daemons[0])
         notes["head_daemon_reloads"] = daemon_end
         notes["head_daemon_by_operation"] = {
             "deploy": daemon_deployed, "redeploy": counted(daemon_deployed, daemon_redeployed),
@@ -239,6 +239,7 @@ async def staged(
 
 def inside(args: argparse.Namespace) -> None:
     loopback_up()
+    roomy_log_queue()
     mode = next(m for m in MODES if m.key == args.mode)
     daemons = []
     if mode.bridge:
