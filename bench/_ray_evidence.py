@@ -195,6 +195,6 @@ def explained(answers: list[Answer], sent_at: list[float], evidence: dict[str, A
         for sock in probe["sockets"]:
             lines.append(f"ss +{probe['at']:.1f} s: {short_ss(sock)}")
     for entry in evidence.get("log", []):
-        if "event" in entry:
+        if "event" in entry and entry["at"] >= -1:  # from the vanish on
             lines.append(f"log +{entry['at']:.2f} s: {entry['event']}")
     return lines
