@@ -30,20 +30,17 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench._doc import markdown_table
 from bench._ray_evidence import Evidence, explained, roomy_log_queue
+from bench._ray_runs import APPS, MODES, RayMode, Run, by_app, kept_runs, tables
 from bench._vanish import vanish
-from bench.drain import SLOW_S, Answer, Result, format_seconds
+from bench.drain import Answer
 from tests.support.harness import short_tmpdir
 from tests.support.ray_load import KeptConnection
 from tests.support.ray_serve import (
@@ -58,26 +55,10 @@ from tests.support.ray_serve import (
     wait_until,
 )
 
-APPS = ("wide", "moved")  # `lost` is deployed but not asked: its only replica vanishes
 SECOND_NODE_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": "8405", "RAY_SERVE_HAPROXY_METRICS_PORT": "9102"}
 SECOND_NODE_HTTP_PORT = 8001
 CONNECT_TIMEOUT_S = 5  # Ray's `timeout connect`
 RETRIES = 3  # HAProxy's default: Ray's template sets none
-
-
-@dataclass(frozen=True)
-class RayMode:
-    key: str
-    name: str
-    observe: bool
-    bridge: bool
-
-
-MODES = (
-    RayMode("observe-off", "stock Ray, observe off", False, False),
-    RayMode("stock", "stock Ray as it ships (observe on)", True, False),
-    RayMode("bridge", "Ray with the bridge", True, True),
-)
 
 
 def application(name: str, tag: str, replicas: int, on_second_only: bool = False) -> dict[str, Any]:
@@ -251,20 +232,6 @@ def inside(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-@dataclass(frozen=True)
-class Run:
-    """One way, one run: its answers, notes and the evidence recorded beside them."""
-
-    mode: RayMode
-    answers: list[Answer]
-    notes: dict[str, Any]
-    sent_at: list[float]
-    evidence: dict[str, Any]
-
-    def of(self, app: str) -> Result:
-        return Result(self.mode.name, [a for a in self.answers if a.app == app])
-
-
 def run_once(mode: RayMode, requests: int, spacing_ms: float) -> Run:
     directory = short_tmpdir("hs-rd-")
     try:
@@ -294,69 +261,6 @@ def run(requests: int, spacing_ms: float, runs: int = 1, keep: Path | None = Non
     return done
 
 
-def by_app(one: Run) -> str:
-    """Failed (and their statuses) and slow requests of each app."""
-    parts = []
-    for app in APPS:
-        mine = one.of(app).answers
-        statuses = sorted({a.status for a in mine if a.status != 200})
-        answered = f" {statuses}" if statuses else ""
-        parts.append(f"{app} failed {sum(a.status != 200 for a in mine)}{answered} "
-                     f"slow {sum(a.seconds > SLOW_S for a in mine)}")
-    return ", ".join(parts)
-
-
-def across(values: list[float], show: Callable[[float], str]) -> str:
-    """`median (worst)` over the runs: the worst run is never hidden behind the median."""
-    if not values:
-        return "-"
-    return f"{show(statistics.median(values))} ({show(max(values))})"
-
-
-def count(value: float) -> str:
-    return f"{value:g}"
-
-
-HEADER = ("mode", "runs", *(f"{app}: {what}" for app in APPS for what in ("failed", "slower than 0.5 s")),
-          "worst request", "all requests together")
-OPERATIONS = ("deploy", "redeploy", "vanish")
-
-
-def rows(done: list[Run]) -> list[tuple[str, ...]]:
-    """One row per way: every figure is the median over its runs, the worst run in brackets."""
-    found = []
-    for mode in MODES:
-        mine = [one for one in done if one.mode == mode]
-        if not mine:
-            continue
-        cells = [mode.name, str(len(mine))]
-        for app in APPS:
-            cells.append(across([one.of(app).failed for one in mine], count))
-            cells.append(across([one.of(app).slow for one in mine], count))
-        cells.append(across([max(a.seconds for a in one.answers) for one in mine], format_seconds))
-        cells.append(across([sum(a.seconds for a in one.answers) for one in mine], format_seconds))
-        found.append(tuple(cells))
-    return found
-
-
-def reload_rows(done: list[Run]) -> list[tuple[str, ...]]:
-    """Head HAProxy processes each Ray operation started: a spawn of Ray's, or under the bridge a
-    reload's new worker; median over the runs (worst)."""
-    found = []
-    for mode in MODES:
-        mine = [one for one in done if one.mode == mode]
-        if mine:
-            found.append((mode.name, *(across([one.notes["head_haproxy_started"][op] for one in mine], count)
-                                       for op in OPERATIONS)))
-    return found
-
-
-def tables(done: list[Run]) -> str:
-    """The drain table, then the reloads table; each cell `median (worst run)`."""
-    reloads = markdown_table(("mode", *(f"HAProxy started at {op}" for op in OPERATIONS)), reload_rows(done))
-    return f"{markdown_table(HEADER, rows(done))}\n\n{reloads}"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.ray_drain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=30,
@@ -366,6 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=5,
                         help="rounds of the three ways, side by side (default %(default)s)")
     parser.add_argument("--keep", type=Path, help="a directory to write each run's answers and evidence to")
+    parser.add_argument("--tables-from", type=Path, metavar="DIR",
+                        help="print the tables of the runs a --keep DIR holds, and run nothing")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=[m.key for m in MODES], help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
@@ -386,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.inside:
         inside(args)
+        return
+    if args.tables_from:
+        print(tables(kept_runs(args.tables_from)))
         return
     print(
         f"{args.requests} requests on keep-alive connections held since before a redeploy, after the second "

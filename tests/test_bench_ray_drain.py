@@ -1,5 +1,6 @@
-"""bench/ray_drain.py's own logic: the nftables rules of a vanished node, its per-app counts, its
-table (medians and worst runs, per app), and the reading of HAProxy's log and `ss` lines."""
+"""bench/ray_drain.py's own logic (_ray_runs.py, _ray_evidence.py, _vanish.py): the nftables
+rules of a vanished node, its per-app counts, its table (medians and worst runs, per app),
+and the reading of HAProxy's log and `ss` lines."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import subprocess
 import pytest
 
 from bench._ray_evidence import explained, parse_httplog, peer_port, short_ss
+from bench._ray_runs import HEADER, MODES, Run, by_app, reload_rows, rows
 from bench._vanish import drop_rules
 from bench.drain import Answer
-from bench.ray_drain import HEADER, MODES, Run, by_app, reload_rows, rows
 
 STOCK, _, BRIDGE = MODES
 
