@@ -145,8 +145,8 @@ async def staged(
     evidence = Evidence(
         directory / "log.sock",
         lambda: directory / "h" / head["id"] / "haproxy.cfg" if head else None,
-        lambda p: bool(head) and (str(daemons[0].directory) if daemons else head["id"])
-        in " ".join(p.info["cmdline"] or ()),
+        lambda p: bool(head) and "-c" not in (p.info["cmdline"] or ())  # not a config check
+        and (str(daemons[0].directory) if daemons else head["id"]) in " ".join(p.info["cmdline"] or ()),
     ).start()
     began = time.monotonic()
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={

