@@ -87,6 +87,9 @@ class ReloadSettings:
     # maint at the placeholder: deleted in the background (true), or a reload after
     # remove_wait_s (false).
     remove_in_background: bool = True
+    # A render that only takes lines out and empties a backend (Ray Serve rebuilding an app)
+    # waits this long for the next render before it is reloaded; 0: never waits.
+    transient_hold_ms: int = 20000
     # Save `show servers state` before each reload and make the new worker load it.
     preserve_server_state: bool = True
     # While the current worker does not run the rendered config, try again after 0.5 s, 1 s,
@@ -172,7 +175,9 @@ _POSITIVE = {
     "status.max_connections",
 }
 # Keys that may be zero but not negative.
-_NON_NEGATIVE = {"reload.min_interval_ms", "reload.converge_grace_s", "reload.remove_wait_s"}
+_NON_NEGATIVE = {
+    "reload.min_interval_ms", "reload.transient_hold_ms", "reload.converge_grace_s", "reload.remove_wait_s",
+}
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
 # Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or

@@ -164,12 +164,14 @@ def test_bridge_churn_of_servers_only_makes_no_reload_and_no_old_worker(bridge: 
         assert len(seen["workers"]) == 1, name
 
 
-def test_bridge_a_new_codes_config_beyond_servers_is_reloaded(bridge: dict[str, Any]) -> None:
+def test_bridge_a_new_codes_config_beyond_servers_reloads_at_most_twice(bridge: dict[str, Any]) -> None:
     # Ray 2.60 builds the app again for new code, and renders meanwhile without the ingress
-    # deployment's metrics variable (`set-var-fmt(txn.serve_deployment)`): that line is no
-    # server, so the daemon must reload, and no request may suffer for it.
+    # deployment's metrics variable (`set-var-fmt(txn.serve_deployment)`) and without its
+    # replicas, both back in a later render once the new replicas are up. The daemon holds the
+    # first for the next one (reload.transient_hold_ms); when Ray takes longer than that, they
+    # are two reloads, and no request may suffer for either.
     assert step(bridge, "redeploy, new code")["beyond_servers"]
-    assert during(bridge, "redeploy, new code")["reloads"]["ok"] >= 1
+    assert during(bridge, "redeploy, new code")["reloads"]["ok"] <= 2
     assert all(s["status"] == 200 for s in sent_during(bridge, "redeploy, new code"))
 
 
