@@ -88,8 +88,9 @@ class ReloadSettings:
     # remove_wait_s (false).
     remove_in_background: bool = True
     # A render that only takes lines out and empties a backend (Ray Serve rebuilding an app)
-    # waits this long for the next render before it is reloaded; 0: never waits.
-    transient_hold_ms: int = 20000
+    # waits this long for the next render before it is reloaded; 0 (the default): never waits,
+    # since for any other writer such a render is what the operator meant.
+    transient_hold_ms: int = 0
     # Save `show servers state` before each reload and make the new worker load it.
     preserve_server_state: bool = True
     # While the current worker does not run the rendered config, try again after 0.5 s, 1 s,
