@@ -24,23 +24,23 @@ def netns_available() -> bool:
 needs_netns = pytest.mark.skipif(not netns_available(), reason="needs root, ip and nft for a network namespace")
 
 
-def _child(fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+def _child(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     try:
         if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-        out.send(("ok", fn(*args)))
+        out.send(("ok", fn(*args, **kwargs)))
     except BaseException:
         out.send(("error", traceback.format_exc()))
     finally:
         out.close()
 
 
-def run_in_netns(fn: Callable[..., Any], *args: Any, timeout: float = 60) -> Any:
-    """fn(*args) in a child in a new network namespace; its return value (picklable), or the
+def run_in_netns(fn: Callable[..., Any], *args: Any, timeout: float = 60, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) in a child in a new network namespace; its return value (picklable), or the
     child's traceback raised here as an AssertionError."""
     receive, send = multiprocessing.Pipe(duplex=False)
-    child = multiprocessing.get_context("fork").Process(target=_child, args=(fn, args, send))
+    child = multiprocessing.get_context("fork").Process(target=_child, args=(fn, args, kwargs, send))
     child.start()
     send.close()
     try:
