@@ -90,7 +90,7 @@ async def staged(
         })
         try:
             daemon.start()
-            await daemon.wait_generation(1, timeout=20)
+            await daemon.wait_generation(1, timeout=60)
             # At soft-stop an old worker answers one more request on each idle client connection
             # (`option idle-close-on-response`): one held connection per request after the vanish.
             held = [await KeepAliveClient(front).connect() for _ in range(requests)]
@@ -98,19 +98,25 @@ async def staged(
                 for client in held:
                     await client.get()
             daemon.write(config("two"))
-            await daemon.wait_generation(2, timeout=20)
+            await daemon.wait_generation(2, timeout=60)
             for _ in range(4):  # and in the current worker
                 await http_get(front)
             await asyncio.sleep(0.3)
             drop_port(r2, both_ways=partition)
-            vanished = time.monotonic()
-            for i in range(requests):
-                status, body, seconds = await held[i].get(timeout=30)
-                outcome.held.append((status, body, seconds))
+            async def fresh() -> tuple[int, str, float]:
                 started = time.monotonic()
                 status, _, body = await http_get(front, timeout=30)
-                outcome.new.append((status, body, time.monotonic() - started))
+                return status, body, time.monotonic() - started
+
+            # One request every `spacing_s` in each mode, answers awaited together: a hang
+            # costs the run 30 s once, not once per request.
+            jobs = []
+            for i in range(requests):
+                jobs.append((asyncio.create_task(held[i].get(timeout=30)), asyncio.create_task(fresh())))
                 await asyncio.sleep(spacing_s)
+            for on_held, on_new in jobs:
+                outcome.held.append(await on_held)
+                outcome.new.append(await on_new)
             outcome.suspects = await _status_suspects(daemon)
             if lift:
                 lift_drop(r2)
@@ -121,7 +127,6 @@ async def staged(
                         outcome.back_after_s = time.monotonic() - lifted
                         break
                     await asyncio.sleep(0.1)
-            del vanished
             for client in held:
                 await client.close()
         finally:
@@ -161,7 +166,7 @@ async def staged_status(port: int, *, requests: int, wait_s: float) -> dict[str,
         daemon = Daemon(Path(tmp), SLOW_CONFIG.format(front=front, port=port))
         try:
             daemon.start()
-            await daemon.wait_generation(1, timeout=20)
+            await daemon.wait_generation(1, timeout=60)
             pending = [asyncio.create_task(http_get(front, timeout=20)) for _ in range(requests)]
             await asyncio.sleep(wait_s)
             suspects = await _status_suspects(daemon)
