@@ -82,6 +82,21 @@ class ServerIndex:
         )
 
 
+def merged(indexes: list[ServerIndex]) -> ServerIndex:
+    """Several configs' servers in one index: the configs every worker runs."""
+    if len(indexes) == 1:
+        return indexes[0]
+    by_endpoint: dict[Endpoint, dict[str, None]] = {}
+    for index in indexes:
+        for endpoint, keys in index.by_endpoint.items():
+            by_endpoint.setdefault(endpoint, {}).update(dict.fromkeys(keys))
+    return ServerIndex(
+        " ".join(i.sha256 for i in indexes), {e: tuple(k) for e, k in by_endpoint.items()},
+        frozenset().union(*(i.checked for i in indexes)), frozenset().union(*(i.keys for i in indexes)),
+        frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))),
+    )
+
+
 class StalledDetector:
     """Finds the servers the workers' sockets say are unreachable, and acts on them."""
 
@@ -93,7 +108,8 @@ class StalledDetector:
         self.cli = cli
         self.wake_steering = wake_steering
         self.can_abort = False
-        self._index: ServerIndex | None = None
+        self._indexes: dict[str, ServerIndex] = {}  # by effective config sha256
+        self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
@@ -121,19 +137,34 @@ class StalledDetector:
 
     # ------------------------------------------------------------ one poll
 
-    def _current_index(self) -> ServerIndex | None:
+    def _index_of(self, generation: Generation) -> ServerIndex:
+        index = self._indexes.get(generation.effective_sha256)
+        if index is None:
+            index = self._indexes[generation.effective_sha256] = ServerIndex.of(generation)
+        return index
+
+    def _current_and_watched(self) -> tuple[ServerIndex, ServerIndex] | None:
+        """The current config's servers (the ones `health` commands reach), and those of every
+        config a worker runs: an old worker's stalled socket to a server the current config
+        dropped (a pending removal a reload left behind included) is still found and aborted."""
         current = self.state.current
         if current is None:
             return None
-        if self._index is None or self._index.sha256 != current.effective_sha256:
-            self._index = ServerIndex.of(current)
-        return self._index
+        running = [g for g in self.state.generations.values() if g is current or g.worker_pid in self.state.old_workers]
+        shas = {g.effective_sha256 for g in running} | {current.effective_sha256}
+        self._indexes = {sha: i for sha, i in self._indexes.items() if sha in shas}
+        indexes = [self._index_of(g) for g in sorted(running, key=lambda g: g.number)]
+        key = " ".join(i.sha256 for i in indexes)
+        if self._watched is None or self._watched.sha256 != key:
+            self._watched = merged(indexes)
+        return self._index_of(current), self._watched
 
     async def poll(self) -> None:
-        index = self._current_index()
+        found_indexes = self._current_and_watched()
         current = self.state.current
-        if index is None or current is None or not index.ports:
+        if found_indexes is None or current is None or not found_indexes[1].ports:
             return
+        now_index, index = found_indexes
         now = time.monotonic()
         listed = [
             s for family in index.families
@@ -174,11 +205,12 @@ class StalledDetector:
             if ended:
                 taken = [k for k in ended if k in self._health_down]
                 self._health_down.difference_update(ended)
-                await self._bring_back(current.worker_pid, taken, index)
-            if new:
-                await self._take_out(current.worker_pid, [s.key for s in new])
+                await self._bring_back(current.worker_pid, taken, now_index)
+            here = [s.key for s in new if s.key in now_index.keys]
+            if here:
+                await self._take_out(current.worker_pid, here)
         if self.can_abort and self._held:
-            self._abort(listed, stalls, owners, current.worker_pid, index)
+            self._abort(listed, stalls, owners, current.worker_pid, index, now_index.keys)
 
     def _owners(self, current_pid: int | None) -> dict[int, int]:
         """{socket inode: worker PID} of every worker: read only when something is stalled."""
@@ -212,15 +244,18 @@ class StalledDetector:
         if unchecked:
             await self._set_health(pid, unchecked, "up")
 
-    def _steered_off(self, pid: int, current_pid: int | None, key: str) -> bool:
+    def _steered_off(self, pid: int, current_pid: int | None, key: str, current_keys: frozenset[str]) -> bool:
+        """Does worker `pid` route nothing more to `key`? The current worker: set down, or no
+        longer in its config (a pending removal: in maint at the placeholder). An old worker:
+        in the steered list of its last push."""
         if pid == current_pid:
-            return key in self._health_down
+            return key in self._health_down or key not in current_keys
         record = self.state.old_workers.get(pid)
         return record is not None and key in record.steered
 
     def _abort(
         self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
-        index: ServerIndex,
+        index: ServerIndex, current_keys: frozenset[str],
     ) -> None:
         """Destroy the stalled sockets to suspects in the workers that steer off them, and every
         worker's idle pooled connections to them."""
@@ -231,7 +266,7 @@ class StalledDetector:
             pid = owners.get(stall.socket.inode)
             if key is not None and pid is not None:
                 keys = index.by_endpoint.get(stall.endpoint, ())
-                if any(self._steered_off(pid, current_pid, k) for k in keys):
+                if any(self._steered_off(pid, current_pid, k, current_keys) for k in keys):
                     targets.append((stall.socket, "aborted"))
         for sock in listed:
             if (sock.dst, sock.dport) in held_at and idle(sock) and sock.inode in owners:
