@@ -8,6 +8,7 @@ have to be read whole.
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,7 @@ _BC_OP = struct.Struct("=BBH")  # struct inet_diag_bc_op: code, yes, no
 # rqueue, wqueue, uid, inode.
 _MSG = struct.Struct("=BBBB48sIIIII")
 _SOCKID = struct.Struct(">HH16s16s")  # sport, dport (big endian), src, dst; then if, cookie
+_DPORT, _DPORT_AT = struct.Struct(">H"), 6  # idiag_dport, in inet_diag_msg
 # struct tcp_info, as far as read: state .. backoff (bytes 0-4), rto at 8, unacked at 24, rtt at 68.
 _TCPI_RETRANSMITS_AT, _TCPI_BACKOFF_AT, _TCPI_RTO_AT, _TCPI_UNACKED_AT, _TCPI_RTT_AT = 2, 4, 8, 24, 68
 # A bytecode longer than this would overflow its jumps' 16 bits: dump by state alone then.
@@ -58,6 +60,11 @@ class DiagSocket:
     rtt_ms: float | None = None
     unacked: int | None = None
     backoff: int | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_filter(ports: frozenset[int]) -> bytes:
+    return port_filter(ports)
 
 
 def port_filter(ports: Iterable[int]) -> bytes:
@@ -120,7 +127,7 @@ def tcp_sockets(
     for state in states:
         mask |= 1 << state
     wanted = frozenset(ports) if ports is not None else None
-    bytecode = port_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""
+    bytecode = _cached_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""
     if wanted is not None and not wanted:
         return
     ext = 1 << (_INET_DIAG_INFO - 1) if info else 0
@@ -141,9 +148,10 @@ def tcp_sockets(
                 if kind == _NLMSG_ERROR:
                     (errno,) = struct.unpack_from("=i", data, offset + _NLMSG_HEADER.size)
                     raise SockDiagError(-errno, f"sock_diag dump refused: {-errno}")
-                found = _parse(data, offset + _NLMSG_HEADER.size, offset + length)
-                if wanted is None or bytecode or found.dport in wanted:
-                    yield found
+                body = offset + _NLMSG_HEADER.size
+                # Past the bytecode's reach the port is checked here, before the socket is parsed.
+                if wanted is None or bytecode or _DPORT.unpack_from(data, body + _DPORT_AT)[0] in wanted:
+                    yield _parse(data, body, offset + length)
                 offset += (length + 3) & ~3
 
 

@@ -20,7 +20,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from ..haproxy.api import CLIError, MasterCLI
@@ -108,7 +108,7 @@ class StalledDetector:
         self.cli = cli
         self.wake_steering = wake_steering
         self.can_abort = False
-        self._indexes: dict[str, ServerIndex] = {}  # by effective config sha256
+        self._current: ServerIndex | None = None
         self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
@@ -137,30 +137,34 @@ class StalledDetector:
 
     # ------------------------------------------------------------ one poll
 
-    def _index_of(self, generation: Generation) -> ServerIndex:
-        index = self._indexes.get(generation.effective_sha256)
-        if index is None:
-            index = self._indexes[generation.effective_sha256] = ServerIndex.of(generation)
-        return index
-
-    def _current_and_watched(self) -> tuple[ServerIndex, ServerIndex] | None:
+    async def _current_and_watched(self) -> tuple[ServerIndex, ServerIndex] | None:
         """The current config's servers (the ones `health` commands reach), and those of every
         config a worker runs: an old worker's stalled socket to a server the current config
-        dropped (a pending removal a reload left behind included) is still found and aborted."""
+        dropped (a pending removal a reload left behind included) is still found and aborted.
+        Worked out again when the running configs change, one config per turn of the loop;
+        only the two results are kept."""
         current = self.state.current
         if current is None:
             return None
-        running = [g for g in self.state.generations.values() if g is current or g.worker_pid in self.state.old_workers]
-        shas = {g.effective_sha256 for g in running} | {current.effective_sha256}
-        self._indexes = {sha: i for sha, i in self._indexes.items() if sha in shas}
-        indexes = [self._index_of(g) for g in sorted(running, key=lambda g: g.number)]
-        key = " ".join(i.sha256 for i in indexes)
-        if self._watched is None or self._watched.sha256 != key:
-            self._watched = merged(indexes)
-        return self._index_of(current), self._watched
+        running = sorted(
+            (g for g in self.state.generations.values() if g is current or g.worker_pid in self.state.old_workers),
+            key=lambda g: g.number,
+        )
+        key = " ".join(g.effective_sha256 for g in running)
+        if self._watched is not None and self._current is not None and self._watched.sha256 == key:
+            return self._current, self._watched
+        if self._current is None or self._current.sha256 != current.effective_sha256:
+            self._current = ServerIndex.of(current)
+        indexes = [self._current]
+        for generation in running:
+            if generation.effective_sha256 != current.effective_sha256:
+                await asyncio.sleep(0)
+                indexes = [merged([*indexes, ServerIndex.of(generation)])]
+        self._watched = replace(merged(indexes), sha256=key)
+        return self._current, self._watched
 
     async def poll(self) -> None:
-        found_indexes = self._current_and_watched()
+        found_indexes = await self._current_and_watched()
         current = self.state.current
         if found_indexes is None or current is None or not found_indexes[1].ports:
             return

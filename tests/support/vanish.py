@@ -6,6 +6,8 @@ Shared by tests/test_detector_e2e.py and bench/drain.py's vanished variants."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ class Outcome:
     new: list[tuple[int, str, float]] = field(default_factory=list)  # new connections, the current worker
     suspects: list[str] = field(default_factory=list)
     back_after_s: float | None = None  # after the drop was lifted, until r2 answered again
+    vanished_at: float = 0.0  # time.time() of the drop
 
     def figures(self, mode: str) -> tuple[int, int, float]:
         rows = self.held if mode == "held" else self.new
@@ -73,7 +76,7 @@ async def _status_suspects(daemon: Daemon) -> list[str]:
 
 async def staged(
     *, detector: bool, partition: bool = False, requests: int = 10, spacing_s: float = 0.2, balance: str = "roundrobin",
-    inter: str = "5s", lift: bool = False, reuse_before: bool = True,
+    inter: str = "5s", lift: bool = False, reuse_before: bool = True, settings: dict | None = None,
 ) -> Outcome:
     """One staged vanish of r2. `partition`: r2's port dropped both ways while r2 lives, after a
     request left a pooled connection to it; else only new packets to it are dropped."""
@@ -86,7 +89,7 @@ async def staged(
             return CONFIG.format(front=front, tag=tag, r1=r1, r2=r2, balance=balance, inter=inter)
 
         daemon = Daemon(Path(tmp), config("one"), {
-            "old_workers": {"guard": True}, "detector": {"enabled": detector},
+            "old_workers": {"guard": True}, "detector": {"enabled": detector}, **(settings or {}),
         })
         try:
             daemon.start()
@@ -103,6 +106,7 @@ async def staged(
                 await http_get(front)
             await asyncio.sleep(0.3)
             drop_port(r2, both_ways=partition)
+            outcome.vanished_at = time.time()
             async def fresh() -> tuple[int, str, float]:
                 started = time.monotonic()
                 status, _, body = await http_get(front, timeout=30)
@@ -131,6 +135,9 @@ async def staged(
                 await client.close()
         finally:
             daemon.cleanup()
+            keep = os.environ.get("HS_VANISH_KEEP_LOG")
+            if keep:
+                shutil.copy(daemon.log_path, keep)
     return outcome
 
 
