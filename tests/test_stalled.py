@@ -9,10 +9,11 @@ from supervisor.steering.stalled import idle, stall_of, suspects, threshold_ms
 
 
 def sock(state: int = TCP_SYN_SENT, timer: int = 1, retrans: int = 0, expires: int = 0, wqueue: int = 0,
-         rto: float | None = None, port: int = 8001, address: str = "10.0.0.1", rqueue: int = 0) -> DiagSocket:
+         rto: float | None = None, port: int = 8001, address: str = "10.0.0.1", rqueue: int = 0,
+         sent_ago: int | None = None, received_ago: int | None = None) -> DiagSocket:
     sockid = f"{address}:{port}:{state}:{timer}:{retrans}:{expires}".encode()
     return DiagSocket(2, state, "127.0.0.1", 40000, address, port, sockid, timer, retrans, expires, rqueue, wqueue, 7,
-                      rto_ms=rto)
+                      rto_ms=rto, sent_ago_ms=sent_ago, received_ago_ms=received_ago)
 
 
 @pytest.mark.parametrize(("socket", "why", "age_ms"), [
@@ -91,6 +92,8 @@ def test_since_is_the_oldest_stall():
 
 @pytest.mark.parametrize(("socket", "expected"), [
     (sock(TCP_ESTABLISHED, timer=0), True),
+    (sock(TCP_ESTABLISHED, timer=0, sent_ago=36_000, received_ago=35_990), True),  # answered, then idle
+    (sock(TCP_ESTABLISHED, timer=0, sent_ago=300, received_ago=36_000), False),  # a request awaits its answer
     (sock(TCP_ESTABLISHED, timer=0, rqueue=5), False),  # an answer not read yet
     (sock(TCP_ESTABLISHED, retrans=1, wqueue=70), False),  # a request in flight
     (sock(), False),

@@ -31,6 +31,7 @@ _SOCKID = struct.Struct(">HH16s16s")  # sport, dport (big endian), src, dst; the
 _DPORT, _DPORT_AT = struct.Struct(">H"), 6  # idiag_dport, in inet_diag_msg
 # struct tcp_info, as far as read: state .. backoff (bytes 0-4), rto at 8, unacked at 24, rtt at 68.
 _TCPI_RETRANSMITS_AT, _TCPI_BACKOFF_AT, _TCPI_RTO_AT, _TCPI_UNACKED_AT, _TCPI_RTT_AT = 2, 4, 8, 24, 68
+_TCPI_LAST_DATA_SENT_AT, _TCPI_LAST_DATA_RECV_AT = 44, 52  # ms since
 # A bytecode longer than this would overflow its jumps' 16 bits: dump by state alone then.
 MAX_FILTERED_PORTS = 4000
 
@@ -60,6 +61,8 @@ class DiagSocket:
     rtt_ms: float | None = None
     unacked: int | None = None
     backoff: int | None = None
+    sent_ago_ms: int | None = None  # since data was last sent, and received
+    received_ago_ms: int | None = None
 
 
 @functools.lru_cache(maxsize=4)
@@ -106,7 +109,10 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
             (rto,) = struct.unpack_from("=I", data, info + _TCPI_RTO_AT)
             (unacked,) = struct.unpack_from("=I", data, info + _TCPI_UNACKED_AT)
             (rtt,) = struct.unpack_from("=I", data, info + _TCPI_RTT_AT)
-            extra.update(rto_ms=rto / 1000, rtt_ms=rtt / 1000, unacked=unacked)
+            (sent,) = struct.unpack_from("=I", data, info + _TCPI_LAST_DATA_SENT_AT)
+            (received,) = struct.unpack_from("=I", data, info + _TCPI_LAST_DATA_RECV_AT)
+            extra.update(rto_ms=rto / 1000, rtt_ms=rtt / 1000, unacked=unacked, sent_ago_ms=sent,
+                         received_ago_ms=received)
         offset += (length + 3) & ~3
     return DiagSocket(
         family, state, _address(family, src), sport, _address(family, dst), dport, sockid, timer, retrans,
@@ -114,6 +120,8 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
         rto_ms=extra.get("rto_ms"), rtt_ms=extra.get("rtt_ms"),
         unacked=int(extra["unacked"]) if "unacked" in extra else None,
         backoff=int(extra["backoff"]) if "backoff" in extra else None,
+        sent_ago_ms=int(extra["sent_ago_ms"]) if "sent_ago_ms" in extra else None,
+        received_ago_ms=int(extra["received_ago_ms"]) if "received_ago_ms" in extra else None,
     )
 
 

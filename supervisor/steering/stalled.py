@@ -90,5 +90,9 @@ def suspects(
 
 
 def idle(sock: DiagSocket) -> bool:
-    """An established connection with nothing in flight either way: a pooled idle one."""
-    return sock.state == TCP_ESTABLISHED and sock.wqueue == 0 and sock.rqueue == 0
+    """An established connection with nothing in flight either way: a pooled idle one. Its
+    queues are empty and its last data came in after its last data went out; a request sent
+    and acknowledged whose answer is still being worked out has empty queues too."""
+    if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue:
+        return False
+    return sock.sent_ago_ms is None or sock.received_ago_ms is None or sock.received_ago_ms <= sock.sent_ago_ms
