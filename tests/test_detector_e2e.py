@@ -15,6 +15,10 @@ from tests.support.vanish import Outcome, run_staged, staged_status
 
 pytestmark = needs_netns
 
+# What ended a request: the detector's abort, well before the `timeout connect 5s` or the
+# control's 30 s hang. How fast is a figure for bench.drain --vanish, not a timed test.
+NOT_WAITED_OUT_S = 3.0
+
 
 def _figures(outcome: Outcome) -> str:
     return f"held {outcome.figures('held')} {outcome.held}\nnew {outcome.figures('new')} {outcome.new}"
@@ -24,15 +28,15 @@ def test_a_black_holed_server_is_steered_off_in_every_worker_at_once():
     outcome = run_in_netns(run_staged, detector=True, timeout=120)
     for mode in ("held", "new"):
         failed, _, worst = outcome.figures(mode)
-        assert failed == 0 and worst < 1.0, _figures(outcome)
+        assert failed == 0 and worst < NOT_WAITED_OUT_S, _figures(outcome)
     assert outcome.suspects == ["app/r2"]
 
 
-def test_a_partitioned_server_under_pooling_costs_no_request_a_second():
+def test_a_partitioned_server_under_pooling_fails_and_hangs_no_request():
     outcome = run_in_netns(run_staged, detector=True, partition=True, timeout=120)
     for mode in ("held", "new"):
         failed, _, worst = outcome.figures(mode)
-        assert failed == 0 and worst < 1.0, _figures(outcome)
+        assert failed == 0 and worst < NOT_WAITED_OUT_S, _figures(outcome)
 
 
 def test_control_without_the_detector_a_pooled_connection_to_a_partitioned_server_hangs():
