@@ -163,6 +163,21 @@ def tcp_sockets(
                 offset += (length + 3) & ~3
 
 
+def tcp_activity() -> tuple[int, int] | None:
+    """This network namespace's count of connects begun and of segments retransmitted
+    (/proc/net/snmp: ActiveOpens, RetransSegs); None when unreadable. A dump walks every
+    bucket of the kernel's established hash, whatever the sockets: unchanged counters say no
+    connect began and nothing was retransmitted since the last look, so there is nothing new
+    to dump for."""
+    try:
+        with open("/proc/net/snmp", "rb") as snmp:
+            rows = [line.split() for line in snmp.read().splitlines() if line.startswith(b"Tcp:")]
+        names, values = rows[0], rows[1]
+        return int(values[names.index(b"ActiveOpens")]), int(values[names.index(b"RetransSegs")])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def destroy(target: DiagSocket) -> None:
     """Close `target` from outside its process (SOCK_DESTROY): a connect pending on it fails at
     once with ECONNABORTED, a read or write with an error. Needs CAP_NET_ADMIN and a kernel built

@@ -28,7 +28,15 @@ from ..haproxy.names import ServerKey, validate_name
 from ..haproxy.resolution import is_ip
 from ..logs import RecurringCondition
 from ..master.procfs import socket_inodes
-from ..master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, DiagSocket, SockDiagError, destroy, tcp_sockets
+from ..master.sockdiag import (
+    TCP_ESTABLISHED,
+    TCP_SYN_SENT,
+    DiagSocket,
+    SockDiagError,
+    destroy,
+    tcp_activity,
+    tcp_sockets,
+)
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
 from .stalled import Endpoint, Stall, Suspect, idle, stall_of, suspects
@@ -109,6 +117,7 @@ class StalledDetector:
         self.wake_steering = wake_steering
         self.can_abort = False
         self._current: ServerIndex | None = None
+        self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
         self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
@@ -169,6 +178,10 @@ class StalledDetector:
         if found_indexes is None or current is None or not found_indexes[1].ports:
             return
         now_index, index = found_indexes
+        activity = tcp_activity()
+        if activity is not None and activity == self._activity and not self._first_seen and not self._held:
+            return  # no connect begun, nothing retransmitted, nothing stalled or suspect: no dump
+        self._activity = activity
         now = time.monotonic()
         listed = [
             s for family in index.families
