@@ -35,6 +35,7 @@ from .runlock import RuntimeDirInUse, RuntimeDirLock
 from .settings import Settings
 from .state import ReloadRecord, State
 from .status.listener import StatusServerError
+from .steering.detector import StalledDetector
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +287,9 @@ class Daemon:
             # ---- components built elsewhere start here: displaced workers, status server ----
             if self.displaced is not None:
                 tasks.append(group.create_task(self.displaced.run(), name="displaced"))
+            detector = StalledDetector(settings.detector, self.state, self.cli,
+                                       getattr(self.displaced, "wake", None))
+            tasks.append(group.create_task(detector.run(), name="stalled-connection detector"))
             if status is not None:
                 tasks.append(group.create_task(status.run(), name="status"))
             if controller.enabled:

@@ -113,6 +113,20 @@ class OldWorkerSettings:
 
 
 @dataclass(frozen=True)
+class DetectorSettings:
+    """The stalled-connection detector (docs/steering.md, "Stalled connections")."""
+
+    enabled: bool = True
+    poll_interval_ms: int = 100
+    # A stall counts once it lasts this long, or 8 round trips toward the server if longer.
+    threshold_floor_ms: int = 200
+    # Destroy the stalled sockets to a suspect once it is steered off (needs CAP_NET_ADMIN).
+    abort: bool = True
+    # A suspect stays one this long after its last stalled socket.
+    hold_s: float = 5
+
+
+@dataclass(frozen=True)
 class ObserveSettings:
     enabled: bool = False
     error_limit: int = 3
@@ -153,6 +167,7 @@ class Settings:
     reload: ReloadSettings = field(default_factory=ReloadSettings)
     old_workers: OldWorkerSettings = field(default_factory=OldWorkerSettings)
     observe: ObserveSettings = field(default_factory=ObserveSettings)
+    detector: DetectorSettings = field(default_factory=DetectorSettings)
     status: StatusSettings = field(default_factory=StatusSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
@@ -169,6 +184,8 @@ _POSITIVE = {
     "old_workers.max",
     "old_workers.poll_interval_ms",
     "old_workers.state_read_interval_s",
+    "detector.poll_interval_ms",
+    "detector.threshold_floor_ms",
     "observe.error_limit",
     "haproxy.max_config_bytes",
     "status.header_timeout_s",
@@ -177,7 +194,8 @@ _POSITIVE = {
 }
 # Keys that may be zero but not negative.
 _NON_NEGATIVE = {
-    "reload.min_interval_ms", "reload.transient_hold_ms", "reload.converge_grace_s", "reload.remove_wait_s",
+    "detector.hold_s", "reload.min_interval_ms", "reload.transient_hold_ms", "reload.converge_grace_s",
+    "reload.remove_wait_s",
 }
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}

@@ -103,6 +103,16 @@ class PushNews:
     steered: Sequence[str] = ()  # with "ok": the "backend/server" it is kept away from (the plan's, not copied)
 
 
+@dataclass(frozen=True)
+class SuspectServer:
+    """A server the stalled-connection detector holds to be unreachable (steering/detector.py)."""
+
+    key: str  # "backend/server"
+    endpoint: str  # "address:port"
+    why: str  # "connect": a connect stalled in SYN-SENT; "retransmit": data sent, never acknowledged
+    since: datetime  # when its oldest stalled socket stalled
+
+
 @dataclass
 class OldWorker:
     pid: int
@@ -222,6 +232,9 @@ class State:
     last_good_sha256: str | None = None
     operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
+    suspect_servers: Mapping[str, SuspectServer] = field(default_factory=dict)  # by "backend/server"
+    stalled_aborted: int = 0  # stalled sockets to suspects destroyed
+    idle_closed: int = 0  # idle pooled connections to suspects destroyed
     push_failures: int = 0
     server_state_reads: int = 0  # full `show servers state` reads of a worker by the steering
     # The master's stderr is the daemon's FIFO: server state changes are heard as they happen.
@@ -365,6 +378,14 @@ class State:
     def publish_dead_servers(self, keys: Iterable[str]) -> None:
         """The steering: every known-dead "backend/server", any reason."""
         self.dead_servers = set(keys)
+
+    def publish_suspects(self, suspects: Mapping[str, SuspectServer]) -> None:
+        """The stalled-connection detector: the servers it suspects now, a copy."""
+        self.suspect_servers = dict(suspects)
+
+    def publish_socket_aborts(self, aborted: int, idle_closed: int) -> None:
+        """The stalled-connection detector: sockets it destroyed so far, stalled and idle."""
+        self.stalled_aborted, self.idle_closed = aborted, idle_closed
 
     def publish_operator_dead(self, key: str, dead: bool) -> None:
         """The steering, for the operator API: a "backend/server" marked dead, or unmarked."""
