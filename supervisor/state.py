@@ -231,6 +231,8 @@ class State:
     # False while the master's socket is missing from runtime_dir (deleted under us): the daemon
     # cannot reach HAProxy until it has recreated runtime_dir and made the master rebind it.
     master_socket_ok: bool = True
+    # Why the status API cannot serve (its listening socket destroyed, not bound again yet); None: it serves.
+    status_listener_down: str | None = None
     event_loop_lag_s: float = 0.0  # the worst delay of the event loop lately (looplag.py)
     old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
 
@@ -302,6 +304,10 @@ class State:
     def publish_master_socket(self, ok: bool) -> None:
         """The reloader: whether the master's socket is in runtime_dir."""
         self.master_socket_ok = ok
+
+    def publish_status_listener(self, down: str | None) -> None:
+        """The status server: why its listener cannot serve, or None once it serves."""
+        self.status_listener_down = down
 
     def publish_master(self, pid: int | None, server_events: bool = False) -> None:
         """The master process: up with `pid` (and whether its stderr feeds the daemon), or down (None)."""
