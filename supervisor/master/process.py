@@ -162,7 +162,10 @@ class MasterProcess:
         ports = config_ports(self.settings.haproxy.effective_config)
         # A fresh master has no worker to hand states over from: a previous run's file would
         # put servers in states nobody asked for.
-        clear_server_state(self.settings.haproxy.server_state_file)
+        failed = clear_server_state(self.settings.haproxy.server_state_file)
+        if failed is not None:
+            log.warning("server-state file: cannot empty it: %s; starting haproxy without it", failed)
+        self.state.publish_write("server-state file", failed)
         log.info("starting haproxy master: %s", shlex.join(cmd))
         stderr = self._stderr_end()
         try:

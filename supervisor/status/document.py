@@ -91,6 +91,10 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
         "dead_servers": sorted(state.dead_servers),
         "operator_dead": sorted(state.operator_dead),
         "pending_removals": [_pending_json(r, now) for _, r in sorted(state.pending_removals.items())],
+        "writes": {
+            "failing": [{"file": what, "error": error} for what, error in sorted(state.write_failing.items())],
+            "failures": state.write_failures,
+        },
     }
 
 
