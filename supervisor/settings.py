@@ -123,6 +123,9 @@ class StatusSettings:
     header_timeout_s: float = 10
     body_timeout_s: float = 10
     max_connections: int = 100
+    # Host header values the TCP listener answers besides loopback names, IP addresses and
+    # its own listen host (a DNS name operators use for the node).
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
