@@ -219,6 +219,9 @@ class MasterProcess:
             return None
         if not h.master_socket_path.exists():
             raise MasterSocketGone(pid, h.master_socket_path)
+        # Known to run from here (found by the socket it holds): /healthz says so while its
+        # worker's readiness is asked, which a crowded master CLI can take seconds to answer.
+        self.state.publish_master(pid, server_events=self.stderr is not None and self.stderr.feeds(pid))
         ports = config_ports(self.settings.haproxy.effective_config)
         deadline = time.monotonic() + self.settings.reload.timeout_s
         while True:
@@ -227,8 +230,10 @@ class MasterProcess:
                 break
             if not is_alive(pid):
                 log.info("haproxy master pid=%d went away during adoption", pid)
+                self.state.publish_master(None)
                 return None
             if time.monotonic() > deadline:
+                self.state.publish_master(None)
                 raise MasterError(
                     f"haproxy master pid={pid} is alive but {h.master_socket_path} shows no ready worker "
                     f"({why}): refusing to start a second HAProxy"

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -291,3 +292,21 @@ def cpu_seconds(pid: int) -> float:
     """The user and system CPU time of one process (not its children), from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- the master CLI
+
+
+def crowd(daemon: Daemon, count: int) -> list[socket.socket]:
+    """Connections to the master CLI that say nothing and stay open."""
+    held = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(daemon.runtime / "master.sock"))
+        except BlockingIOError:  # the backlog is full: crowded enough
+            sock.close()
+            break
+        held.append(sock)
+    return held
