@@ -280,7 +280,9 @@ class Daemon:
             tasks = [
                 group.create_task(self.master.run(), name="master"),
                 group.create_task(self.reloader.run(), name="reloader"),
-                group.create_task(self.notifier.run_watchdog(), name="watchdog"),
+                group.create_task(
+                    self.notifier.run_watchdog(lambda: self.state.status_listener_down), name="watchdog"
+                ),
                 group.create_task(LoopLag(self.state).run(), name="event loop lag"),
                 group.create_task(applier.run(), name="pending removals"),
             ]

@@ -214,22 +214,27 @@ class ConfigCheck:
     """`haproxy -c` under way: HAProxy checks on a core of its own while the caller works on
     (the displaced-worker component works out the next config's steering meanwhile)."""
 
-    def __init__(self, tmp: Path, proc: asyncio.subprocess.Process | None, error: str | None) -> None:
+    def __init__(
+        self, tmp: Path | None, proc: asyncio.subprocess.Process | None, error: str | None, stdin: bytes | None = None,
+    ) -> None:
         self._tmp = tmp
         self._proc = proc
         self._error = error
+        self._stdin = stdin  # the config, when it is checked through a pipe (no room for a copy)
 
     async def verdict(self) -> tuple[bool, str]:
         """(valid, HAProxy's own message); removes the copy it checked."""
         try:
             if self._proc is None:
                 return False, self._error or "haproxy -c did not start"
-            out, _ = await self._proc.communicate()
-            message = out.decode(errors="replace").strip().replace(str(self._tmp), "<effective config>")
+            out, _ = await self._proc.communicate(self._stdin)
+            checked = STDIN_PATH if self._tmp is None else str(self._tmp)
+            message = out.decode(errors="replace").strip().replace(checked, "<effective config>")
             # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
             return self._proc.returncode == 0, message
         finally:
-            self._tmp.unlink(missing_ok=True)
+            if self._tmp is not None:
+                self._tmp.unlink(missing_ok=True)
 
 
 async def start_effective_check(binary: str, effective: Effective, directory: Path) -> ConfigCheck:
@@ -240,6 +245,9 @@ async def start_effective_check(binary: str, effective: Effective, directory: Pa
 
 
 CHECK_PREFIX, CHECK_SUFFIX = ".validate.", ".cfg"
+STDIN_PATH = "/dev/stdin"
+# No room for the check's copy of the config in runtime_dir.
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def check_owner(path: Path) -> int | None:
@@ -277,13 +285,25 @@ def _process_alive(pid: int) -> bool:
 
 async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
-    must ask for the verdict: that reaps the process and removes the copy."""
-    # Named by its maker: remove_stale_checks leaves a living process's copy alone.
-    fd, name = tempfile.mkstemp(dir=directory, prefix=f"{CHECK_PREFIX}{os.getpid()}.", suffix=CHECK_SUFFIX)
+    must ask for the verdict: that reaps the process and removes the copy. The copy is
+    best-effort: on a full or read-only runtime_dir, HAProxy reads the config from a pipe."""
+    try:
+        # Named by its maker: remove_stale_checks leaves a living process's copy alone.
+        fd, name = tempfile.mkstemp(dir=directory, prefix=f"{CHECK_PREFIX}{os.getpid()}.", suffix=CHECK_SUFFIX)
+    except OSError as exc:
+        if exc.errno not in NO_ROOM_ERRNOS:
+            raise
+        return await _start_check_through_a_pipe(binary, text)
     tmp = Path(name)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            if exc.errno not in NO_ROOM_ERRNOS:
+                raise
+            tmp.unlink(missing_ok=True)
+            return await _start_check_through_a_pipe(binary, text)
         try:
             proc = await asyncio.create_subprocess_exec(
                 binary, "-c", "-f", name,
@@ -297,3 +317,16 @@ async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
         tmp.unlink(missing_ok=True)
         raise
     return ConfigCheck(tmp, proc, None)
+
+
+async def _start_check_through_a_pipe(binary: str, text: str) -> ConfigCheck:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            binary, "-c", "-f", STDIN_PATH,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+    except OSError as exc:
+        if exc.errno in SHORTAGE_ERRNOS:
+            raise
+        return ConfigCheck(None, None, f"cannot run {binary}: {exc.strerror or exc}")
+    return ConfigCheck(None, proc, None, text.encode())

@@ -141,6 +141,9 @@ class StatusSettings:
     header_timeout_s: float = 10
     body_timeout_s: float = 10
     max_connections: int = 100
+    # Host header values the TCP listener answers besides loopback names, IP addresses and
+    # its own listen host (a DNS name operators use for the node).
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,28 @@ def decode_text(raw: bytes) -> str:
         raise ValueError(f"is not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, so a setting pasted twice would take the value the reader did not look at."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
     """Read, validate and freeze the settings file, then apply the environment gates."""
     path = Path(path)
@@ -257,7 +282,7 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
     except ValueError as exc:
         raise SettingsError(f"{path}: settings file {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tag runs code
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -244,6 +244,12 @@ class State:
     # False while the master's socket is missing from runtime_dir (deleted under us): the daemon
     # cannot reach HAProxy until it has recreated runtime_dir and made the master rebind it.
     master_socket_ok: bool = True
+    # Best-effort files (the server-state file, the generations record) whose last write failed,
+    # by what they are, with the error; and how many such writes failed since the start.
+    write_failing: dict[str, str] = field(default_factory=dict)
+    write_failures: int = 0
+    # Why the status API cannot serve (its listening socket destroyed, not bound again yet); None: it serves.
+    status_listener_down: str | None = None
     event_loop_lag_s: float = 0.0  # the worst delay of the event loop lately (looplag.py)
     old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
 
@@ -315,6 +321,18 @@ class State:
     def publish_master_socket(self, ok: bool) -> None:
         """The reloader: whether the master's socket is in runtime_dir."""
         self.master_socket_ok = ok
+
+    def publish_write(self, what: str, error: str | None) -> None:
+        """The owner of a best-effort file: its write failed (`error`), or worked (None)."""
+        if error is None:
+            self.write_failing.pop(what, None)
+        else:
+            self.write_failing[what] = error
+            self.write_failures += 1
+
+    def publish_status_listener(self, down: str | None) -> None:
+        """The status server: why its listener cannot serve, or None once it serves."""
+        self.status_listener_down = down
 
     def publish_master(self, pid: int | None, server_events: bool = False) -> None:
         """The master process: up with `pid` (and whether its stderr feeds the daemon), or down (None)."""

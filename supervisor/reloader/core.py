@@ -246,6 +246,10 @@ class Reloader:
         try:
             effective = await load_whole(self.settings)
         except RenderedConfigError as exc:
+            # What this read found is no news for the safety net (a deleted file, bytes that are
+            # not UTF-8): it would take it for a change no event told of, and count it again.
+            content = self.content
+            content.commit(*await off_the_loop(content.look))
             if exc.missing and not self.master.wanted:
                 # A controller that has rendered nothing yet (a Ray node before Ray starts) is no
                 # bad input, and nothing serves that a record would warn about: its write is the change.

@@ -106,6 +106,10 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "enabled": settings.detector.enabled, "abort": settings.detector.abort,
             "stalled_aborted": state.stalled_aborted, "idle_closed": state.idle_closed,
         },
+        "writes": {
+            "failing": [{"file": what, "error": error} for what, error in sorted(state.write_failing.items())],
+            "failures": state.write_failures,
+        },
     }
 
 

@@ -160,6 +160,16 @@ class StateCollector(Collector):
             "haproxy_supervisor_master_restarts", "Times the HAProxy master was restarted after it died.",
             value=state.master_restarts,
         )
+        yield CounterMetricFamily(
+            "haproxy_supervisor_write_failures",
+            "Writes of best-effort files (server state, generations record) that failed; HAProxy ran on without them.",
+            value=state.write_failures,
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_writes_failing",
+            "Best-effort files whose last write failed (`writes.failing` in /status).",
+            value=len(state.write_failing),
+        )
         yield GaugeMetricFamily(
             "haproxy_supervisor_event_loop_lag_seconds",
             "The worst delay of the daemon's event loop over the last 10 to 20 s: how late any task ran.",

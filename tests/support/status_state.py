@@ -84,6 +84,7 @@ def running_state(now: datetime | None = None) -> State:
         record.at = now - ago
     state.dead_servers = {"app/app1", "echo/echo_r1", "highscale/highscale_r2"}
     state.operator_dead = {"highscale/highscale_r2"}
+    state.publish_write("generations index", "/run/haproxy-supervisor/generations.json: No space left on device")
     state.publish_pending_removals({"echo/echo_r0": PendingRemoval(
         "echo/echo_r0", 4242, now - timedelta(seconds=4), 0.0, tries=6,
         last_answer="Server still has connections attached to it, cannot remove it.",
