@@ -121,14 +121,16 @@ def longest_callback_ms(log: Path, start: float, end: float) -> float:
     return 1000 * max(held)
 
 
-async def run(workers: int, servers: int, posts: int, checks: bool = False) -> dict[str, float]:
+async def run(workers: int, servers: int, posts: int, checks: bool = False, detector: bool = True) -> dict[str, float]:
     directory = runtime_tmpdir("hsi-")
     callbacks = directory / "callbacks.log"
     front = free_port()
     base = rendered(servers, front, {})
     if checks:
         base = with_checks(base)
-    daemon = Daemon(directory, base, {"old_workers": {"guard": True}, "reload": {"timeout_s": 60}})
+    daemon = Daemon(directory, base, {
+        "old_workers": {"guard": True}, "reload": {"timeout_s": 60}, "detector": {"enabled": detector},
+    })
     sock = directory / "status.sock"
     holders: list[socket.socket] = listen_on_servers(base) if checks else []
     figures: dict[str, float] = {}
@@ -227,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", type=int, default=10000, help="servers in the rendered config")
     parser.add_argument("--posts", type=int, default=20, help="servers marked dead and back, one after another")
     parser.add_argument("--checks", action="store_true", help="health checks on every server (all UP)")
+    parser.add_argument("--detector", choices=("on", "off"), default="on",
+                        help="the stalled-connection detector (detector.enabled), to compare its cost")
     args = parser.parse_args(argv or [])
-    f = asyncio.run(run(args.workers, args.servers, args.posts, args.checks))
+    f = asyncio.run(run(args.workers, args.servers, args.posts, args.checks, args.detector == "on"))
     print(
         f"daemon at rest: {args.workers} old workers, {args.servers} servers"
-        f"{', every one health checked' if args.checks else ''}\n"
+        f"{', every one health checked' if args.checks else ''}, detector {args.detector}\n"
         f"  idle CPU {f['idle_cpu_pct']:.2f} % of a core, RSS {f['rss_mb']:.0f} MB, "
         f"{f['idle_reads']:.0f} full state reads in {IDLE_S:.0f} s\n"
         f"  POST p50 {f['post_p50_ms']:.1f} ms max {f['post_max_ms']:.1f} ms; "

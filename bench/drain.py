@@ -23,6 +23,17 @@ them took together, and that time as a multiple of the supervisor's.
 
     python -m bench drain
     python -m bench.drain --connect-timeout 1 --error-limit 3 --requests 30 --old-workers 1
+
+Two vanished-server variants (`--vanish`) run in a network namespace of their own (root, nft):
+one of two servers of a Ray-shaped backend (`http-reuse always`, no `timeout server`, Ray's
+check timings, `timeout connect 5s`, `retries 3`, `option redispatch 1`) stays in the config
+and its port is dropped by nftables: `blackhole` drops what goes to it, `partition` both ways
+while its process lives. Requests on held connections (an old worker, which pooled
+connections to both servers) and on new ones (the current worker), with the daemon's
+stalled-connection detector off (today) and on. HAPROXY_BIN picks the HAProxy.
+
+    python -m bench.drain --vanish blackhole --requests 20
+    python -m bench.drain --vanish partition --requests 20
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ class Parameters:
     requests: int = 30
     old_workers: int = 1
     spacing_ms: float = 100.0
+    vanish: str | None = None  # "blackhole" or "partition": a vanished-server variant
 
 
 @dataclass(frozen=True)
@@ -204,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> Parameters:
                         help="old workers alive at the drain (default %(default)s)")
     parser.add_argument("--spacing-ms", type=float, default=defaults.spacing_ms,
                         help="time between two requests' arrivals (default %(default)s)")
+    parser.add_argument("--vanish", choices=("blackhole", "partition"), default=None,
+                        help="a vanished-server variant instead of the drain, in a network namespace")
     args = parser.parse_args(argv)
     for name in ("connect_timeout", "requests", "old_workers", "error_limit"):
         if getattr(args, name) <= 0:
@@ -211,11 +225,36 @@ def parse_args(argv: list[str] | None = None) -> Parameters:
     if args.retries < 0 or args.spacing_ms < 0:
         parser.error("--retries and --spacing-ms must not be negative")
     return Parameters(args.connect_timeout, args.retries, args.error_limit, args.requests, args.old_workers,
-                      args.spacing_ms)
+                      args.spacing_ms, args.vanish)
+
+
+VANISH_HEADER = ("variant", "detector", "held: failed / slow / worst", "new: failed / slow / worst")
+
+
+def vanished(variant: str, requests: int) -> list[tuple[str, ...]]:
+    """One variant with the detector off, then on: a row each."""
+    from tests.support.netns import run_in_netns
+    from tests.support.vanish import run_staged
+
+    found = []
+    for detector in (False, True):
+        outcome = run_in_netns(run_staged, detector=detector, partition=variant == "partition", requests=requests,
+                               timeout=120 + requests)
+        cells = []
+        for mode in ("held", "new"):
+            failed, slow, worst = outcome.figures(mode)
+            cells.append(f"{failed} / {slow} / {format_seconds(worst)}")
+        found.append((variant, "on" if detector else "off", *cells))
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
     params = parse_args(argv)
+    if params.vanish is not None:
+        print(f"{params.requests} requests on held and on new connections after a server's port was dropped "
+              f"({params.vanish})", flush=True)
+        print(markdown_table(VANISH_HEADER, vanished(params.vanish, params.requests)))
+        return
     print(
         f"{params.requests} requests through {params.old_workers} old worker(s) after a node drained and vanished: "
         f"timeout connect {params.connect_timeout_s:g}s, retries {params.retries}, option redispatch, "

@@ -27,20 +27,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench.drain import SLOW_S, Answer, Result, table
+from bench._ray_evidence import Evidence, explained, roomy_log_queue
+from bench._ray_runs import APPS, MODES, RayMode, Run, by_app, kept_runs, tables
+from bench._vanish import vanish
+from bench.drain import Answer
 from tests.support.harness import short_tmpdir
 from tests.support.ray_load import KeptConnection
 from tests.support.ray_serve import (
@@ -55,26 +55,10 @@ from tests.support.ray_serve import (
     wait_until,
 )
 
-APPS = ("wide", "moved")  # `lost` is deployed but not asked: its only replica vanishes
 SECOND_NODE_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": "8405", "RAY_SERVE_HAPROXY_METRICS_PORT": "9102"}
 SECOND_NODE_HTTP_PORT = 8001
 CONNECT_TIMEOUT_S = 5  # Ray's `timeout connect`
 RETRIES = 3  # HAProxy's default: Ray's template sets none
-
-
-@dataclass(frozen=True)
-class RayMode:
-    key: str
-    name: str
-    observe: bool
-    bridge: bool
-
-
-MODES = (
-    RayMode("observe-off", "stock Ray, observe off", False, False),
-    RayMode("stock", "stock Ray as it ships (observe on)", True, False),
-    RayMode("bridge", "Ray with the bridge", True, True),
-)
 
 
 def application(name: str, tag: str, replicas: int, on_second_only: bool = False) -> dict[str, Any]:
@@ -87,53 +71,6 @@ def application(name: str, tag: str, replicas: int, on_second_only: bool = False
 
 def applications(moved_tag: str) -> list[dict[str, Any]]:
     return [application("wide", "v1", 2), application("moved", moved_tag, 2), application("lost", "v1", 1, True)]
-
-
-# ------------------------------------------------------------------ the vanished node
-
-
-def tree(pid: int) -> list[psutil.Process]:
-    with contextlib.suppress(psutil.NoSuchProcess):
-        parent = psutil.Process(pid)
-        return [parent, *parent.children(recursive=True)]
-    return []
-
-
-def held_ports(procs: list[psutil.Process]) -> set[int]:
-    """Every local TCP port the processes hold: listeners and their ends of connections."""
-    ports = set()
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            ports.update(c.laddr.port for c in proc.net_connections(kind="tcp") if c.laddr)
-    return ports
-
-
-def drop_rules(ports: set[int]) -> str:
-    """nftables rules under which packets to or from the ports vanish, both ways."""
-    elements = ", ".join(str(p) for p in sorted(ports))
-    chains = "".join(
-        f"  chain {hook} {{ type filter hook {hook} priority 0; policy accept; "
-        f"tcp dport @gone drop; tcp sport @gone drop; }}\n"
-        for hook in ("output", "input")
-    )
-    return f"table inet vanished {{\n  set gone {{ type inet_service; elements = {{ {elements} }} }}\n{chains}}}\n"
-
-
-def drop_ports(ports: set[int]) -> None:
-    """Only inside the benchmark's own network namespace."""
-    subprocess.run(["nft", "-f", "-"], input=drop_rules(ports).encode(), check=True)
-
-
-def vanish(pids: list[int]) -> int:
-    """The node leaves the network, then its processes die: returns how many ports dropped."""
-    procs = [p for pid in pids for p in tree(pid)]
-    ports = held_ports(procs) - {HTTP_PORT}
-    drop_ports(ports)
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(procs, timeout=10)
-    return len(ports)
 
 
 # ------------------------------------------------------------------ requests on held connections
@@ -149,8 +86,9 @@ class Held:
     async def open(self) -> None:
         self.conn = await KeptConnection.open(HTTP_PORT, 10)
 
-    async def request(self, timeout: float) -> Answer:
-        """One GET; a connection closed before any answer is opened again once, inside the time."""
+    async def request(self, timeout: float, tag: int = 0) -> Answer:
+        """One GET (`?r=tag` finds it in HAProxy's log); a connection closed before any answer is
+        opened again once, inside the time."""
         started = time.monotonic()
         status = 0
         for attempt in range(2):
@@ -158,7 +96,7 @@ class Held:
                 if self.conn is None:
                     await self.open()
                 assert self.conn is not None
-                status, _, close = await self.conn.get(f"/{self.app}", timeout - (time.monotonic() - started))
+                status, _, close = await self.conn.get(f"/{self.app}?r={tag}", timeout - (time.monotonic() - started))
                 if close:
                     self.close()
                 break
@@ -176,6 +114,16 @@ class Held:
             self.conn = None
 
 
+def daemon_counts(daemon: NodeDaemon) -> dict[str, int]:
+    """The daemon's reload counters (ok, runtime_applied, skipped_unchanged, ...)."""
+    status = daemon.status() or {}
+    return {k: v for k, v in status.get("reloads", {}).items() if isinstance(v, int)}
+
+
+def counted(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+
+
 async def staged(
     mode: RayMode, directory: Path, requests: int, spacing_ms: float, daemons: list[NodeDaemon],
 ) -> dict[str, Any]:
@@ -185,6 +133,7 @@ async def staged(
 
     env = ray_environment(directory, daemons[0].settings_path if daemons else None, draining_period_s=None)
     env["RAY_SERVE_WORKER_PROXY_HTTP_PORT"] = str(SECOND_NODE_HTTP_PORT)
+    env["RAY_SERVE_HAPROXY_LOG_TARGET"] = str(directory / "log.sock")  # HAProxy's request log, read below
     if not mode.observe:
         env["RAY_SERVE_HAPROXY_OBSERVE_MARK_DOWN_ENABLED"] = "0"
     os.environ.update(env)
@@ -192,13 +141,22 @@ async def staged(
     if daemons:
         second_env["HAPROXY_SUPERVISOR_SETTINGS"] = str(daemons[1].settings_path)
 
+    head: dict[str, str] = {}
+    evidence = Evidence(
+        directory / "log.sock",
+        lambda: directory / "h" / head["id"] / "haproxy.cfg" if head else None,
+        lambda p: bool(head) and "-c" not in (p.info["cmdline"] or ())  # not a config check
+        and (str(daemons[0].directory) if daemons else head["id"]) in " ".join(p.info["cmdline"] or ()),
+    ).start()
+    began = time.monotonic()
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "temp_dir": str(directory / "ray")})
     second = cluster.add_node(num_cpus=1, resources={"second": 1}, env_vars=second_env)
     serve.start(http_options={"host": "0.0.0.0", "port": HTTP_PORT})
     import ray
 
-    head_sock = directory / "h" / ray.get_runtime_context().get_node_id() / "admin.sock"
+    head["id"] = ray.get_runtime_context().get_node_id()
+    head_sock = directory / "h" / head["id"] / "admin.sock"
     await asyncio.to_thread(deploy_apps, applications("v1"))
     routed = {app: wait_until(lambda a=app: len(s := live_servers(head_sock, f"http-{a}")) == 2 and s, 60,
                               f"{app} routed on both nodes") for app in APPS}
@@ -207,16 +165,20 @@ async def staged(
     held = [Held(app) for _ in range(per_app) for app in APPS][:requests]
     for conn in held:
         await conn.open()
-        assert (await conn.request(10)).status == 200
+        assert (await conn.request(10, -1)).status == 200
     haproxy_before = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"]
+    daemon_deployed = (await asyncio.to_thread(daemon_counts, daemons[0])) if daemons else {}
 
+    redeploy_at = time.monotonic()
     await asyncio.to_thread(deploy_apps, applications("v2"), False)
     wait_until(lambda: len(s := live_servers(head_sock, "http-moved")) == 2 and not s & routed["moved"], 90,
                "moved's new replicas routed")
     haproxy_at_vanish = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"]
+    daemon_redeployed = (await asyncio.to_thread(daemon_counts, daemons[0])) if daemons else {}
 
     raylet = second.all_processes["raylet"][0].process.pid
-    dropped = vanish([raylet, *([daemons[1].proc.pid] if daemons else [])])
+    evidence.start_probes()
+    dropped, dropped_ports = vanish([raylet, *([daemons[1].proc.pid] if daemons else [])], frozenset({HTTP_PORT}))
     vanished_at = time.monotonic()
 
     timeout = (RETRIES + 1) * CONNECT_TIMEOUT_S + 5
@@ -225,25 +187,40 @@ async def staged(
         delay = vanished_at + i * spacing_ms / 1000 - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        jobs.append(asyncio.create_task(conn.request(timeout)))
+        jobs.append(asyncio.create_task(conn.request(timeout, i)))
     answers = await asyncio.gather(*jobs)
+    sent_at = [vanished_at + i * spacing_ms / 1000 for i in range(len(held))]
     for conn in held:
         conn.close()
-    notes = {
+    await asyncio.sleep(1)  # the last log lines
+    ended = time.monotonic()
+    evidence.stop()
+    notes: dict[str, Any] = {
         "ports_dropped": dropped,
         "haproxy_processes_before_redeploy": len(haproxy_before),
         "haproxy_processes_at_vanish": len(haproxy_at_vanish),
+        "head_haproxy_started": {
+            "deploy": evidence.started_between(began, redeploy_at),
+            "redeploy": evidence.started_between(redeploy_at, vanished_at),
+            "vanish": evidence.started_between(vanished_at, ended),
+        },
     }
     if daemons:
-        status = await asyncio.to_thread(daemons[0].status)
-        reloads = status["reloads"] if status else {}
-        notes["head_daemon_reloads"] = {k: v for k, v in reloads.items() if isinstance(v, int)}
+        daemon_end = await asyncio.to_thread(daemon_counts, daemons[0])
+        notes["head_daemon_reloads"] = daemon_end
+        notes["head_daemon_by_operation"] = {
+            "deploy": daemon_deployed, "redeploy": counted(daemon_deployed, daemon_redeployed),
+            "vanish": counted(daemon_redeployed, daemon_end),
+        }
         daemons[0].stop()
-    return {"mode": mode.key, "answers": [a.__dict__ for a in answers], "notes": notes}
+    return {"mode": mode.key, "answers": [a.__dict__ for a in answers], "notes": notes,
+            "sent_at": [round(t - vanished_at, 3) for t in sent_at],
+            "evidence": evidence.report(vanished_at, dropped_ports)}
 
 
 def inside(args: argparse.Namespace) -> None:
     loopback_up()
+    roomy_log_queue()
     mode = next(m for m in MODES if m.key == args.mode)
     daemons = []
     if mode.bridge:
@@ -255,32 +232,33 @@ def inside(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def run(requests: int, spacing_ms: float) -> list[tuple[Result, dict[str, Any]]]:
-    results = []
-    for mode in MODES:
-        directory = short_tmpdir("hs-rd-")
-        try:
-            found = run_scenario("bench.ray_drain", ["--inside", "--mode", mode.key, "--dir", str(directory),
-                                                     "--requests", str(requests), "--spacing-ms", str(spacing_ms)],
-                                 600, directory / "run.log")
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        answers = [Answer(**a) for a in found["answers"]]
-        results.append((Result(mode.name, answers), found["notes"]))
-    return results
+def run_once(mode: RayMode, requests: int, spacing_ms: float) -> Run:
+    directory = short_tmpdir("hs-rd-")
+    try:
+        found = run_scenario("bench.ray_drain", ["--inside", "--mode", mode.key, "--dir", str(directory),
+                                                 "--requests", str(requests), "--spacing-ms", str(spacing_ms)],
+                             600, directory / "run.log")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return Run(mode, [Answer(**a) for a in found["answers"]], found["notes"], found.get("sent_at", []),
+               found.get("evidence", {}))
 
 
-def by_app(result: Result) -> str:
-    """Failed (and their statuses) and slow requests of each app."""
-    parts = []
-    for app in APPS:
-        mine = [a for a in result.answers if a.app == app]
-        statuses = sorted({a.status for a in mine if a.status != 200})
-        failed = sum(a.status != 200 for a in mine)
-        slow = sum(a.seconds > SLOW_S for a in mine)
-        answered = f" {statuses}" if statuses else ""
-        parts.append(f"{app} failed {failed}{answered} slow {slow}")
-    return ", ".join(parts)
+def run(requests: int, spacing_ms: float, runs: int = 1, keep: Path | None = None) -> list[Run]:
+    """`runs` rounds of the three ways, the ways in turn within each round (side by side)."""
+    done = []
+    for number in range(1, runs + 1):
+        for mode in MODES:
+            one = run_once(mode, requests, spacing_ms)
+            print(f"  run {number} {mode.name}: {by_app(one)}; {json.dumps(one.notes)}", flush=True)
+            for line in explained(one.answers, one.sent_at, one.evidence):
+                print(f"    {line}", flush=True)
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                saved = {**one.__dict__, "mode": mode.key, "answers": [a.__dict__ for a in one.answers]}
+                (keep / f"{mode.key}-{number}.json").write_text(json.dumps(saved, indent=1))
+            done.append(one)
+    return done
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -289,22 +267,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="requests on held connections after the node vanished (default %(default)s)")
     parser.add_argument("--spacing-ms", type=float, default=500.0,
                         help="time between two requests' departures (default %(default)s)")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="rounds of the three ways, side by side (default %(default)s)")
+    parser.add_argument("--keep", type=Path, help="a directory to write each run's answers and evidence to")
+    parser.add_argument("--tables-from", type=Path, metavar="DIR",
+                        help="print the tables of the runs a --keep DIR holds, and run nothing")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=[m.key for m in MODES], help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.requests <= 0 or args.spacing_ms < 0:
-        parser.error("--requests must be positive and --spacing-ms not negative")
+    if args.requests <= 0 or args.runs <= 0 or args.spacing_ms < 0:
+        parser.error("--requests and --runs must be positive and --spacing-ms not negative")
     return args
 
 
 def section(quick: bool = False) -> str:
-    """docs/benchmarks.md's table: one run of the three ways, 30 requests 500 ms apart (6, 200 ms when quick)."""
-    results = run(6, 200.0) if quick else run(30, 500.0)
-    for result, notes in results:
-        print(f"  {result.mode}: {by_app(result)}; {json.dumps(notes)}", flush=True)
-    return table([r for r, _ in results])
+    """docs/benchmarks.md's tables: 5 rounds of the three ways, 30 requests 500 ms apart
+    (1 round of 6, 200 ms apart when quick)."""
+    return tables(run(6, 200.0) if quick else run(30, 500.0, 5))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,16 +293,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.inside:
         inside(args)
         return
+    if args.tables_from:
+        print(tables(kept_runs(args.tables_from)))
+        return
     print(
         f"{args.requests} requests on keep-alive connections held since before a redeploy, after the second "
         f"of two Ray nodes vanished: Ray Serve 2.60, timeout connect {CONNECT_TIMEOUT_S}s, retries {RETRIES}, "
-        f"option redispatch 1, one request every {args.spacing_ms:g} ms",
+        f"option redispatch 1, one request every {args.spacing_ms:g} ms, {args.runs} round(s)",
         flush=True,
     )
-    results = run(args.requests, args.spacing_ms)
-    for result, notes in results:
-        print(f"  {result.mode}: {by_app(result)}; {json.dumps(notes)}", flush=True)
-    print(table([r for r, _ in results]))
+    print(tables(run(args.requests, args.spacing_ms, args.runs, args.keep)))
 
 
 if __name__ == "__main__":

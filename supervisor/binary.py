@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .haproxy.routing import HASHED_ID, ID_TIMES_4096, NodeKeys
-from .settings import Settings
+from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,21 @@ def with_resolved_binary(settings: Settings) -> Settings:
     if resolved == settings.haproxy.binary:
         return settings
     return dataclasses.replace(settings, haproxy=dataclasses.replace(settings.haproxy, binary=resolved))
+
+
+def require_executable(settings: Settings) -> None:
+    """SettingsError (one line) when the resolved `haproxy.binary` is no file this process may
+    run: `run` would otherwise stay up, never ready, failing every start of the master."""
+    binary = settings.haproxy.binary
+    path = Path(binary)
+    if "/" not in binary:
+        raise SettingsError(f"haproxy.binary: {binary!r}: not found on PATH")
+    if not path.exists():
+        raise SettingsError(f"haproxy.binary: {binary}: no such file")
+    if not path.is_file():
+        raise SettingsError(f"haproxy.binary: {binary}: not a regular file")
+    if not os.access(path, os.X_OK):
+        raise SettingsError(f"haproxy.binary: {binary}: not executable")
 
 
 # A consistent-hash backend with `hash-key id`: the binaries that accept the keyword key their

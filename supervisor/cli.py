@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .binary import with_resolved_binary
+from .binary import require_executable, with_resolved_binary
 from .effective import (
     RenderedConfigError,
     load_effective,
@@ -83,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_status(args.url, args.config, args.json, args.timeout)
     try:
         settings = _load(args.config)
+        if args.command in ("run", "check"):
+            require_executable(settings)
         if args.command == "render":
             return cmd_render(settings)
         if args.command == "check":

@@ -36,6 +36,7 @@ from .runlock import RuntimeDirInUse, RuntimeDirLock
 from .settings import Settings
 from .state import ReloadRecord, State
 from .status.listener import StatusServerError
+from .steering.detector import StalledDetector
 
 log = logging.getLogger(__name__)
 
@@ -286,13 +287,18 @@ class Daemon:
             tasks = [
                 group.create_task(self.master.run(), name="master"),
                 group.create_task(self.reloader.run(), name="reloader"),
-                group.create_task(self.notifier.run_watchdog(), name="watchdog"),
+                group.create_task(
+                    self.notifier.run_watchdog(lambda: self.state.status_listener_down), name="watchdog"
+                ),
                 group.create_task(LoopLag(self.state).run(), name="event loop lag"),
                 group.create_task(applier.run(), name="pending removals"),
             ]
             # ---- components built elsewhere start here: displaced workers, status server ----
             if self.displaced is not None:
                 tasks.append(group.create_task(self.displaced.run(), name="displaced"))
+            detector = StalledDetector(settings.detector, self.state, self.cli,
+                                       getattr(self.displaced, "wake", None))
+            tasks.append(group.create_task(detector.run(), name="stalled-connection detector"))
             if status is not None:
                 tasks.append(group.create_task(status.run(), name="status"))
             if controller.enabled:

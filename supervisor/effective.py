@@ -250,11 +250,14 @@ class ConfigCheck:
     `source`: the rendered config's path and text, which the messages then name instead of
     the copy checked (None: `<effective config>`)."""
 
-    def __init__(self, tmp: Path, proc: asyncio.subprocess.Process | None, error: str | None,
-                 text: str = "", source: tuple[Path, str] | None = None) -> None:
+    def __init__(
+        self, tmp: Path | None, proc: asyncio.subprocess.Process | None, error: str | None, stdin: bytes | None = None,
+        text: str = "", source: tuple[Path, str] | None = None,
+    ) -> None:
         self._tmp = tmp
         self._proc = proc
         self._error = error
+        self._stdin = stdin  # the config, when it is checked through a pipe (no room for a copy)
         self._text = text
         self._source = source
 
@@ -263,18 +266,20 @@ class ConfigCheck:
         try:
             if self._proc is None:
                 return False, self._error or "haproxy -c did not start"
-            out, _ = await self._proc.communicate()
+            out, _ = await self._proc.communicate(self._stdin)
+            checked = STDIN_PATH if self._tmp is None else str(self._tmp)
             message = out.decode(errors="replace").strip()
-            if self._source is not None and str(self._tmp) in message:
+            if self._source is not None and checked in message:
                 path, rendered_text = self._source
                 message = await off_the_loop(
-                    lambda: name_rendered_lines(message, str(self._tmp), path, source_lines(rendered_text, self._text)))
+                    lambda: name_rendered_lines(message, checked, path, source_lines(rendered_text, self._text)))
             else:
-                message = message.replace(str(self._tmp), "<effective config>")
+                message = message.replace(checked, "<effective config>")
             # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
             return self._proc.returncode == 0, message
         finally:
-            self._tmp.unlink(missing_ok=True)
+            if self._tmp is not None:
+                self._tmp.unlink(missing_ok=True)
 
 
 async def start_effective_check(
@@ -288,6 +293,9 @@ async def start_effective_check(
 
 
 CHECK_PREFIX, CHECK_SUFFIX = ".validate.", ".cfg"
+STDIN_PATH = "/dev/stdin"
+# No room for the check's copy of the config in runtime_dir.
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def check_owner(path: Path) -> int | None:
@@ -325,13 +333,25 @@ def _process_alive(pid: int) -> bool:
 
 async def start_check(binary: str, text: str, directory: Path, source: tuple[Path, str] | None = None) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
-    must ask for the verdict: that reaps the process and removes the copy."""
-    # Named by its maker: remove_stale_checks leaves a living process's copy alone.
-    fd, name = tempfile.mkstemp(dir=directory, prefix=f"{CHECK_PREFIX}{os.getpid()}.", suffix=CHECK_SUFFIX)
+    must ask for the verdict: that reaps the process and removes the copy. The copy is
+    best-effort: on a full or read-only runtime_dir, HAProxy reads the config from a pipe."""
+    try:
+        # Named by its maker: remove_stale_checks leaves a living process's copy alone.
+        fd, name = tempfile.mkstemp(dir=directory, prefix=f"{CHECK_PREFIX}{os.getpid()}.", suffix=CHECK_SUFFIX)
+    except OSError as exc:
+        if exc.errno not in NO_ROOM_ERRNOS:
+            raise
+        return await _start_check_through_a_pipe(binary, text, source)
     tmp = Path(name)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            if exc.errno not in NO_ROOM_ERRNOS:
+                raise
+            tmp.unlink(missing_ok=True)
+            return await _start_check_through_a_pipe(binary, text, source)
         try:
             proc = await asyncio.create_subprocess_exec(
                 binary, "-c", "-f", name,
@@ -344,4 +364,17 @@ async def start_check(binary: str, text: str, directory: Path, source: tuple[Pat
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return ConfigCheck(tmp, proc, None, text, source)
+    return ConfigCheck(tmp, proc, None, None, text, source)
+
+
+async def _start_check_through_a_pipe(binary: str, text: str, source: tuple[Path, str] | None = None) -> ConfigCheck:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            binary, "-c", "-f", STDIN_PATH,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+    except OSError as exc:
+        if exc.errno in SHORTAGE_ERRNOS:
+            raise
+        return ConfigCheck(None, None, f"cannot run {binary}: {exc.strerror or exc}")
+    return ConfigCheck(None, proc, None, text.encode(), text, source)

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .state import State
 
@@ -135,13 +135,24 @@ class Notifier:
     def watchdog(self) -> None:
         self.send(WATCHDOG=1)
 
-    async def run_watchdog(self) -> None:
-        """Ping from the event loop itself, so a blocked loop stops the pings and systemd notices."""
+    async def run_watchdog(self, unwell: Callable[[], str | None] = lambda: None) -> None:
+        """Ping from the event loop itself, so a blocked loop stops the pings and systemd notices;
+        no ping either while `unwell()` names a reason (the status API cannot serve): if the
+        daemon does not recover within WatchdogSec, systemd restarts it."""
         if self.watchdog_s is None or self.address is None:
             return
         log.info("systemd watchdog armed: WATCHDOG=1 every %.3fs", self.watchdog_s)
+        withheld = False
         while True:
-            self.watchdog()
+            reason = unwell()
+            if reason is None:
+                if withheld:
+                    log.info("systemd watchdog: WATCHDOG=1 again")
+                    withheld = False
+                self.watchdog()
+            elif not withheld:
+                log.error("systemd watchdog: no WATCHDOG=1 while %s", reason)
+                withheld = True
             await asyncio.sleep(self.watchdog_s)
 
     def close(self) -> None:

@@ -87,6 +87,10 @@ class ReloadSettings:
     # maint at the placeholder: deleted in the background (true), or a reload after
     # remove_wait_s (false).
     remove_in_background: bool = True
+    # A render that only takes lines out and empties a backend (Ray Serve rebuilding an app)
+    # waits this long for the next render before it is reloaded; 0 (the default): never waits,
+    # since for any other writer such a render is what the operator meant.
+    transient_hold_ms: int = 0
     # Save `show servers state` before each reload and make the new worker load it.
     preserve_server_state: bool = True
     # While the current worker does not run the rendered config, try again after 0.5 s, 1 s,
@@ -109,6 +113,20 @@ class OldWorkerSettings:
 
 
 @dataclass(frozen=True)
+class DetectorSettings:
+    """The stalled-connection detector (docs/steering.md, "Stalled connections")."""
+
+    enabled: bool = True
+    poll_interval_ms: int = 100
+    # A stall counts once it lasts this long, or 8 round trips toward the server if longer.
+    threshold_floor_ms: int = 200
+    # Destroy the stalled sockets to a suspect once it is steered off (needs CAP_NET_ADMIN).
+    abort: bool = True
+    # A suspect stays one this long after its last stalled socket.
+    hold_s: float = 5
+
+
+@dataclass(frozen=True)
 class ObserveSettings:
     enabled: bool = False
     error_limit: int = 3
@@ -123,6 +141,9 @@ class StatusSettings:
     header_timeout_s: float = 10
     body_timeout_s: float = 10
     max_connections: int = 100
+    # Host header values the TCP listener answers besides loopback names, IP addresses and
+    # its own listen host (a DNS name operators use for the node).
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,6 +177,7 @@ class Settings:
     reload: ReloadSettings = field(default_factory=ReloadSettings)
     old_workers: OldWorkerSettings = field(default_factory=OldWorkerSettings)
     observe: ObserveSettings = field(default_factory=ObserveSettings)
+    detector: DetectorSettings = field(default_factory=DetectorSettings)
     status: StatusSettings = field(default_factory=StatusSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
@@ -172,6 +194,8 @@ _POSITIVE = {
     "old_workers.max",
     "old_workers.poll_interval_ms",
     "old_workers.state_read_interval_s",
+    "detector.poll_interval_ms",
+    "detector.threshold_floor_ms",
     "observe.error_limit",
     "haproxy.max_config_bytes",
     "status.header_timeout_s",
@@ -181,7 +205,10 @@ _POSITIVE = {
     "controller.queue_timeout_s",
 }
 # Keys that may be zero but not negative.
-_NON_NEGATIVE = {"reload.min_interval_ms", "reload.converge_grace_s", "reload.remove_wait_s"}
+_NON_NEGATIVE = {
+    "detector.hold_s", "reload.min_interval_ms", "reload.transient_hold_ms", "reload.converge_grace_s",
+    "reload.remove_wait_s",
+}
 # Strings read by a function of files.py, which says what is wrong with a bad one.
 _STRING_CHECKS = {"controller.socket_mode": mode_bits, "controller.socket_owner": owner_ids}
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
@@ -232,6 +259,28 @@ def decode_text(raw: bytes) -> str:
         raise ValueError(f"is not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, so a setting pasted twice would take the value the reader did not look at."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
     """Read, validate and freeze the settings file, then apply the environment gates."""
     path = Path(path)
@@ -244,7 +293,7 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
     except ValueError as exc:
         raise SettingsError(f"{path}: settings file {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tag runs code
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -103,6 +103,16 @@ class PushNews:
     steered: Sequence[str] = ()  # with "ok": the "backend/server" it is kept away from (the plan's, not copied)
 
 
+@dataclass(frozen=True)
+class SuspectServer:
+    """A server the stalled-connection detector holds to be unreachable (steering/detector.py)."""
+
+    key: str  # "backend/server"
+    endpoint: str  # "address:port"
+    why: str  # "connect": a connect stalled in SYN-SENT; "retransmit": data sent, never acknowledged
+    since: datetime  # when its oldest stalled socket stalled
+
+
 @dataclass
 class OldWorker:
     pid: int
@@ -222,6 +232,9 @@ class State:
     last_good_sha256: str | None = None
     operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
+    suspect_servers: Mapping[str, SuspectServer] = field(default_factory=dict)  # by "backend/server"
+    stalled_aborted: int = 0  # stalled sockets to suspects destroyed
+    idle_closed: int = 0  # idle pooled connections to suspects destroyed
     push_failures: int = 0
     server_state_reads: int = 0  # full `show servers state` reads of a worker by the steering
     # The master's stderr is the daemon's FIFO: server state changes are heard as they happen.
@@ -231,6 +244,12 @@ class State:
     # False while the master's socket is missing from runtime_dir (deleted under us): the daemon
     # cannot reach HAProxy until it has recreated runtime_dir and made the master rebind it.
     master_socket_ok: bool = True
+    # Best-effort files (the server-state file, the generations record) whose last write failed,
+    # by what they are, with the error; and how many such writes failed since the start.
+    write_failing: dict[str, str] = field(default_factory=dict)
+    write_failures: int = 0
+    # Why the status API cannot serve (its listening socket destroyed, not bound again yet); None: it serves.
+    status_listener_down: str | None = None
     event_loop_lag_s: float = 0.0  # the worst delay of the event loop lately (looplag.py)
     old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
 
@@ -303,6 +322,18 @@ class State:
         """The reloader: whether the master's socket is in runtime_dir."""
         self.master_socket_ok = ok
 
+    def publish_write(self, what: str, error: str | None) -> None:
+        """The owner of a best-effort file: its write failed (`error`), or worked (None)."""
+        if error is None:
+            self.write_failing.pop(what, None)
+        else:
+            self.write_failing[what] = error
+            self.write_failures += 1
+
+    def publish_status_listener(self, down: str | None) -> None:
+        """The status server: why its listener cannot serve, or None once it serves."""
+        self.status_listener_down = down
+
     def publish_master(self, pid: int | None, server_events: bool = False) -> None:
         """The master process: up with `pid` (and whether its stderr feeds the daemon), or down (None)."""
         self.master_pid, self.master_up, self.server_events = pid, pid is not None, server_events
@@ -365,6 +396,14 @@ class State:
     def publish_dead_servers(self, keys: Iterable[str]) -> None:
         """The steering: every known-dead "backend/server", any reason."""
         self.dead_servers = set(keys)
+
+    def publish_suspects(self, suspects: Mapping[str, SuspectServer]) -> None:
+        """The stalled-connection detector: the servers it suspects now, a copy."""
+        self.suspect_servers = dict(suspects)
+
+    def publish_socket_aborts(self, aborted: int, idle_closed: int) -> None:
+        """The stalled-connection detector: sockets it destroyed so far, stalled and idle."""
+        self.stalled_aborted, self.idle_closed = aborted, idle_closed
 
     def publish_operator_dead(self, key: str, dead: bool) -> None:
         """The steering, for the operator API: a "backend/server" marked dead, or unmarked."""

@@ -9,6 +9,7 @@ once (not once per HAProxy binary); plain pytest leaves them out.
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -60,8 +61,31 @@ def failed(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def in_flight_at_replica_kill(result: dict[str, Any], sent: dict[str, Any]) -> bool:
+    """Sent before the killed replica's process was gone, answered after it was signalled.
+    Until its exit has closed its sockets (tens of ms after SIGKILL), its listening socket
+    accepts connections, and a request HAProxy sends it then gets no answer: 502 `SH`, not
+    retried (Ray's `retry-on conn-failure` replays only what was never sent)."""
+    notes = result["notes"]
+    return sent["started"] <= notes["killed_replica_gone"] and sent["ended"] >= notes["killed_replica_signalled"]
+
+
+def killed_replica_server(result: dict[str, Any]) -> str:
     kill = step(result, "kill -9 of a replica")
-    return sent["started"] <= kill["acted"] <= sent["ended"]
+    (server,) = set(kill["servers_before"]) - set(kill["servers_after"])
+    return server
+
+
+# An httplog line's `<frontend> <backend>/<server> <timers> <status>`.
+HTTPLOG = re.compile(r"\] \S+ \S+/(\S+) -?\d+/-?\d+/-?\d+/-?\d+/\+?-?\d+ (\d{3}) ")
+
+
+def errors_logged(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(server, line) of each request HAProxy's log says it answered with a 5xx."""
+    found = []
+    for _, line in result["haproxy_log"]:
+        if (m := HTTPLOG.search(line)) and m[2].startswith("5"):
+            found.append((m[1], line))
+    return found
 
 
 def sent_during(result: dict[str, Any], name: str) -> list[dict[str, Any]]:
@@ -94,6 +118,22 @@ def describe(sent: list[dict[str, Any]]) -> str:
     return "; ".join(f"{s['status'] or s['error']} {s['body'][:40]!r} at {s['started']:.2f}" for s in sent[:10])
 
 
+def around(result: dict[str, Any], sent: list[dict[str, Any]], before_s: float = 3.0, after_s: float = 1.0) -> str:
+    """What HAProxy logged (its lines that are no plain 200) and what the daemon did around
+    the first failed requests, each line with its time since the load started."""
+    zero = result["load_started"]
+    notes = result["notes"]
+    out = [f"the replica killed at {notes['killed_replica_signalled'] - zero:.3f} s was gone at "
+           f"{notes['killed_replica_gone'] - zero:.3f} s; its server: {killed_replica_server(result)}"]
+    for s in sent[:3]:
+        lo, hi = s["started"] - before_s, s["ended"] + after_s
+        out.append(f"\n-- request of client {s['client']} at {s['started'] - zero:.2f}..{s['ended'] - zero:.2f} s:")
+        out += [f"  haproxy {at - zero:7.2f} {line[:300]}" for at, line in result["haproxy_log"] if lo <= at <= hi]
+        out += [f"  daemon  {e['at'] - zero:7.2f} {e['level']} {e['logger']}: {e['msg'][:300]}"
+                for e in result["daemon_log"] if "at" in e and lo <= e["at"] <= hi]
+    return "\n".join(out)
+
+
 NO_RELOAD = {"ok": 0, "failed": 0, "unknown": 0}
 
 
@@ -104,8 +144,13 @@ def test_bridge_no_request_fails_but_those_in_flight_on_the_killed_replica(bridg
     assert [s["name"] for s in bridge["steps"]] == list(CHURN)
     assert len(bridge["sent"]) > 500
     outside = [s for s in failed(bridge) if not in_flight_at_replica_kill(bridge, s)]
-    assert not outside, f"{len(outside)} of {len(bridge['sent'])} requests failed: {describe(outside)}"
+    assert not outside, (f"{len(outside)} of {len(bridge['sent'])} requests failed: {describe(outside)}"
+                         f"{around(bridge, outside)}")
     assert len(failed(bridge)) <= bridge["clients"]
+    # Each one was HAProxy's, on the killed replica: no other server failed a request.
+    killed = killed_replica_server(bridge)
+    others = [line for server, line in errors_logged(bridge) if server != killed]
+    assert not others, "\n".join(others[:10])
 
 
 def test_bridge_churn_of_servers_only_makes_no_reload_and_no_old_worker(bridge: dict[str, Any]) -> None:
@@ -119,12 +164,14 @@ def test_bridge_churn_of_servers_only_makes_no_reload_and_no_old_worker(bridge: 
         assert len(seen["workers"]) == 1, name
 
 
-def test_bridge_a_new_codes_config_beyond_servers_is_reloaded(bridge: dict[str, Any]) -> None:
+def test_bridge_a_new_codes_config_beyond_servers_reloads_at_most_twice(bridge: dict[str, Any]) -> None:
     # Ray 2.60 builds the app again for new code, and renders meanwhile without the ingress
-    # deployment's metrics variable (`set-var-fmt(txn.serve_deployment)`): that line is no
-    # server, so the daemon must reload, and no request may suffer for it.
+    # deployment's metrics variable (`set-var-fmt(txn.serve_deployment)`) and without its
+    # replicas, both back in a later render once the new replicas are up. The daemon holds the
+    # first for the next one (reload.transient_hold_ms); when Ray takes longer than that, they
+    # are two reloads, and no request may suffer for either.
     assert step(bridge, "redeploy, new code")["beyond_servers"]
-    assert during(bridge, "redeploy, new code")["reloads"]["ok"] >= 1
+    assert during(bridge, "redeploy, new code")["reloads"]["ok"] <= 2
     assert all(s["status"] == 200 for s in sent_during(bridge, "redeploy, new code"))
 
 

@@ -61,8 +61,9 @@ def test_status_document_of_a_fresh_daemon_keeps_the_same_shape():
     assert document["reloads"]["last"] is None and document["reloads"]["recent"] == []
     assert set(document) == {
         "supervisor", "haproxy", "worker", "old_workers", "reloads", "config", "convergence", "observe",
-        "dead_servers", "operator_dead", "pending_removals",
+        "dead_servers", "operator_dead", "pending_removals", "suspect_servers", "detector", "writes",
     }
+    assert document["writes"] == {"failing": [], "failures": 0}
     # Paths and binary fall back to the settings until the daemon has filled State in.
     assert document["config"]["rendered_path"] == "/etc/haproxy/rendered/haproxy.cfg"
     assert document["config"]["effective_path"] == "/run/haproxy-supervisor/haproxy.cfg"

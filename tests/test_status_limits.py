@@ -73,7 +73,7 @@ async def exchange(port: int, raw: bytes, timeout: float = 5.0) -> tuple[int, di
 
 
 async def healthz(port: int) -> int:
-    status, _ = await exchange(port, b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    status, _ = await exchange(port, b"GET /healthz HTTP/1.1\r\nHost: [::1]\r\nConnection: close\r\n\r\n")
     return status
 
 
@@ -85,7 +85,9 @@ def no_traceback(caplog) -> None:
 # ---------------------------------------------------------------- header timeout (item 7)
 
 
-@pytest.mark.parametrize("sent", [b"", b"GET /healthz HTTP/1.1\r\nHost: t\r\n"], ids=["nothing", "half the headers"])
+@pytest.mark.parametrize(
+    "sent", [b"", b"GET /healthz HTTP/1.1\r\nHost: [::1]\r\n"], ids=["nothing", "half the headers"]
+)
 async def test_a_request_whose_headers_never_finish_is_closed(port: int, sent: bytes, caplog):
     reader, writer = await connect(port)
     writer.write(sent)
@@ -116,7 +118,7 @@ async def test_trickled_headers_are_closed_too(port: int):
 
 async def test_a_keep_alive_connection_is_served_then_times_out_idle(port: int):
     reader, writer = await connect(port)
-    writer.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: [::1]\r\n\r\n")
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 200")
     assert await closed_by_server(reader)
@@ -146,19 +148,23 @@ async def test_at_the_limit_the_oldest_idle_connection_makes_room(port: int, cap
 
 async def test_a_huge_content_length_is_413_at_once(port: int):
     started = time.monotonic()
-    status, body = await exchange(port, b"POST /reload HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000000000\r\n\r\n")
+    status, body = await exchange(
+        port, b"POST /reload HTTP/1.1\r\nHost: [::1]\r\nContent-Length: 1000000000000\r\n\r\n"
+    )
     assert status == 413 and "larger than" in body["error"]
     assert time.monotonic() - started < LIMITS.body_timeout_s + 2.5  # answered, not left open
 
 
 async def test_a_body_that_stops_coming_is_408(port: int):
-    status, body = await exchange(port, b"POST /reload HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n0123456789")
+    status, body = await exchange(
+        port, b"POST /reload HTTP/1.1\r\nHost: [::1]\r\nContent-Length: 100\r\n\r\n0123456789"
+    )
     assert status == 408 and "not received within" in body["error"]
 
 
 async def test_a_client_leaving_mid_body_logs_no_traceback(port: int, caplog):
     _, writer = await connect(port)
-    writer.write(b"POST /reload HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n0123456789")
+    writer.write(b"POST /reload HTTP/1.1\r\nHost: [::1]\r\nContent-Length: 1000\r\n\r\n0123456789")
     await writer.drain()
     await asyncio.sleep(0.1)
     writer.transport.abort()
@@ -173,10 +179,10 @@ async def test_a_client_leaving_mid_body_logs_no_traceback(port: int, caplog):
 @pytest.mark.parametrize(
     "raw",
     [
-        b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
-        b"FOO /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
-        b"POST /reload HTTP/1.1\r\nHost: t\r\nContent-Length: -1\r\n\r\n",
-        b"GET /healthz HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: [::1]\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+        b"FOO /healthz HTTP/1.1\r\nHost: [::1]\r\n\r\n",
+        b"POST /reload HTTP/1.1\r\nHost: [::1]\r\nContent-Length: -1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: [::1]\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     ],
     ids=["header over 8 KiB", "method FOO", "negative Content-Length", "bad chunk"],
 )

@@ -21,6 +21,15 @@ MAX_CONNECTIONS = 8
 DEFAULT_LINE_LIMIT = 16000
 
 
+# Connections refused, or dropped unread, while the master re-executes: tried this often, this far apart.
+RETRIES = 50
+RETRY_S = 0.02
+
+
+class _DroppedUnread(Exception):
+    """The master closed the connection without reading the line (it re-executed)."""
+
+
 class CLIError(Exception):
     """The master CLI could not be reached or did not answer in time."""
 
@@ -75,7 +84,7 @@ class MasterCLI:
         # The master re-executes itself on reload and its socket refuses connections for a
         # few milliseconds; that is not an error worth reporting.
         loop = asyncio.get_running_loop()
-        for attempt in range(50):
+        for attempt in range(RETRIES):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
@@ -83,28 +92,47 @@ class MasterCLI:
                 return sock
             except (ConnectionRefusedError, FileNotFoundError):
                 sock.close()
-                if attempt == 49:
+                if attempt == RETRIES - 1:
                     raise
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(RETRY_S)
             except BaseException:
                 sock.close()
                 raise
         raise AssertionError("unreachable")
 
     async def _roundtrip(self, line: str) -> str:
+        # A connection the master had not read the line from when it re-executed is dropped:
+        # the write fails (EPIPE) or the read does (ECONNRESET: our bytes were left unread, so
+        # the line, whose newline comes last, was never run). It is sent again, like a refused
+        # connect; a reset after part of an answer is an error.
+        data = line.encode() + b"\n"
+        for attempt in range(RETRIES):
+            try:
+                return await self._exchange(data)
+            except _DroppedUnread:
+                if attempt == RETRIES - 1:
+                    raise ConnectionResetError("the master dropped every connection unread") from None
+                await asyncio.sleep(RETRY_S)
+        raise AssertionError("unreachable")
+
+    async def _exchange(self, data: bytes) -> str:
         # Plain non-blocking socket calls, not asyncio streams: a drain sends a line per old
         # worker, and a transport, a protocol and two stream objects per line cost more CPU
         # than the line itself (measured in the commit that made this choice).
         loop = asyncio.get_running_loop()
         sock = await self._connect()
+        chunks: list[bytes] = []
         try:
-            await loop.sock_sendall(sock, line.encode() + b"\n")
+            await loop.sock_sendall(sock, data)
             # The master CLI only answers once it sees the end of input.
             sock.shutdown(socket.SHUT_WR)
-            chunks: list[bytes] = []
             while chunk := await loop.sock_recv(sock, 1 << 16):
                 chunks.append(chunk)
             return b"".join(chunks).decode(errors="replace")
+        except (BrokenPipeError, ConnectionResetError):
+            if chunks:
+                raise
+            raise _DroppedUnread from None
         finally:
             sock.close()
 

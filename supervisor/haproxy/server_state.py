@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
@@ -166,9 +167,30 @@ def inject_server_state(config: Config, path: Path) -> Config:
     return result
 
 
-def clear_server_state(path: Path) -> None:
-    """No state to hand over: a master started afresh must not load a previous run's file."""
-    write_atomically(path, EMPTY_STATE)
+def clear_server_state(path: Path) -> str | None:
+    """No state to hand over: a master started afresh must not load a previous run's file.
+    Best-effort: when there is no room for the new file an atomic write makes (a full disk),
+    the old one is emptied in place (its truncated block holds the few bytes), else removed
+    (HAProxy starts without it, with a warning). Returns what failed, or None."""
+    try:
+        write_atomically(path, EMPTY_STATE)
+        return None
+    except OSError as exc:
+        error = f"{exc.filename or path}: {exc.strerror or exc}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.write(fd, EMPTY_STATE.encode())
+        finally:
+            os.close(fd)
+        return f"{error}; emptied it in place"
+    except OSError:
+        pass
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return f"{error}; and cannot remove it: {exc.strerror or exc}"
+    return f"{error}; removed it"
 
 
 async def save_server_state(

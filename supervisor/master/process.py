@@ -162,7 +162,10 @@ class MasterProcess:
         ports = config_ports(self.settings.haproxy.effective_config)
         # A fresh master has no worker to hand states over from: a previous run's file would
         # put servers in states nobody asked for.
-        clear_server_state(self.settings.haproxy.server_state_file)
+        failed = clear_server_state(self.settings.haproxy.server_state_file)
+        if failed is not None:
+            log.warning("server-state file: cannot empty it: %s; starting haproxy without it", failed)
+        self.state.publish_write("server-state file", failed)
         log.info("starting haproxy master: %s", shlex.join(cmd))
         stderr = self._stderr_end()
         try:
@@ -216,6 +219,9 @@ class MasterProcess:
             return None
         if not h.master_socket_path.exists():
             raise MasterSocketGone(pid, h.master_socket_path)
+        # Known to run from here (found by the socket it holds): /healthz says so while its
+        # worker's readiness is asked, which a crowded master CLI can take seconds to answer.
+        self.state.publish_master(pid, server_events=self.stderr is not None and self.stderr.feeds(pid))
         ports = config_ports(self.settings.haproxy.effective_config)
         deadline = time.monotonic() + self.settings.reload.timeout_s
         while True:
@@ -224,8 +230,10 @@ class MasterProcess:
                 break
             if not is_alive(pid):
                 log.info("haproxy master pid=%d went away during adoption", pid)
+                self.state.publish_master(None)
                 return None
             if time.monotonic() > deadline:
+                self.state.publish_master(None)
                 raise MasterError(
                     f"haproxy master pid={pid} is alive but {h.master_socket_path} shows no ready worker "
                     f"({why}): refusing to start a second HAProxy"

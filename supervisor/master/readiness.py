@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 from pathlib import Path
 
 from ..haproxy.answers import ProcList, show_info_by_pid
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.config import Config
 from .procfs import socket_inodes
+from .sockdiag import TCP_LISTEN, tcp_sockets
 
 log = logging.getLogger(__package__)
 
@@ -36,42 +36,13 @@ def bind_ports(config: Config) -> set[int]:
     return ports
 
 
-# sock_diag (netlink): the kernel lists only the listening TCP sockets, however many
-# connections the node holds; /proc/net/tcp would have to be read whole, with every connection.
-_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _TCP_LISTEN = 4, 20, 10
-_NLM_F_REQUEST, _NLM_F_DUMP, _NLMSG_ERROR, _NLMSG_DONE = 0x1, 0x300, 2, 3
-_NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, seq, pid
-_DIAG_PORT_AT, _DIAG_INODE_AT = 4, 68  # in struct inet_diag_msg: idiag_sport (big endian), idiag_inode
-
-
 def _listening_tcp_sockets() -> dict[int, int]:
     """{socket inode: port} of every listening TCP socket (IPv4 and IPv6) of this network namespace."""
-    found: dict[int, int] = {}
-    for family in (socket.AF_INET, socket.AF_INET6):
-        # struct inet_diag_req_v2: family, protocol, ext, pad, states, then a zeroed inet_diag_sockid.
-        request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_LISTEN) + bytes(48)
-        header = _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY,
-                                    _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as sock:
-            sock.settimeout(1)
-            sock.send(header + request)
-            done = False
-            while not done:
-                data = sock.recv(1 << 16)
-                offset = 0
-                while offset + _NLMSG_HEADER.size <= len(data):
-                    length, kind, _, _, _ = _NLMSG_HEADER.unpack_from(data, offset)
-                    if kind == _NLMSG_DONE or length < _NLMSG_HEADER.size:
-                        done = True
-                        break
-                    if kind == _NLMSG_ERROR:
-                        raise OSError("sock_diag answered an error")
-                    body = offset + _NLMSG_HEADER.size
-                    (port,) = struct.unpack_from(">H", data, body + _DIAG_PORT_AT)
-                    (inode,) = struct.unpack_from("=I", data, body + _DIAG_INODE_AT)
-                    found[inode] = port
-                    offset += (length + 3) & ~3
-    return found
+    return {
+        found.inode: found.sport
+        for family in (socket.AF_INET, socket.AF_INET6)
+        for found in tcp_sockets(family, (TCP_LISTEN,))
+    }
 
 
 def listening_ports(pid: int) -> set[int] | None:

@@ -239,6 +239,20 @@ def _reloads_html(reloads: dict[str, Any], now: datetime) -> str:
     )
 
 
+def _suspects_html(suspects: list[dict[str, Any]], now: datetime) -> str:
+    if not suspects:
+        return '<p class="muted">No suspect servers: no worker socket to a server is stalled.</p>'
+    why = {"connect": "connect stalled (SYN-SENT)", "retransmit": "data sent, not acknowledged"}
+    rows = "".join(
+        f'<tr><td class="mono">{esc(s["server"])}</td><td class="mono">{esc(s["endpoint"])}</td>'
+        f'<td>{esc(why.get(s["why"], s["why"]))}</td><td>{esc(format_age(s["suspect_s"] or 0))}</td></tr>'
+        for s in suspects[:PAGE_CHIP_LIMIT]
+    )
+    return (f"<table><tr><th>server</th><th>address</th><th>why</th><th>for</th></tr>{rows}</table>"
+            '<p class="muted">Seen by the stalled-connection detector: steered off in every worker, '
+            "their stalled sockets aborted; a health check that passes brings one back.</p>")
+
+
 def render_page(
     doc: dict[str, Any], now: datetime, sizes: Mapping[str, int] | None = None, history: History | None = None,
 ) -> str:
@@ -269,6 +283,8 @@ def render_page(
 </div>
 <section id="dead"><h2>Dead servers by backend <span class="count">({len(doc["dead_servers"]):,} servers in
 {len(damage):,} backends)</span></h2>{_damage_html(damage, doc)}</section>
+<section id="suspects"><h2>Suspect servers <span class="count">({len(doc.get("suspect_servers", [])):,})</span>
+</h2>{_suspects_html(doc.get("suspect_servers", []), now)}</section>
 <section id="history"><h2>History</h2><div class="charts">{charts_html(history or History(), now)}</div></section>
 <section id="old-workers"><h2>Old workers <span class="count">({esc(len(old))})</span></h2>
 {_old_workers_html(old, now)}</section>

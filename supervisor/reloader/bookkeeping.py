@@ -101,8 +101,10 @@ class GenerationBook:
                 f"cannot record generation {number}'s config: {error} "
                 "(HAProxy runs it; a daemon restarted now would not know its text)"
             ))
+            self.state.publish_write("generation configs", error)
             return
         self.problems.over("generation configs")
+        self.state.publish_write("generation configs", None)
 
     def rewrite_all(self) -> None:
         """Every generation's config and the index again (runtime_dir was lost); OSError raised."""
@@ -123,8 +125,10 @@ class GenerationBook:
         except OSError as exc:
             error = io_error_line(exc)
             self.problems.happened("generations index", error, f"cannot record the generations: {error}")
+            self.state.publish_write("generations index", error)
             return
         self.problems.over("generations index")
+        self.state.publish_write("generations index", None)
 
     def observe(self, procs: ProcList) -> None:
         """Prune the generations whose worker `show proc` no longer lists."""

@@ -31,7 +31,7 @@ from .hooks import NoHooks, ReloadHooks, RuntimeApply, SaveServerState, call_hoo
 from .parts import Parts
 from .problems import io_error_line
 from .recovery import Recovery
-from .schedule import Cause, ReloadScheduler, retry_delay
+from .schedule import Cause, ReloadScheduler, TransientHold, retry_delay
 from .watch import ContentCheck, content_news, inputs_digest, split_watch, watch_changes
 
 log = logging.getLogger(__package__)
@@ -68,6 +68,7 @@ class Reloader:
         )
         self.cycle = Cycle(self.parts, runtime_apply, save_server_state, self.handle_settled, self.cli_failed)
         self.recovery = Recovery(self.parts)
+        self.hold = TransientHold(reload.transient_hold_ms / 1000)
         self.watch_files, self.watch_dirs = split_watch(settings.haproxy.config, settings.haproxy.watch)
         self.watch_ignore = [settings.haproxy.runtime_dir]
         # The safety net under the watches; its first look, taken now, is what later looks compare with.
@@ -245,6 +246,10 @@ class Reloader:
         try:
             effective = await load_whole(self.settings)
         except RenderedConfigError as exc:
+            # What this read found is no news for the safety net (a deleted file, bytes that are
+            # not UTF-8): it would take it for a change no event told of, and count it again.
+            content = self.content
+            content.commit(*await off_the_loop(content.look))
             if exc.missing and not self.master.wanted:
                 # A controller that has rendered nothing yet (a Ray node before Ray starts) is no
                 # bad input, and nothing serves that a record would warn about: its write is the change.
@@ -264,6 +269,12 @@ class Reloader:
         self._goal = (effective.sha256, inputs)
         if not self.master.wanted:
             return await self.recovery.first_start(effective, inputs, started)
+        current = None if force or self.state.current is None else self.state.current.model
+        wait, why = self.hold.check(current, effective.effective_model, effective.sha256, time.monotonic())
+        if wait > 0:
+            log.info("reload held %.1fs for the next render: %s", wait, why)
+            self.scheduler.retry(time.monotonic() + wait)
+            return None
         while True:
             await self.master.wait_up()
             async with self.master.lock:

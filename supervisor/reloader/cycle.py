@@ -14,6 +14,7 @@ from ..generations import PendingReload
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError
 from ..haproxy.config import Config
+from ..haproxy.server_state import clear_server_state
 from ..master.readiness import bind_ports
 from ..notify import summary_line
 from ..settings import Settings
@@ -173,10 +174,16 @@ class Cycle:
         current = self.parts.state.current
         if self.save_server_state is None or current is None:
             return
+        path = self.parts.settings.haproxy.server_state_file
         try:
-            await self.save_server_state(current, model, self.parts.settings.haproxy.server_state_file)
+            await self.save_server_state(current, model, path)
+            self.parts.state.publish_write("server-state file", None)
         except OSError as exc:
-            log.error("saving server state failed: %s; the new worker starts from the config", io_error_line(exc))
+            # A previous reload's file must not hand the new worker states that are no longer true.
+            error = io_error_line(exc)
+            cleared = clear_server_state(path)
+            log.error("saving server state failed: %s; the new worker starts from the config", cleared or error)
+            self.parts.state.publish_write("server-state file", cleared or error)
         except Exception:  # a missing state file costs states, not the reload
             log.exception("saving server state failed; the new worker starts from the config")
 

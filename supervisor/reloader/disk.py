@@ -60,8 +60,15 @@ class ConfigOnDisk:
         self.loaded = loaded
 
     def write(self, effective: Effective) -> None:
-        """The effective config on disk, for a reload or a start to load."""
-        write_effective(self.path, effective)
+        """The effective config on disk, for a reload or a start to load. OSError when it cannot
+        be written, unless the file holds that text already (a full disk has no room for the copy
+        an atomic write makes, and needs none)."""
+        try:
+            write_effective(self.path, effective)
+        except OSError:
+            if self.previous() != effective.text:
+                raise
+            write_slot_table(effective.slot_table)  # content-addressed: there, or OSError
         self._on_disk_sha = effective.sha256
 
     def holds(self, text: str | None) -> None:

@@ -28,7 +28,7 @@ from .change import Runs
 from .convergence import Attempt
 from .disk import LoadedConfig
 from .parts import Parts
-from .problems import one_line
+from .problems import EXPECTED_IO_ERRORS, io_error_line, one_line
 from .watch import inputs_digest
 
 log = logging.getLogger(__package__)
@@ -63,31 +63,52 @@ class Recovery:
         return await p.master.take_back(pid)
 
     async def first_start(self, effective: Effective, inputs: str, started: float) -> Attempt | None:
-        """No master yet: validate, write the effective config, and let the master start on it."""
+        """No master yet: validate, write the effective config, and let the master start on it.
+        When the config is invalid, or cannot be written for HAProxy to read (a full or read-only
+        runtime_dir), HAProxy starts on the effective config an earlier run left on disk, if valid."""
         p = self.parts
         h = p.settings.haproxy
         ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
         if ok:
-            p.disk.write(effective)
+            try:
+                p.disk.write(effective)
+            except OSError as exc:
+                if exc.errno not in EXPECTED_IO_ERRORS:
+                    raise
+                error = f"cannot write the effective config for haproxy: {io_error_line(exc)}"
+                log.error("reload failed: %s", error)
+                attempt = Attempt(p.record("failed", started, error))
+                if not await self._start_on_previous():
+                    log.error("no effective config on disk to start haproxy with: retrying")
+                return attempt
             p.disk.runs(LoadedConfig.of(effective, inputs))
             log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
             p.master.request_start()
             return None
         log.error("initial config invalid: %s", one_line(message))
         attempt = Attempt(p.record("invalid", started, message))
-        fallback = p.disk.previous()
-        if fallback is not None:
-            ok, _ = await validate(h.binary, fallback, h.runtime_dir)
-            if ok:
-                log.warning("starting haproxy on the previous effective config %s until a valid one is rendered",
-                            h.effective_config)
-                p.disk.runs(LoadedConfig(fallback, "", None, p.disk.slot_table_named(fallback)))
-                p.disk.holds(fallback)
-                p.master.request_start()
-                return attempt
+        if await self._start_on_previous():
+            return attempt
         log.error("no valid config to start haproxy with: waiting for %s to change", h.config)
         p.notifier.status(f"waiting for a valid config: {one_line(message, 200)}")
         return attempt
+
+    async def _start_on_previous(self) -> bool:
+        """Start HAProxy on the effective config on disk, the last good one, if it is valid."""
+        p = self.parts
+        h = p.settings.haproxy
+        fallback = p.disk.previous()
+        if fallback is None:
+            return False
+        ok, _ = await validate(h.binary, fallback, h.runtime_dir)
+        if not ok:
+            return False
+        log.warning("starting haproxy on the previous effective config %s until the rendered one can be loaded",
+                    h.effective_config)
+        p.disk.runs(LoadedConfig(fallback, "", None, p.disk.slot_table_named(fallback)))
+        p.disk.holds(fallback)
+        p.master.request_start()
+        return True
 
     def master_started(self, procs: ProcList) -> Generation | None:
         """A master we started (first start or restart) runs the effective config on disk."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..haproxy.config import Config
+from ..haproxy.runtime.plan import transient_render
+
 Cause = Literal["forced", "asked", "change", "retry"]
 
 
@@ -108,3 +111,33 @@ RETRY_FIRST_S = 0.5
 def retry_delay(attempts: int, max_s: float) -> float:
     """0.5 s before the first retry, then twice as long each time, up to `max_s`."""
     return min(max_s, RETRY_FIRST_S * 2 ** min(attempts, 32))
+
+
+@dataclass
+class TransientHold:
+    """A render that looks transient (runtime/plan.py: transient_render) waits up to `hold_s`
+    for the next one, which usually undoes it, instead of being reloaded at once: the running
+    config goes on serving meanwhile. Transient renders in a row wait `hold_s` from the first
+    of them, however many come: a rebuild never holds the node back for longer."""
+
+    hold_s: float
+    held: str | None = None  # the effective sha256 held last
+    since: float = 0.0  # when the first of the transient renders in a row came
+
+    def wait_s(self, sha256: str, transient: bool, now: float) -> float:
+        """How long the render of `sha256` should still wait; 0: go on with it."""
+        if not transient or self.hold_s <= 0:
+            self.held = None
+            return 0.0
+        if self.held is None:
+            self.since = now
+        self.held = sha256
+        left = max(self.since + self.hold_s - now, 0.0)
+        if left == 0:
+            self.held = None  # it goes on now: a later transient render is held anew
+        return left
+
+    def check(self, running: Config | None, new: Config, sha256: str, now: float) -> tuple[float, str | None]:
+        """(how long to wait, why) for `new` over `running` (None: a forced cycle, or nothing runs)."""
+        why = None if running is None or self.hold_s <= 0 else transient_render(running, new)
+        return self.wait_s(sha256, why is not None, now), why

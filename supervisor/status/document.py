@@ -8,7 +8,17 @@ from typing import Any
 
 from .. import __version__
 from ..settings import Settings
-from ..state import Convergence, Generation, OldWorker, PendingRemoval, ReloadRecord, State, rfc3339, utcnow
+from ..state import (
+    Convergence,
+    Generation,
+    OldWorker,
+    PendingRemoval,
+    ReloadRecord,
+    State,
+    SuspectServer,
+    rfc3339,
+    utcnow,
+)
 
 RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied", "unknown")
 
@@ -91,6 +101,25 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
         "dead_servers": sorted(state.dead_servers),
         "operator_dead": sorted(state.operator_dead),
         "pending_removals": [_pending_json(r, now) for _, r in sorted(state.pending_removals.items())],
+        "suspect_servers": [_suspect_json(s, now) for _, s in sorted(state.suspect_servers.items())],
+        "detector": {
+            "enabled": settings.detector.enabled, "abort": settings.detector.abort,
+            "stalled_aborted": state.stalled_aborted, "idle_closed": state.idle_closed,
+        },
+        "writes": {
+            "failing": [{"file": what, "error": error} for what, error in sorted(state.write_failing.items())],
+            "failures": state.write_failures,
+        },
+    }
+
+
+def _suspect_json(suspect: SuspectServer, now: datetime) -> dict[str, Any]:
+    return {
+        "server": suspect.key,
+        "endpoint": suspect.endpoint,
+        "why": suspect.why,
+        "since": rfc3339(suspect.since),
+        "suspect_s": _seconds(max(0.0, (now - suspect.since).total_seconds())),
     }
 
 

@@ -18,9 +18,10 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from ..files import bind_unix_private
-from ..logs import RecurringCondition
+from ..logs import RecurringCondition, RecurringConditions
 from ..settings import Settings, StatusSettings, listen_address
 from ..state import State
+from ..waiting import wait_set
 from .routes import StatusActions, build_app, error_json
 
 log = logging.getLogger(__package__)
@@ -169,19 +170,168 @@ def _descriptor_budget(limit: int) -> int:
     return budget
 
 
-def _quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
-    """asyncio reports each accept() that fails for lack of file descriptors with a traceback;
-    make that one line per minute. Returns the function that puts the previous handler back."""
+def _listening_sockets(server: asyncio.Server | None) -> list[Any]:
+    return list(server.sockets) if server is not None and server.sockets else []
+
+
+def _accepting(sock: Any) -> bool:
+    """Whether a listening socket still listens: `ss -K` (or a conntrack flush) destroys one
+    under us, and from then on it is readable for ever and every accept() fails with EINVAL."""
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return False
+
+
+class StatusListener:
+    """The listening socket of the status app, and the runner serving it: bound by `open()`,
+    bound again by `rebind()` once it is `dead` (set by the event loop's exception handler
+    the moment an accept() fails, or by `probe()`)."""
+
+    def __init__(self, app: web.Application, listen: str, limits: StatusSettings) -> None:
+        self.app = app
+        self.listen = listen
+        self.limits = limits
+        self.address = listen_address(listen)
+        # Scrapes every few seconds would flood an access log; operator actions are logged by the handlers.
+        # An action in flight (a reload) may delay a stop by at most `shutdown_timeout`.
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+        self.server: asyncio.Server | None = None
+        self.dead = asyncio.Event()
+        self.problem = ""  # why it is dead
+        self._inode: int | None = None  # the unix socket file we made
+        self._guard: ConnectionGuard | None = None
+        self._restore_exception_handler: Callable[[], None] = lambda: None
+
+    async def open(self) -> None:
+        if isinstance(self.address, str):
+            self.app.on_cleanup.append(self._remove_socket_file)
+        self.app.on_shutdown.append(self._stop_listening)
+        loop = asyncio.get_running_loop()
+        self._restore_exception_handler = quiet_loop_errors(loop, self._accept_failed)
+        await self.runner.setup()
+        self._guard = ConnectionGuard(_descriptor_budget(self.limits.max_connections), self.limits.header_timeout_s)
+        try:
+            await self._bind()
+        except BaseException:
+            await self.runner.cleanup()
+            raise
+        log.info("status: listening on %s", self.listen)
+
+    async def _bind(self) -> None:
+        """StatusServerError when it cannot."""
+        loop = asyncio.get_running_loop()
+        server, guard = self.runner.server, self._guard
+        assert server is not None and guard is not None
+        limits = self.limits
+
+        def connection() -> _GuardedHandler:
+            # aiohttp's keep-alive timer closes a connection idle (or trickling) between requests;
+            # the guard times the first request's headers. Both get header_timeout_s.
+            return _GuardedHandler(
+                server, guard, loop=loop, access_log=None, keepalive_timeout=limits.header_timeout_s,
+                lingering_time=2.0,
+            )
+
+        try:
+            if isinstance(self.address, str):
+                path = Path(self.address)
+                sock = bind_unix_socket(path)
+                self._inode = path.stat().st_ino
+                listener = await loop.create_server(connection, sock=sock)
+            else:
+                host, port = self.address
+                listener = await loop.create_server(connection, host, port, reuse_address=True)
+        except (OSError, StatusServerError) as exc:
+            if isinstance(exc, StatusServerError):
+                raise
+            raise StatusServerError(f"status.listen {self.listen}: {exc.strerror or exc}") from None
+        self.server = listener
+        self.dead.clear()
+        self.problem = ""
+
+    async def rebind(self) -> None:
+        """Close what is left of a dead listener and bind again (StatusServerError when it cannot)."""
+        self._close_listener()
+        await self._bind()
+
+    def probe(self) -> bool:
+        """Whether every listening socket still listens; marks the listener dead when not."""
+        if self.dead.is_set():
+            return False
+        if all(_accepting(sock) for sock in _listening_sockets(self.server)):
+            return True
+        self._mark_dead("the listening socket was destroyed (it no longer accepts connections)")
+        return False
+
+    def _accept_failed(self, exc: BaseException) -> bool:
+        """The loop's exception handler: an exception in a callback. True when it was our
+        listener failing (dealt with: it stops being served at once, no spinning)."""
+        if not isinstance(exc, OSError) or self.server is None:
+            return False
+        if all(_accepting(sock) for sock in _listening_sockets(self.server)):
+            return False
+        self._mark_dead(f"accept() fails: {exc.strerror or exc}")
+        return True
+
+    def _mark_dead(self, problem: str) -> None:
+        if self.dead.is_set():
+            return
+        self.problem = problem
+        self._close_listener()  # removes its reader: a destroyed socket is readable for ever
+        self.dead.set()
+
+    def _close_listener(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    async def _stop_listening(self, _: web.Application) -> None:
+        # Before aiohttp closes the open connections: no new one may arrive meanwhile.
+        self._close_listener()
+        self._restore_exception_handler()
+
+    async def _remove_socket_file(self, _: web.Application) -> None:
+        # Only our own file: a newer daemon may already listen on the same path.
+        assert isinstance(self.address, str)
+        path = Path(self.address)
+        with contextlib.suppress(OSError):
+            if path.stat().st_ino == self._inode:
+                path.unlink()
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+def quiet_loop_errors(
+    loop: asyncio.AbstractEventLoop, claimed: Callable[[BaseException], bool] = lambda _: False,
+) -> Callable[[], None]:
+    """The event loop's exception handler, so that no error repeating in a callback makes a
+    traceback each time: the first one of a kind is logged as asyncio logs it, the repeats at
+    most once a minute with a count. asyncio's accept() retries for lack of file descriptors
+    are one line per minute. `claimed(exc)` is asked first; True: it was dealt with.
+    Returns the function that puts the previous handler back."""
     previous = loop.get_exception_handler()
     out_of_resources = RecurringCondition(
         log, logging.ERROR, "status: cannot accept connections: %s; asyncio retries every second",
     )
+    repeats = RecurringConditions(log, logging.ERROR)
+    seen: set[str] = set()
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if context.get("message", "").startswith("socket.accept() out of system resource"):
-            exc = context.get("exception")
+        message = context.get("message", "")
+        exc = context.get("exception")
+        if message.startswith("socket.accept() out of system resource"):
             out_of_resources.happened(getattr(exc, "strerror", None) or exc)
             return
+        if exc is not None and claimed(exc):
+            return
+        kind = f"{message.split('(')[0]}: {type(exc).__name__ if exc is not None else ''} {exc or ''}".strip()
+        if kind in seen:
+            repeats.happened(kind, kind, f"event loop: again: {kind}")
+            return
+        if len(seen) < 1000:
+            seen.add(kind)
         if previous is not None:
             previous(loop, context)
         else:
@@ -191,98 +341,79 @@ def _quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
     return lambda: loop.set_exception_handler(previous)
 
 
+async def open_status_server(
+    app: web.Application, listen: str, limits: StatusSettings | None = None
+) -> StatusListener:
+    """Serve `app` on `host:port` or `unix:/path`; StatusServerError when it cannot bind."""
+    listener = StatusListener(app, listen, limits or StatusSettings())
+    await listener.open()
+    return listener
+
+
 async def start_status_server(
     app: web.Application, listen: str, limits: StatusSettings | None = None
 ) -> web.AppRunner:
     """Serve `app` on `host:port` or `unix:/path`. Stop it with `await runner.cleanup()`."""
-    limits = limits or StatusSettings()
-    address = listen_address(listen)
-    # Scrapes every few seconds would flood an access log; operator actions are logged by the handlers.
-    # An action in flight (a reload) may delay a stop by at most `shutdown_timeout`.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
-    sock: socket.socket | None = None
-    if isinstance(address, str):
-        path = Path(address)
-        try:
-            sock = bind_unix_socket(path)
-        except OSError as exc:
-            raise StatusServerError(f"status.listen {listen}: {exc.strerror or exc}") from None
-        inode = path.stat().st_ino
-
-        async def remove_socket_file(_: web.Application) -> None:
-            # Only our own file: a newer daemon may already listen on the same path.
-            with contextlib.suppress(OSError):
-                if path.stat().st_ino == inode:
-                    path.unlink()
-
-        app.on_cleanup.append(remove_socket_file)
-    listening: list[asyncio.Server] = []
-    loop = asyncio.get_running_loop()
-    restore_exception_handler = _quiet_accept_errors(loop)
-
-    async def stop_listening(_: web.Application) -> None:
-        # Before aiohttp closes the open connections: no new one may arrive meanwhile.
-        for listener in listening:
-            listener.close()
-        restore_exception_handler()
-
-    app.on_shutdown.append(stop_listening)
-    await runner.setup()
-    server = runner.server
-    assert server is not None
-    guard = ConnectionGuard(_descriptor_budget(limits.max_connections), limits.header_timeout_s)
-
-    def connection() -> _GuardedHandler:
-        # aiohttp's keep-alive timer closes a connection idle (or trickling) between requests;
-        # the guard times the first request's headers. Both get header_timeout_s.
-        return _GuardedHandler(
-            server, guard, loop=loop, access_log=None, keepalive_timeout=limits.header_timeout_s, lingering_time=2.0,
-        )
-
-    try:
-        if sock is not None:
-            listener = await loop.create_server(connection, sock=sock)
-        else:
-            host, port = address
-            listener = await loop.create_server(connection, host, port, reuse_address=True)
-    except OSError as exc:
-        await runner.cleanup()
-        raise StatusServerError(f"status.listen {listen}: {exc.strerror or exc}") from None
-    except BaseException:
-        await runner.cleanup()
-        raise
-    listening.append(listener)
-    log.info("status: listening on %s", listen)
-    return runner
+    return (await open_status_server(app, listen, limits)).runner
 
 
 class StatusServer:
     """The status app as a daemon component: `start()` binds (StatusServerError when it cannot:
-    the daemon stops before it says READY=1), `run()` serves until cancelled."""
+    the daemon stops before it says READY=1), `run()` serves until cancelled. A listening
+    socket destroyed under it is noticed (at its first failed accept(), or within
+    `PROBE_S`), logged once and bound again with a backoff; meanwhile State says the status
+    API is down, and the daemon stops feeding systemd's watchdog."""
+
+    PROBE_S = 1.0
+    REBIND_FIRST_S = 0.1
+    REBIND_MAX_S = 5.0
 
     def __init__(self, settings: Settings, state: State, actions: StatusActions) -> None:
         self.settings = settings
         self.state = state
         self.actions = actions
-        self._runner: web.AppRunner | None = None
+        self._listener: StatusListener | None = None
 
     async def start(self) -> None:
         app = build_app(self.state, self.settings, self.actions)
-        self._runner = await start_status_server(app, self.settings.status.listen, self.settings.status)
+        self._listener = await open_status_server(app, self.settings.status.listen, self.settings.status)
 
     async def run(self) -> None:
-        if self._runner is None:
+        if self._listener is None:
             await self.start()
-        runner = self._runner
-        assert runner is not None
+        listener = self._listener
+        assert listener is not None
         try:
-            await asyncio.Event().wait()
+            while True:
+                await wait_set(listener.dead, self.PROBE_S)
+                if listener.probe():
+                    continue
+                await self._bind_again(listener)
         finally:
-            self._runner = None
-            await runner.cleanup()
+            self._listener = None
+            await listener.close()
+
+    async def _bind_again(self, listener: StatusListener) -> None:
+        listen = self.settings.status.listen
+        down = f"status.listen {listen}: {listener.problem}"
+        log.error("status: %s; binding it again", down)
+        self.state.publish_status_listener(down)
+        failing = RecurringCondition(log, logging.ERROR, "status: cannot bind again: %s; retrying")
+        delay = self.REBIND_FIRST_S
+        while True:
+            try:
+                await listener.rebind()
+                break
+            except StatusServerError as exc:
+                self.state.publish_status_listener(str(exc))
+                failing.happened(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.REBIND_MAX_S)
+        self.state.publish_status_listener(None)
+        log.info("status: listening on %s again", listen)
 
     async def stop(self) -> None:
         """Close a listener that `start()` bound and `run()` never served (a start cut short)."""
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await listener.close()

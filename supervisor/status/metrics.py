@@ -119,6 +119,24 @@ class StateCollector(Collector):
             "haproxy_supervisor_dead_servers", "Servers known dead, for any reason (operator included).",
             value=len(state.dead_servers),
         )
+        suspects = GaugeMetricFamily(
+            "haproxy_supervisor_suspect_servers",
+            "Servers the stalled-connection detector holds unreachable (a connect stalled in SYN-SENT, or data "
+            "retransmitted and not acknowledged), by why.", labels=["why"],
+        )
+        for why in ("connect", "retransmit"):
+            suspects.add_metric([why], sum(1 for s in state.suspect_servers.values() if s.why == why))
+        yield suspects
+        yield CounterMetricFamily(
+            "haproxy_supervisor_stalled_sockets_aborted",
+            "Workers' stalled sockets to suspect servers destroyed (SOCK_DESTROY), so HAProxy retries at once.",
+            value=state.stalled_aborted,
+        )
+        yield CounterMetricFamily(
+            "haproxy_supervisor_idle_connections_closed",
+            "Workers' idle pooled connections to suspect servers destroyed, so no request is sent on one.",
+            value=state.idle_closed,
+        )
         yield HistogramMetricFamily(
             "haproxy_supervisor_push_duration_seconds",
             "Time to work out and push the old workers' steer-map entries through the master CLI, per push round.",
@@ -141,6 +159,16 @@ class StateCollector(Collector):
         yield CounterMetricFamily(
             "haproxy_supervisor_master_restarts", "Times the HAProxy master was restarted after it died.",
             value=state.master_restarts,
+        )
+        yield CounterMetricFamily(
+            "haproxy_supervisor_write_failures",
+            "Writes of best-effort files (server state, generations record) that failed; HAProxy ran on without them.",
+            value=state.write_failures,
+        )
+        yield GaugeMetricFamily(
+            "haproxy_supervisor_writes_failing",
+            "Best-effort files whose last write failed (`writes.failing` in /status).",
+            value=len(state.write_failing),
         )
         yield GaugeMetricFamily(
             "haproxy_supervisor_event_loop_lag_seconds",

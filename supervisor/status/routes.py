@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -20,7 +21,7 @@ from ..files import read_regular
 from ..haproxy.names import ServerKey
 from ..page.damage import BackendSizes
 from ..page.render import page_of
-from ..settings import Settings
+from ..settings import Settings, listen_address
 from ..state import ReloadRecord, State, utcnow
 from .document import SOCKET_MISSING, not_ready_reason, reload_json, status_document
 from .metrics import METRICS_CONTENT_TYPE, metrics_registry
@@ -151,6 +152,59 @@ async def _bounded_body(request: web.Request, handler: Callable[[web.Request], A
     return await handler(request)
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def host_of(header: str) -> str:
+    """The host of a Host header, lowercased, without its port or an IPv6 literal's brackets."""
+    value = header.strip().lower()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    host, _, port = value.rpartition(":")
+    if host and port.isdigit() and ":" not in host:
+        return host
+    return value
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def host_allowed(header: str, listen_host: str, allowed: Iterable[str]) -> bool:
+    """Whether a request with this Host names this listener. A DNS name that is not ours is how
+    a web page reads the API through DNS rebinding (its name made to resolve to 127.0.0.1); an
+    IP address in Host is no such name, so any is accepted, as are loopback names, the listen
+    host and `status.allowed_hosts`."""
+    host = host_of(header)
+    if not host or len(host) > 253:
+        return False
+    if _is_ip(host) or host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    return host == listen_host.lower() or host in {a.strip().lower() for a in allowed}
+
+
+def _host_check(listen_host: str, allowed: tuple[str, ...]) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if _on_unix_socket(request):
+            return await handler(request)  # no browser reaches a unix socket
+        header = request.headers.getall("Host", [])
+        if not header:
+            return await handler(request)  # HTTP/1.0 without Host: not a browser
+        if len(header) > 1 or not host_allowed(header[0], listen_host, allowed):
+            shown = header[0][:80] if header else ""
+            log.debug("status: refused Host %r from %s", shown, _peer(request))
+            return _closing(error_json(421, f"this listener does not answer for Host {shown!r} "
+                                            "(status.allowed_hosts)"))
+        return await handler(request)
+
+    return check
+
+
 def _closing(response: web.Response) -> web.Response:
     # The rest of an unread body would be taken for the next request: end the connection.
     response.force_close()
@@ -265,7 +319,11 @@ def build_app(
     state: State, settings: Settings, actions: StatusActions, clock: Callable[[], datetime] = utcnow
 ) -> web.Application:
     """The status app. The token file is read here, once; an unreadable one is logged."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors, _bounded_body])
+    listen = listen_address(settings.status.listen)
+    middlewares = [_json_errors, _bounded_body]
+    if not isinstance(listen, str):
+        middlewares.insert(1, _host_check(listen[0], settings.status.allowed_hosts))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[BODY_TIMEOUT_KEY] = settings.status.body_timeout_s
     endpoints = _Endpoints(state, settings, actions, clock)
     if endpoints.token is None and not settings.status.listen.startswith("unix:"):

@@ -228,12 +228,14 @@ class LiveView:
 
 
 def live_view(
-    latest: ConfigDigest, live: LiveStates, operator_dead: Iterable[str], previous_down: frozenset[At] = frozenset()
+    latest: ConfigDigest, live: LiveStates, operator_dead: Iterable[str], previous_down: frozenset[At] = frozenset(),
+    suspect_at: Iterable[At] = (),
 ) -> LiveView:
     """Combine the evidence. `previous_down`: the last view's `down`; an endpoint stays down
-    while the current worker has no verdict on it yet (right after a reload)."""
+    while the current worker has no verdict on it yet (right after a reload). `suspect_at`:
+    where the stalled-connection detector sees the workers' sockets stalled (detector.py)."""
     operator = frozenset(operator_dead)
-    down = set(live.down) | (previous_down & live.pending)
+    down = set(live.down) | (previous_down & live.pending) | set(suspect_at)
     for s in latest.named_hosts:
         # The live state shows the resolved address: carry the verdict over by name. Only for
         # host names: during a make-before-break the live states come from the worker that

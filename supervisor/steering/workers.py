@@ -182,6 +182,11 @@ class OldWorkers:
         log.debug("server event: worker %d: %s %s", event.pid, event.key, event.change)
         self._wake.set()
 
+    def wake(self) -> None:
+        """Steer again now: the evidence changed (the stalled-connection detector's suspects)."""
+        self._live_stale = True  # a suspect set `health down` shows in the current worker's states
+        self._wake.set()
+
     def mark_dead(self, key: str) -> None:
         self.state.publish_operator_dead(ServerKey.parse(key), True)
         self._wake.set()
@@ -311,7 +316,8 @@ class OldWorkers:
         if current_pid is not None and (self._live is None or (not reuse and self._next is None and self._live_due())):
             await self._fetch_live(current_pid)
         states = self._live.states if self._live is not None else LiveStates()
-        return live_view(latest, states, self.state.operator_dead, self._down)
+        suspect_at = [f"{key.partition('/')[0]} {s.endpoint}" for key, s in self.state.suspect_servers.items()]
+        return live_view(latest, states, self.state.operator_dead, self._down, suspect_at)
 
     def _live_due(self) -> bool:
         current = self.state.current

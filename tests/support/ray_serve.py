@@ -210,6 +210,8 @@ class NodeDaemon:
                 "stop_timeout_s": 5,
             },
             "status": {"listen": self.status_url},
+            # Timestamped lines: a run's failures are matched with the daemon's steps.
+            "logging": {"format": "json"},
         }
         self.settings_path.write_text(yaml.safe_dump(settings))
         return self.settings_path

@@ -248,3 +248,26 @@ def _server_change(old_section: Section, old: Server, new_section: Section, new:
     if not change.address_changed and not change.weight_changed and change.was_enabled == change.enabled:
         return None  # the address was only spelled differently
     return change
+
+
+def _is_subsequence(short: list[tuple[str, ...]], long: list[tuple[str, ...]]) -> bool:
+    rest = iter(long)
+    return all(any(line == other for other in rest) for line in short)
+
+
+def transient_render(running: Config, new: Config) -> str | None:
+    """Why `new` looks like a render caught in the middle of a rebuild, which its next render
+    soon undoes (None when it does not): a reload would be needed, every line of `new` is in
+    `running` in the same order (lines were only taken out), and a backend that has servers in
+    `running` has none left in `new` but its backups. Ray Serve renders a redeployed app that way while it
+    builds it again: its backend emptied and its frontend's metrics variable taken out, both
+    back in the next render. A backend taken out with its routes (an app deleted) is not one."""
+    primaries = {section.name: [s for s in servers if not s.backup] for section, servers in new.servers_by_backend()}
+    emptied = [section.name for section, servers in running.servers_by_backend()
+               if any(not s.backup for s in servers) and primaries.get(section.name) == []]
+    if not emptied or not _is_subsequence(config_skeleton(new), config_skeleton(running)):
+        return None
+    plan = runtime_plan(running, new)
+    if plan.changes is not None:
+        return None
+    return f"{', '.join(emptied)} lost every primary server and only lines were taken out ({plan.why_reload})"

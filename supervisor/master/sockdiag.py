@@ -1,0 +1,194 @@
+"""The daemon's one sock_diag (NETLINK_SOCK_DIAG) client: TCP sockets listed by the kernel,
+filtered there by state and destination port, and destroyed (SOCK_DESTROY, what `ss -K` does).
+
+The kernel walks its socket tables and sends only the sockets that pass the state mask and the
+bytecode: a node with many connections costs little as long as few match; /proc/net/tcp would
+have to be read whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, SOCK_DESTROY = 4, 20, 21
+TCP_ESTABLISHED, TCP_SYN_SENT, TCP_LISTEN = 1, 2, 10
+TIMER_RETRANSMIT = 1  # idiag_timer: the retransmit timer (a SYN's too) is pending
+
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP, _NLMSG_ERROR, _NLMSG_DONE = 0x1, 0x4, 0x300, 2, 3
+_NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, seq, pid
+_ATTR = struct.Struct("=HH")  # struct nlattr: length, type
+_INET_DIAG_REQ_BYTECODE, _INET_DIAG_INFO = 1, 2
+_BC_JMP, _BC_D_EQ = 1, 12  # enum of inet_diag_bc_op codes (linux/inet_diag.h)
+_BC_OP = struct.Struct("=BBH")  # struct inet_diag_bc_op: code, yes, no
+# struct inet_diag_msg: family, state, timer, retrans, the 48-byte inet_diag_sockid, expires,
+# rqueue, wqueue, uid, inode.
+_MSG = struct.Struct("=BBBB48sIIIII")
+_SOCKID = struct.Struct(">HH16s16s")  # sport, dport (big endian), src, dst; then if, cookie
+_DPORT, _DPORT_AT = struct.Struct(">H"), 6  # idiag_dport, in inet_diag_msg
+# struct tcp_info, as far as read: state .. backoff (bytes 0-4), rto at 8, unacked at 24, rtt at 68.
+_TCPI_RETRANSMITS_AT, _TCPI_BACKOFF_AT, _TCPI_RTO_AT, _TCPI_UNACKED_AT, _TCPI_RTT_AT = 2, 4, 8, 24, 68
+_TCPI_LAST_DATA_SENT_AT, _TCPI_LAST_DATA_RECV_AT = 44, 52  # ms since
+# A bytecode longer than this would overflow its jumps' 16 bits: dump by state alone then.
+MAX_FILTERED_PORTS = 4000
+
+
+class SockDiagError(OSError):
+    """The kernel refused a request (or sock_diag is missing)."""
+
+
+@dataclass(frozen=True)
+class DiagSocket:
+    """One TCP socket as sock_diag lists it."""
+
+    family: int
+    state: int
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    sockid: bytes  # the kernel's inet_diag_sockid, cookie included: what SOCK_DESTROY names it by
+    timer: int
+    retrans: int  # idiag_retrans: retransmissions of the pending segment (or SYN)
+    expires_ms: int  # until the timer fires
+    rqueue: int
+    wqueue: int  # established: bytes sent and not acknowledged (Send-Q)
+    inode: int
+    rto_ms: float | None = None  # from tcp_info, when asked for
+    rtt_ms: float | None = None
+    unacked: int | None = None
+    backoff: int | None = None
+    sent_ago_ms: int | None = None  # since data was last sent, and received
+    received_ago_ms: int | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_filter(ports: frozenset[int]) -> bytes:
+    return port_filter(ports)
+
+
+def port_filter(ports: Iterable[int]) -> bytes:
+    """Bytecode that accepts a socket whose destination port is one of `ports`. Per port: a
+    D_EQ test (its port in the next op) that goes on to a jump to the end when it matches and
+    to the next test when it does not; the last test's miss jumps past the end: refused."""
+    wanted = sorted(set(ports))
+    ops: list[bytes] = []
+    total = 12 * len(wanted)
+    for i, port in enumerate(wanted):
+        last = i == len(wanted) - 1
+        ops.append(_BC_OP.pack(_BC_D_EQ, 8, 16 if last else 12))
+        ops.append(_BC_OP.pack(0, 0, port))
+        ops.append(_BC_OP.pack(_BC_JMP, 4, total - (12 * i + 8)))
+    return b"".join(ops)
+
+
+def _request(kind: int, flags: int, body: bytes) -> bytes:
+    return _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(body), kind, flags, 1, 0) + body
+
+
+def _address(family: int, raw: bytes) -> str:
+    return socket.inet_ntop(family, raw[:4] if family == socket.AF_INET else raw)
+
+
+def _parse(data: bytes, at: int, end: int) -> DiagSocket:
+    family, state, timer, retrans, sockid, expires, rqueue, wqueue, _, inode = _MSG.unpack_from(data, at)
+    sport, dport, src, dst = _SOCKID.unpack_from(sockid)
+    extra: dict[str, float | int] = {}
+    offset = at + _MSG.size
+    while offset + _ATTR.size <= end:
+        length, kind = _ATTR.unpack_from(data, offset)
+        if length < _ATTR.size:
+            break
+        if kind == _INET_DIAG_INFO and length >= _ATTR.size + _TCPI_RTT_AT + 4:
+            info = offset + _ATTR.size
+            extra["retransmits"] = data[info + _TCPI_RETRANSMITS_AT]
+            extra["backoff"] = data[info + _TCPI_BACKOFF_AT]
+            (rto,) = struct.unpack_from("=I", data, info + _TCPI_RTO_AT)
+            (unacked,) = struct.unpack_from("=I", data, info + _TCPI_UNACKED_AT)
+            (rtt,) = struct.unpack_from("=I", data, info + _TCPI_RTT_AT)
+            (sent,) = struct.unpack_from("=I", data, info + _TCPI_LAST_DATA_SENT_AT)
+            (received,) = struct.unpack_from("=I", data, info + _TCPI_LAST_DATA_RECV_AT)
+            extra.update(rto_ms=rto / 1000, rtt_ms=rtt / 1000, unacked=unacked, sent_ago_ms=sent,
+                         received_ago_ms=received)
+        offset += (length + 3) & ~3
+    return DiagSocket(
+        family, state, _address(family, src), sport, _address(family, dst), dport, sockid, timer, retrans,
+        expires, rqueue, wqueue, inode,
+        rto_ms=extra.get("rto_ms"), rtt_ms=extra.get("rtt_ms"),
+        unacked=int(extra["unacked"]) if "unacked" in extra else None,
+        backoff=int(extra["backoff"]) if "backoff" in extra else None,
+        sent_ago_ms=int(extra["sent_ago_ms"]) if "sent_ago_ms" in extra else None,
+        received_ago_ms=int(extra["received_ago_ms"]) if "received_ago_ms" in extra else None,
+    )
+
+
+def tcp_sockets(
+    family: int, states: Iterable[int], ports: Iterable[int] | None = None, info: bool = False
+) -> Iterator[DiagSocket]:
+    """The TCP sockets of this network namespace in one of `states` (TCP_* numbers), toward one
+    of `ports` if given (filtered by the kernel up to MAX_FILTERED_PORTS; past that, here).
+    `info`: with their tcp_info (RTO, RTT, unacknowledged segments)."""
+    mask = 0
+    for state in states:
+        mask |= 1 << state
+    wanted = frozenset(ports) if ports is not None else None
+    bytecode = _cached_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""
+    if wanted is not None and not wanted:
+        return
+    ext = 1 << (_INET_DIAG_INFO - 1) if info else 0
+    # struct inet_diag_req_v2: family, protocol, ext, pad, states, then a zeroed inet_diag_sockid.
+    body = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, ext, 0, mask) + bytes(48)
+    if bytecode:
+        body += _ATTR.pack(_ATTR.size + len(bytecode), _INET_DIAG_REQ_BYTECODE) + bytecode
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(1)
+        sock.send(_request(SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, body))
+        while True:
+            data = sock.recv(1 << 16)
+            offset = 0
+            while offset + _NLMSG_HEADER.size <= len(data):
+                length, kind, _, _, _ = _NLMSG_HEADER.unpack_from(data, offset)
+                if kind == _NLMSG_DONE or length < _NLMSG_HEADER.size:
+                    return
+                if kind == _NLMSG_ERROR:
+                    (errno,) = struct.unpack_from("=i", data, offset + _NLMSG_HEADER.size)
+                    raise SockDiagError(-errno, f"sock_diag dump refused: {-errno}")
+                body = offset + _NLMSG_HEADER.size
+                # Past the bytecode's reach the port is checked here, before the socket is parsed.
+                if wanted is None or bytecode or _DPORT.unpack_from(data, body + _DPORT_AT)[0] in wanted:
+                    yield _parse(data, body, offset + length)
+                offset += (length + 3) & ~3
+
+
+def tcp_activity() -> tuple[int, int] | None:
+    """This network namespace's count of connects begun and of segments retransmitted
+    (/proc/net/snmp: ActiveOpens, RetransSegs); None when unreadable. A dump walks every
+    bucket of the kernel's established hash, whatever the sockets: unchanged counters say no
+    connect began and nothing was retransmitted since the last look, so there is nothing new
+    to dump for."""
+    try:
+        with open("/proc/net/snmp", "rb") as snmp:
+            rows = [line.split() for line in snmp.read().splitlines() if line.startswith(b"Tcp:")]
+        names, values = rows[0], rows[1]
+        return int(values[names.index(b"ActiveOpens")]), int(values[names.index(b"RetransSegs")])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def destroy(target: DiagSocket) -> None:
+    """Close `target` from outside its process (SOCK_DESTROY): a connect pending on it fails at
+    once with ECONNABORTED, a read or write with an error. Needs CAP_NET_ADMIN and a kernel built
+    with CONFIG_INET_DIAG_DESTROY; raises SockDiagError (EPERM, EOPNOTSUPP, ENOENT: gone)."""
+    body = struct.pack("=BBBBI", target.family, socket.IPPROTO_TCP, 0, 0, 1 << target.state) + target.sockid
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(1)
+        sock.send(_request(SOCK_DESTROY, _NLM_F_REQUEST | _NLM_F_ACK, body))
+        data = sock.recv(1 << 12)
+    _, kind, _, _, _ = _NLMSG_HEADER.unpack_from(data, 0)
+    if kind == _NLMSG_ERROR:
+        (errno,) = struct.unpack_from("=i", data, _NLMSG_HEADER.size)
+        if errno:
+            raise SockDiagError(-errno, f"SOCK_DESTROY refused: {-errno}")

@@ -1,0 +1,317 @@
+"""The stalled-connection detector: the owner of the suspect servers (stalled.py judges).
+
+Every poll it asks the kernel for the TCP sockets toward the current config's server ports
+that are connecting or established (one sock_diag dump, filtered by state and port in the
+kernel), keeps those of the HAProxy workers, and judges them. A suspect server is
+- set `health down` in the current worker when it has a check: its checks bring it back
+  after `rise` passes, so a false alarm heals itself;
+- published into State, where the steering takes it as evidence that it is dead, and pushes
+  it to every old worker like any known-dead server;
+- rid of its idle pooled connections in every worker (SOCK_DESTROY), so no later request is
+  sent on one;
+- and, once steered off in a worker, that worker's stalled sockets to it are destroyed, so
+  HAProxy retries their requests on live servers at once (`abort`, needs CAP_NET_ADMIN).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+from ..haproxy.api import CLIError, MasterCLI
+from ..haproxy.names import ServerKey, validate_name
+from ..haproxy.resolution import is_ip
+from ..logs import RecurringCondition
+from ..master.procfs import socket_inodes
+from ..master.sockdiag import (
+    TCP_ESTABLISHED,
+    TCP_SYN_SENT,
+    DiagSocket,
+    SockDiagError,
+    destroy,
+    tcp_activity,
+    tcp_sockets,
+)
+from ..settings import DetectorSettings
+from ..state import Generation, State, SuspectServer
+from .stalled import Endpoint, Stall, Suspect, idle, stall_of, suspects
+
+log = logging.getLogger(__name__)
+
+CAP_NET_ADMIN = 12
+
+
+def has_net_admin() -> bool:
+    """Does this process hold CAP_NET_ADMIN (effective): may it destroy others' sockets?"""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+@dataclass(frozen=True)
+class ServerIndex:
+    """The current config's servers as their sockets name them."""
+
+    sha256: str
+    by_endpoint: dict[Endpoint, tuple[str, ...]]
+    checked: frozenset[str]  # servers with a health check: `health down` is undone by it
+    keys: frozenset[str]
+    ports: frozenset[int]
+    families: tuple[int, ...]
+
+    @classmethod
+    def of(cls, generation: Generation) -> ServerIndex:
+        by_endpoint: dict[Endpoint, list[str]] = {}
+        checked: set[str] = set()
+        families: set[int] = set()
+        for server in generation.model.servers():
+            if server.port is None or server.disabled or not is_ip(server.address):
+                continue
+            family = socket.AF_INET6 if ":" in server.address else socket.AF_INET
+            families.add(family)
+            address = socket.inet_ntop(family, socket.inet_pton(family, server.address))
+            by_endpoint.setdefault((address, server.port), []).append(server.key)
+            if server.check:
+                checked.add(server.key)
+        return cls(
+            generation.effective_sha256, {e: tuple(k) for e, k in by_endpoint.items()}, frozenset(checked),
+            frozenset(k for keys in by_endpoint.values() for k in keys),
+            frozenset(p for _, p in by_endpoint), tuple(sorted(families)),
+        )
+
+
+def merged(indexes: list[ServerIndex]) -> ServerIndex:
+    """Several configs' servers in one index: the configs every worker runs."""
+    if len(indexes) == 1:
+        return indexes[0]
+    by_endpoint: dict[Endpoint, dict[str, None]] = {}
+    for index in indexes:
+        for endpoint, keys in index.by_endpoint.items():
+            by_endpoint.setdefault(endpoint, {}).update(dict.fromkeys(keys))
+    return ServerIndex(
+        " ".join(i.sha256 for i in indexes), {e: tuple(k) for e, k in by_endpoint.items()},
+        frozenset().union(*(i.checked for i in indexes)), frozenset().union(*(i.keys for i in indexes)),
+        frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))),
+    )
+
+
+class StalledDetector:
+    """Finds the servers the workers' sockets say are unreachable, and acts on them."""
+
+    def __init__(
+        self, settings: DetectorSettings, state: State, cli: MasterCLI, wake_steering: Callable[[], None] | None = None
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.cli = cli
+        self.wake_steering = wake_steering
+        self.can_abort = False
+        self._current: ServerIndex | None = None
+        self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
+        self._watched: ServerIndex | None = None  # every running config's servers, merged
+        self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
+        self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
+        self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
+        self._health_down: set[str] = set()  # suspects set `health down` in the current worker
+        self._destroyed: set[bytes] = set()
+        self.aborted = 0  # stalled sockets destroyed
+        self.idle_closed = 0  # idle pooled connections destroyed
+
+    async def run(self) -> None:
+        if not self.settings.enabled:
+            log.info("stalled-connection detector off (detector.enabled)")
+            return
+        self.can_abort = self.settings.abort and has_net_admin()
+        if self.settings.abort and not self.can_abort:
+            log.warning("stalled-connection detector: no CAP_NET_ADMIN, stalled sockets are not aborted "
+                        "(and idle pooled connections not closed): grant it to the daemon")
+        failing = RecurringCondition(log, logging.WARNING, "stalled-connection detector: %s")
+        while True:
+            try:
+                await self.poll()
+                failing.over("stalled-connection detector: working again")
+            except (OSError, CLIError) as exc:
+                failing.happened(exc)
+            await asyncio.sleep(self.settings.poll_interval_ms / 1000)
+
+    # ------------------------------------------------------------ one poll
+
+    async def _current_and_watched(self) -> tuple[ServerIndex, ServerIndex] | None:
+        """The current config's servers (the ones `health` commands reach), and those of every
+        config a worker runs: an old worker's stalled socket to a server the current config
+        dropped (a pending removal a reload left behind included) is still found and aborted.
+        Worked out again when the running configs change, one config per turn of the loop;
+        only the two results are kept."""
+        current = self.state.current
+        if current is None:
+            return None
+        running = sorted(
+            (g for g in self.state.generations.values() if g is current or g.worker_pid in self.state.old_workers),
+            key=lambda g: g.number,
+        )
+        key = " ".join(g.effective_sha256 for g in running)
+        if self._watched is not None and self._current is not None and self._watched.sha256 == key:
+            return self._current, self._watched
+        if self._current is None or self._current.sha256 != current.effective_sha256:
+            self._current = ServerIndex.of(current)
+        indexes = [self._current]
+        for generation in running:
+            if generation.effective_sha256 != current.effective_sha256:
+                await asyncio.sleep(0)
+                indexes = [merged([*indexes, ServerIndex.of(generation)])]
+        self._watched = replace(merged(indexes), sha256=key)
+        return self._current, self._watched
+
+    async def poll(self) -> None:
+        found_indexes = await self._current_and_watched()
+        current = self.state.current
+        if found_indexes is None or current is None or not found_indexes[1].ports:
+            return
+        now_index, index = found_indexes
+        activity = tcp_activity()
+        if activity is not None and activity == self._activity and not self._first_seen and not self._held:
+            return  # no connect begun, nothing retransmitted, nothing stalled or suspect: no dump
+        self._activity = activity
+        now = time.monotonic()
+        listed = [
+            s for family in index.families
+            for s in tcp_sockets(family, (TCP_SYN_SENT, TCP_ESTABLISHED), index.ports, info=True)
+            if (s.dst, s.dport) in index.by_endpoint
+        ]
+        stalls: list[Stall] = []
+        seen: dict[bytes, float] = {}
+        for sock in listed:
+            if sock.state == TCP_ESTABLISHED and sock.rtt_ms and sock.retrans == 0:
+                endpoint = (sock.dst, sock.dport)
+                self._rtts[endpoint] = max(sock.rtt_ms, 0.9 * self._rtts.get(endpoint, 0.0))
+            first = self._first_seen.get(sock.sockid, now)
+            stall = stall_of(sock, (now - first) * 1000)
+            if stall is not None:
+                seen[sock.sockid] = first
+                stalls.append(stall)
+        self._first_seen = seen
+        if not stalls and not self._held:
+            return  # at rest: nothing stalled, nothing suspect
+        owners = self._owners(current.worker_pid)
+        stalls = [s for s in stalls if s.socket.inode in owners]
+        found = suspects(stalls, index.by_endpoint, self._rtts, self.settings.threshold_floor_ms, time.time())
+        new = [s for k, s in found.items() if k not in self._held]
+        for key, suspect in found.items():
+            kept = self._held.get(key)
+            self._held[key] = (kept[0] if kept is not None else suspect, now)
+        hold = self.settings.hold_s
+        ended = [k for k, (_, last) in self._held.items() if k not in found and now - last > hold]
+        for key in ended:
+            del self._held[key]
+            log.info("%s: no longer suspect (no stalled socket for %gs)", key, hold)
+        if new or ended:
+            for suspect in new:
+                log.warning("%s: suspect: %s stalled toward %s:%d", suspect.key, suspect.why, *suspect.endpoint)
+            self._publish()
+        if current.worker_pid is not None:
+            if ended:
+                taken = [k for k in ended if k in self._health_down]
+                self._health_down.difference_update(ended)
+                await self._bring_back(current.worker_pid, taken, now_index)
+            here = [s.key for s in new if s.key in now_index.keys]
+            if here:
+                await self._take_out(current.worker_pid, here)
+        if self.can_abort and self._held:
+            self._abort(listed, stalls, owners, current.worker_pid, index, now_index.keys)
+
+    def _owners(self, current_pid: int | None) -> dict[int, int]:
+        """{socket inode: worker PID} of every worker: read only when something is stalled."""
+        pids = set(self.state.old_workers)
+        if current_pid is not None:
+            pids.add(current_pid)
+        return {inode: pid for pid in pids for inode in socket_inodes(pid)}
+
+    async def _set_health(self, pid: int, keys: list[str], health: str) -> None:
+        commands = []
+        for key in keys:
+            server = ServerKey.parse(key)
+            commands.append(f"set server {validate_name('backend', server.backend)}/"
+                            f"{validate_name('server', server.server)} health {health}")
+        answers = await self.cli.on(pid, ";".join(commands), timeout=2)
+        if answers.strip():
+            log.warning("worker %d: set server ... health %s answered: %s", pid, health, answers.strip())
+
+    async def _take_out(self, pid: int, keys: list[str]) -> None:
+        """`health down` in the current worker. A server with a check comes back after `rise`
+        passes; one without stays down until the detector sets it up again (_bring_back)."""
+        await self._set_health(pid, keys, "down")
+        self._health_down.update(keys)
+        if self.wake_steering is not None:
+            self.wake_steering()
+
+    async def _bring_back(self, pid: int, keys: list[str], index: ServerIndex) -> None:
+        """The suspects with no check whose hold ended: nothing else would set them up again.
+        If still unreachable, their next connect stalls and they are suspect again."""
+        unchecked = [k for k in keys if k not in index.checked and k in index.keys]
+        if unchecked:
+            await self._set_health(pid, unchecked, "up")
+
+    def _steered_off(self, pid: int, current_pid: int | None, key: str, current_keys: frozenset[str]) -> bool:
+        """Does worker `pid` route nothing more to `key`? The current worker: set down, or no
+        longer in its config (a pending removal: in maint at the placeholder). An old worker:
+        in the steered list of its last push."""
+        if pid == current_pid:
+            return key in self._health_down or key not in current_keys
+        record = self.state.old_workers.get(pid)
+        return record is not None and key in record.steered
+
+    def _abort(
+        self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
+        index: ServerIndex, current_keys: frozenset[str],
+    ) -> None:
+        """Destroy the stalled sockets to suspects in the workers that steer off them, and every
+        worker's idle pooled connections to them."""
+        held_at = {s.endpoint: s.key for s, _ in self._held.values()}
+        targets: list[tuple[DiagSocket, str]] = []
+        for stall in stalls:
+            key = held_at.get(stall.endpoint)
+            pid = owners.get(stall.socket.inode)
+            if key is not None and pid is not None:
+                keys = index.by_endpoint.get(stall.endpoint, ())
+                if any(self._steered_off(pid, current_pid, k, current_keys) for k in keys):
+                    targets.append((stall.socket, "aborted"))
+        for sock in listed:
+            if (sock.dst, sock.dport) in held_at and idle(sock) and sock.inode in owners:
+                targets.append((sock, "idle"))
+        for sock, kind in targets:
+            if sock.sockid in self._destroyed:
+                continue
+            try:
+                destroy(sock)
+            except SockDiagError as exc:
+                log.debug("SOCK_DESTROY %s:%d -> %s:%d: %s", sock.src, sock.sport, sock.dst, sock.dport, exc)
+                continue
+            self._destroyed.add(sock.sockid)
+            if kind == "aborted":
+                self.aborted += 1
+            else:
+                self.idle_closed += 1
+            log.info("worker %d: %s socket %s:%d -> %s:%d destroyed", owners[sock.inode], kind, sock.src,
+                     sock.sport, sock.dst, sock.dport)
+        if len(self._destroyed) > 10_000:
+            self._destroyed.clear()
+        if targets:
+            self.state.publish_socket_aborts(self.aborted, self.idle_closed)
+
+    def _publish(self) -> None:
+        self.state.publish_suspects({
+            key: SuspectServer(key, f"{s.endpoint[0]}:{s.endpoint[1]}", s.why, datetime.fromtimestamp(s.since, UTC))
+            for key, (s, _) in self._held.items()
+        })
+        if self.wake_steering is not None:
+            self.wake_steering()

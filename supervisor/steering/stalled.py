@@ -1,0 +1,98 @@
+"""Which servers are suspect: the kernel's view of the workers' sockets toward them, judged.
+
+A vanished node never answers: a connect to it stays in SYN-SENT, and data sent on an
+established connection to it stays unacknowledged while TCP retransmits it. Both show in
+sock_diag at once, long before a `timeout connect` or a health check concludes. A server with
+such a socket, stalled for longer than a threshold, is suspect. The threshold follows the
+round-trip times seen toward the server (a WAN server's connect takes longer), with a floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ..master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, TIMER_RETRANSMIT, DiagSocket
+
+Endpoint = tuple[str, int]  # (address, port) of a server as its sockets name it
+
+# A connect or a segment is stalled past this many round trips (and the floor).
+RTT_FACTOR = 8
+
+
+@dataclass(frozen=True)
+class Stall:
+    """One worker socket that is stalled: why, and for at least how long."""
+
+    endpoint: Endpoint
+    why: str  # "connect" (SYN-SENT) or "retransmit" (established, data unacknowledged)
+    age_ms: float  # a lower bound, from the kernel's timer (and first sight)
+    socket: DiagSocket
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A server the detector holds to be unreachable."""
+
+    key: str  # "backend/server"
+    endpoint: Endpoint
+    why: str
+    since: float  # time.time() of when its oldest stalled socket stalled
+
+
+def stall_of(sock: DiagSocket, first_seen_ago_ms: float = 0.0) -> Stall | None:
+    """Is this socket stalled, and since when at least? The current retransmit interval has
+    lasted rto - expires; with retransmissions behind it, the intervals before (each half the
+    next) at least another rto/2."""
+    if sock.timer != TIMER_RETRANSMIT:
+        return None
+    if sock.state == TCP_SYN_SENT:
+        why = "connect"
+    elif sock.state == TCP_ESTABLISHED and sock.wqueue > 0 and sock.retrans > 0:
+        why = "retransmit"
+    else:
+        return None
+    rto = sock.rto_ms if sock.rto_ms is not None else 1000.0 if why == "connect" else 200.0
+    age = max(0.0, rto - sock.expires_ms) + (rto / 2 if sock.retrans > 0 else 0.0)
+    return Stall((sock.dst, sock.dport), why, max(age, first_seen_ago_ms), sock)
+
+
+def threshold_ms(rtts_ms: Iterable[float], floor_ms: float) -> float:
+    """How long a stall must last to count: RTT_FACTOR of the slowest round trip seen toward the
+    server, never under `floor_ms`."""
+    slowest = max(rtts_ms, default=0.0)
+    return max(floor_ms, RTT_FACTOR * slowest)
+
+
+def suspects(
+    stalls: Iterable[Stall],
+    servers: Mapping[Endpoint, tuple[str, ...]],
+    rtts_ms: Mapping[Endpoint, float],
+    floor_ms: float,
+    now: float,
+) -> dict[str, Suspect]:
+    """The servers whose endpoint has a stall older than its threshold, by "backend/server"
+    (every server of the current config at that endpoint), each with why and since when."""
+    found: dict[str, Suspect] = {}
+    for stall in stalls:
+        keys = servers.get(stall.endpoint)
+        if not keys:
+            continue
+        rtt = rtts_ms.get(stall.endpoint)
+        if stall.age_ms < threshold_ms(() if rtt is None else (rtt,), floor_ms):
+            continue
+        since = now - stall.age_ms / 1000
+        for key in keys:
+            known = found.get(key)
+            if known is None or since < known.since:
+                found[key] = Suspect(key, stall.endpoint, stall.why, since)
+    return found
+
+
+def idle(sock: DiagSocket) -> bool:
+    """An established connection with nothing in flight either way: a pooled idle one. Its
+    queues are empty and its last data came in after its last data went out; a request sent
+    and acknowledged whose answer is still being worked out has empty queues too."""
+    if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue:
+        return False
+    return sock.sent_ago_ms is None or sock.received_ago_ms is None or sock.received_ago_ms <= sock.sent_ago_ms

@@ -1,0 +1,89 @@
+"""The stalled-connection detector end to end: the daemon, real HAProxy, real servers, in a
+network namespace of the test's own, one server black-holed or partitioned by nftables.
+Requests on held connections go to an old worker (its pooled connections to the server
+included: `http-reuse always`, no `timeout server`), new ones to the current worker."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+from tests.support.netns import needs_netns, run_in_netns
+from tests.support.vanish import Outcome, run_staged, staged_status
+
+pytestmark = needs_netns
+
+# What ended a request: the detector's abort, well before the `timeout connect 5s` or the
+# control's 30 s hang. How fast is a figure for bench.drain --vanish, not a timed test.
+NOT_WAITED_OUT_S = 3.0
+
+
+def _figures(outcome: Outcome) -> str:
+    return f"held {outcome.figures('held')} {outcome.held}\nnew {outcome.figures('new')} {outcome.new}"
+
+
+def test_a_black_holed_server_is_steered_off_in_every_worker_at_once():
+    outcome = run_in_netns(run_staged, detector=True, timeout=120)
+    for mode in ("held", "new"):
+        failed, _, worst = outcome.figures(mode)
+        assert failed == 0 and worst < NOT_WAITED_OUT_S, _figures(outcome)
+    assert outcome.suspects == ["app/r2"]
+
+
+def test_a_partitioned_server_under_pooling_fails_and_hangs_no_request():
+    outcome = run_in_netns(run_staged, detector=True, partition=True, timeout=120)
+    for mode in ("held", "new"):
+        failed, _, worst = outcome.figures(mode)
+        assert failed == 0 and worst < NOT_WAITED_OUT_S, _figures(outcome)
+
+
+def test_control_without_the_detector_a_pooled_connection_to_a_partitioned_server_hangs():
+    """Today's behaviour: an old worker's request on its pooled idle connection to the server
+    waits for TCP's retransmissions (no `timeout server`), until the client gives up."""
+    outcome = run_in_netns(run_staged, detector=False, partition=True, requests=4, timeout=180)
+    failed, slow, worst = outcome.figures("held")
+    assert failed + slow >= 1 and worst >= 5.0, _figures(outcome)
+    assert outcome.suspects == []
+
+
+def test_a_suspect_that_comes_back_is_routed_again_within_rise_checks():
+    # `inter 500ms rise 2`: two passing checks after the drop is lifted.
+    outcome = run_in_netns(run_staged, detector=True, requests=3, inter="500ms", lift=True, timeout=120)
+    assert outcome.suspects == ["app/r2"]
+    assert outcome.back_after_s is not None and outcome.back_after_s < 2.5, outcome
+
+
+def _slow_accepting() -> dict[str, object]:
+    """A live server that accepts late: its kernel completes the handshakes and acknowledges
+    the requests, the application reads them 1.5 s later. Slow, not stalled."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        time.sleep(1.5)
+        listener.settimeout(10)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nslow")
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        return asyncio.run(staged_status(port, requests=3, wait_s=1.0))
+    finally:
+        listener.close()
+
+
+def test_a_live_server_that_accepts_slowly_is_no_false_alarm():
+    seen = run_in_netns(_slow_accepting, timeout=120)
+    assert seen["suspects_while_waiting"] == [], seen
+    assert seen["statuses"] == [200, 200, 200], seen

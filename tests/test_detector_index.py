@@ -1,0 +1,48 @@
+"""Which servers the detector watches: the current config's, and those of every config an
+old worker still runs (a server a reload dropped is still reached by that worker)."""
+
+from __future__ import annotations
+
+import socket
+from datetime import UTC, datetime
+
+from supervisor.haproxy.config import Config
+from supervisor.state import Generation
+from supervisor.steering.detector import ServerIndex, merged
+
+OLD = """\
+backend app
+    server r1 10.0.0.1:8001 check
+    server r2 10.0.0.2:8001
+    server named example.com:80
+    server off 10.0.0.9:80 disabled
+backend other
+    server r1 10.0.0.1:8001
+"""
+NEW = """\
+backend app
+    server r1 10.0.0.1:8001 check
+    server r3 [::1]:9000
+"""
+
+
+def generation(number: int, text: str) -> Generation:
+    return Generation(number, Config.parse(text), f"sha{number}", f"r{number}", datetime.now(UTC))
+
+
+def test_servers_by_endpoint_as_their_sockets_name_them():
+    index = ServerIndex.of(generation(1, OLD))
+    assert index.by_endpoint == {
+        ("10.0.0.1", 8001): ("app/r1", "other/r1"), ("10.0.0.2", 8001): ("app/r2",),
+    }  # a host name and a disabled server are left out
+    assert index.checked == {"app/r1"} and index.ports == {8001} and index.families == (socket.AF_INET,)
+
+
+def test_every_running_config_is_watched():
+    old, new = ServerIndex.of(generation(1, OLD)), ServerIndex.of(generation(2, NEW))
+    both = merged([old, new])
+    assert both.by_endpoint[("10.0.0.2", 8001)] == ("app/r2",)  # only the old worker routes there
+    assert both.by_endpoint[("::1", 9000)] == ("app/r3",)
+    assert both.by_endpoint[("10.0.0.1", 8001)] == ("app/r1", "other/r1")
+    assert both.ports == {8001, 9000} and both.families == (socket.AF_INET, socket.AF_INET6)
+    assert both.keys == {"app/r1", "app/r2", "other/r1", "app/r3"}

@@ -1,0 +1,102 @@
+"""The detector's decision, sockets in, suspect servers out: tables of kernel views."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, DiagSocket
+from supervisor.steering.stalled import idle, stall_of, suspects, threshold_ms
+
+
+def sock(state: int = TCP_SYN_SENT, timer: int = 1, retrans: int = 0, expires: int = 0, wqueue: int = 0,
+         rto: float | None = None, port: int = 8001, address: str = "10.0.0.1", rqueue: int = 0,
+         sent_ago: int | None = None, received_ago: int | None = None) -> DiagSocket:
+    sockid = f"{address}:{port}:{state}:{timer}:{retrans}:{expires}".encode()
+    return DiagSocket(2, state, "127.0.0.1", 40000, address, port, sockid, timer, retrans, expires, rqueue, wqueue, 7,
+                      rto_ms=rto, sent_ago_ms=sent_ago, received_ago_ms=received_ago)
+
+
+@pytest.mark.parametrize(("socket", "why", "age_ms"), [
+    # a connect 300 ms into its first 1 s SYN timer
+    (sock(rto=1000, expires=700), "connect", 300),
+    # a connect already retransmitted once: the 1 s before, and 500 ms into the 2 s interval
+    (sock(rto=2000, expires=1500, retrans=1), "connect", 500 + 1000),
+    # without tcp_info: the SYN timer's 1 s
+    (sock(expires=900), "connect", 100),
+    # established, 70 bytes unacknowledged, retransmitted once, 100 ms into a 400 ms RTO
+    (sock(TCP_ESTABLISHED, retrans=1, wqueue=70, rto=400, expires=300), "retransmit", 100 + 200),
+    # established with data in flight but not retransmitted yet: no stall (an ordinary send)
+    (sock(TCP_ESTABLISHED, retrans=0, wqueue=70, rto=204, expires=100), None, None),
+    # established, retransmitting but nothing queued: nothing waits on it
+    (sock(TCP_ESTABLISHED, retrans=1, wqueue=0, rto=400), None, None),
+    # a zero-window probe (timer 4): a live server that reads slowly, not a vanished one
+    (sock(TCP_ESTABLISHED, timer=4, retrans=3, wqueue=70, rto=400), None, None),
+    # an idle pooled connection: no timer
+    (sock(TCP_ESTABLISHED, timer=0), None, None),
+])
+def test_which_sockets_are_stalled_and_since_when(socket: DiagSocket, why: str | None, age_ms: float | None):
+    stall = stall_of(socket)
+    assert (stall.why if stall else None) == why
+    if stall is not None:
+        assert stall.age_ms == pytest.approx(age_ms)
+        assert stall.endpoint == ("10.0.0.1", 8001)
+
+
+def test_first_sight_counts_when_the_timer_says_less():
+    stall = stall_of(sock(rto=1000, expires=990), first_seen_ago_ms=450)
+    assert stall is not None and stall.age_ms == 450
+
+
+@pytest.mark.parametrize(("rtts", "floor", "expected"), [
+    ((), 200, 200),  # nothing seen: the floor
+    ((0.01,), 200, 200),  # loopback
+    ((80.0,), 200, 640),  # a WAN server at 80 ms: eight round trips
+    ((10.0, 40.0), 200, 320),  # the slowest counts
+    ((10.0,), 500, 500),  # a floor set higher
+])
+def test_the_threshold_follows_the_round_trips(rtts: tuple[float, ...], floor: float, expected: float):
+    assert threshold_ms(rtts, floor) == expected
+
+
+SERVERS = {("10.0.0.1", 8001): ("be/r1", "other/r1"), ("10.0.0.2", 8001): ("be/r2",)}
+
+
+@pytest.mark.parametrize(("sockets", "rtts", "expected"), [
+    # one stalled connect past the floor: both servers at that endpoint
+    ([sock(rto=1000, expires=600)], {}, {"be/r1": "connect", "other/r1": "connect"}),
+    # under the floor: nothing yet
+    ([sock(rto=1000, expires=900)], {}, {}),
+    # past the floor but the server is 80 ms away: 640 ms needed
+    ([sock(rto=1000, expires=600)], {("10.0.0.1", 8001): 80.0}, {}),
+    ([sock(rto=2000, expires=1500, retrans=1)], {("10.0.0.1", 8001): 80.0},
+     {"be/r1": "connect", "other/r1": "connect"}),
+    # a socket toward something that is no server of the config
+    ([sock(rto=1000, expires=100, address="10.9.9.9")], {}, {}),
+    # a retransmitting established connection to r2
+    ([sock(TCP_ESTABLISHED, retrans=2, wqueue=70, rto=800, expires=100, address="10.0.0.2")], {},
+     {"be/r2": "retransmit"}),
+    # healthy sockets only
+    ([sock(TCP_ESTABLISHED, timer=0), sock(TCP_ESTABLISHED, timer=0, address="10.0.0.2")], {}, {}),
+])
+def test_suspect_servers(sockets: list[DiagSocket], rtts: dict, expected: dict[str, str]):
+    stalls = [s for s in map(stall_of, sockets) if s is not None]
+    found = suspects(stalls, SERVERS, rtts, 200, now=1000.0)
+    assert {k: s.why for k, s in found.items()} == expected
+
+
+def test_since_is_the_oldest_stall():
+    stalls = [stall_of(sock(rto=1000, expires=700)), stall_of(sock(rto=2000, expires=1000, retrans=1))]
+    found = suspects([s for s in stalls if s], SERVERS, {}, 200, now=1000.0)
+    assert found["be/r1"].since == pytest.approx(1000.0 - 2.0)
+
+
+@pytest.mark.parametrize(("socket", "expected"), [
+    (sock(TCP_ESTABLISHED, timer=0), True),
+    (sock(TCP_ESTABLISHED, timer=0, sent_ago=36_000, received_ago=35_990), True),  # answered, then idle
+    (sock(TCP_ESTABLISHED, timer=0, sent_ago=300, received_ago=36_000), False),  # a request awaits its answer
+    (sock(TCP_ESTABLISHED, timer=0, rqueue=5), False),  # an answer not read yet
+    (sock(TCP_ESTABLISHED, retrans=1, wqueue=70), False),  # a request in flight
+    (sock(), False),
+])
+def test_idle_pooled_connections(socket: DiagSocket, expected: bool):
+    assert idle(socket) is expected
