@@ -13,7 +13,7 @@ from .effective import (
     RenderedConfigError,
     load_effective,
     prepare_runtime_dir,
-    validate,
+    start_effective_check,
     write_slot_table,
 )
 from .settings import Settings, SettingsError, load_settings
@@ -62,7 +62,12 @@ def cmd_check(settings: Settings) -> int:
         print(f"haproxy-supervisor: {settings.haproxy.runtime_dir}: cannot prepare runtime_dir: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAILED
-    ok, message = asyncio.run(validate(settings.haproxy.binary, effective.text, settings.haproxy.runtime_dir))
+    h = settings.haproxy
+
+    async def check() -> tuple[bool, str]:
+        return await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
+
+    ok, message = asyncio.run(check())
     if ok:
         print(f"{settings.haproxy.config}: effective config is valid")
         return EXIT_OK

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .controller import ControllerSockets
+from .controller.connections import stats_socket_capacity
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .files import ensure_private_dir
 from .haproxy.answers import ProcList
@@ -170,6 +171,11 @@ class Daemon:
         # The controller wrote its config, then asks: the change is applied as any change is.
         return await self.reloader.reload_now(reason="controller master socket", force=False)
 
+    def _stats_socket_capacity(self) -> int:
+        """How many connections the running config's stats socket accepts, for the relay."""
+        current = self.state.current
+        return stats_socket_capacity(current.model if current else None, self.settings.haproxy.stats_socket)
+
     # ------------------------------------------------------------ main
 
     async def run(self) -> int:
@@ -200,7 +206,8 @@ class Daemon:
         # Bound first (once runtime_dir is ours): a controller that finds its sockets silent
         # falls back to running HAProxy itself. Their callbacks find the reloader and the
         # displaced-worker component when called.
-        controller = ControllerSockets(settings, self._controller_reload, lambda: self.displaced)
+        controller = ControllerSockets(settings, self._controller_reload, lambda: self.displaced,
+                                       self._stats_socket_capacity)
         try:
             await controller.start()
         except OSError as exc:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import errno
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -210,17 +212,54 @@ async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:
     return await (await start_check(binary, text, directory)).verdict()
 
 
+def source_lines(rendered_text: str, effective_text: str) -> list[int]:
+    """For each line of the effective config (index 0 is its line 1), the rendered config's
+    line it comes from: the same line, the line an injection edited, or, for a line an
+    injection added, the rendered line before it (1 when there is none)."""
+    rendered, effective = rendered_text.splitlines(), effective_text.splitlines()
+    lines: list[int] = []
+    matcher = difflib.SequenceMatcher(None, rendered, effective, autojunk=False)
+    for tag, r1, r2, e1, e2 in matcher.get_opcodes():
+        for offset in range(e2 - e1):
+            if tag == "equal" or (tag == "replace" and offset < r2 - r1):
+                lines.append(r1 + offset + 1)
+            elif tag == "replace":
+                lines.append(r2)
+            else:  # inserted
+                lines.append(max(r1, 1))
+    return lines
+
+
+def name_rendered_lines(message: str, checked: str, rendered: Path, lines: list[int]) -> str:
+    """HAProxy's messages about the file `checked` (the effective config), as HAProxy run on
+    the rendered config alone gives them: `[<checked>:N]` names the rendered file and the
+    line N came from, and every other mention of `checked` the rendered file."""
+
+    def located(m: re.Match[str]) -> str:
+        number = int(m[1])
+        source = lines[number - 1] if 0 < number <= len(lines) else number
+        return f"[{rendered}:{source}]"
+
+    named = re.sub(rf"\[{re.escape(checked)}:(\d+)\]", located, message)
+    return named.replace(checked, str(rendered))
+
+
 class ConfigCheck:
     """`haproxy -c` under way: HAProxy checks on a core of its own while the caller works on
-    (the displaced-worker component works out the next config's steering meanwhile)."""
+    (the displaced-worker component works out the next config's steering meanwhile).
+    `source`: the rendered config's path and text, which the messages then name instead of
+    the copy checked (None: `<effective config>`)."""
 
     def __init__(
         self, tmp: Path | None, proc: asyncio.subprocess.Process | None, error: str | None, stdin: bytes | None = None,
+        text: str = "", source: tuple[Path, str] | None = None,
     ) -> None:
         self._tmp = tmp
         self._proc = proc
         self._error = error
         self._stdin = stdin  # the config, when it is checked through a pipe (no room for a copy)
+        self._text = text
+        self._source = source
 
     async def verdict(self) -> tuple[bool, str]:
         """(valid, HAProxy's own message); removes the copy it checked."""
@@ -229,7 +268,13 @@ class ConfigCheck:
                 return False, self._error or "haproxy -c did not start"
             out, _ = await self._proc.communicate(self._stdin)
             checked = STDIN_PATH if self._tmp is None else str(self._tmp)
-            message = out.decode(errors="replace").strip().replace(checked, "<effective config>")
+            message = out.decode(errors="replace").strip()
+            if self._source is not None and checked in message:
+                path, rendered_text = self._source
+                message = await off_the_loop(
+                    lambda: name_rendered_lines(message, checked, path, source_lines(rendered_text, self._text)))
+            else:
+                message = message.replace(checked, "<effective config>")
             # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
             return self._proc.returncode == 0, message
         finally:
@@ -237,11 +282,14 @@ class ConfigCheck:
                 self._tmp.unlink(missing_ok=True)
 
 
-async def start_effective_check(binary: str, effective: Effective, directory: Path) -> ConfigCheck:
+async def start_effective_check(
+    binary: str, effective: Effective, directory: Path, rendered: Path | None = None,
+) -> ConfigCheck:
     """start_check() on an effective config, once the slot table it names is on disk (the
-    check opens it)."""
+    check opens it). With `rendered` (the rendered config's path) the messages name its lines."""
     write_slot_table(effective.slot_table)
-    return await start_check(binary, effective.text, directory)
+    source = (rendered, effective.rendered_text) if rendered is not None else None
+    return await start_check(binary, effective.text, directory, source)
 
 
 CHECK_PREFIX, CHECK_SUFFIX = ".validate.", ".cfg"
@@ -283,7 +331,7 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
+async def start_check(binary: str, text: str, directory: Path, source: tuple[Path, str] | None = None) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
     must ask for the verdict: that reaps the process and removes the copy. The copy is
     best-effort: on a full or read-only runtime_dir, HAProxy reads the config from a pipe."""
@@ -293,7 +341,7 @@ async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
     except OSError as exc:
         if exc.errno not in NO_ROOM_ERRNOS:
             raise
-        return await _start_check_through_a_pipe(binary, text)
+        return await _start_check_through_a_pipe(binary, text, source)
     tmp = Path(name)
     try:
         try:
@@ -303,7 +351,7 @@ async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
             if exc.errno not in NO_ROOM_ERRNOS:
                 raise
             tmp.unlink(missing_ok=True)
-            return await _start_check_through_a_pipe(binary, text)
+            return await _start_check_through_a_pipe(binary, text, source)
         try:
             proc = await asyncio.create_subprocess_exec(
                 binary, "-c", "-f", name,
@@ -316,10 +364,10 @@ async def start_check(binary: str, text: str, directory: Path) -> ConfigCheck:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return ConfigCheck(tmp, proc, None)
+    return ConfigCheck(tmp, proc, None, None, text, source)
 
 
-async def _start_check_through_a_pipe(binary: str, text: str) -> ConfigCheck:
+async def _start_check_through_a_pipe(binary: str, text: str, source: tuple[Path, str] | None = None) -> ConfigCheck:
     try:
         proc = await asyncio.create_subprocess_exec(
             binary, "-c", "-f", STDIN_PATH,
@@ -329,4 +377,4 @@ async def _start_check_through_a_pipe(binary: str, text: str) -> ConfigCheck:
         if exc.errno in SHORTAGE_ERRNOS:
             raise
         return ConfigCheck(None, None, f"cannot run {binary}: {exc.strerror or exc}")
-    return ConfigCheck(None, proc, None, text.encode())
+    return ConfigCheck(None, proc, None, text.encode(), text, source)

@@ -12,9 +12,12 @@ never through a symlink (a new file in the same directory, renamed over the old 
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 # The rendered config's default limit: far above a 100,000-backend config, far below memory trouble.
@@ -160,3 +163,32 @@ def bind_unix_private(path: Path, mode: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def mode_bits(mode: str) -> int:
+    """An octal mode for a socket only its owner and group may use ("0600", "660"); ValueError
+    for another text, or one that lets every user in."""
+    if not (mode.isascii() and 0 < len(mode) <= 4 and all(c in "01234567" for c in mode)):
+        raise ValueError(f"must be an octal mode like \"0600\", got {mode!r}")
+    if int(mode, 8) & 0o007:
+        raise ValueError(f"{mode} lets every user in; give others no bits")
+    return int(mode, 8)
+
+
+def owner_ids(owner: str) -> tuple[int, int]:
+    """The (uid, gid) of "user:group", each a number or a name; ValueError naming the part
+    that does not resolve."""
+    user, sep, group = owner.partition(":")
+    if not sep or not user or not group:
+        raise ValueError(f"must be \"uid:gid\" (numbers or names), got {owner!r}")
+    return _resolved(user, "user", lambda name: pwd.getpwnam(name).pw_uid), \
+        _resolved(group, "group", lambda name: grp.getgrnam(name).gr_gid)
+
+
+def _resolved(name: str, what: str, look_up: Callable[[str], int]) -> int:
+    if name.isascii() and name.isdigit():
+        return int(name)
+    try:
+        return look_up(name)
+    except KeyError:
+        raise ValueError(f"no {what} {name!r}") from None

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .files import DEFAULT_MAX_READ_BYTES, UnreadableFile, read_regular
+from .files import DEFAULT_MAX_READ_BYTES, UnreadableFile, mode_bits, owner_ids, read_regular
 
 
 class SettingsError(Exception):
@@ -162,6 +162,13 @@ class ControllerSettings:
     runtime_socket: Path | None = None
     # Where it reloads (/var/run/haproxy-master.sock): `reload` runs the daemon's cycle.
     master_socket: Path | None = None
+    # Both sockets (docs/controller.md): an idle connection closed (HAProxy's `stats timeout`);
+    # the wait for HAProxy's socket before a line is answered `[3]:` (the controller waits 30 s);
+    # owner "uid:gid" (numbers or names; unset: the daemon's) and octal mode.
+    idle_timeout_s: float = 10
+    queue_timeout_s: float = 20
+    socket_owner: str | None = None
+    socket_mode: str = "0660"
 
 
 @dataclass(frozen=True)
@@ -194,12 +201,16 @@ _POSITIVE = {
     "status.header_timeout_s",
     "status.body_timeout_s",
     "status.max_connections",
+    "controller.idle_timeout_s",
+    "controller.queue_timeout_s",
 }
 # Keys that may be zero but not negative.
 _NON_NEGATIVE = {
     "detector.hold_s", "reload.min_interval_ms", "reload.transient_hold_ms", "reload.converge_grace_s",
     "reload.remove_wait_s",
 }
+# Strings read by a function of files.py, which says what is wrong with a bad one.
+_STRING_CHECKS = {"controller.socket_mode": mode_bits, "controller.socket_owner": owner_ids}
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
 # Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or
@@ -411,6 +422,10 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
             fail("cannot contain a NUL byte")
         if key == "status.listen":
             _check_listen(value, fail)
+        try:
+            _STRING_CHECKS.get(key, str)(value)
+        except ValueError as exc:
+            fail(str(exc))
         return value
     raise AssertionError(f"unhandled settings type {hint!r} for {key}")
 

@@ -18,11 +18,13 @@ from tests.support.controller import add_map_payload, disable, enable, sync_line
 from tests.support.harness import KeepAliveClient
 from tests.support.sidecar import (
     controller_accepts,
+    raise_fd_limit,
     reload_through_facade,
     replay,
     rolling_lines,
     roundtrip,
     sidecar,
+    simultaneous,
     under_load,
     update_map,
 )
@@ -139,3 +141,79 @@ async def test_out_of_service_marks_the_server_dead_for_old_workers(rundir):
         unmarked = await operator_dead()
     assert "b/SRV_1" in marked, marked[-2000:]
     assert "b/SRV_1" not in unmarked, unmarked[-2000:]
+
+
+# ---------------------------------------------------------------- many callers at once
+
+CALLERS = 1000
+
+
+def spare_disables(s, count: int) -> list[bytes]:
+    """The controller's disable of the free slots (SRV_3, SRV_4: in maint already), a line
+    the relay reorders into three connections to HAProxy."""
+    return [sync_line(disable("b", f"SRV_{3 + i % 2}", port=1)) for i in range(count)]
+
+
+async def test_a_thousand_callers_at_once_lose_no_line(rundir):
+    """However many callers connect at once, the relay queues them for HAProxy's socket
+    (maxconn 10): each gets HAProxy's own answer, none a `Connection lost`."""
+    raise_fd_limit(4 * CALLERS + 512)
+    async with sidecar(rundir) as s:
+        lines = spare_disables(s, CALLERS // 2) + [wrap(b"show info")] * (CALLERS // 2)
+        through = await simultaneous(s.runtime_socket, lines)
+        log = s.daemon.run_log()
+        states = await s.servers_state()
+    assert through.lost == 0, (through.errors, [a for a in through.answers if a is None or b"supervisor" in a][:3])
+    answers = [a for a in through.answers if a is not None]
+    assert all(controller_accepts(a) and a.startswith(b"\n") for a in answers), answers[:3]
+    assert sum(b"\nName: HAProxy\n" in a for a in answers) == CALLERS // 2
+    assert "Invalid argument" not in log, log[-3000:]
+    assert states["SRV_3"] == ("127.0.0.1:1", "maint") and states["SRV_1"] == (s.pods[0].address, "ready")
+
+
+async def test_a_caller_that_waits_past_the_bound_gets_one_error_line(rundir):
+    """With HAProxy's socket held by an idle session and a short queue bound, the next line
+    is answered `[3]:` in the controller's form and never sent."""
+    settings = {"controller": {"queue_timeout_s": 0.5}, "haproxy": {}}
+    async with sidecar(rundir, settings) as s:
+        s.daemon.write(s.rendered().replace("mode 600 level admin", "mode 600 level admin maxconn 1"))
+        await s.daemon.wait_log(r"reload ok")
+        reader, writer = await asyncio.open_unix_connection(s.runtime_socket)
+        writer.write(b"prompt\n")  # an interactive session: holds HAProxy's one connection
+        await writer.drain()
+        await reader.readuntil(b"> ")
+        waited = await roundtrip(s.runtime_socket, sync_line(disable("b", "SRV_3", port=1)))
+        writer.close()
+        after = await roundtrip(s.runtime_socket, sync_line(disable("b", "SRV_3", port=1)))
+    assert re.fullmatch(rb"\n\[3\]: haproxy-supervisor: waited 0\.5s for one of HAProxy's 1 runtime connections\n\n",
+                        waited), waited
+    assert controller_accepts(after) and after.startswith(b"\n"), after
+
+
+async def test_idle_connections_close_after_the_idle_timeout(rundir):
+    async with sidecar(rundir, {"controller": {"idle_timeout_s": 1}}) as s:
+        closed = {}
+        for name, path in (("runtime", s.runtime_socket), ("master", s.master_socket)):
+            for first in (b"", b"prompt\n"):  # nothing sent; an interactive session left idle
+                reader, writer = await asyncio.open_unix_connection(path)
+                writer.write(first)
+                began = time.monotonic()
+                async with asyncio.timeout(10):
+                    while await reader.read(65536):
+                        pass
+                closed[name, first] = time.monotonic() - began
+                writer.close()
+    assert all(0.9 < seconds < 5 for seconds in closed.values()), closed
+
+
+async def test_long_lines_are_reordered_or_refused_with_one_line(rundir):
+    async with sidecar(rundir) as s:
+        # 400 pairs (29 KB): past HAProxy's own 16 KiB line, each command is still sent alone
+        pairs = [disable("b", f"SRV_{3 + i % 2}", port=1) for i in range(400)]
+        long_answer = await roundtrip(s.runtime_socket, sync_line(*pairs))
+        too_long = await roundtrip(s.runtime_socket, sync_line(*pairs * 40))  # past the relay's 1 MiB
+        reordered = s.daemon.count("sent in a safe order")
+    assert len(sync_line(*pairs)) > 16384 and len(sync_line(*pairs * 40)) > 1 << 20
+    assert reordered == 1
+    assert controller_accepts(long_answer) and b"[3]" not in long_answer, long_answer[:200]
+    assert too_long == b"[3]: haproxy-supervisor: a line longer than 1048576 bytes is refused\n\n", too_long[:200]

@@ -10,7 +10,7 @@ import pytest
 
 from bench.config_parse import synthetic_config
 from bench.displaced_push import rendered
-from supervisor.effective import build_effective, effective_config
+from supervisor.effective import build_effective, effective_config, name_rendered_lines, source_lines
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.observe import inject_observe, observe_directive
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
@@ -239,3 +239,46 @@ def test_guard_plans_kept_from_earlier_builds_give_what_a_cold_build_gives(tmp_p
     build_effective(settings, texts[0], kept)
     warm = build_effective(settings, texts[1], kept)
     assert warm.text == build_effective(settings, texts[1], ConfigCache()).text
+
+
+def test_every_effective_line_maps_back_to_the_rendered_line_it_comes_from(tmp_path):
+    """The injections (global policy, observe, server state, guard) add and edit lines: each
+    effective line's source is the rendered line with the same words it started from."""
+    text = (CORPUS / "rayserve.cfg").read_text()
+    settings = Settings(
+        haproxy=HAProxySettings(runtime_dir=tmp_path, move_stats_socket=True),
+        observe=ObserveSettings(enabled=True),
+        old_workers=OldWorkerSettings(guard=True),
+        reload=ReloadSettings(preserve_server_state=True),
+    )
+    effective = build_effective(settings, text)
+    rendered_lines, effective_lines = text.splitlines(), effective.text.splitlines()
+    assert len(effective_lines) > len(rendered_lines)  # lines were added, so numbers differ
+    sources = source_lines(text, effective.text)
+    assert len(sources) == len(effective_lines)
+    kept = 0
+    for number, line in enumerate(effective_lines, start=1):
+        source = rendered_lines[sources[number - 1] - 1]
+        if line in rendered_lines:
+            assert source == line, (number, line, source)
+            kept += 1
+        elif line.split()[:2] == source.split()[:2] and line.lstrip().startswith("server "):
+            assert line.startswith(source.split("#")[0].rstrip()), (line, source)  # observe appended
+    assert kept > len(rendered_lines) * 0.9
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("[ALERT]    (7) : config : parsing [/rd/.validate.1.x.cfg:49] : unknown keyword 'bogus'",
+         "[ALERT]    (7) : config : parsing [/etc/h.cfg:36] : unknown keyword 'bogus'"),
+        ("[ALERT]    (7) : config : Error(s) found in configuration file : /rd/.validate.1.x.cfg",
+         "[ALERT]    (7) : config : Error(s) found in configuration file : /etc/h.cfg"),
+        ("[WARNING]  (7) : config : parsing [/rd/.validate.1.x.cfg:999] : past the end",
+         "[WARNING]  (7) : config : parsing [/etc/h.cfg:999] : past the end"),
+    ],
+)
+def test_haproxys_messages_name_the_rendered_file_and_line(message: str, expected: str):
+    lines = list(range(1, 60))
+    lines[48] = 36  # effective line 49 is rendered line 36
+    assert name_rendered_lines(message, "/rd/.validate.1.x.cfg", Path("/etc/h.cfg"), lines) == expected

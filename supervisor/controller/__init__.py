@@ -9,8 +9,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from ..files import mode_bits, owner_ids
 from ..settings import Settings
 from ..state import ReloadRecord
+from .connections import HAPROXY_STATS_MAXCONN
 from .facade import MasterFacade
 from .relay import RuntimeRelay
 
@@ -52,15 +54,18 @@ class ControllerSockets:
 
     def __init__(
         self, settings: Settings, reload_now: Callable[[], Awaitable[ReloadRecord | None]],
-        marks: Callable[[], Marks | None],
+        marks: Callable[[], Marks | None], capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN,
     ) -> None:
         c = settings.controller
+        mode, owner = mode_bits(c.socket_mode), owner_ids(c.socket_owner) if c.socket_owner else None
         self.relay = (
-            RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, steer_on_service(marks))
+            RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, steer_on_service(marks), capacity,
+                         c.queue_timeout_s, c.idle_timeout_s, mode, owner)
             if c.runtime_socket is not None else None
         )
         self.facade = (
-            MasterFacade(c.master_socket, settings.haproxy.master_socket_path, reload_now)
+            MasterFacade(c.master_socket, settings.haproxy.master_socket_path, reload_now, c.idle_timeout_s,
+                         mode, owner)
             if c.master_socket is not None else None
         )
 

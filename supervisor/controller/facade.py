@@ -15,11 +15,21 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from enum import Enum
 from pathlib import Path
 
 from ..state import ReloadRecord
 from .commands import split_line
-from .relay import CHUNK, pipe_through, start_unix_server
+from .connections import (
+    LINE_LIMIT,
+    IdleTimeout,
+    connect_unix,
+    error_line,
+    pipe_through,
+    read_first_line,
+    refuse_long_line,
+    start_unix_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +58,68 @@ def reload_answer(record: ReloadRecord | None, pid: int) -> bytes:
     return f"Success=0\n--\n[ALERT]    ({pid}) : haproxy-supervisor: reload {record.result}: {reason}\n\n".encode()
 
 
-def is_reload(command: bytes) -> bool:
-    return command.split() == [b"reload"]
+# Words HAProxy's master runs as work of its own: `reload` and `hard-reload` start a new
+# master and workers, `_send_status` is a new worker's report of its start (a forged one
+# ends a reload the master did not do), `mcli-debug-mode` opens every worker command on the
+# master itself.
+OUTSIDE_THE_DAEMON = ("reload", "_send_status", "mcli-debug-mode")
+
+
+class MasterCommand(Enum):
+    RELOAD = "the daemon's reload"
+    REFUSED = "refused"
+    PASS = "passed to HAProxy's master"
+
+
+def classify_master_command(command: bytes) -> MasterCommand:
+    """What the facade does with one command of a master-socket line: `reload` (alone, or
+    after `@master`) is the daemon's; any other command with a word that would make the
+    master work on its own (OUTSIDE_THE_DAEMON, in any case, escaped or quoted) is refused;
+    the rest pass as they are."""
+    words = command.split()
+    plain = [w.replace(b"\\", b"").replace(b"'", b"").replace(b'"', b"").lower() for w in words]
+    if not any(word in w for w in plain for word in (k.encode() for k in OUTSIDE_THE_DAEMON)):
+        return MasterCommand.PASS
+    if words in ([b"reload"], [b"@master", b"reload"]):
+        return MasterCommand.RELOAD
+    return MasterCommand.REFUSED
+
+
+def refusal(command: bytes) -> bytes:
+    shown = command.decode(errors="replace").strip()[:80]
+    return error_line(f"{shown!r} refused: the daemon owns HAProxy's reloads; send `reload`")
 
 
 def is_quit(command: bytes) -> bool:
     return command.split() == [b"quit"]
 
 
+def master_line_check(line: bytes) -> bytes | None:
+    """For a session relayed as it is: the refusal that ends it when a later line holds a
+    command that is not to pass (the daemon's `reload` included: it answers a line of its own)."""
+    for command in split_line(line.rstrip(b"\r\n")):
+        if classify_master_command(command) is not MasterCommand.PASS:
+            return refusal(command)
+    return None
+
+
 class MasterFacade:
     """A unix socket at `listen` in front of HAProxy's master socket at `upstream`."""
 
-    def __init__(self, listen: Path, upstream: Path, reload_now: ReloadNow) -> None:
+    def __init__(
+        self, listen: Path, upstream: Path, reload_now: ReloadNow, idle_timeout_s: float = 10.0,
+        socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
+    ) -> None:
         self.listen = listen
         self.upstream = upstream
         self.reload_now = reload_now
+        self.idle_timeout_s = idle_timeout_s
+        self.socket_mode = socket_mode
+        self.socket_owner = socket_owner
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        self._server = await start_unix_server(self._serve, self.listen)
+        self._server = await start_unix_server(self._serve, self.listen, self.socket_mode, self.socket_owner)
         log.info("controller master socket %s: reload runs the daemon's cycle", self.listen)
 
     async def close(self) -> None:
@@ -75,33 +128,38 @@ class MasterFacade:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.listen)
 
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            try:
-                line = await reader.readuntil(b"\n")
-            except asyncio.IncompleteReadError as partial:
-                line = partial.partial
-            except asyncio.LimitOverrunError:
-                line = b""
-            commands = split_line(line.rstrip(b"\n"))
-            if not any(is_reload(c) for c in commands):
+            line = await read_first_line(reader, self.idle_timeout_s)
+            if line is None:
+                await refuse_long_line(reader, writer, error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
+                return
+            commands = split_line(line.rstrip(b"\r\n"))
+            if all(classify_master_command(c) is MasterCommand.PASS for c in commands):
                 await self._pipe(line, reader, writer)
                 return
             writer.write(await self._answer(commands))
             await writer.drain()
+        except IdleTimeout:
+            log.debug("controller master socket: idle for %gs: closed", self.idle_timeout_s)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.warning("controller master socket: connection ended: %s", exc or type(exc).__name__)
         finally:
             writer.close()
 
     async def _answer(self, commands: list[bytes]) -> bytes:
-        """Each command in turn, `reload` by the daemon, the others by HAProxy's master."""
+        """Each command in turn, `reload` by the daemon, the others by HAProxy's master; a
+        refused one ends the line."""
         answers: list[bytes] = []
         for command in commands:
             if is_quit(command):
                 break
-            if is_reload(command):
+            kind = classify_master_command(command)
+            if kind is MasterCommand.REFUSED:
+                log.warning("controller master socket: refused %r", command.decode(errors="replace")[:80])
+                answers.append(refusal(command))
+                break
+            if kind is MasterCommand.RELOAD:
                 log.info("controller master socket: reload requested")
                 answers.append(reload_answer(await self.reload_now(), os.getpid()))
                 continue
@@ -124,7 +182,7 @@ class MasterFacade:
         deadline = loop.time() + CONNECT_PATIENCE_S
         while True:
             try:
-                return await asyncio.open_unix_connection(self.upstream, limit=CHUNK)
+                return await connect_unix(self.upstream, CONNECT_PATIENCE_S)
             except (ConnectionRefusedError, FileNotFoundError):
                 if loop.time() > deadline:
                     raise
@@ -134,5 +192,5 @@ class MasterFacade:
         await pipe_through(
             "controller master socket", self.upstream, self._connect,
             lambda exc: f"haproxy-supervisor: {self.upstream}: {exc.strerror or exc}\n".encode(), first, reader, writer,
+            self.idle_timeout_s, master_line_check,
         )
-

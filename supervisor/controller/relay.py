@@ -11,6 +11,13 @@ check it runs on the next reads the answer of the command it sent next.
 
 Servers a line takes out of service are made known-dead to the old workers before the line
 is sent (`on_service`); servers it puts back are unmarked.
+
+However many callers connect, at most as many connections reach HAProxy's socket as it
+accepts (`UpstreamSlots`, sized by `stats_socket_capacity`): a line, reordered or relayed as
+it is, holds one for as long as it takes (its commands go one connection after the other).
+Callers wait in arrival order, up to a bounded time; a line that waited that long is
+answered `[3]:` and never sent. A connection idle for `idle_timeout_s` (HAProxy's `stats
+timeout`) is closed.
 """
 
 from __future__ import annotations
@@ -19,22 +26,30 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
-from ..files import bind_unix_private
 from ..haproxy.answers import parse_servers_state
 from ..haproxy.names import validate_name
 from .commands import Address, address_waits, has_payload, parse_line, safe_order, service_changes, session_prefix
+from .connections import (
+    HAPROXY_STATS_MAXCONN,
+    LINE_LIMIT,
+    IdleTimeout,
+    QueueTimeout,
+    UpstreamSlots,
+    connect_unix,
+    idle_timeout,
+    pipe_through,
+    read_first_line,
+    refuse_long_line,
+    start_unix_server,
+)
 
 log = logging.getLogger(__name__)
 
 # client-native waits 30 s for an answer; a command of ours must not outlast it.
 COMMAND_TIMEOUT_S = 30.0
-# A first line longer than this is relayed without being read as commands (HAProxy's own
-# limit, tune.bufsize, is 16 KiB by default).
-LINE_LIMIT = 1 << 20
-CHUNK = 1 << 16
 # How long a server may take to show an address change before it is put in service anyway.
 ADDRESS_WAIT_S = 1.0
 ADDRESS_POLL_S = 0.002
@@ -45,15 +60,23 @@ ServiceCallback = Callable[[str, bool], None]  # ("backend/server", in service?)
 class RuntimeRelay:
     """A unix socket at `listen` in front of HAProxy's runtime socket at `upstream`."""
 
-    def __init__(self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None) -> None:
+    def __init__(
+        self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None,
+        capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN, queue_wait_s: float = 20.0,
+        idle_timeout_s: float = 10.0, socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
+    ) -> None:
         self.listen = listen
         self.upstream = upstream
         self.on_service = on_service
+        self.slots = UpstreamSlots(capacity, queue_wait_s)
+        self.idle_timeout_s = idle_timeout_s
+        self.socket_mode = socket_mode
+        self.socket_owner = socket_owner
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._server = await start_unix_server(self._serve, self.listen)
+        self._server = await start_unix_server(self._serve, self.listen, self.socket_mode, self.socket_owner)
         log.info("controller runtime socket %s relays to %s", self.listen, self.upstream)
 
     async def close(self) -> None:
@@ -72,6 +95,8 @@ class RuntimeRelay:
         self._connections.add(task)
         try:
             await self._serve_one(reader, writer)
+        except IdleTimeout:
+            log.debug("controller runtime socket: idle for %gs: closed", self.idle_timeout_s)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.warning("controller runtime socket: connection ended: %s", exc or type(exc).__name__)
         finally:
@@ -79,12 +104,10 @@ class RuntimeRelay:
             writer.close()
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await reader.readuntil(b"\n")
-        except asyncio.IncompleteReadError as partial:
-            line = partial.partial  # no newline before EOF: HAProxy judges it
-        except asyncio.LimitOverrunError:
-            line = b""
+        line = await read_first_line(reader, self.idle_timeout_s)
+        if line is None:
+            await refuse_long_line(reader, writer, error_answer(f"a line longer than {LINE_LIMIT} bytes is refused"))
+            return
         commands = parse_line(line.rstrip(b"\n"))
         changes = service_changes(commands)
         if self.on_service is not None:
@@ -95,10 +118,19 @@ class RuntimeRelay:
         if (order == sorted(order) and not waits) or not line.endswith(b"\n"):
             await self._pipe(line, reader, writer)
             return
-        payload = await read_payload(reader) if has_payload(line.rstrip(b"\n")) else b""
+        payload = b""
+        if has_payload(line.rstrip(b"\n")):
+            async with idle_timeout(self.idle_timeout_s):
+                payload = await read_payload(reader)
         texts = [c.text for c in commands]
         prefix = session_prefix(commands)
-        answer = await self._send_in_order(texts, order, prefix, payload, waits)
+        try:
+            # One connection at a time for the whole line: once begun, its commands follow
+            # each other instead of each waiting behind every caller that came meanwhile.
+            async with self.slots.held():
+                answer = await self._send_in_order(texts, order, prefix, payload, waits)
+        except QueueTimeout as exc:
+            answer = b"\n" * prefix + error_answer(str(exc))
         log.info("controller runtime socket: %d commands sent in a safe order", len(texts))
         writer.write(answer)
         await writer.drain()
@@ -159,8 +191,9 @@ class RuntimeRelay:
             await asyncio.sleep(ADDRESS_POLL_S)
 
     async def _roundtrip(self, data: bytes) -> bytes:
+        """One line to HAProxy on a connection of its own; the caller holds a slot."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            reader, writer = await asyncio.open_unix_connection(self.upstream)
+            reader, writer = await connect_unix(self.upstream, COMMAND_TIMEOUT_S)
             try:
                 writer.write(data)
                 await writer.drain()
@@ -170,62 +203,16 @@ class RuntimeRelay:
 
     async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         prefix = session_prefix(parse_line(first.rstrip(b"\n")))
-        await pipe_through(
-            "controller runtime socket", self.upstream, lambda: asyncio.open_unix_connection(self.upstream),
-            lambda exc: unreachable_answer(prefix, self.upstream, exc), first, reader, writer,
-        )
-
-
-async def pipe_through(
-    what: str,
-    upstream: Path,
-    connect: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
-    unreachable: Callable[[OSError], bytes],
-    first: bytes,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-) -> None:
-    """Send `first` upstream, then relay both ways; an upstream that cannot be reached is
-    answered `unreachable(exc)`."""
-    try:
-        up_reader, up_writer = await connect()
-    except OSError as exc:
-        log.warning("%s: %s: %s", what, upstream, exc.strerror or exc)
-        writer.write(unreachable(exc))
-        await writer.drain()
-        return
-    try:
-        up_writer.write(first)
-        await up_writer.drain()
-        await relay_both_ways(reader, writer, up_reader, up_writer)
-    finally:
-        up_writer.close()
-
-
-async def relay_both_ways(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    up_reader: asyncio.StreamReader,
-    up_writer: asyncio.StreamWriter,
-) -> None:
-    """Copy both ways until the upstream side closes (HAProxy ends the session)."""
-
-    async def to_upstream() -> None:
-        while chunk := await reader.read(CHUNK):
-            up_writer.write(chunk)
-            await up_writer.drain()
-        if up_writer.can_write_eof():
-            up_writer.write_eof()
-
-    forward = asyncio.create_task(to_upstream())
-    try:
-        while chunk := await up_reader.read(CHUNK):
-            writer.write(chunk)
+        try:
+            async with self.slots.held():
+                await pipe_through(
+                    "controller runtime socket", self.upstream, lambda: connect_unix(self.upstream, COMMAND_TIMEOUT_S),
+                    lambda exc: unreachable_answer(prefix, self.upstream, exc), first, reader, writer,
+                    self.idle_timeout_s,
+                )
+        except QueueTimeout as exc:
+            writer.write(b"\n" * prefix + error_answer(str(exc)))
             await writer.drain()
-    finally:
-        forward.cancel()
-        with contextlib.suppress(asyncio.CancelledError, OSError):
-            await forward
 
 
 async def read_payload(reader: asyncio.StreamReader) -> bytes:
@@ -253,16 +240,3 @@ def unreachable_answer(prefix: int, upstream: Path, exc: OSError) -> bytes:
     return b"\n" * prefix + error_answer(f"HAProxy's runtime socket {upstream}: {exc.strerror or exc}")
 
 
-async def start_unix_server(serve: Callable, path: Path) -> asyncio.AbstractServer:
-    """Listen at `path`, replacing a socket a previous daemon left there; the socket is the
-    owner's and its group's (the controller runs in the same pod, as the same user)."""
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_socket():
-            path.unlink()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sock = bind_unix_private(path, 0o660)
-    try:
-        return await asyncio.start_unix_server(serve, sock=sock, limit=LINE_LIMIT)
-    except BaseException:
-        sock.close()
-        raise

@@ -55,7 +55,7 @@ class Recovery:
         except Exception as exc:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config cannot be "
                               f"used ({exc}): refusing to start a second HAProxy") from None
-        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir)).verdict()
+        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
         if not ok:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config is invalid "
                               f"({one_line(message, 200)}): refusing to start a second HAProxy")
@@ -68,7 +68,7 @@ class Recovery:
         runtime_dir), HAProxy starts on the effective config an earlier run left on disk, if valid."""
         p = self.parts
         h = p.settings.haproxy
-        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir)).verdict()
+        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
         if ok:
             try:
                 p.disk.write(effective)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import resource
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.controller.connections import connect_unix
 from tests.support.controller import add_map_payload, disable, enable, sync_line, wrap
 from tests.support.daemon import Daemon
 from tests.support.harness import Backend, KeepAliveClient, backends, free_port
@@ -219,3 +221,66 @@ async def update_map(s: Sidecar, payload: str) -> list[bytes]:
 
 async def reload_through_facade(s: Sidecar) -> bytes:
     return await roundtrip(s.master_socket, b"reload;quit\n", timeout=60)
+
+
+def raise_fd_limit(wanted: int) -> None:
+    """Enough descriptors for `wanted` connections at once (each caller holds one, the relay
+    two per caller in flight)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+
+
+@dataclass
+class Callers:
+    """What simultaneous callers got: an answer each (None: the connection failed, `errors`
+    says how), and how long each waited for it."""
+
+    answers: list[bytes | None]
+    errors: Counter
+    latencies_ms: list[float]
+
+    @property
+    def lost(self) -> int:
+        """Lines that got no answer from HAProxy: the connection failed, or the relay answered
+        in HAProxy's place (`[3]: haproxy-supervisor: ...`)."""
+        return sum(1 for a in self.answers if a is None or b"haproxy-supervisor" in a)
+
+
+async def roundtrip_retrying(path: Path, data: bytes, timeout: float = 30) -> bytes:
+    """roundtrip(), by a client that waits while the socket's queue is full (EAGAIN) instead of
+    taking the socket asyncio hands back unconnected."""
+    async with asyncio.timeout(timeout):
+        reader, writer = await connect_unix(path, timeout)
+        try:
+            writer.write(data)
+            await writer.drain()
+            return await reader.read()
+        finally:
+            writer.close()
+
+
+async def simultaneous(path: Path, lines: list[bytes], timeout: float = 60, retrying: bool = False) -> Callers:
+    """Every line on its own connection, all at once, as many callers (the Data Plane API, an
+    operator's socat, scrapers and the controller) sharing one socket. `retrying`: callers
+    that wait out a full queue."""
+    start = asyncio.Event()
+    errors: Counter = Counter()
+    latencies: list[float] = []
+
+    async def one(line: bytes) -> bytes | None:
+        await start.wait()
+        began = time.monotonic()
+        try:
+            answer = await (roundtrip_retrying if retrying else roundtrip)(path, line, timeout)
+        except (OSError, TimeoutError) as exc:
+            errors[type(exc).__name__ + (f" {exc.strerror}" if isinstance(exc, OSError) else "")] += 1
+            return None
+        latencies.append((time.monotonic() - began) * 1000)
+        return answer
+
+    tasks = [asyncio.create_task(one(line)) for line in lines]
+    await asyncio.sleep(0)
+    start.set()
+    answers = await asyncio.gather(*tasks)
+    return Callers(list(answers), errors, latencies)

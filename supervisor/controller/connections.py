@@ -1,0 +1,299 @@
+"""The connections both controller sockets share (relay.py, facade.py): their listening
+sockets, who may connect, the idle timeout, the first line read within a limit, a session
+relayed both ways, and the connections to HAProxy's own sockets: at most as many as it
+accepts (`UpstreamSlots`), each connected without asyncio's EAGAIN trap (`connect_unix`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from ..files import bind_unix_private
+from ..haproxy.config import Config
+
+log = logging.getLogger(__name__)
+
+# A first line longer than this is refused with one line (HAProxy's own limit, tune.bufsize,
+# is 16 KiB by default; the controller cuts its lines at 16,000 bytes).
+LINE_LIMIT = 1 << 20
+# How long the rest of a refused line is read and dropped before the connection closes.
+DISCARD_S = 1.0
+# HAProxy's `stats maxconn` when neither it nor the socket's `maxconn` is set.
+HAPROXY_STATS_MAXCONN = 10
+# How many connections may wait for the daemon's listening sockets to accept them.
+LISTEN_BACKLOG = 4096
+CHUNK = 1 << 16
+
+
+def stats_socket_capacity(config: Config | None, path: Path) -> int:
+    """How many connections HAProxy accepts at once on its stats socket at `path`: the
+    socket's own `maxconn`, else global `stats maxconn`, else HAProxy's default."""
+    if config is None:
+        return HAPROXY_STATS_MAXCONN
+    capacity = HAPROXY_STATS_MAXCONN
+    socket_maxconn = None
+    for section in config.sections:
+        if section.kind != "global":
+            continue
+        for line in section.body:
+            words = line.words
+            if words[:2] == ("stats", "maxconn") and len(words) > 2 and words[2].isdigit():
+                capacity = int(words[2])
+            elif words[:2] == ("stats", "socket") and len(words) > 2 and words[2] == str(path):
+                for i, word in enumerate(words[3:-1], start=3):
+                    if word == "maxconn" and words[i + 1].isdigit():
+                        socket_maxconn = int(words[i + 1])
+    return max(1, socket_maxconn if socket_maxconn is not None else capacity)
+
+
+class QueueTimeout(Exception):
+    """A caller waited its whole bound for a connection to HAProxy's socket."""
+
+
+class UpstreamSlots:
+    """At most `capacity()` connections to HAProxy's socket at once; the callers beyond it
+    wait in arrival order, each at most `wait_s` (QueueTimeout)."""
+
+    def __init__(self, capacity: Callable[[], int], wait_s: float) -> None:
+        self.capacity = capacity
+        self.wait_s = wait_s
+        self.in_use = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        await self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self) -> None:
+        if not self._waiting and self.in_use < self.capacity():
+            self.in_use += 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await turn  # _release counted us in
+        except TimeoutError:
+            if turn.done() and not turn.cancelled():
+                self._release()  # the slot came as the wait ran out: pass it on
+            raise QueueTimeout(f"waited {self.wait_s:g}s for one of HAProxy's {self.capacity()} "
+                               "runtime connections") from None
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self._release()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(turn)
+
+    def _release(self) -> None:
+        self.in_use -= 1
+        while self._waiting and self.in_use < self.capacity():
+            turn = self._waiting.popleft()
+            if not turn.done():
+                self.in_use += 1
+                turn.set_result(None)
+
+
+async def connect_unix(path: Path, patience_s: float, limit: int = CHUNK,
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the unix socket at `path`, retried while its listener's queue is full.
+
+    A non-blocking connect() to a unix socket whose backlog is full fails with EAGAIN, which
+    asyncio's open_unix_connection takes for a connect in progress: it hands back a socket
+    that never connected, whose reads fail with EINVAL and whose writes end in "Connection
+    lost". Here EAGAIN is what it is: HAProxy has not accepted yet, so wait and try again.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    delay = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(path))
+        except BlockingIOError:
+            sock.close()
+            if loop.time() >= deadline:
+                raise OSError(errno.EAGAIN, f"its queue stayed full for {patience_s:g}s") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_unix_connection(sock=sock, limit=limit)
+
+
+class IdleTimeout(Exception):
+    """A connection sent and received nothing for the idle timeout."""
+
+
+@contextlib.asynccontextmanager
+async def idle_timeout(seconds: float) -> AsyncIterator[Callable[[], None]]:
+    """IdleTimeout after `seconds`, counted again from each call of what it yields."""
+    loop = asyncio.get_running_loop()
+    timer = asyncio.timeout(seconds)
+    try:
+        async with timer:
+            yield lambda: timer.reschedule(loop.time() + seconds)
+    except TimeoutError:
+        if timer.expired():
+            raise IdleTimeout() from None
+        raise
+
+
+async def read_first_line(reader: asyncio.StreamReader, idle_s: float) -> bytes | None:
+    """A connection's first line with its newline (without one at EOF); None for one longer
+    than LINE_LIMIT. IdleTimeout when it does not come in time."""
+    async with idle_timeout(idle_s):
+        try:
+            return await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as partial:
+            return partial.partial  # no newline before EOF: HAProxy judges it
+        except asyncio.LimitOverrunError:
+            return None
+
+
+async def pipe_through(
+    what: str,
+    upstream: Path,
+    connect: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
+    unreachable: Callable[[OSError], bytes],
+    first: bytes,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    idle_s: float,
+    check: Callable[[bytes], bytes | None] | None = None,
+) -> None:
+    """Send `first` upstream, then relay both ways until nothing moves for `idle_s`; an
+    upstream that cannot be reached is answered `unreachable(exc)`. `check`: each later line
+    from the client before it goes upstream; what it returns ends the session with that answer."""
+    try:
+        up_reader, up_writer = await connect()
+    except OSError as exc:
+        log.warning("%s: %s: %s", what, upstream, exc.strerror or exc)
+        writer.write(unreachable(exc))
+        await writer.drain()
+        return
+    try:
+        up_writer.write(first)
+        await up_writer.drain()
+        await relay_both_ways(reader, writer, up_reader, up_writer, idle_s, check)
+    finally:
+        up_writer.close()
+
+
+async def relay_both_ways(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    up_reader: asyncio.StreamReader,
+    up_writer: asyncio.StreamWriter,
+    idle_s: float,
+    check: Callable[[bytes], bytes | None] | None = None,
+) -> None:
+    """Copy both ways until the upstream side closes (HAProxy ends the session), or nothing
+    moved either way for `idle_s` (IdleTimeout)."""
+    refused: list[bytes] = []
+
+    async with idle_timeout(idle_s) as active:
+
+        async def to_upstream() -> None:
+            if check is None:
+                while chunk := await reader.read(CHUNK):
+                    active()
+                    up_writer.write(chunk)
+                    await up_writer.drain()
+            else:
+                while True:
+                    try:
+                        line = await reader.readuntil(b"\n")
+                    except asyncio.IncompleteReadError as partial:
+                        line = partial.partial
+                    except asyncio.LimitOverrunError:
+                        refused.append(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
+                        break
+                    if not line:
+                        break
+                    active()
+                    answer = check(line)
+                    if answer is not None:
+                        refused.append(answer)
+                        break
+                    up_writer.write(line)
+                    await up_writer.drain()
+            if refused:
+                up_writer.close()
+                return
+            if up_writer.can_write_eof():
+                up_writer.write_eof()
+
+        forward = asyncio.create_task(to_upstream())
+        try:
+            while chunk := await up_reader.read(CHUNK):
+                active()
+                writer.write(chunk)
+                await writer.drain()
+        finally:
+            forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await forward
+    if refused:
+        writer.write(refused[0])
+        await writer.drain()
+
+
+async def refuse_long_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: bytes) -> None:
+    """Answer a line too long to read, then take what the caller still sends, for a moment:
+    closed with unread bytes, the socket would be reset and the caller lose the answer."""
+    writer.write(answer)
+    await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
+    with contextlib.suppress(TimeoutError, OSError):
+        async with asyncio.timeout(DISCARD_S):
+            while await reader.read(CHUNK):
+                pass
+
+
+def error_line(message: str) -> bytes:
+    """An error in the master socket's shape: one line."""
+    return f"haproxy-supervisor: {message}\n".encode()
+
+
+async def start_unix_server(
+    serve: Callable, path: Path, mode: int = 0o660, owner: tuple[int, int] | None = None,
+) -> asyncio.AbstractServer:
+    """Listen at `path`, replacing a socket a previous daemon left there. The socket's file
+    has `mode` (never wider while it is being made) and, when given, `owner` (uid, gid): the
+    controller's user, who runs in another container of the pod."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_socket():
+            path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = bind_unix_private(path, mode & 0o700 if owner is not None else mode)
+    try:
+        if owner is not None:
+            os.chown(path, *owner)
+            os.chmod(path, mode)
+        # Callers come all at once (a sync of every backend, scrapers, an operator's socat):
+        # the kernel's queue of 100 would refuse some before the loop accepts them.
+        return await asyncio.start_unix_server(serve, sock=sock, limit=LINE_LIMIT, backlog=LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
