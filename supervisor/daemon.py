@@ -105,7 +105,7 @@ class Extensions:
 
     # steering/workers.py: OldWorkers(settings, state, cli) -> hooks around reloads + run() task
     displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
-    # status/: build_app(state, settings, actions) + start_status_server(app, listen), wrapped in
+    # status/: build_app(state, settings, actions) + open_status_server(app, listen), wrapped in
     # something whose run() serves until cancelled
     status: Callable[[Settings, State, DaemonActions], StatusComponent] | None = None
     extra_tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from supervisor.settings import Settings, load_settings
-from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app
 from supervisor.statusclient import url_from_listen
 from tests.support.harness import free_port
+from tests.support.status_server import start_status_server
 from tests.support.status_state import RecordingActions, running_state
 
 ROOT = Path(__file__).resolve().parents[1]

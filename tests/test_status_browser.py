@@ -29,9 +29,9 @@ import pytest
 
 from supervisor.settings import Settings
 from supervisor.state import utcnow
-from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app
 from tests.support.harness import free_port, kill_tree
+from tests.support.status_server import start_status_server
 from tests.support.status_state import CURRENT_PID, OLD_PIDS, RecordingActions, fleet_dead, fleet_state, running_state
 
 BROWSER_TIMEOUT_S = 60

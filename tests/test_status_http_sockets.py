@@ -10,9 +10,8 @@ import pytest
 
 from supervisor.settings import Settings
 from supervisor.state import State
-from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app
-from tests.support.status_server import Served, Server, get_json
+from tests.support.status_server import Served, Server, get_json, start_status_server
 from tests.support.status_server import tcp as tcp  # a fixture
 from tests.support.status_server import token_file as token_file  # a fixture of tcp
 from tests.support.status_server import unix as unix  # a fixture

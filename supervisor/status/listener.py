@@ -350,13 +350,6 @@ async def open_status_server(
     return listener
 
 
-async def start_status_server(
-    app: web.Application, listen: str, limits: StatusSettings | None = None
-) -> web.AppRunner:
-    """Serve `app` on `host:port` or `unix:/path`. Stop it with `await runner.cleanup()`."""
-    return (await open_status_server(app, listen, limits)).runner
-
-
 class StatusServer:
     """The status app as a daemon component: `start()` binds (StatusServerError when it cannot:
     the daemon stops before it says READY=1), `run()` serves until cancelled. A listening

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from supervisor.settings import Settings, StatusSettings
-from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app
 from tests.support.faults import FAST_CONVERGE, serving, tcp_request
 from tests.support.harness import free_port
+from tests.support.status_server import start_status_server
 from tests.support.status_state import RecordingActions, running_state
 
 pytestmark = pytest.mark.haproxy

@@ -12,15 +12,21 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from supervisor.settings import Settings, StatusSettings
 from supervisor.state import State
-from supervisor.status.listener import start_status_server
+from supervisor.status.listener import open_status_server
 from supervisor.status.routes import build_app
 from tests.support.harness import free_port
 from tests.support.status_state import RecordingActions, running_state
 
 TOKEN = "t0ken-for-tests"
+
+
+async def start_status_server(app: web.Application, listen: str, limits: StatusSettings | None = None) -> web.AppRunner:
+    """Serve `app` on `host:port` or `unix:/path` as the daemon does. Stop it with `await runner.cleanup()`."""
+    return (await open_status_server(app, listen, limits)).runner
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
