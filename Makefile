@@ -43,7 +43,7 @@ $(VENV)/.test-deps: $(BIN)/haproxy-supervisor
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $@
 
-test-deps: haproxy chromium promtool $(VENV)/.test-deps
+test-deps: haproxy chromium promtool netns-tools $(VENV)/.test-deps
 
 # `-n auto`: one pytest worker per core (pytest-xdist). The end-to-end tests mostly wait on
 # HAProxy and timers, and each has its own ports and runtime_dir, so they share the machine.
@@ -64,6 +64,8 @@ $(VENV)/.ray-test: $(BIN)/haproxy-supervisor
 	$(BIN)/pip install -q -e '.[ray-test]'
 	@touch $@
 
+# unshare, ip and nftables: the vanished-server tests of the default suite (a namespace each,
+# its ports dropped by nftables) and the Ray suite.
 netns-tools:
 	@command -v unshare >/dev/null && { command -v ip || [ -x /usr/sbin/ip ]; } >/dev/null && \
 	  { command -v nft || [ -x /usr/sbin/nft ]; } >/dev/null || \
