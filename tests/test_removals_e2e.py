@@ -30,6 +30,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.haproxy.answers import parse_servers_state
+from supervisor.haproxy.runtime.add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
 from tests.support.daemon import Daemon, DaemonSupervised, daemons
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
 from tests.support.rolling import Load, ray_config
@@ -350,6 +352,10 @@ async def test_a_pending_removal_stays_pending_in_the_old_worker_after_a_reload(
                 metric = metrics.get("haproxy_supervisor_pending_removals")
                 assert kept == [first] and metric == 1, (doc["pending_removals"], metric, d.log())
                 await asyncio.sleep(0.1)
+            # Meanwhile the old worker holds it in maint at the placeholder: it routes nothing there.
+            held = {s.key: s for s in parse_servers_state(await d.cli.on(first, "show servers state"))}
+            removed = held["app1/app1_r1"]
+            assert removed.in_maint and (removed.address, removed.port) == (PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT)
             assert not slow.done()
             assert (await slow)[:2] == (200, "app1_r1")
             finished = time.monotonic()

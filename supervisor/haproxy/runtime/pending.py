@@ -92,7 +92,7 @@ Publish = Callable[[Mapping[str, PendingRemoval]], None]
 
 
 class PendingRemovals:
-    """The current worker's pending removals (`removals`, a read-only view; each change is
+    """The pending removals, the current worker's and old workers' (`removals`, a read-only view; each change is
     handed to `publish`, for /status and /metrics) and the task that retries them (`run()`)."""
 
     def __init__(
