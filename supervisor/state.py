@@ -197,7 +197,8 @@ class PendingRemoval:
     """A server the rendered config no longer has that the current worker still holds, because
     `del server` is refused while connections are attached to it. It is in maint at the
     placeholder address, so it routes nothing; `del server` is retried in the background
-    (haproxy/runtime/pending.py) for as long as that worker is the current one."""
+    (haproxy/runtime/pending.py) for as long as that worker is the current one. After a reload
+    it stays pending in that old worker for as long as it holds connections to `endpoint`."""
 
     key: str  # backend/server
     worker_pid: int
@@ -207,6 +208,7 @@ class PendingRemoval:
     last_answer: str = ""
     next_try_monotonic: float = 0.0
     sessions_shut_down: bool = False
+    endpoint: tuple[str, int] | None = None  # the server's address and port before its removal
 
 
 @dataclass

@@ -14,6 +14,9 @@
   2.8.25) waits `remove_wait_s`, shuts the sessions down, is still refused, and reloads.
 - A daemon killed with -9 in the middle of a runtime apply: the next one completes the change
   at runtime, by what the worker holds.
+- A reload while a removal is pending: the worker that holds the removed server's connection
+  is old now, and the removal stays pending in it (in /status, with its pid) until that
+  request ends. Before, the reload ended it at once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.haproxy.answers import parse_servers_state
+from supervisor.haproxy.runtime.add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
 from tests.support.daemon import Daemon, DaemonSupervised, daemons
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
 from tests.support.rolling import Load, ray_config
@@ -317,3 +322,47 @@ async def test_a_pending_removal_is_picked_up_again_after_a_daemon_restart():
         assert procs.current_worker is not None and procs.current_worker.pid == first and not procs.old_workers
         assert d.count(r"reload ok generation=", whole=True) == 0, d.log()
         assert "app1/app1_r2" in await server_names(d)
+
+
+async def test_a_pending_removal_stays_pending_in_the_old_worker_after_a_reload():
+    front = free_port()
+    settings = {
+        "reload": {"runtime_apply": True, "remove_wait_s": 30},
+        "old_workers": {"guard": True, "poll_interval_ms": 100},
+    }
+    with replica_processes() as replicas, daemons(short_tmpdir()) as make:
+        fallback = start(replicas, "fallback")
+        d = make(ray_config(front, {"app1": [("app1_r1", start(replicas, "app1_r1"))]}, fallback), settings).start()
+        first = await d.wait_generation(1)
+        holder = await KeepAliveClient(front).connect()
+        try:
+            slow = asyncio.ensure_future(holder.get("/slow?ms=6000", timeout=30))
+            await asyncio.sleep(0.3)
+            replaced = {"app1": [("app1_r2", start(replicas, "app1_r2"))]}
+            d.write(ray_config(front, replaced, fallback))
+            await d.wait_log("reload runtime_applied", timeout=30)
+            await wait_pending(d, "app1/app1_r1", ATTACHED)
+            d.write(ray_config(front, replaced, fallback, server_s=31))  # a timeout: only a reload applies it
+            await d.wait_log(r"reload ok generation=\d+", timeout=30)
+            procs = await d.show_proc()
+            assert [w.pid for w in procs.old_workers] == [first], procs
+            for _ in range(10):  # for a second after the reload, checked by the background task each time
+                doc, metrics = await status_and_metrics(d)
+                kept = [p["worker_pid"] for p in doc["pending_removals"] if p["server"] == "app1/app1_r1"]
+                metric = metrics.get("haproxy_supervisor_pending_removals")
+                assert kept == [first] and metric == 1, (doc["pending_removals"], metric, d.log())
+                await asyncio.sleep(0.1)
+            # Meanwhile the old worker holds it in maint at the placeholder: it routes nothing there.
+            held = {s.key: s for s in parse_servers_state(await d.cli.on(first, "show servers state"))}
+            removed = held["app1/app1_r1"]
+            assert removed.in_maint and (removed.address, removed.port) == (PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT)
+            assert not slow.done()
+            assert (await slow)[:2] == (200, "app1_r1")
+            finished = time.monotonic()
+            while (doc := (await status_and_metrics(d))[0])["pending_removals"] and time.monotonic() - finished < 10:
+                await asyncio.sleep(0.1)
+            assert doc["pending_removals"] == [], d.log()
+        finally:
+            await holder.close()
+        assert d.count(r"app1/app1_r1 pending removal ends: (old worker \d+ holds no connection|worker \d+ exited)",
+                       whole=True) == 1, d.log()

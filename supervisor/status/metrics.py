@@ -111,8 +111,9 @@ class StateCollector(Collector):
         )
         yield GaugeMetricFamily(
             "haproxy_supervisor_pending_removals",
-            "Servers removed from the config that the current worker still holds in maint (routing nothing), "
-            "`del server` refused while connections are attached and retried in the background.",
+            "Servers removed from the config that a worker still holds in maint (routing nothing): the current "
+            "worker, `del server` refused while connections are attached and retried in the background; an old "
+            "worker, until it holds no connection to the server.",
             value=len(state.pending_removals),
         )
         yield GaugeMetricFamily(

@@ -12,6 +12,7 @@ from typing import Protocol
 from ..answers import is_servers_state, parse_servers_state
 from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process
 from ..config import Config
+from ..resolution import is_ip
 from ..server_state import clear_server_state, save_server_state
 from .add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT, MembershipResult, apply_membership
 from .apply import ApplyResult, apply_changes, deleted, send_step
@@ -157,7 +158,10 @@ class RuntimeApplier:
                 result.pending = {**first.pending, **result.pending}
         self._known_workers = {pid}
         if result.pending:
-            self.pending.hold(pid, result.pending, result.mode)
+            servers = current.model.server_map()
+            endpoints = {k: (servers[k].address, servers[k].port) for k in result.pending
+                         if k in servers and servers[k].port is not None and is_ip(servers[k].address)}
+            self.pending.hold(pid, result.pending, result.mode, endpoints)
         log.info(
             "runtime apply to worker %d: %d servers added, %d removed, %d pending removal, %d changed in place, "
             "%d commands",
