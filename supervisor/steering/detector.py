@@ -20,7 +20,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..haproxy.api import CLIError, MasterCLI
@@ -68,7 +68,7 @@ MERGE_SLICE = 2000
 class ServerIndex:
     """The current config's servers as their sockets name them."""
 
-    sha256: str
+    sha256: str  # the config indexed; "" for several merged
     by_endpoint: dict[Endpoint, tuple[str, ...]]
     checked: frozenset[str]  # servers with a health check: `health down` is undone by it
     keys: frozenset[str]
@@ -121,7 +121,7 @@ def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
             if n % MERGE_SLICE == MERGE_SLICE - 1:
                 yield
     return ServerIndex(
-        " ".join(i.sha256 for i in indexes), {e: tuple(k) for e, k in by_endpoint.items()},
+        "", {e: tuple(k) for e, k in by_endpoint.items()},
         frozenset().union(*(i.checked for i in indexes)), frozenset().union(*(i.keys for i in indexes)),
         frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))),
     )
@@ -159,7 +159,7 @@ class StalledDetector:
         self._current: ServerIndex | None = None
         self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
         self._watched: ServerIndex | None = None  # every running config's servers, merged
-        self._indexes: dict[str, ServerIndex] = {}  # effective sha256 -> index, of the configs running
+        self._watched_shas: set[str] = set()  # the configs merged into it
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
@@ -187,37 +187,43 @@ class StalledDetector:
 
     # ------------------------------------------------------------ one poll
 
-    async def _current_and_watched(self) -> tuple[ServerIndex, ServerIndex] | None:
+    async def watched_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         """The current config's servers (the ones `health` commands reach), and those of every
         config a worker runs: an old worker's stalled socket to a server the current config
         dropped (a pending removal a reload left behind included) is still found and aborted.
-        Worked out again when the running configs change, in slices between turns of the loop;
-        each config is indexed once while a worker runs it."""
+        Worked out in slices between turns of the loop, and only for what changed: a config
+        that starts running is indexed once and merged in. One that stops running stays in the
+        merged index (watching an endpoint no worker uses costs nothing) until the index has
+        grown to twice the current config's, or the current worker runs alone."""
         current = self.state.current
         if current is None:
             return None
-        running = sorted(
-            (g for g in self.state.generations.values() if g is current or g.worker_pid in self.state.old_workers),
-            key=lambda g: g.number,
-        )
-        key = " ".join(g.effective_sha256 for g in running)
-        if self._watched is not None and self._current is not None and self._watched.sha256 == key:
-            return self._current, self._watched
-        # Each config is indexed once in its life (as the current one, mostly), and kept
-        # while a worker runs it.
-        indexes: dict[str, ServerIndex] = {}
-        for generation in running:
-            sha = generation.effective_sha256
-            if sha not in indexes:
-                kept = self._indexes.get(sha)
-                indexes[sha] = kept if kept is not None else await _sliced(ServerIndex.building(generation))
-        self._indexes = indexes
-        self._current = indexes[current.effective_sha256]
-        self._watched = replace(await _sliced(merging(list(indexes.values()))), sha256=key)
-        return self._current, self._watched
+        running = {
+            g.effective_sha256: g
+            for g in sorted(self.state.generations.values(), key=lambda g: g.number)
+            if g is current or g.worker_pid in self.state.old_workers
+        }
+        if self._current is None or self._current.sha256 != current.effective_sha256:
+            self._current = await _sliced(ServerIndex.building(current))
+        now = self._current
+        watched = self._watched
+        if len(running) == 1:
+            self._watched, self._watched_shas = now, {now.sha256}
+            return now, now
+        if watched is None or len(watched.by_endpoint) > 2 * len(now.by_endpoint) + 1000:
+            watched, self._watched_shas = now, {now.sha256}
+        added = [sha for sha in running if sha not in self._watched_shas]
+        if added:
+            indexes = [watched]
+            for sha in added:
+                indexes.append(now if sha == now.sha256 else await _sliced(ServerIndex.building(running[sha])))
+            watched = await _sliced(merging(indexes))
+            self._watched_shas.update(added)
+        self._watched = watched
+        return now, watched
 
     async def poll(self) -> None:
-        found_indexes = await self._current_and_watched()
+        found_indexes = await self.watched_indexes()
         current = self.state.current
         if found_indexes is None or current is None or not found_indexes[1].ports:
             return
