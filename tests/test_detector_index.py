@@ -4,11 +4,14 @@ old worker still runs (a server a reload dropped is still reached by that worker
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from datetime import UTC, datetime
 
+from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
-from supervisor.state import Generation
-from supervisor.steering.detector import ServerIndex, merged
+from supervisor.settings import DetectorSettings
+from supervisor.state import Generation, State
+from supervisor.steering.detector import ServerIndex, StalledDetector, merged
 
 OLD = """\
 backend app
@@ -46,3 +49,21 @@ def test_every_running_config_is_watched():
     assert both.by_endpoint[("10.0.0.1", 8001)] == ("app/r1", "other/r1")
     assert both.ports == {8001, 9000} and both.families == (socket.AF_INET, socket.AF_INET6)
     assert both.keys == {"app/r1", "app/r2", "other/r1", "app/r3"}
+
+
+async def test_a_config_stays_watched_while_a_worker_runs_it_and_no_longer():
+    state = State()
+    detector = StalledDetector(DetectorSettings(), state, MasterCLI("/nonexistent/master.sock"))
+    state.publish_generation(replace(generation(1, OLD), worker_pid=101), current=True)
+    now, watched = await detector.watched_indexes()
+    assert watched is now and ("10.0.0.2", 8001) in now.by_endpoint
+    # A reload: worker 101 is old and still runs OLD, whose app/r2 the new config dropped.
+    state.publish_generation(replace(generation(2, NEW), worker_pid=102), current=True)
+    state.publish_old_workers({101: 1}, {101: None})
+    now, watched = await detector.watched_indexes()
+    assert ("10.0.0.2", 8001) not in now.by_endpoint
+    assert watched.by_endpoint[("10.0.0.2", 8001)] == ("app/r2",) and ("::1", 9000) in watched.by_endpoint
+    # Worker 101 exits: only the current config is watched.
+    state.publish_old_workers({}, {})
+    now, watched = await detector.watched_indexes()
+    assert watched is now and ("10.0.0.2", 8001) not in watched.by_endpoint

@@ -19,13 +19,13 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.names import ServerKey, validate_name
-from ..haproxy.resolution import is_ip
+from ..haproxy.resolution import is_ip, section_servers
 from ..logs import RecurringCondition
 from ..master.procfs import socket_inodes
 from ..master.sockdiag import (
@@ -58,11 +58,17 @@ def has_net_admin() -> bool:
     return False
 
 
+# Backends (or endpoints, when merging) worked through between two turns of the event loop:
+# a config of 10,000 servers is indexed in slices, never in one callback.
+SLICE = 50
+MERGE_SLICE = 2000
+
+
 @dataclass(frozen=True)
 class ServerIndex:
     """The current config's servers as their sockets name them."""
 
-    sha256: str
+    sha256: str  # the config indexed; "" for several merged
     by_endpoint: dict[Endpoint, tuple[str, ...]]
     checked: frozenset[str]  # servers with a health check: `health down` is undone by it
     keys: frozenset[str]
@@ -71,18 +77,27 @@ class ServerIndex:
 
     @classmethod
     def of(cls, generation: Generation) -> ServerIndex:
+        return _finish(cls.building(generation))
+
+    @classmethod
+    def building(cls, generation: Generation) -> Generator[None, None, ServerIndex]:
+        """of(), yielding between slices of backends."""
         by_endpoint: dict[Endpoint, list[str]] = {}
         checked: set[str] = set()
         families: set[int] = set()
-        for server in generation.model.servers():
-            if server.port is None or server.disabled or not is_ip(server.address):
-                continue
-            family = socket.AF_INET6 if ":" in server.address else socket.AF_INET
-            families.add(family)
-            address = socket.inet_ntop(family, socket.inet_pton(family, server.address))
-            by_endpoint.setdefault((address, server.port), []).append(server.key)
-            if server.check:
-                checked.add(server.key)
+        model = generation.model
+        for n, (section, settings) in enumerate(model.each_backend_with_settings()):
+            for server in section_servers(section, settings, model.cache):
+                if server.port is None or server.disabled or not is_ip(server.address):
+                    continue
+                family = socket.AF_INET6 if ":" in server.address else socket.AF_INET
+                families.add(family)
+                address = socket.inet_ntop(family, socket.inet_pton(family, server.address))
+                by_endpoint.setdefault((address, server.port), []).append(server.key)
+                if server.check:
+                    checked.add(server.key)
+            if n % SLICE == SLICE - 1:
+                yield
         return cls(
             generation.effective_sha256, {e: tuple(k) for e, k in by_endpoint.items()}, frozenset(checked),
             frozenset(k for keys in by_endpoint.values() for k in keys),
@@ -92,17 +107,42 @@ class ServerIndex:
 
 def merged(indexes: list[ServerIndex]) -> ServerIndex:
     """Several configs' servers in one index: the configs every worker runs."""
+    return _finish(merging(indexes))
+
+
+def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
+    """merged(), yielding between slices of endpoints."""
     if len(indexes) == 1:
         return indexes[0]
     by_endpoint: dict[Endpoint, dict[str, None]] = {}
     for index in indexes:
-        for endpoint, keys in index.by_endpoint.items():
+        for n, (endpoint, keys) in enumerate(index.by_endpoint.items()):
             by_endpoint.setdefault(endpoint, {}).update(dict.fromkeys(keys))
+            if n % MERGE_SLICE == MERGE_SLICE - 1:
+                yield
     return ServerIndex(
-        " ".join(i.sha256 for i in indexes), {e: tuple(k) for e, k in by_endpoint.items()},
+        "", {e: tuple(k) for e, k in by_endpoint.items()},
         frozenset().union(*(i.checked for i in indexes)), frozenset().union(*(i.keys for i in indexes)),
         frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))),
     )
+
+
+def _finish(steps: Generator[None, None, ServerIndex]) -> ServerIndex:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+async def _sliced(steps: Generator[None, None, ServerIndex]) -> ServerIndex:
+    """Run `steps`, the event loop let run between its slices."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
 
 
 class StalledDetector:
@@ -119,6 +159,7 @@ class StalledDetector:
         self._current: ServerIndex | None = None
         self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
         self._watched: ServerIndex | None = None  # every running config's servers, merged
+        self._watched_shas: set[str] = set()  # the configs merged into it
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
@@ -146,34 +187,43 @@ class StalledDetector:
 
     # ------------------------------------------------------------ one poll
 
-    async def _current_and_watched(self) -> tuple[ServerIndex, ServerIndex] | None:
+    async def watched_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         """The current config's servers (the ones `health` commands reach), and those of every
         config a worker runs: an old worker's stalled socket to a server the current config
         dropped (a pending removal a reload left behind included) is still found and aborted.
-        Worked out again when the running configs change, one config per turn of the loop;
-        only the two results are kept."""
+        Worked out in slices between turns of the loop, and only for what changed: a config
+        that starts running is indexed once and merged in. One that stops running stays in the
+        merged index (watching an endpoint no worker uses costs nothing) until the index has
+        grown to twice the current config's, or the current worker runs alone."""
         current = self.state.current
         if current is None:
             return None
-        running = sorted(
-            (g for g in self.state.generations.values() if g is current or g.worker_pid in self.state.old_workers),
-            key=lambda g: g.number,
-        )
-        key = " ".join(g.effective_sha256 for g in running)
-        if self._watched is not None and self._current is not None and self._watched.sha256 == key:
-            return self._current, self._watched
+        running = {
+            g.effective_sha256: g
+            for g in sorted(self.state.generations.values(), key=lambda g: g.number)
+            if g is current or g.worker_pid in self.state.old_workers
+        }
         if self._current is None or self._current.sha256 != current.effective_sha256:
-            self._current = ServerIndex.of(current)
-        indexes = [self._current]
-        for generation in running:
-            if generation.effective_sha256 != current.effective_sha256:
-                await asyncio.sleep(0)
-                indexes = [merged([*indexes, ServerIndex.of(generation)])]
-        self._watched = replace(merged(indexes), sha256=key)
-        return self._current, self._watched
+            self._current = await _sliced(ServerIndex.building(current))
+        now = self._current
+        watched = self._watched
+        if len(running) == 1:
+            self._watched, self._watched_shas = now, {now.sha256}
+            return now, now
+        if watched is None or len(watched.by_endpoint) > 2 * len(now.by_endpoint) + 1000:
+            watched, self._watched_shas = now, {now.sha256}
+        added = [sha for sha in running if sha not in self._watched_shas]
+        if added:
+            indexes = [watched]
+            for sha in added:
+                indexes.append(now if sha == now.sha256 else await _sliced(ServerIndex.building(running[sha])))
+            watched = await _sliced(merging(indexes))
+            self._watched_shas.update(added)
+        self._watched = watched
+        return now, watched
 
     async def poll(self) -> None:
-        found_indexes = await self._current_and_watched()
+        found_indexes = await self.watched_indexes()
         current = self.state.current
         if found_indexes is None or current is None or not found_indexes[1].ports:
             return
@@ -218,6 +268,11 @@ class StalledDetector:
             for suspect in new:
                 log.warning("%s: suspect: %s stalled toward %s:%d", suspect.key, suspect.why, *suspect.endpoint)
             self._publish()
+        # Abort before `health down`: HAProxy waits a turn-around (up to 1 s) before a retry
+        # when the backend is left with one active server, and not while the suspect still
+        # counts; a redispatched retry avoids the server it failed on either way.
+        if self.can_abort and self._held:
+            self._abort(listed, stalls, owners, current.worker_pid, index, now_index.keys)
         if current.worker_pid is not None:
             if ended:
                 taken = [k for k in ended if k in self._health_down]
@@ -226,8 +281,6 @@ class StalledDetector:
             here = [s.key for s in new if s.key in now_index.keys]
             if here:
                 await self._take_out(current.worker_pid, here)
-        if self.can_abort and self._held:
-            self._abort(listed, stalls, owners, current.worker_pid, index, now_index.keys)
 
     def _owners(self, current_pid: int | None) -> dict[int, int]:
         """{socket inode: worker PID} of every worker: read only when something is stalled."""
@@ -262,11 +315,11 @@ class StalledDetector:
             await self._set_health(pid, unchecked, "up")
 
     def _steered_off(self, pid: int, current_pid: int | None, key: str, current_keys: frozenset[str]) -> bool:
-        """Does worker `pid` route nothing more to `key`? The current worker: set down, or no
-        longer in its config (a pending removal: in maint at the placeholder). An old worker:
-        in the steered list of its last push."""
+        """Does worker `pid` route nothing more to `key`? The current worker: suspect (set down
+        in the same poll), or no longer in its config (a pending removal: in maint at the
+        placeholder). An old worker: in the steered list of its last push."""
         if pid == current_pid:
-            return key in self._health_down or key not in current_keys
+            return key in self._held or key not in current_keys
         record = self.state.old_workers.get(pid)
         return record is not None and key in record.steered
 
