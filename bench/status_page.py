@@ -29,9 +29,9 @@ from supervisor.page.damage import BackendSizes, backends_of
 from supervisor.page.render import page_of
 from supervisor.settings import Settings
 from supervisor.status.document import status_document
-from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app
 from tests.support.harness import free_port
+from tests.support.status_server import start_status_server
 from tests.support.status_state import RecordingActions, fleet_state
 
 RUNS = 30
