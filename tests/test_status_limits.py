@@ -16,9 +16,9 @@ import pytest
 
 from supervisor.haproxy.names import validate_name
 from supervisor.settings import Settings, StatusSettings
-from supervisor.status.listener import start_status_server
 from supervisor.status.routes import build_app
 from tests.support.harness import free_port
+from tests.support.status_server import start_status_server
 from tests.support.status_state import RecordingActions, running_state
 
 LIMITS = StatusSettings(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=5)
