@@ -102,10 +102,15 @@ async def under_load(front: int, work: Callable[[], Awaitable[None]]) -> Load:
     return load
 
 
-async def roundtrip(path: Path, data: bytes, timeout: float = 30) -> bytes:
-    """What the controller's client does: one line on a fresh connection, read until EOF."""
+async def roundtrip(path: Path, data: bytes, timeout: float = 30, *, retry_full_queue: bool = False) -> bytes:
+    """What the controller's client does: one line on a fresh connection, read until EOF.
+    `retry_full_queue`: a client that waits while the socket's queue is full (EAGAIN) instead of
+    taking the socket asyncio hands back unconnected."""
     async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_unix_connection(path)
+        if retry_full_queue:
+            reader, writer = await connect_unix(path, timeout)
+        else:
+            reader, writer = await asyncio.open_unix_connection(path)
         try:
             writer.write(data)
             await writer.drain()
@@ -247,19 +252,6 @@ class Callers:
         return sum(1 for a in self.answers if a is None or b"haproxy-supervisor" in a)
 
 
-async def roundtrip_retrying(path: Path, data: bytes, timeout: float = 30) -> bytes:
-    """roundtrip(), by a client that waits while the socket's queue is full (EAGAIN) instead of
-    taking the socket asyncio hands back unconnected."""
-    async with asyncio.timeout(timeout):
-        reader, writer = await connect_unix(path, timeout)
-        try:
-            writer.write(data)
-            await writer.drain()
-            return await reader.read()
-        finally:
-            writer.close()
-
-
 async def simultaneous(path: Path, lines: list[bytes], timeout: float = 60, retrying: bool = False) -> Callers:
     """Every line on its own connection, all at once, as many callers (the Data Plane API, an
     operator's socat, scrapers and the controller) sharing one socket. `retrying`: callers
@@ -272,7 +264,7 @@ async def simultaneous(path: Path, lines: list[bytes], timeout: float = 60, retr
         await start.wait()
         began = time.monotonic()
         try:
-            answer = await (roundtrip_retrying if retrying else roundtrip)(path, line, timeout)
+            answer = await roundtrip(path, line, timeout, retry_full_queue=retrying)
         except (OSError, TimeoutError) as exc:
             errors[type(exc).__name__ + (f" {exc.strerror}" if isinstance(exc, OSError) else "")] += 1
             return None
