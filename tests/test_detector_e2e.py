@@ -87,3 +87,42 @@ def test_a_live_server_that_accepts_slowly_is_no_false_alarm():
     seen = run_in_netns(_slow_accepting, timeout=120)
     assert seen["suspects_while_waiting"] == [], seen
     assert seen["statuses"] == [200, 200, 200], seen
+
+
+def _full_syn_backlog() -> dict[str, object]:
+    """A live server whose accept queue is full for 4.5 s: its kernel drops new SYNs, so
+    connects to it stall in SYN-SENT exactly as toward a vanished node, until the application
+    accepts again and a connect gets through (`timeout connect 5s`, then a retry). It is the
+    backend's only server: aborting its connects, retried after a turn-around of 1 s each,
+    spends HAProxy's 3 retries before it accepts, and a slow 200 becomes a 503."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))
+    filler.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+
+    def serve() -> None:
+        time.sleep(4.5)
+        listener.settimeout(10)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                if conn.recv(4096):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nlate")
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        return asyncio.run(staged_status(port, requests=6, wait_s=1.0))
+    finally:
+        filler.close()
+        listener.close()
+
+
+def test_the_last_server_of_a_backend_with_a_full_syn_backlog_is_left_in():
+    seen = run_in_netns(_full_syn_backlog, timeout=120)
+    assert seen["statuses"] == [200] * 6, seen

@@ -35,6 +35,7 @@ from supervisor.haproxy.runtime.add_remove import PLACEHOLDER_ADDRESS, PLACEHOLD
 from tests.support.daemon import Daemon, DaemonSupervised, daemons
 from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
 from tests.support.rolling import Load, ray_config
+from tests.support.runtime_rig import LogReceiver
 
 pytestmark = pytest.mark.haproxy
 
@@ -82,15 +83,18 @@ async def test_a_drain_moving_several_replicas_of_a_vanished_node_makes_no_reloa
     front = free_port()
     vanished: list[VanishedNode] = []
     settings = {"reload": {"runtime_apply": True}, "old_workers": {"guard": True, "poll_interval_ms": 100}}
-    with replica_processes() as replicas, daemons(short_tmpdir()) as make:
+    directory = short_tmpdir()
+    haproxy_log = LogReceiver(directory / "failures.sock")
+    with replica_processes() as replicas, daemons(directory) as make:
         fallback = start(replicas, "fallback")
         # r1 of every app on the node that vanishes, r2 elsewhere.
         apps = {app: [(f"{app}_r{j}", start(replicas, f"{app}_r{j}")) for j in (1, 2)] for app in APPS}
-        d = make(ray_config(front, apps, fallback), settings).start()
+        d = make(ray_config(front, apps, fallback, failures_to=haproxy_log.path), settings).start()
         first = await d.wait_generation(1)
         load = Load(front, list(APPS), clients=len(APPS), max_requests=20_000, max_seconds=60).start()
         try:
             await asyncio.sleep(0.3)
+            vanishing = time.monotonic()
             for app in APPS:
                 name, port = apps[app][0]
                 replicas.pop(name).stop()
@@ -100,7 +104,7 @@ async def test_a_drain_moving_several_replicas_of_a_vanished_node_makes_no_reloa
             moved = {f"{app}/{apps[app][0][0]}" for app in APPS}
             for app in APPS:
                 apps[app][0] = (f"{app}_r3", start(replicas, f"{app}_r3"))
-            d.write(ray_config(front, apps, fallback))
+            d.write(ray_config(front, apps, fallback, failures_to=haproxy_log.path))
             await d.wait_log("reload runtime_applied", whole=True, timeout=30)
             await wait_until_gone(d, moved)
             await asyncio.sleep(0.3)
@@ -113,10 +117,13 @@ async def test_a_drain_moving_several_replicas_of_a_vanished_node_makes_no_reloa
         assert "runtime apply not possible" not in d.log(), d.log()
         assert procs.current_worker is not None and procs.current_worker.pid == first and not procs.old_workers
         assert {f"{app}/{app}_r3" for app in APPS} <= await server_names(d)
-        # On failure, what was answered and the daemon's steps (the detector's included), to tell
-        # which server answered and why.
-        failed = [(i, s) for i, s in enumerate(load.statuses) if s != 200]
-        assert len(load.statuses) > 50 and not failed, (failed, len(load.statuses), d.log()[-6000:])
+        # On failure: each failed request's status and when it was sent after the vanish began,
+        # HAProxy's log of what did not end normally, and the daemon's steps.
+        failed = [(s, round(t - vanishing, 3)) for s, t in zip(load.statuses, load.started, strict=True) if s != 200]
+        haproxy_log.drain()
+        haproxy_log.close()
+        assert len(load.statuses) > 50 and not failed, "\n".join(
+            [f"{failed} of {len(load.statuses)}", *haproxy_log.lines, d.log()[-6000:]])
 
 
 async def wait_changes(d: Daemon, count: int, timeout: float = 60) -> None:

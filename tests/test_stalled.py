@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, DiagSocket
-from supervisor.steering.stalled import idle, stall_of, suspects, threshold_ms
+from supervisor.steering.stalled import idle, left_in, stall_of, suspects, threshold_ms
 
 
 def sock(state: int = TCP_SYN_SENT, timer: int = 1, retrans: int = 0, expires: int = 0, wqueue: int = 0,
@@ -100,3 +100,20 @@ def test_since_is_the_oldest_stall():
 ])
 def test_idle_pooled_connections(socket: DiagSocket, expected: bool):
     assert idle(socket) is expected
+
+
+BACKENDS = {"a": ("a/r1", "a/r2", "a/fallback"), "b": ("b/r1",), "c": ("c/r1", "c/r2")}
+
+
+@pytest.mark.parametrize(("suspect", "dead", "expected"), [
+    ({"a/r1"}, set(), set()),  # r2 and the backup still route
+    ({"a/r1", "a/r2"}, set(), set()),  # the backup routes
+    ({"a/r1", "a/r2"}, {"a/fallback"}, {"a/r1", "a/r2"}),  # nothing else: all kept, as HAProxy has them
+    ({"a/r1"}, {"a/r2", "a/fallback"}, {"a/r1"}),
+    ({"b/r1"}, set(), {"b/r1"}),  # the only server
+    ({"b/r1", "c/r1"}, set(), {"b/r1"}),  # per backend
+    ({"c/r1", "c/r2"}, set(), {"c/r1", "c/r2"}),
+    ({"x/r1"}, set(), {"x/r1"}),  # a backend the config does not list: nothing known to route to
+])
+def test_the_suspects_a_backend_keeps(suspect: set[str], dead: set[str], expected: set[str]):
+    assert left_in(suspect, BACKENDS, dead) == expected

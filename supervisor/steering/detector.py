@@ -39,7 +39,7 @@ from ..master.sockdiag import (
 )
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
-from .stalled import Endpoint, Stall, Suspect, idle, stall_of, suspects
+from .stalled import Endpoint, Stall, Suspect, idle, left_in, stall_of, suspects
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class ServerIndex:
     keys: frozenset[str]
     ports: frozenset[int]
     families: tuple[int, ...]
+    backends: dict[str, tuple[str, ...]]  # backend -> every server it can route to (stalled.left_in)
 
     @classmethod
     def of(cls, generation: Generation) -> ServerIndex:
@@ -85,10 +86,13 @@ class ServerIndex:
         by_endpoint: dict[Endpoint, list[str]] = {}
         checked: set[str] = set()
         families: set[int] = set()
+        backends: dict[str, tuple[str, ...]] = {}
         model = generation.model
         for n, (section, settings) in enumerate(model.each_backend_with_settings()):
-            for server in section_servers(section, settings, model.cache):
-                if server.port is None or server.disabled or not is_ip(server.address):
+            servers = [s for s in section_servers(section, settings, model.cache) if not s.disabled]
+            backends[section.name] = tuple(s.key for s in servers)
+            for server in servers:
+                if server.port is None or not is_ip(server.address):
                     continue
                 family = socket.AF_INET6 if ":" in server.address else socket.AF_INET
                 families.add(family)
@@ -101,7 +105,7 @@ class ServerIndex:
         return cls(
             generation.effective_sha256, {e: tuple(k) for e, k in by_endpoint.items()}, frozenset(checked),
             frozenset(k for keys in by_endpoint.values() for k in keys),
-            frozenset(p for _, p in by_endpoint), tuple(sorted(families)),
+            frozenset(p for _, p in by_endpoint), tuple(sorted(families)), backends,
         )
 
 
@@ -123,7 +127,7 @@ def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
     return ServerIndex(
         "", {e: tuple(k) for e, k in by_endpoint.items()},
         frozenset().union(*(i.checked for i in indexes)), frozenset().union(*(i.keys for i in indexes)),
-        frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))),
+        frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))), {},
     )
 
 
@@ -164,6 +168,7 @@ class StalledDetector:
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
         self._health_down: set[str] = set()  # suspects set `health down` in the current worker
+        self._left_in: set[str] = set()  # suspects the current worker keeps: stalled.left_in
         self._destroyed: set[bytes] = set()
         self.aborted = 0  # stalled sockets destroyed
         self.idle_closed = 0  # idle pooled connections destroyed
@@ -267,6 +272,10 @@ class StalledDetector:
         if new or ended:
             for suspect in new:
                 log.warning("%s: suspect: %s stalled toward %s:%d", suspect.key, suspect.why, *suspect.endpoint)
+            left = left_in((k for k in self._held if k in now_index.keys), now_index.backends, self.state.dead_servers)
+            for key in sorted(left - self._left_in):
+                log.warning("%s: left in the current worker: every other server of its backend is out", key)
+            self._left_in = left
             self._publish()
         # Abort before `health down`: HAProxy waits a turn-around (up to 1 s) before a retry
         # when the backend is left with one active server, and not while the suspect still
@@ -278,7 +287,7 @@ class StalledDetector:
                 taken = [k for k in ended if k in self._health_down]
                 self._health_down.difference_update(ended)
                 await self._bring_back(current.worker_pid, taken, now_index)
-            here = [s.key for s in new if s.key in now_index.keys]
+            here = [s.key for s in new if s.key in now_index.keys and s.key not in self._left_in]
             if here:
                 await self._take_out(current.worker_pid, here)
 
@@ -315,11 +324,14 @@ class StalledDetector:
             await self._set_health(pid, unchecked, "up")
 
     def _steered_off(self, pid: int, current_pid: int | None, key: str, current_keys: frozenset[str]) -> bool:
-        """Does worker `pid` route nothing more to `key`? The current worker: suspect (set down
-        in the same poll), or no longer in its config (a pending removal: in maint at the
-        placeholder). An old worker: in the steered list of its last push."""
+        """Should worker `pid`'s stalled socket to `key` be aborted? The current worker: a
+        suspect (set down in the same poll), or no longer in its config (a pending removal: in
+        maint at the placeholder). A suspect it keeps (left_in) keeps its sockets: a server
+        with a full accept queue may still take them (its kernel drops the handshake's last
+        ACK too, so even an established connection can retransmit). An old worker: in the
+        steered list of its last push."""
         if pid == current_pid:
-            return key in self._held or key not in current_keys
+            return key not in current_keys or (key in self._held and key not in self._left_in)
         record = self.state.old_workers.get(pid)
         return record is not None and key in record.steered
 
@@ -363,7 +375,11 @@ class StalledDetector:
 
     def _publish(self) -> None:
         self.state.publish_suspects({
-            key: SuspectServer(key, f"{s.endpoint[0]}:{s.endpoint[1]}", s.why, datetime.fromtimestamp(s.since, UTC))
+            key: SuspectServer(
+                key, f"{s.endpoint[0]}:{s.endpoint[1]}",
+                f"{s.why}; left in: every other server of its backend is out" if key in self._left_in else s.why,
+                datetime.fromtimestamp(s.since, UTC),
+            )
             for key, (s, _) in self._held.items()
         })
         if self.wake_steering is not None:

@@ -9,7 +9,7 @@ round-trip times seen toward the server (a WAN server's connect takes longer), w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 
 from ..master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, TIMER_RETRANSMIT, DiagSocket
@@ -87,6 +87,24 @@ def suspects(
             if known is None or since < known.since:
                 found[key] = Suspect(key, stall.endpoint, stall.why, since)
     return found
+
+
+def left_in(suspect_keys: Iterable[str], backends: Mapping[str, tuple[str, ...]], dead: Set[str]) -> set[str]:
+    """The suspects the current worker keeps routing to: those of a backend in which every
+    server it could route to (backups included) is suspect or known dead. A live server with a
+    full accept queue stalls connects exactly as a vanished one does; while a backend has
+    another server, taking the suspect out costs nothing, but taking out its last would turn a
+    slow answer into a sure 503. Such a backend is left as HAProxy has it (Envoy's panic mode)."""
+    suspect = set(suspect_keys)
+    by_backend: dict[str, list[str]] = {}
+    for key in suspect:
+        by_backend.setdefault(key.partition("/")[0], []).append(key)
+    kept: set[str] = set()
+    for backend, keys in by_backend.items():
+        servers = backends.get(backend, ())
+        if not any(s not in suspect and s not in dead for s in servers):
+            kept.update(keys)
+    return kept
 
 
 def idle(sock: DiagSocket) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from tests.support.harness import KeepAliveClient
 
@@ -38,13 +39,19 @@ frontend http_frontend
 
 
 def ray_config(
-    front: int, apps: dict[str, list[tuple[str, int]]], fallback: int, server_s: int = 30, hard_stop_s: int = 60
+    front: int, apps: dict[str, list[tuple[str, int]]], fallback: int, server_s: int = 30, hard_stop_s: int = 60,
+    failures_to: Path | None = None,
 ) -> str:
     """`apps`: app -> [(replica name, port)]. /<app>... goes to the app's backend, anything
-    else (demo/backend.py's /slow?ms=N) to the first app's."""
+    else (demo/backend.py's /slow?ms=N) to the first app's. `failures_to`: a unix datagram
+    socket that gets HAProxy's log line of every request that did not end normally."""
     text = HEAD.format(
         front=front, connect_ms=int(CONNECT_TIMEOUT_S * 1000), server_s=server_s, hard_stop_s=hard_stop_s
     )
+    if failures_to is not None:
+        text = text.replace("global\n", f"global\n    log {failures_to} local0\n", 1)
+        logged = "defaults\n    log global\n    option httplog\n    option dontlog-normal\n"
+        text = text.replace("defaults\n", logged, 1)
     text += "".join(f"    use_backend {app} if {{ path_beg /{app} }}\n" for app in apps)
     text += f"    default_backend {next(iter(apps))}\n"
     for app, replicas in apps.items():
@@ -64,6 +71,7 @@ class Load:
         self.front, self.apps, self.clients = front, apps, clients
         self.max_requests, self.max_seconds = max_requests, max_seconds
         self.statuses: list[int] = []
+        self.started: list[float] = []  # time.monotonic() each request was sent, beside its status
         self.bodies: set[str] = set()
         self.slowest_s = 0.0
         self._stop = asyncio.Event()
@@ -79,9 +87,11 @@ class Load:
         i = offset
         try:
             while not self._stop.is_set() and len(self.statuses) < self.max_requests and time.monotonic() < deadline:
+                sent = time.monotonic()
                 status, body, seconds = await client.get(f"/{self.apps[i % len(self.apps)]}", timeout=10)
                 i += 1
                 self.statuses.append(status)
+                self.started.append(sent)
                 self.bodies.add(body)
                 self.slowest_s = max(self.slowest_s, seconds)
                 if status == 0 or client.closing:
