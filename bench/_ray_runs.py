@@ -22,12 +22,14 @@ class RayMode:
     name: str
     observe: bool
     bridge: bool
+    abort: bool = True  # with the bridge: the detector destroys stalled sockets (detector.abort)
 
 
 MODES = (
     RayMode("observe-off", "stock Ray, observe off", False, False),
     RayMode("stock", "stock Ray as it ships (observe on)", True, False),
     RayMode("bridge", "Ray with the bridge", True, True),
+    RayMode("bridge-no-abort", "Ray with the bridge, no abort", True, True, abort=False),
 )
 
 

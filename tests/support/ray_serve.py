@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +188,7 @@ class NodeDaemon:
 
     directory: Path
     binary: str
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # settings sections, merged in
     proc: subprocess.Popen | None = None
 
     @property
@@ -213,6 +214,8 @@ class NodeDaemon:
             # Timestamped lines: a run's failures are matched with the daemon's steps.
             "logging": {"format": "json"},
         }
+        for section, values in self.overrides.items():
+            settings[section] = {**settings.get(section, {}), **values}
         self.settings_path.write_text(yaml.safe_dump(settings))
         return self.settings_path
 
