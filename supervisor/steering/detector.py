@@ -11,6 +11,8 @@ kernel), keeps those of the HAProxy workers, and judges them. A suspect server i
   sent on one;
 - and, once steered off in a worker, that worker's stalled sockets to it are destroyed, so
   HAProxy retries their requests on live servers at once (`abort`, needs CAP_NET_ADMIN).
+An old worker's connect toward a server the daemon knows dead (for any reason) and has
+steered that worker off is destroyed too, at first sight: its retry is redispatched at once.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..master.sockdiag import (
 )
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
-from .stalled import Endpoint, Stall, Suspect, idle, stall_of, suspects
+from .stalled import Endpoint, Stall, Suspect, idle, stall_of, suspects, to_abort
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,7 @@ class StalledDetector:
         self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
         self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._watched_shas: set[str] = set()  # the configs merged into it
+        self._by_sha: dict[str, ServerIndex] = {}  # each running config's own index
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
@@ -206,6 +209,8 @@ class StalledDetector:
         if self._current is None or self._current.sha256 != current.effective_sha256:
             self._current = await _sliced(ServerIndex.building(current))
         now = self._current
+        self._by_sha = {sha: i for sha, i in self._by_sha.items() if sha in running}
+        self._by_sha[now.sha256] = now
         watched = self._watched
         if len(running) == 1:
             self._watched, self._watched_shas = now, {now.sha256}
@@ -216,7 +221,9 @@ class StalledDetector:
         if added:
             indexes = [watched]
             for sha in added:
-                indexes.append(now if sha == now.sha256 else await _sliced(ServerIndex.building(running[sha])))
+                if sha not in self._by_sha:
+                    self._by_sha[sha] = await _sliced(ServerIndex.building(running[sha]))
+                indexes.append(self._by_sha[sha])
             watched = await _sliced(merging(indexes))
             self._watched_shas.update(added)
         self._watched = watched
@@ -271,8 +278,8 @@ class StalledDetector:
         # Abort before `health down`: HAProxy waits a turn-around (up to 1 s) before a retry
         # when the backend is left with one active server, and not while the suspect still
         # counts; a redispatched retry avoids the server it failed on either way.
-        if self.can_abort and self._held:
-            self._abort(listed, stalls, owners, current.worker_pid, index, now_index.keys)
+        if self.can_abort and (self._held or stalls):
+            self._abort(listed, stalls, owners, current.worker_pid, index)
         if current.worker_pid is not None:
             if ended:
                 taken = [k for k in ended if k in self._health_down]
@@ -314,30 +321,31 @@ class StalledDetector:
         if unchecked:
             await self._set_health(pid, unchecked, "up")
 
-    def _steered_off(self, pid: int, current_pid: int | None, key: str, current_keys: frozenset[str]) -> bool:
-        """Does worker `pid` route nothing more to `key`? The current worker: suspect (set down
-        in the same poll), or no longer in its config (a pending removal: in maint at the
-        placeholder). An old worker: in the steered list of its last push."""
-        if pid == current_pid:
-            return key in self._held or key not in current_keys
-        record = self.state.old_workers.get(pid)
-        return record is not None and key in record.steered
+    def _old_views(self) -> tuple[dict[int, frozenset[str]], dict[int, dict[Endpoint, tuple[str, ...]]]]:
+        """Per old worker: the servers its last push steered it off, and its own config's
+        servers per endpoint (when its config is known and indexed)."""
+        steered = {pid: frozenset(record.steered) for pid, record in self.state.old_workers.items()}
+        own: dict[int, dict[Endpoint, tuple[str, ...]]] = {}
+        for generation in sorted(self.state.generations.values(), key=lambda g: g.number):  # the latest wins
+            pid = generation.worker_pid
+            found = self._by_sha.get(generation.effective_sha256)
+            if pid in steered and found is not None:
+                own[pid] = found.by_endpoint
+        return steered, own
 
     def _abort(
         self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
-        index: ServerIndex, current_keys: frozenset[str],
+        index: ServerIndex,
     ) -> None:
-        """Destroy the stalled sockets to suspects in the workers that steer off them, and every
-        worker's idle pooled connections to them."""
-        held_at = {s.endpoint: s.key for s, _ in self._held.values()}
-        targets: list[tuple[DiagSocket, str]] = []
-        for stall in stalls:
-            key = held_at.get(stall.endpoint)
-            pid = owners.get(stall.socket.inode)
-            if key is not None and pid is not None:
-                keys = index.by_endpoint.get(stall.endpoint, ())
-                if any(self._steered_off(pid, current_pid, k, current_keys) for k in keys):
-                    targets.append((stall.socket, "aborted"))
+        """Destroy the stalled sockets stalled.to_abort() names, and every worker's idle pooled
+        connections to suspects."""
+        held_at = {s.endpoint for s, _ in self._held.values()}
+        steered, own = self._old_views()
+        targets: list[tuple[DiagSocket, str]] = [
+            (stall.socket, "aborted" if why == "suspect" else "aborted (known dead)")
+            for stall, why in to_abort(stalls, owners, index.by_endpoint, frozenset(self._held), current_pid,
+                                       steered, own, frozenset(self.state.dead_servers))
+        ]
         for sock in listed:
             if (sock.dst, sock.dport) in held_at and idle(sock) and sock.inode in owners:
                 targets.append((sock, "idle"))
@@ -350,10 +358,10 @@ class StalledDetector:
                 log.debug("SOCK_DESTROY %s:%d -> %s:%d: %s", sock.src, sock.sport, sock.dst, sock.dport, exc)
                 continue
             self._destroyed.add(sock.sockid)
-            if kind == "aborted":
-                self.aborted += 1
-            else:
+            if kind == "idle":
                 self.idle_closed += 1
+            else:
+                self.aborted += 1
             log.info("worker %d: %s socket %s:%d -> %s:%d destroyed", owners[sock.inode], kind, sock.src,
                      sock.sport, sock.dst, sock.dport)
         if len(self._destroyed) > 10_000:

@@ -96,3 +96,44 @@ def idle(sock: DiagSocket) -> bool:
     if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue:
         return False
     return sock.sent_ago_ms is None or sock.received_ago_ms is None or sock.received_ago_ms <= sock.sent_ago_ms
+
+
+def to_abort(
+    stalls: Iterable[Stall],
+    owners: Mapping[int, int],
+    keys_at: Mapping[Endpoint, tuple[str, ...]],
+    held: frozenset[str],
+    current_pid: int | None,
+    steered: Mapping[int, frozenset[str]],
+    own_keys_at: Mapping[int, Mapping[Endpoint, tuple[str, ...]]],
+    dead: frozenset[str],
+) -> list[tuple[Stall, str]]:
+    """The stalled sockets to destroy, each with why ("suspect" or "dead"), seen at once
+    (whatever their age): no threshold stands between a known-unreachable server and the
+    retry HAProxy makes once the connect fails.
+
+    - "suspect": toward a held suspect (`held`: its keys; `keys_at`: every running config's
+      servers per endpoint), in a worker that routes nothing more to a server at that
+      endpoint: the current worker (the suspect is set down there in the same poll), or an
+      old worker whose last push steered it off one (`steered`).
+    - "dead": a connect (SYN-SENT) of an old worker toward an endpoint where every server of
+      that worker's own config (`own_keys_at`) is known dead (`dead`) and steered off in it:
+      its retry is redispatched to a live server. Another backend of the same config that
+      still routes to the endpoint keeps its connects.
+    `owners`: socket inode -> worker PID; a socket of no worker is left alone."""
+    found: list[tuple[Stall, str]] = []
+    for stall in stalls:
+        pid = owners.get(stall.socket.inode)
+        if pid is None:
+            continue
+        off = steered.get(pid, frozenset())
+        keys = keys_at.get(stall.endpoint, ())
+        if any(k in held for k in keys) and (pid == current_pid or any(k in off for k in keys)):
+            found.append((stall, "suspect"))
+            continue
+        if pid == current_pid or stall.why != "connect":
+            continue
+        mine = own_keys_at.get(pid, {}).get(stall.endpoint, ())
+        if mine and all(k in off and k in dead for k in mine):
+            found.append((stall, "dead"))
+    return found
