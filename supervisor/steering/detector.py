@@ -162,7 +162,10 @@ class StalledDetector:
         self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
         self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._watched_shas: set[str] = set()  # the configs merged into it
-        self._by_sha: dict[str, ServerIndex] = {}  # each running config's own index
+        # Old workers' own configs, indexed only once one of them has a connect toward a
+        # known-dead server it is steered off (the merged index cannot say which config a
+        # server is of); dropped when no worker runs them.
+        self._by_sha: dict[str, ServerIndex] = {}
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
@@ -210,7 +213,6 @@ class StalledDetector:
             self._current = await _sliced(ServerIndex.building(current))
         now = self._current
         self._by_sha = {sha: i for sha, i in self._by_sha.items() if sha in running}
-        self._by_sha[now.sha256] = now
         watched = self._watched
         if len(running) == 1:
             self._watched, self._watched_shas = now, {now.sha256}
@@ -221,9 +223,7 @@ class StalledDetector:
         if added:
             indexes = [watched]
             for sha in added:
-                if sha not in self._by_sha:
-                    self._by_sha[sha] = await _sliced(ServerIndex.building(running[sha]))
-                indexes.append(self._by_sha[sha])
+                indexes.append(now if sha == now.sha256 else await _sliced(ServerIndex.building(running[sha])))
             watched = await _sliced(merging(indexes))
             self._watched_shas.update(added)
         self._watched = watched
@@ -279,7 +279,9 @@ class StalledDetector:
         # when the backend is left with one active server, and not while the suspect still
         # counts; a redispatched retry avoids the server it failed on either way.
         if self.can_abort and (self._held or stalls):
-            self._abort(listed, stalls, owners, current.worker_pid, index)
+            steered = self._steered(stalls, owners)
+            own = await self._own_indexes(stalls, owners, current.worker_pid, steered, index, now_index)
+            self._abort(listed, stalls, owners, current.worker_pid, index, steered, own)
         if current.worker_pid is not None:
             if ended:
                 taken = [k for k in ended if k in self._health_down]
@@ -321,30 +323,53 @@ class StalledDetector:
         if unchecked:
             await self._set_health(pid, unchecked, "up")
 
-    def _old_views(self) -> tuple[dict[int, frozenset[str]], dict[int, dict[Endpoint, tuple[str, ...]]]]:
-        """Per old worker: the servers its last push steered it off, and its own config's
-        servers per endpoint (when its config is known and indexed)."""
-        steered = {pid: frozenset(record.steered) for pid, record in self.state.old_workers.items()}
+    def _steered(self, stalls: list[Stall], owners: dict[int, int]) -> dict[int, frozenset[str]]:
+        """The servers each old worker with a stalled socket is steered off (its last push's)."""
+        pids = {owners.get(s.socket.inode) for s in stalls}
+        return {pid: frozenset(r.steered) for pid, r in self.state.old_workers.items() if pid in pids}
+
+    async def _own_indexes(
+        self, stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
+        steered: dict[int, frozenset[str]], index: ServerIndex, now_index: ServerIndex,
+    ) -> dict[int, dict[Endpoint, tuple[str, ...]]]:
+        """Each old worker's own config's servers per endpoint, for the old workers with a
+        stalled connect toward an endpoint where some server is known dead and steered off in
+        it: only those can have a connect to abort as known dead (stalled.to_abort)."""
+        dead = self.state.dead_servers
+        latest = {g.worker_pid: g for g in sorted(self.state.generations.values(), key=lambda g: g.number)}
+        wanted: dict[int, Generation] = {}
+        for stall in stalls:
+            pid = owners.get(stall.socket.inode)
+            if pid is None or pid == current_pid or pid in wanted or stall.why != "connect":
+                continue
+            off = steered.get(pid)
+            generation = latest.get(pid)
+            if not off or generation is None:
+                continue
+            if any(k in dead and k in off for k in index.by_endpoint.get(stall.endpoint, ())):
+                wanted[pid] = generation
         own: dict[int, dict[Endpoint, tuple[str, ...]]] = {}
-        for generation in sorted(self.state.generations.values(), key=lambda g: g.number):  # the latest wins
-            pid = generation.worker_pid
-            found = self._by_sha.get(generation.effective_sha256)
-            if pid in steered and found is not None:
-                own[pid] = found.by_endpoint
-        return steered, own
+        for pid, generation in wanted.items():
+            sha = generation.effective_sha256
+            if sha == now_index.sha256:
+                own[pid] = now_index.by_endpoint
+                continue
+            if sha not in self._by_sha:
+                self._by_sha[sha] = await _sliced(ServerIndex.building(generation))
+            own[pid] = self._by_sha[sha].by_endpoint
+        return own
 
     def _abort(
         self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
-        index: ServerIndex,
+        index: ServerIndex, steered: dict[int, frozenset[str]], own: dict[int, dict[Endpoint, tuple[str, ...]]],
     ) -> None:
         """Destroy the stalled sockets stalled.to_abort() names, and every worker's idle pooled
         connections to suspects."""
         held_at = {s.endpoint for s, _ in self._held.values()}
-        steered, own = self._old_views()
         targets: list[tuple[DiagSocket, str]] = [
             (stall.socket, "aborted" if why == "suspect" else "aborted (known dead)")
-            for stall, why in to_abort(stalls, owners, index.by_endpoint, frozenset(self._held), current_pid,
-                                       steered, own, frozenset(self.state.dead_servers))
+            for stall, why in to_abort(stalls, owners, index.by_endpoint, self._held.keys(), current_pid,
+                                       steered, own, self.state.dead_servers)
         ]
         for sock in listed:
             if (sock.dst, sock.dport) in held_at and idle(sock) and sock.inode in owners:

@@ -9,7 +9,7 @@ round-trip times seen toward the server (a WAN server's connect takes longer), w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 
 from ..master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, TIMER_RETRANSMIT, DiagSocket
@@ -102,11 +102,11 @@ def to_abort(
     stalls: Iterable[Stall],
     owners: Mapping[int, int],
     keys_at: Mapping[Endpoint, tuple[str, ...]],
-    held: frozenset[str],
+    held: Set[str],
     current_pid: int | None,
-    steered: Mapping[int, frozenset[str]],
+    steered: Mapping[int, Set[str]],
     own_keys_at: Mapping[int, Mapping[Endpoint, tuple[str, ...]]],
-    dead: frozenset[str],
+    dead: Set[str],
 ) -> list[tuple[Stall, str]]:
     """The stalled sockets to destroy, each with why ("suspect" or "dead"), seen at once
     (whatever their age): no threshold stands between a known-unreachable server and the
