@@ -17,6 +17,10 @@ rule; keep-alive clients, a reload (their worker is now old), then the shape's s
                      then r1 is black-holed
 Wave 1: every client sends a request at once; 200 ms later the old worker gets the steer map
 (every slot to a live server). Wave 2, 1 s after the push, on other held connections: steered.
+A second run per shape has `option redispatch 1` backends only, and the detector's abort from
+the push on (the worker is steered off the dead servers then): every detector poll, the old
+worker's stalled sockets, judged by the daemon's own decision (steering/stalled.py: to_abort)
+with the dead servers known dead and steered off, destroyed through sock_diag (SOCK_DESTROY).
 
 Per row, wave 1: requests whose first connect went to a dead server, how many of them a retry
 sent back to a dead server (they paid 2 or more connect timeouts), failed, the slowest; wave 2's
@@ -37,6 +41,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +50,20 @@ from typing import Any
 from bench._doc import markdown_table
 from bench._ray_evidence import parse_httplog, roomy_log_queue
 from bench._vanish import drop_ports
+from supervisor.master.procfs import socket_inodes
+from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, SockDiagError, destroy, tcp_sockets
+from supervisor.settings import DetectorSettings
+from supervisor.steering.stalled import Endpoint, stall_of, to_abort
 from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, free_port, short_tmpdir
 
 CONNECT_TIMEOUT_MS = 2000
 RETRIES = 3
 BALANCES = ("leastconn", "roundrobin", "random")
-REDISPATCH = {"none": "", "last": "option redispatch", "every": "option redispatch 1"}
-REDISPATCH_SHOWN = {"none": "no option redispatch", "last": "option redispatch", "every": "option redispatch 1"}
+REDISPATCH = {"none": "", "last": "option redispatch", "every": "option redispatch 1", "abort": "option redispatch 1"}
+REDISPATCH_SHOWN = {"none": "no option redispatch", "last": "option redispatch", "every": "option redispatch 1",
+                    "abort": "option redispatch 1 + abort"}
+PLAIN_KEYS = ("none", "last", "every")  # one run, HAProxy alone
+ABORT_KEYS = ("abort",)  # another, with the detector's abort
 # shape: (servers, how many of the first are dead, how they die, steered to r1 before it dies)
 SHAPES = {
     "one of two dead": (2, 1, "drop", False),
@@ -66,7 +79,7 @@ def backend_name(balance: str, redispatch: str) -> str:
     return f"be_{balance}_{redispatch}"
 
 
-def config(directory: Path, port: int, servers: dict[str, int], backup: int) -> str:
+def config(directory: Path, port: int, servers: dict[str, int], backup: int, keys: Sequence[str] = PLAIN_KEYS) -> str:
     steer = directory / "steer.map"
     lines = [
         "global",
@@ -90,7 +103,8 @@ def config(directory: Path, port: int, servers: dict[str, int], backup: int) -> 
         "    use_backend %[path,field(2,/)]",
     ]
     for balance in BALANCES:
-        for key, option in REDISPATCH.items():
+        for key in keys:
+            option = REDISPATCH[key]
             lines += [
                 f"backend {backend_name(balance, key)}",
                 f"    balance {balance}",
@@ -126,9 +140,50 @@ class LogSocket(threading.Thread):
         return list(self.found)
 
 
-def push_steer(master: HAProxyMaster, pid: int, steer: Path, target: str, verb: str = "add") -> None:
+class Aborter(threading.Thread):
+    """The detector's abort alone, in the old worker once it is steered off the dead servers:
+    every detector poll, the sockets toward the servers' ports, judged by stalled.to_abort()
+    with the dead servers known dead and steered off (no suspect), destroyed (SOCK_DESTROY)."""
+
+    def __init__(
+        self, old: int, current: int | None, at: dict[Endpoint, tuple[str, ...]], dead: frozenset[str]
+    ) -> None:
+        super().__init__(daemon=True)
+        self.old, self.current, self.at, self.dead = old, current, at, dead
+        self.ports = {port for _, port in at}
+        self.stopping = threading.Event()
+        self.destroyed = 0
+        self.start()
+
+    def run(self) -> None:
+        poll = DetectorSettings().poll_interval_ms / 1000
+        first_seen: dict[bytes, float] = {}
+        while not self.stopping.wait(poll):
+            now = time.monotonic()
+            listed = list(tcp_sockets(socket.AF_INET, (TCP_SYN_SENT, TCP_ESTABLISHED), self.ports, info=True))
+            first_seen = {s.sockid: first_seen.get(s.sockid, now) for s in listed}
+            stalls = [st for s in listed if (st := stall_of(s, (now - first_seen[s.sockid]) * 1000)) is not None]
+            if not stalls:
+                continue
+            owners = dict.fromkeys(socket_inodes(self.old), self.old)
+            for stall, _ in to_abort(stalls, owners, self.at, frozenset(), self.current, {self.old: self.dead},
+                                     {self.old: self.at}, self.dead):
+                try:
+                    destroy(stall.socket)
+                    self.destroyed += 1
+                except SockDiagError:
+                    pass
+
+    def stop(self) -> int:
+        self.stopping.set()
+        self.join(5)
+        return self.destroyed
+
+
+def push_steer(master: HAProxyMaster, pid: int, steer: Path, target: str, verb: str = "add",
+               keys: Sequence[str] = PLAIN_KEYS) -> None:
     commands = [f"@!{pid} {verb} map {steer} {backend_name(b, r)}_{k} {target}"
-                for b in BALANCES for r in REDISPATCH for k in range(SLOTS)]
+                for b in BALANCES for r in keys for k in range(SLOTS)]
     for start in range(0, len(commands), 40):
         master.command(";".join(commands[start:start + 40]))
 
@@ -140,30 +195,35 @@ async def wave(clients: dict[str, list[KeepAliveClient]], tag: str) -> dict[str,
     return {be: [(status, seconds) for status, _, seconds in await asyncio.gather(*js)] for be, js in jobs.items()}
 
 
-async def staged(directory: Path, shape: str) -> dict[str, Any]:
+async def staged(directory: Path, shape: str, abort: bool = False) -> dict[str, Any]:
     count, dead, how, pre_steered = SHAPES[shape]
+    keys = ABORT_KEYS if abort else PLAIN_KEYS
     names = [f"r{i + 1}" for i in range(count)]
     started = {name: Backend(name, free_port()).start() for name in [*names, "backup"]}
     log = LogSocket(directory / "log.sock")
     port = free_port()
     cfg = directory / "haproxy.cfg"
-    cfg.write_text(config(directory, port, {n: started[n].port for n in names}, started["backup"].port))
+    cfg.write_text(config(directory, port, {n: started[n].port for n in names}, started["backup"].port, keys))
+    backends = [backend_name(b, k) for b in BALANCES for k in keys]
+    at = {("127.0.0.1", started[n].port): tuple(f"{be}/{n}" for be in backends) for n in [*names, "backup"]}
+    known_dead = frozenset(f"{be}/{n}" for be in backends for n in names[:dead])
+    aborter: Aborter | None = None
     (directory / "steer.map").write_text("")
     master = HAProxyMaster(cfg, directory).start()
     try:
         held: dict[str, dict[str, list[KeepAliveClient]]] = {"1": {}, "2": {}}
         for balance in BALANCES:
-            for key in REDISPATCH:
+            for key in keys:
                 be = backend_name(balance, key)
                 for w in held:
                     held[w][be] = [await KeepAliveClient(port).connect() for _ in range(CLIENTS)]
                     for c in held[w][be]:
                         assert (await c.get(f"/{be}?warm"))[0] == 200
         master.reload()
-        _, old = master.worker_pids()
+        current, old = master.worker_pids()
         assert old, "no old worker after the reload"
         if pre_steered:  # the old worker was steered to r1 for another dead server: its requests are direct
-            await asyncio.to_thread(push_steer, master, old[0], directory / "steer.map", "r1")
+            await asyncio.to_thread(push_steer, master, old[0], directory / "steer.map", "r1", "add", keys)
         if how == "drop":
             drop_ports({started[n].port for n in names[:dead]})
         else:
@@ -172,16 +232,21 @@ async def staged(directory: Path, shape: str) -> dict[str, Any]:
         first = asyncio.create_task(wave(held["1"], "1"))
         await asyncio.sleep(0.2)
         await asyncio.to_thread(push_steer, master, old[0], directory / "steer.map", names[-1],
-                                "set" if pre_steered else "add")
+                                "set" if pre_steered else "add", keys)
+        if abort:  # steered off the dead servers now: the detector's abort applies from here on
+            aborter = Aborter(old[0], current, at, known_dead)
         await asyncio.sleep(1.0)
         second = await wave(held["2"], "2")
         answers = {"1": await first, "2": second}
         await asyncio.sleep(0.5)
         logged = [f for line in log.lines() if (f := parse_httplog(line)) and "?w=" in f["request"]]
-        return {"answers": answers, "log": logged, "old_worker": old[0],
+        destroyed = aborter.stop() if aborter is not None else 0
+        return {"answers": answers, "log": logged, "old_worker": old[0], "keys": list(keys), "destroyed": destroyed,
                 "dead": names[:dead], "version": subprocess.run(
                     [os.environ["HAPROXY_BIN"], "-v"], capture_output=True, text=True, check=False).stdout.split()[2]}
     finally:
+        if aborter is not None:
+            aborter.stop()
         master.stop()
         for backend in started.values():
             backend.stop()
@@ -205,7 +270,7 @@ def rows_of(found: dict[str, Any], shape: str) -> list[Row]:
     out = []
     mine = [e for e in found["log"] if e["pid"] == found["old_worker"]]
     for balance in BALANCES:
-        for key in REDISPATCH:
+        for key in found.get("keys", PLAIN_KEYS):
             be = backend_name(balance, key)
             wave1 = [e for e in mine if e["backend"] == be and "w=1" in e["request"]]
             answers1, answers2 = found["answers"]["1"][be], found["answers"]["2"][be]
@@ -213,7 +278,9 @@ def rows_of(found: dict[str, Any], shape: str) -> list[Row]:
             # HAProxy's turn-around wait (at most 1 s): a request that waited counts as having met a dead server.
             met = [e for e in wave1 if e["retries"] > 0 or e["status"] != 200]
             paid = [round(e["Ta"] / CONNECT_TIMEOUT_MS) if e["Ta"] >= 0 else RETRIES + 1 for e in met]
-            again = sum(p >= 2 for p in paid) if SHAPES[shape][2] == "drop" else sum(e["retries"] >= 2 for e in met)
+            # An aborted connect pays no timeout: then its retries say it, as for a refused one.
+            timed = SHAPES[shape][2] == "drop" and key != "abort"
+            again = sum(p >= 2 for p in paid) if timed else sum(e["retries"] >= 2 for e in met)
             out.append(Row(found["version"], shape, balance, key, len(met), again,
                            sum(s != 200 for s, _ in answers1),
                            max(t for _, t in answers1), max(t for _, t in answers2), len(answers1)))
@@ -224,7 +291,7 @@ def inside(args: argparse.Namespace) -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     roomy_log_queue()
     os.environ["HAPROXY_BIN"] = args.binary[0]
-    found = asyncio.run(staged(args.dir, args.shape))
+    found = asyncio.run(staged(args.dir, args.shape, args.abort))
     args.out.write_text(json.dumps(found))
     if args.keep:
         shutil.copy(args.out, args.keep)
@@ -232,19 +299,24 @@ def inside(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def run(binaries: list[str], shapes: list[str]) -> list[Row]:
+def run(binaries: list[str], shapes: list[str], abort: bool = True) -> list[Row]:
+    """Every binary and shape, HAProxy alone, then (with `abort`) with the detector's abort."""
     from tests.support.ray_serve import run_scenario
 
     rows = []
     for binary in binaries:
         for shape in shapes:
-            directory = short_tmpdir("hs-rh-")
-            try:
-                found = run_scenario("bench.retry_hole", ["--inside", "--binary", binary, "--shape", shape,
-                                                          "--dir", str(directory)], 180, directory / "run.log")
-            finally:
-                shutil.rmtree(directory, ignore_errors=True)
-            rows += rows_of(found, shape)
+            for aborting in (False, True) if abort else (False,):
+                directory = short_tmpdir("hs-rh-")
+                try:
+                    found = run_scenario("bench.retry_hole", [
+                        "--inside", "--binary", binary, "--shape", shape, "--dir", str(directory),
+                        *(["--abort"] if aborting else [])], 180, directory / "run.log")
+                finally:
+                    shutil.rmtree(directory, ignore_errors=True)
+                if aborting:
+                    print(f"{found['version']} {shape}: {found['destroyed']} sockets destroyed", flush=True)
+                rows += rows_of(found, shape)
     return rows
 
 
@@ -271,7 +343,7 @@ def summary(rows: list[Row]) -> str:
     versions = list(dict.fromkeys(r.version for r in rows))
     found = []
     for shape in dict.fromkeys(r.shape for r in rows):
-        for key in REDISPATCH:
+        for key in [k for k in REDISPATCH if any((r.shape, r.redispatch) == (shape, k) for r in rows)]:
             cells = []
             for version in versions:
                 mine = [r for r in rows if (r.version, r.shape, r.redispatch) == (version, shape, key)]
@@ -309,7 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.retry_hole", description=__doc__.split("\n\n")[0])
     parser.add_argument("--binary", action="append", help="an HAProxy binary (repeatable; default: those installed)")
     parser.add_argument("--shape", choices=list(SHAPES), action="append", help="(repeatable; default: all)")
+    parser.add_argument("--no-abort", action="store_true", help="HAProxy alone only (no run with the abort)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--abort", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--keep", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -321,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     for binary in args.binary or []:
         if not Path(binary).is_file():
             parser.error(f"--binary {binary}: no such file")
-    rows = run(args.binary or installed_binaries(), args.shape or list(SHAPES))
+    rows = run(args.binary or installed_binaries(), args.shape or list(SHAPES), not args.no_abort)
     print(table(rows))
     print()
     print(summary(rows))

@@ -36,13 +36,14 @@ def body_of(text: str, backend: str) -> list[str]:
 
 
 def test_block_shape_http_and_tcp():
-    http = guard_block("http", MAP, TABLE)
+    http = guard_block("http", MAP, TABLE, redispatch=False)
     assert http[0] == GUARD_MARKER
+    assert guard_block("http", MAP, TABLE) == [GUARD_MARKER, "option redispatch 1", *http[1:]]
     assert http[-1] == "use-server %[var(txn.hsv_srv)] if { var(txn.hsv_srv) -m found }"
     assert all(line.startswith("http-request ") for line in http[1:-1])
     assert f"http-request set-var(txn.hsv_n) be_name,concat(_n),map({MAP},-1)" in http
     assert "http-request return status 503 if { var(txn.hsv_n) -m int 0 }" in http
-    tcp = guard_block("tcp", MAP, TABLE)
+    tcp = guard_block("tcp", MAP, TABLE, redispatch=False)
     assert all(line.startswith("tcp-request content ") for line in tcp[1:-1])
     assert "tcp-request content reject if { var(txn.hsv_n) -m int 0 }" in tcp
     # the slot table is consulted only for a slot the steer map does not override
@@ -73,7 +74,7 @@ def test_guard_precedes_own_rules_and_own_use_server():
     own_set_var = body.index("http-request set-var(txn.k) rand(16)")
     own_use_server = body.index("use-server highscale_r1 if { var(txn.key) -m str highscale_via_router_0 }")
     ours = body.index(guard_block("http", MAP, TABLE)[-1])
-    assert body.index(GUARD_MARKER) < body.index(guard_block("http", MAP, TABLE)[1]) < own_set_var
+    assert body.index(GUARD_MARKER) < body.index(guard_block("http", MAP, TABLE)[2]) < own_set_var
     # our use-server comes after every request rule (no HAProxy warning) and before the backend's own
     assert own_set_var < ours < own_use_server
 
@@ -99,6 +100,38 @@ def test_which_backends_are_guarded():
     assert inject_guard(model, MAP, TABLE).render() == model.render()
     # the slot table covers exactly the guarded backends
     assert {backend for backend, _ in slot_table(model)} == names
+
+
+REDISPATCH_CASES = [
+    # (rendered text, {backend: its redispatch lines in the effective config})
+    ("backend b\n  server s 127.0.0.1:1\n", {"b": ["option redispatch 1"]}),
+    ("listen l\n  bind :1\n  server s 127.0.0.1:1\n", {"l": ["option redispatch 1"]}),
+    ("backend b\n  option redispatch\n  server s 127.0.0.1:1\n", {"b": ["option redispatch"]}),
+    ("backend b\n  option redispatch 3\n  server s 127.0.0.1:1\n", {"b": ["option redispatch 3"]}),
+    ("backend b\n  no option redispatch\n  server s 127.0.0.1:1\n", {"b": ["no option redispatch"]}),
+    ("backend b\n  default option redispatch\n  server s 127.0.0.1:1\n", {"b": ["default option redispatch"]}),
+    # in the defaults it applies to: nothing added; a later defaults section starts afresh
+    ("defaults\n  option redispatch 2\nbackend b\n  server s 127.0.0.1:1\n", {"b": []}),
+    ("defaults\n  no option redispatch\nbackend b\n  server s 127.0.0.1:1\n"
+     "defaults\n  mode tcp\nbackend c\n  server s 127.0.0.1:1\n", {"b": [], "c": ["option redispatch 1"]}),
+    # a named defaults, through `from`
+    ("defaults d\n  option redispatch\ndefaults e\n  mode http\nbackend b from d\n  server s 127.0.0.1:1\n"
+     "backend c from e\n  server s 127.0.0.1:1\n", {"b": [], "c": ["option redispatch 1"]}),
+    ("defaults d\n  option redispatch\ndefaults e from d\n  mode http\nbackend b\n  server s 127.0.0.1:1\n",
+     {"b": []}),
+    # no guard, no line: a backup-only or server-less backend
+    ("backend b\n  server s 127.0.0.1:1 backup\nbackend e\n  mode http\n", {"b": [], "e": []}),
+    # a comment naming it says nothing
+    ("backend b\n  # option redispatch\n  server s 127.0.0.1:1\n", {"b": ["option redispatch 1"]}),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), REDISPATCH_CASES)
+def test_every_guarded_backend_gets_option_redispatch_1_unless_its_config_says(text, expected):
+    out = guarded(text)
+    for backend, lines in expected.items():
+        found = [line.strip() for line in body_of(out, backend) if "redispatch" in line.split("#")[0].split()]
+        assert found == lines, out
 
 
 def test_backup_only_backend_is_not_guarded():

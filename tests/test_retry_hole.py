@@ -32,12 +32,29 @@ def test_rows_count_retries_that_went_back_to_a_dead_server():
     assert "| two of three dead | option redispatch 1 | 2 of 3, 1 failed, 8.0 s |" in summary([row])
 
 
+def test_abort_rows_count_a_retry_to_a_dead_server_by_its_retries():
+    be = backend_name("roundrobin", "abort")
+    found = {"version": "3.0.11", "old_worker": 7, "keys": ["abort"], "log": [
+        logged(be, 1, 310),  # aborted once, then the live server
+        logged(be, 2, 420),  # aborted, a retry to the other dead one, aborted again
+        logged(be, 0, 2),
+    ], "answers": {w: {backend_name(b, "abort"): [(200, 0.01)] for b in ("leastconn", "roundrobin", "random")}
+                   for w in ("1", "2")}}
+    found["answers"]["1"][be] = [(200, 0.31), (200, 0.42), (200, 0.01)]
+    rows = rows_of(found, "two of three dead")
+    assert {r.redispatch for r in rows} == {"abort"}
+    row = next(r for r in rows if r.balance == "roundrobin")
+    assert (row.first_dead, row.back_to_dead, row.failed, row.worst_s) == (2, 1, 0, 0.42)
+    assert "| two of three dead | option redispatch 1 + abort | 1 of 2, 0 failed, 0.4 s |" in summary([row])
+
+
 @pytest.mark.skipif(not (shutil.which("unshare") and (shutil.which("nft") or shutil.which("/usr/sbin/nft"))),
                     reason="needs unshare and nftables")
 def test_control_a_steered_request_to_a_vanished_server_waits_for_its_last_retry():
     """Control (HAProxy alone, every binary): `use-server` makes the request direct, so with
     `option redispatch` it retries its dead target until the last retry; with `option redispatch 1`
-    it leaves after one timeout; with neither it fails after every retry."""
+    it leaves after one timeout; with neither it fails after every retry. With the detector's abort
+    (`option redispatch 1`), it leaves at the first poll once the worker is steered."""
     from tests.support.harness import haproxy_binary
 
     assert "steered to r1, then r1 dead" in SHAPES
@@ -48,4 +65,6 @@ def test_control_a_steered_request_to_a_vanished_server_waits_for_its_last_retry
         assert last.failed == 0 and last.worst_s >= RETRIES * timeout - 0.1, last
         assert every.failed == 0 and every.back_to_dead == 0 and every.worst_s < 2 * timeout, every
         assert none.failed == none.requests, none
+        aborted = rows[balance, "abort"]
+        assert aborted.failed == 0 and aborted.first_dead > 0 and aborted.worst_s < timeout / 2, aborted
         assert max(r.steered_worst_s for r in (last, every, none)) < timeout, "a request after the push waited"

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, DiagSocket
-from supervisor.steering.stalled import idle, left_in, stall_of, suspects, threshold_ms
+from supervisor.steering.stalled import idle, left_in, stall_of, suspects, threshold_ms, to_abort
 
 
 def sock(state: int = TCP_SYN_SENT, timer: int = 1, retrans: int = 0, expires: int = 0, wqueue: int = 0,
          rto: float | None = None, port: int = 8001, address: str = "10.0.0.1", rqueue: int = 0,
-         sent_ago: int | None = None, received_ago: int | None = None) -> DiagSocket:
-    sockid = f"{address}:{port}:{state}:{timer}:{retrans}:{expires}".encode()
-    return DiagSocket(2, state, "127.0.0.1", 40000, address, port, sockid, timer, retrans, expires, rqueue, wqueue, 7,
+         sent_ago: int | None = None, received_ago: int | None = None, inode: int = 7) -> DiagSocket:
+    sockid = f"{address}:{port}:{state}:{timer}:{retrans}:{expires}:{inode}".encode()
+    return DiagSocket(2, state, "127.0.0.1", 40000, address, port, sockid, timer, retrans, expires, rqueue, wqueue,
+                      inode,
                       rto_ms=rto, sent_ago_ms=sent_ago, received_ago_ms=received_ago)
 
 
@@ -117,3 +118,62 @@ BACKENDS = {"a": ("a/r1", "a/r2", "a/fallback"), "b": ("b/r1",), "c": ("c/r1", "
 ])
 def test_the_suspects_a_backend_keeps(suspect: set[str], dead: set[str], expected: set[str]):
     assert left_in(suspect, BACKENDS, dead) == expected
+
+
+# Two workers: 100 is current, 200 old. Inodes: 1x the current worker's sockets, 2x the old one's,
+# 99 another process's. r1 at 10.0.0.1 (also `other/r1` in the current config), r2 at 10.0.0.2.
+CURRENT, OLD = 100, 200
+OWNERS = {11: CURRENT, 21: OLD, 22: OLD, 23: OLD}
+KEYS_AT = {("10.0.0.1", 8001): ("be/r1", "other/r1"), ("10.0.0.2", 8001): ("be/r2",),
+           ("10.0.0.3", 8001): ("be/r3",)}
+OLD_OWN = {OLD: {("10.0.0.1", 8001): ("be/r1",), ("10.0.0.2", 8001): ("be/r2",),
+                 ("10.0.0.3", 8001): ("be/r3", "shared/r3")}}
+R1, R2, R3 = "10.0.0.1", "10.0.0.2", "10.0.0.3"
+FRESH = {"rto": 1000, "expires": 990}  # a connect 10 ms old: under every threshold
+
+
+@pytest.mark.parametrize(("sockets", "held", "steered", "dead", "expected"), [
+    # a held suspect: in the current worker at once, in the old one once steered off it
+    ([sock(inode=11, **FRESH), sock(inode=21, **FRESH)], {"be/r1", "other/r1"}, {OLD: {"be/r1"}}, set(),
+     [(11, "suspect"), (21, "suspect")]),
+    ([sock(inode=21, **FRESH)], {"be/r1", "other/r1"}, {OLD: set()}, set(), []),
+    # another process's socket, or one toward no server: left alone
+    ([sock(inode=99, **FRESH), sock(inode=21, address="10.9.9.9", **FRESH)], {"be/r1"}, {OLD: {"be/r1"}}, set(), []),
+    # known dead and steered off in the old worker: its connect at first sight (a retry met a second dead server)
+    ([sock(inode=21, **FRESH), sock(inode=22, address=R2, **FRESH)], set(), {OLD: {"be/r1", "be/r2"}},
+     {"be/r1", "be/r2"}, [(21, "dead"), (22, "dead")]),
+    # known dead but not steered off yet (the push is under way): kept
+    ([sock(inode=22, address=R2, **FRESH)], set(), {OLD: set()}, {"be/r2"}, []),
+    # steered off (an older push) but no longer known dead (it came back): kept
+    ([sock(inode=22, address=R2, **FRESH)], set(), {OLD: {"be/r2"}}, set(), []),
+    # the current worker's connect to a known-dead server is not this rule's (its checks see it DOWN)
+    ([sock(inode=11, **FRESH)], set(), {OLD: {"be/r1"}}, {"be/r1"}, []),
+    # an established connection retransmitting to a known-dead server: only a suspect's is destroyed
+    ([sock(TCP_ESTABLISHED, retrans=1, wqueue=70, rto=400, expires=300, inode=21)], set(), {OLD: {"be/r1"}},
+     {"be/r1"}, []),
+    # another backend of the old worker's config still routes to the endpoint: its connects are kept
+    ([sock(inode=23, address=R3, **FRESH)], set(), {OLD: {"be/r3"}}, {"be/r3"}, []),
+    ([sock(inode=23, address=R3, **FRESH)], set(), {OLD: {"be/r3", "shared/r3"}}, {"be/r3", "shared/r3"},
+     [(23, "dead")]),
+])
+def test_which_stalled_sockets_are_destroyed(sockets, held, steered, dead, expected):
+    stalls = [s for s in map(stall_of, sockets) if s is not None]
+    found = to_abort(stalls, OWNERS, KEYS_AT, frozenset(held), CURRENT,
+                     {pid: frozenset(k) for pid, k in steered.items()}, OLD_OWN, frozenset(dead))
+    assert [(stall.socket.inode, why) for stall, why in found] == expected
+
+
+def test_an_old_worker_whose_config_is_unknown_gets_no_known_dead_abort():
+    stalls = [s for s in [stall_of(sock(inode=21, **FRESH))] if s is not None]
+    assert to_abort(stalls, OWNERS, KEYS_AT, frozenset(), CURRENT, {OLD: frozenset({"be/r1"})}, {},
+                    frozenset({"be/r1"})) == []
+
+
+def test_the_suspects_the_current_worker_keeps_keep_their_sockets():
+    stalls = [s for s in [stall_of(sock(inode=11, **FRESH)), stall_of(sock(inode=21, **FRESH))] if s is not None]
+    held = frozenset({"be/r1", "other/r1"})
+    steered = {OLD: frozenset({"be/r1"})}
+    kept = to_abort(stalls, OWNERS, KEYS_AT, held, CURRENT, steered, OLD_OWN, frozenset(), held)
+    assert [(stall.socket.inode, why) for stall, why in kept] == [(21, "suspect")]  # the old worker steers off it
+    one_kept = to_abort(stalls, OWNERS, KEYS_AT, held, CURRENT, steered, OLD_OWN, frozenset(), {"other/r1"})
+    assert [(stall.socket.inode, why) for stall, why in one_kept] == [(11, "suspect"), (21, "suspect")]

@@ -127,6 +127,19 @@ def guard_rules(mode: str, map_path: str, slot_table_path: str, routing: Routing
     ]
 
 
+# A steered old worker's retry is not routed by the guard (no request rule runs at a retry):
+# HAProxy balances it again only as `option redispatch <n>` says, and a `use-server` request
+# otherwise stays on its dead target until the last retry (docs/steering.md, "A retry in an
+# old worker"). With 1, every retry leaves the server it failed on.
+GUARD_REDISPATCH = "option redispatch 1"
+
+
+def guard_redispatch(settings: ProxySettings) -> tuple[str, ...]:
+    """The line the guard adds for a backend's retries: `option redispatch 1`, unless the
+    backend or its defaults say how retries are redispatched (kept as written)."""
+    return () if settings.redispatch_said else (GUARD_REDISPATCH,)
+
+
 def guard_use_server() -> str:
     return f"use-server %[var({_VARS[2]})] if {{ var({_VARS[2]}) -m found }}"
 
@@ -165,6 +178,7 @@ class GuardPlan:
     use_at: int  # where the `use-server` goes
     indent: str
     slot_lines: str  # its rows of slot_table_text(), made once with the plan
+    redispatch: tuple[str, ...] = ()  # guard_redispatch()'s line, if it goes in
 
 
 def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> GuardPlan:
@@ -193,7 +207,7 @@ def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> Guar
     else:
         use_at = first_use_server
     at, use_at = _above_comments(body, at), _above_comments(body, use_at)
-    return GuardPlan(tuple(names), rows, routing, at, use_at, indent, slots)
+    return GuardPlan(tuple(names), rows, routing, at, use_at, indent, slots, guard_redispatch(settings))
 
 
 def _persistence_rows(
@@ -232,7 +246,7 @@ def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tupl
     map_text, table_text = str(map_path), str(table.path)
     # The guard's lines differ only by mode, routing, indentation and line ending: parse them
     # once for the 1,000 backends that share those (Lines are immutable, so they can be shared).
-    blocks: dict[tuple[str, Routing, str, str], tuple[list[Line], list[Line], list[Line]]] = {}
+    blocks: dict[tuple[str, Routing, str, str, tuple[str, ...]], tuple[list[Line], list[Line], list[Line]]] = {}
     for section, mode, plan in plans:
         at = plan.at
         if at is None:
@@ -242,14 +256,14 @@ def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tupl
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
             section.header = parse_line(section.header.raw + newline)
-        block = blocks.get((mode, plan.routing, indent, newline))
+        block = blocks.get((mode, plan.routing, indent, newline, plan.redispatch))
         if block is None:
 
             def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
                 return [parse_line(f"{indent}{text}{newline}") for text in texts]
 
-            block = blocks[(mode, plan.routing, indent, newline)] = (
-                lines([GUARD_MARKER, *guard_rules(mode, map_text, table_text, plan.routing)]),
+            block = blocks[(mode, plan.routing, indent, newline, plan.redispatch)] = (
+                lines([GUARD_MARKER, *plan.redispatch, *guard_rules(mode, map_text, table_text, plan.routing)]),
                 lines([guard_use_server()]),
                 lines([GUARD_MARKER, guard_use_server()]),
             )

@@ -267,12 +267,15 @@ class ProxySettings:
     server_default_words: tuple[str, ...] = ()
     cookie: tuple[str, ...] = ()  # the words after `cookie` (persistence), if any
     hash_type: tuple[str, ...] = ()  # the words after `hash-type`; none: map-based sdbm
+    # `option redispatch [n]`, `no option redispatch` or `default option redispatch` applies:
+    # the config says how retries are redispatched, and the guard leaves it so.
+    redispatch_said: bool = False
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def compared(self) -> tuple[object, ...]:
         """Its fields, as its __eq__ compares them and its constructor takes them."""
         return (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
-                self.cookie, self.hash_type)
+                self.cookie, self.hash_type, self.redispatch_said)
 
     def __hash__(self) -> int:
         return _kept_hash(self)
@@ -288,6 +291,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
     default_words = base.server_default_words
     cookie, hash_type = base.cookie, base.hash_type
+    redispatch_said = base.redispatch_said
     changed = False
     for line in body:
         words = line.words
@@ -302,6 +306,8 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
             # `option allbackups`, `no option allbackups`, `default option allbackups`
             prefix = words[:-2]
             all_backups = True if not prefix else False if prefix == ("no",) else base.all_backups
+        elif _says_redispatch(words):
+            redispatch_said = True
         elif kw == "default-server" and is_defaults:
             flags = flags.apply(words[1:])
             default_words += words[1:]
@@ -314,10 +320,16 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
         changed = True
     # The same object when nothing differs (most backends restate their defaults' `balance`):
     # the caches keyed by it then compare it by identity.
-    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type)
+    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said)
     if not changed or settings == base.compared():
         return base
     return ProxySettings(*settings)
+
+
+def _says_redispatch(words: tuple[str, ...]) -> bool:
+    """`option redispatch [n]`, with `no` or `default` before it or not."""
+    at = 1 if words[0] in ("no", "default") else 0
+    return words[at:at + 2] == ("option", "redispatch")
 
 
 def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySettings]]:

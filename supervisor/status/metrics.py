@@ -130,7 +130,8 @@ class StateCollector(Collector):
         yield suspects
         yield CounterMetricFamily(
             "haproxy_supervisor_stalled_sockets_aborted",
-            "Workers' stalled sockets to suspect servers destroyed (SOCK_DESTROY), so HAProxy retries at once.",
+            "Workers' stalled sockets to suspect servers, and old workers' connects to known-dead ones, destroyed "
+            "(SOCK_DESTROY), so HAProxy retries at once.",
             value=state.stalled_aborted,
         )
         yield CounterMetricFamily(

@@ -11,6 +11,8 @@ kernel), keeps those of the HAProxy workers, and judges them. A suspect server i
   sent on one;
 - and, once steered off in a worker, that worker's stalled sockets to it are destroyed, so
   HAProxy retries their requests on live servers at once (`abort`, needs CAP_NET_ADMIN).
+An old worker's connect toward a server the daemon knows dead (for any reason) and has
+steered that worker off is destroyed too, at first sight: its retry is redispatched at once.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..master.sockdiag import (
 )
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
-from .stalled import Endpoint, Stall, Suspect, idle, left_in, stall_of, suspects
+from .stalled import Endpoint, Stall, Suspect, idle, left_in, stall_of, suspects, to_abort
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,10 @@ class StalledDetector:
         self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
         self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._watched_shas: set[str] = set()  # the configs merged into it
+        # Old workers' own configs, indexed only once one of them has a connect toward a
+        # known-dead server it is steered off (the merged index cannot say which config a
+        # server is of); dropped when no worker runs them.
+        self._by_sha: dict[str, ServerIndex] = {}
         self._first_seen: dict[bytes, float] = {}  # sockid -> monotonic first sight of its stall
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
@@ -211,6 +217,7 @@ class StalledDetector:
         if self._current is None or self._current.sha256 != current.effective_sha256:
             self._current = await _sliced(ServerIndex.building(current))
         now = self._current
+        self._by_sha = {sha: i for sha, i in self._by_sha.items() if sha in running}
         watched = self._watched
         if len(running) == 1:
             self._watched, self._watched_shas = now, {now.sha256}
@@ -280,8 +287,10 @@ class StalledDetector:
         # Abort before `health down`: HAProxy waits a turn-around (up to 1 s) before a retry
         # when the backend is left with one active server, and not while the suspect still
         # counts; a redispatched retry avoids the server it failed on either way.
-        if self.can_abort and self._held:
-            self._abort(listed, stalls, owners, current.worker_pid, index, now_index.keys)
+        if self.can_abort and (self._held or stalls):
+            steered = self._steered(stalls, owners)
+            own = await self._own_indexes(stalls, owners, current.worker_pid, steered, index, now_index)
+            self._abort(listed, stalls, owners, current.worker_pid, index, steered, own)
         if current.worker_pid is not None:
             if ended:
                 taken = [k for k in ended if k in self._health_down]
@@ -323,33 +332,54 @@ class StalledDetector:
         if unchecked:
             await self._set_health(pid, unchecked, "up")
 
-    def _steered_off(self, pid: int, current_pid: int | None, key: str, current_keys: frozenset[str]) -> bool:
-        """Should worker `pid`'s stalled socket to `key` be aborted? The current worker: a
-        suspect (set down in the same poll), or no longer in its config (a pending removal: in
-        maint at the placeholder). A suspect it keeps (left_in) keeps its sockets: a server
-        with a full accept queue may still take them (its kernel drops the handshake's last
-        ACK too, so even an established connection can retransmit). An old worker: in the
-        steered list of its last push."""
-        if pid == current_pid:
-            return key not in current_keys or (key in self._held and key not in self._left_in)
-        record = self.state.old_workers.get(pid)
-        return record is not None and key in record.steered
+    def _steered(self, stalls: list[Stall], owners: dict[int, int]) -> dict[int, frozenset[str]]:
+        """The servers each old worker with a stalled socket is steered off (its last push's)."""
+        pids = {owners.get(s.socket.inode) for s in stalls}
+        return {pid: frozenset(r.steered) for pid, r in self.state.old_workers.items() if pid in pids}
+
+    async def _own_indexes(
+        self, stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
+        steered: dict[int, frozenset[str]], index: ServerIndex, now_index: ServerIndex,
+    ) -> dict[int, dict[Endpoint, tuple[str, ...]]]:
+        """Each old worker's own config's servers per endpoint, for the old workers with a
+        stalled connect toward an endpoint where some server is known dead and steered off in
+        it: only those can have a connect to abort as known dead (stalled.to_abort)."""
+        dead = self.state.dead_servers
+        latest = {g.worker_pid: g for g in sorted(self.state.generations.values(), key=lambda g: g.number)}
+        wanted: dict[int, Generation] = {}
+        for stall in stalls:
+            pid = owners.get(stall.socket.inode)
+            if pid is None or pid == current_pid or pid in wanted or stall.why != "connect":
+                continue
+            off = steered.get(pid)
+            generation = latest.get(pid)
+            if not off or generation is None:
+                continue
+            if any(k in dead and k in off for k in index.by_endpoint.get(stall.endpoint, ())):
+                wanted[pid] = generation
+        own: dict[int, dict[Endpoint, tuple[str, ...]]] = {}
+        for pid, generation in wanted.items():
+            sha = generation.effective_sha256
+            if sha == now_index.sha256:
+                own[pid] = now_index.by_endpoint
+                continue
+            if sha not in self._by_sha:
+                self._by_sha[sha] = await _sliced(ServerIndex.building(generation))
+            own[pid] = self._by_sha[sha].by_endpoint
+        return own
 
     def _abort(
         self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
-        index: ServerIndex, current_keys: frozenset[str],
+        index: ServerIndex, steered: dict[int, frozenset[str]], own: dict[int, dict[Endpoint, tuple[str, ...]]],
     ) -> None:
-        """Destroy the stalled sockets to suspects in the workers that steer off them, and every
-        worker's idle pooled connections to them."""
-        held_at = {s.endpoint: s.key for s, _ in self._held.values()}
-        targets: list[tuple[DiagSocket, str]] = []
-        for stall in stalls:
-            key = held_at.get(stall.endpoint)
-            pid = owners.get(stall.socket.inode)
-            if key is not None and pid is not None:
-                keys = index.by_endpoint.get(stall.endpoint, ())
-                if any(self._steered_off(pid, current_pid, k, current_keys) for k in keys):
-                    targets.append((stall.socket, "aborted"))
+        """Destroy the stalled sockets stalled.to_abort() names, and every worker's idle pooled
+        connections to suspects."""
+        held_at = {s.endpoint for s, _ in self._held.values()}
+        targets: list[tuple[DiagSocket, str]] = [
+            (stall.socket, "aborted" if why == "suspect" else "aborted (known dead)")
+            for stall, why in to_abort(stalls, owners, index.by_endpoint, self._held.keys(), current_pid,
+                                       steered, own, self.state.dead_servers, self._left_in)
+        ]
         for sock in listed:
             if (sock.dst, sock.dport) in held_at and idle(sock) and sock.inode in owners:
                 targets.append((sock, "idle"))
@@ -362,10 +392,10 @@ class StalledDetector:
                 log.debug("SOCK_DESTROY %s:%d -> %s:%d: %s", sock.src, sock.sport, sock.dst, sock.dport, exc)
                 continue
             self._destroyed.add(sock.sockid)
-            if kind == "aborted":
-                self.aborted += 1
-            else:
+            if kind == "idle":
                 self.idle_closed += 1
+            else:
+                self.aborted += 1
             log.info("worker %d: %s socket %s:%d -> %s:%d destroyed", owners[sock.inode], kind, sock.src,
                      sock.sport, sock.dst, sock.dport)
         if len(self._destroyed) > 10_000:

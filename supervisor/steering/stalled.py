@@ -114,3 +114,51 @@ def idle(sock: DiagSocket) -> bool:
     if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue:
         return False
     return sock.sent_ago_ms is None or sock.received_ago_ms is None or sock.received_ago_ms <= sock.sent_ago_ms
+
+
+def to_abort(
+    stalls: Iterable[Stall],
+    owners: Mapping[int, int],
+    keys_at: Mapping[Endpoint, tuple[str, ...]],
+    held: Set[str],
+    current_pid: int | None,
+    steered: Mapping[int, Set[str]],
+    own_keys_at: Mapping[int, Mapping[Endpoint, tuple[str, ...]]],
+    dead: Set[str],
+    kept: Set[str] = frozenset(),
+) -> list[tuple[Stall, str]]:
+    """The stalled sockets to destroy, each with why ("suspect" or "dead"), seen at once
+    (whatever their age): no threshold stands between a known-unreachable server and the
+    retry HAProxy makes once the connect fails.
+
+    - "suspect": toward a held suspect (`held`: its keys; `keys_at`: every running config's
+      servers per endpoint), in a worker that routes nothing more to a server at that
+      endpoint: the current worker (the suspect is set down there in the same poll), or an
+      old worker whose last push steered it off one (`steered`). Not the suspects the current
+      worker keeps (`kept`, left_in()): a server with a full accept queue may still take them
+      (its kernel drops the handshake's last ACK too, so even an established one retransmits).
+    - "dead": a connect (SYN-SENT) of an old worker toward an endpoint where every server of
+      that worker's own config (`own_keys_at`) is known dead (`dead`) and steered off in it:
+      its retry is redispatched to a live server. Another backend of the same config that
+      still routes to the endpoint keeps its connects.
+    `owners`: socket inode -> worker PID; a socket of no worker is left alone."""
+    found: list[tuple[Stall, str]] = []
+    for stall in stalls:
+        pid = owners.get(stall.socket.inode)
+        if pid is None:
+            continue
+        off = steered.get(pid, frozenset())
+        keys = keys_at.get(stall.endpoint, ())
+        if pid == current_pid:
+            suspect = any(k in held and k not in kept for k in keys)
+        else:
+            suspect = any(k in held for k in keys) and any(k in off for k in keys)
+        if suspect:
+            found.append((stall, "suspect"))
+            continue
+        if pid == current_pid or stall.why != "connect":
+            continue
+        mine = own_keys_at.get(pid, {}).get(stall.endpoint, ())
+        if mine and all(k in off and k in dead for k in mine):
+            found.append((stall, "dead"))
+    return found

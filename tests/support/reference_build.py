@@ -21,6 +21,7 @@ from supervisor.haproxy.guard import (
     GUARD_MARKER,
     _above_comments,
     _rank,
+    guard_redispatch,
     guard_rules,
     guard_use_server,
 )
@@ -284,7 +285,8 @@ def inject_guard(config: Config, map_path: str | Path, table_path: Path) -> Conf
         at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
         first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
         routing = routing_of(result.settings_of(section), section.body, section.name)
-        rules = lines([GUARD_MARKER, *guard_rules(mode, str(map_path), str(table_path), routing)])
+        redispatch = guard_redispatch(result.settings_of(section))
+        rules = lines([GUARD_MARKER, *redispatch, *guard_rules(mode, str(map_path), str(table_path), routing)])
         if first_use_server is None:
             later = [i for i in ranked if i >= at]
             use_at = (later[-1] + 1) if later else at

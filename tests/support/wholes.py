@@ -12,6 +12,7 @@ from supervisor.haproxy.api import on_process
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import (
     GUARD_MARKER,
+    GUARD_REDISPATCH,
     guard_rules,
     guard_use_server,
     inject_guard_and_table,
@@ -147,10 +148,11 @@ def phase_commands(pid: int, map_path: str, phase: Phase) -> list[str]:
     ]
 
 
-def guard_block(mode: str, map_path: str, slot_table_path: str) -> list[str]:
+def guard_block(mode: str, map_path: str, slot_table_path: str, redispatch: bool = True) -> list[str]:
     """The guard's whole block as it reads when nothing else sits between its rules and its
-    `use-server`."""
-    return [GUARD_MARKER, *guard_rules(mode, map_path, slot_table_path), guard_use_server()]
+    `use-server` (with its `option redispatch 1`, unless the config says how to redispatch)."""
+    extra = [GUARD_REDISPATCH] if redispatch else []
+    return [GUARD_MARKER, *extra, *guard_rules(mode, map_path, slot_table_path), guard_use_server()]
 
 
 def guarded_backends(config: Config) -> frozenset[str]:
