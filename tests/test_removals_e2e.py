@@ -84,12 +84,12 @@ async def test_a_drain_moving_several_replicas_of_a_vanished_node_makes_no_reloa
     vanished: list[VanishedNode] = []
     settings = {"reload": {"runtime_apply": True}, "old_workers": {"guard": True, "poll_interval_ms": 100}}
     directory = short_tmpdir()
-    haproxy_log = LogReceiver(directory / "failures.sock")
+    haproxy_log = LogReceiver(directory / "haproxy-log.sock").follow()
     with replica_processes() as replicas, daemons(directory) as make:
         fallback = start(replicas, "fallback")
         # r1 of every app on the node that vanishes, r2 elsewhere.
         apps = {app: [(f"{app}_r{j}", start(replicas, f"{app}_r{j}")) for j in (1, 2)] for app in APPS}
-        d = make(ray_config(front, apps, fallback, failures_to=haproxy_log.path), settings).start()
+        d = make(ray_config(front, apps, fallback, log_to=haproxy_log.path), settings).start()
         first = await d.wait_generation(1)
         load = Load(front, list(APPS), clients=len(APPS), max_requests=20_000, max_seconds=60).start()
         try:
@@ -104,7 +104,7 @@ async def test_a_drain_moving_several_replicas_of_a_vanished_node_makes_no_reloa
             moved = {f"{app}/{apps[app][0][0]}" for app in APPS}
             for app in APPS:
                 apps[app][0] = (f"{app}_r3", start(replicas, f"{app}_r3"))
-            d.write(ray_config(front, apps, fallback, failures_to=haproxy_log.path))
+            d.write(ray_config(front, apps, fallback, log_to=haproxy_log.path))
             await d.wait_log("reload runtime_applied", whole=True, timeout=30)
             await wait_until_gone(d, moved)
             await asyncio.sleep(0.3)
@@ -117,13 +117,15 @@ async def test_a_drain_moving_several_replicas_of_a_vanished_node_makes_no_reloa
         assert "runtime apply not possible" not in d.log(), d.log()
         assert procs.current_worker is not None and procs.current_worker.pid == first and not procs.old_workers
         assert {f"{app}/{app}_r3" for app in APPS} <= await server_names(d)
-        # On failure: each failed request's status and when it was sent after the vanish began,
-        # HAProxy's log of what did not end normally, and the daemon's steps.
-        failed = [(s, round(t - vanishing, 3)) for s, t in zip(load.statuses, load.started, strict=True) if s != 200]
-        haproxy_log.drain()
+        # On failure: each failed request's status, when it was sent after the vanish began and
+        # why it got no answer; HAProxy's log of what did not end in a clean 200; the daemon's steps.
+        failed = [(s, round(t - vanishing, 3), load.errors.get(i))
+                  for i, (s, t) in enumerate(zip(load.statuses, load.started, strict=True)) if s != 200]
         haproxy_log.close()
+        unclean = [line for line in haproxy_log.lines if " 200 " not in line or " ---- " not in line]
         assert len(load.statuses) > 50 and not failed, "\n".join(
-            [f"{failed} of {len(load.statuses)}", *haproxy_log.lines, d.log()[-6000:]])
+            [f"{failed} of {len(load.statuses)}; HAProxy logged {len(haproxy_log.lines)} lines", *unclean,
+             d.log()[-6000:]])
 
 
 async def wait_changes(d: Daemon, count: int, timeout: float = 60) -> None:

@@ -276,6 +276,7 @@ class KeepAliveClient:
         # Set when a response said `connection: close` (an old worker winding its connections
         # down over close-spread-time): the answer was good, but no request may follow it.
         self.closing = False
+        self.last_error: str | None = None  # why the last get() answered status 0
 
     async def connect(self) -> KeepAliveClient:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -299,7 +300,8 @@ class KeepAliveClient:
                     self.closing = True
             body = await asyncio.wait_for(self.reader.readexactly(length), timeout) if length else b""
             return status, body.decode().strip(), time.monotonic() - started
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            self.last_error = repr(exc)
             return 0, "", time.monotonic() - started
 
     async def close(self) -> None:

@@ -40,17 +40,17 @@ frontend http_frontend
 
 def ray_config(
     front: int, apps: dict[str, list[tuple[str, int]]], fallback: int, server_s: int = 30, hard_stop_s: int = 60,
-    failures_to: Path | None = None,
+    log_to: Path | None = None,
 ) -> str:
     """`apps`: app -> [(replica name, port)]. /<app>... goes to the app's backend, anything
-    else (demo/backend.py's /slow?ms=N) to the first app's. `failures_to`: a unix datagram
-    socket that gets HAProxy's log line of every request that did not end normally."""
+    else (demo/backend.py's /slow?ms=N) to the first app's. `log_to`: a unix datagram socket
+    that gets HAProxy's log line of every request."""
     text = HEAD.format(
         front=front, connect_ms=int(CONNECT_TIMEOUT_S * 1000), server_s=server_s, hard_stop_s=hard_stop_s
     )
-    if failures_to is not None:
-        text = text.replace("global\n", f"global\n    log {failures_to} local0\n", 1)
-        logged = "defaults\n    log global\n    option httplog\n    option dontlog-normal\n"
+    if log_to is not None:
+        text = text.replace("global\n", f"global\n    log {log_to} local0\n", 1)
+        logged = "defaults\n    log global\n    option httplog\n"
         text = text.replace("defaults\n", logged, 1)
     text += "".join(f"    use_backend {app} if {{ path_beg /{app} }}\n" for app in apps)
     text += f"    default_backend {next(iter(apps))}\n"
@@ -72,6 +72,7 @@ class Load:
         self.max_requests, self.max_seconds = max_requests, max_seconds
         self.statuses: list[int] = []
         self.started: list[float] = []  # time.monotonic() each request was sent, beside its status
+        self.errors: dict[int, str] = {}  # request index -> why it got no answer (status 0)
         self.bodies: set[str] = set()
         self.slowest_s = 0.0
         self._stop = asyncio.Event()
@@ -90,6 +91,8 @@ class Load:
                 sent = time.monotonic()
                 status, body, seconds = await client.get(f"/{self.apps[i % len(self.apps)]}", timeout=10)
                 i += 1
+                if status == 0:
+                    self.errors[len(self.statuses)] = client.last_error or "?"
                 self.statuses.append(status)
                 self.started.append(sent)
                 self.bodies.add(body)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -58,6 +60,8 @@ class LogReceiver:
         self.sock.bind(str(path))
         self.sock.setblocking(False)
         self.lines: list[str] = []
+        self._closed = False
+        self._reader: threading.Thread | None = None
 
     def drain(self) -> list[str]:
         while True:
@@ -66,7 +70,27 @@ class LogReceiver:
             except BlockingIOError:
                 return self.lines
 
+    def follow(self) -> LogReceiver:
+        """Read in a thread as lines arrive: a unix datagram queue holds only
+        net.unix.max_dgram_qlen (10) messages, and HAProxy drops what does not fit."""
+        def read() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    ready, _, _ = select.select([self.sock], [], [], 0.2)
+                    if self._closed:
+                        return
+                    if ready:
+                        self.drain()
+        self._closed = False
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        return self
+
     def close(self) -> None:
+        self._closed = True
+        if self._reader is not None:
+            self._reader.join(2)
+            self.drain()
         self.sock.close()
 
 
