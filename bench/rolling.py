@@ -24,8 +24,9 @@ so that its 80 changes follow each other at once;
 `--compare` adds the rolling deployment with `runtime_apply: false` (every change a reload).
 *Pending* counts the removals that went on in the background (docs/removals.md). A drain's
 non-200 are those from its write on; what failed in the 0.5 s between the node vanishing and
-the write (a request on a keep-alive connection the vanishing closed: HAProxy closes the
-client's connection without an answer) is printed after the table.
+the write is printed after the table, with the requests the load sent again because their
+keep-alive connection closed before an answer (one in flight on a replica as its process
+stopped: HAProxy closes the client's connection without an answer, so that it retries).
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ async def drain(backends: int, replicas: int, clients: int, moved: int, drains: 
         "requests": len(load.statuses),
         "non_200": after_write,
         "non_200_vanishing": load.non_200 - after_write,
+        "retried": load.retried,
         "slowest_s": load.slowest_s,
         "live_median_s": statistics.median(live_s),
         "live_worst_s": max(live_s),
@@ -322,7 +324,7 @@ def main() -> None:
               f"{r['requests']:>10}{r['non_200']:>8}{r['slowest_s']:>10.3f}{r['live_median_s']:>11.3f}"
               f"{r['live_worst_s']:>11.3f}{r['pending']:>8}{r['shutdowns']:>10}")
         if "non_200_vanishing" in r:
-            vanishing.append(f"{version}: {r['non_200_vanishing']}")
+            vanishing.append(f"{version}: {r['non_200_vanishing']} ({r['retried']} retried)")
     print(f"drain: non-200 before the write, as the node vanished: {', '.join(vanishing)}")
 
 

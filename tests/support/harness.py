@@ -277,6 +277,11 @@ class KeepAliveClient:
         # down over close-spread-time): the answer was good, but no request may follow it.
         self.closing = False
         self.last_error: str | None = None  # why the last get() answered status 0
+        self.answered = 0  # requests answered on this connection
+        # The last get() met the connection closed before a byte of its answer, after earlier
+        # answers: the keep-alive race (RFC 9112 9.3.1), which HAProxy passes on silently
+        # when a reused server connection closes under a request. A client retries it.
+        self.closed_before_answer = False
 
     async def connect(self) -> KeepAliveClient:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -286,6 +291,7 @@ class KeepAliveClient:
         """(status, body, seconds). Status 0 when the connection closed or timed out."""
         assert self.reader is not None and self.writer is not None
         started = time.monotonic()
+        self.closed_before_answer = False
         try:
             self.writer.write(f"GET {path} HTTP/1.1\r\nhost: {host}\r\n\r\n".encode())
             await self.writer.drain()
@@ -299,9 +305,12 @@ class KeepAliveClient:
                 if key.strip().lower() == b"connection" and value.strip().lower() == b"close":
                     self.closing = True
             body = await asyncio.wait_for(self.reader.readexactly(length), timeout) if length else b""
+            self.answered += 1
             return status, body.decode().strip(), time.monotonic() - started
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             self.last_error = repr(exc)
+            if isinstance(exc, asyncio.IncompleteReadError) and not exc.partial and self.answered:
+                self.closed_before_answer = True
             return 0, "", time.monotonic() - started
 
     async def close(self) -> None:
