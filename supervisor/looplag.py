@@ -10,13 +10,15 @@ import asyncio
 import time
 
 from .state import State
+from .ticks import tick
 
 
 class LoopLag:
-    """Samples the loop every INTERVAL_S; State.event_loop_lag_s is the worst lag of the last
-    WINDOW_S (the current window and the one before it)."""
+    """Samples the loop every INTERVAL_MS, on the shared grid of timers (ticks.py: the detector's
+    polls fall in the same wakes); State.event_loop_lag_s is the worst lag of the last WINDOW_S
+    (the current window and the one before it)."""
 
-    INTERVAL_S = 0.1
+    INTERVAL_MS = 100
     WINDOW_S = 10.0
 
     def __init__(self, state: State) -> None:
@@ -35,6 +37,5 @@ class LoopLag:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            due = loop.time() + self.INTERVAL_S
-            await asyncio.sleep(self.INTERVAL_S)
+            due = await tick(self.INTERVAL_MS)
             self.note(max(0.0, loop.time() - due), time.monotonic())

@@ -67,3 +67,26 @@ async def test_a_config_stays_watched_while_a_worker_runs_it_and_no_longer():
     state.publish_old_workers({}, {})
     now, watched = await detector.watched_indexes()
     assert watched is now and ("10.0.0.2", 8001) not in watched.by_endpoint
+
+
+async def test_the_indexes_are_worked_out_again_only_when_what_they_come_from_changed():
+    state = State()
+    detector = StalledDetector(DetectorSettings(), state, MasterCLI("/nonexistent/master.sock"))
+    state.publish_generation(replace(generation(1, OLD), worker_pid=101), current=True)
+    first = await detector.watched_indexes()
+    assert await detector.watched_indexes() is first  # at rest: the same answer, nothing looked at
+    state.publish_generation(replace(generation(2, NEW), worker_pid=102), current=True)
+    state.publish_old_workers({101: 1}, {101: None})
+    second = await detector.watched_indexes()
+    assert second is not first and ("::1", 9000) in second[1].by_endpoint
+    assert await detector.watched_indexes() is second
+    # The old worker's generation, a new value of it (not the current one) with a new server.
+    state.publish_generation(
+        replace(generation(1, OLD + "    server r7 10.0.0.7:8001\n"), worker_pid=101, effective_sha256="sha1b")
+    )
+    third = await detector.watched_indexes()
+    assert ("10.0.0.7", 8001) in third[1].by_endpoint
+    # The old worker gone, written straight into the state as some test supports do.
+    del state.old_workers[101]
+    now, watched = await detector.watched_indexes()
+    assert watched is now and ("10.0.0.7", 8001) not in watched.by_endpoint

@@ -12,6 +12,7 @@ from supervisor.master.sockdiag import (
     TCP_ESTABLISHED,
     TCP_LISTEN,
     TCP_SYN_SENT,
+    TcpActivity,
     destroy,
     port_filter,
     tcp_sockets,
@@ -91,3 +92,28 @@ def test_the_port_filter_jumps_stay_inside_the_kernels_bounds():
     ops = [(code[i], code[i + 1], int.from_bytes(code[i + 2:i + 4], "little")) for i in range(0, len(code), 4)]
     assert ops[0] == (12, 8, 12) and ops[1] == (0, 0, 80) and ops[2] == (1, 4, 28)
     assert ops[6] == (12, 8, 16) and ops[8] == (1, 4, 4)
+
+
+def _counters_as_read() -> dict[str, object]:
+    activity = TcpActivity()
+    first = activity.read()
+    fd = activity._fd
+    quiet = activity.read()
+    refused = socket.socket()
+    with contextlib.suppress(ConnectionRefusedError):
+        refused.connect(("127.0.0.1", 9))  # nothing listens: a connect begun, refused
+    refused.close()
+    after = activity.read()
+    with open(TcpActivity.PATH) as snmp:  # the file parsed whole, afresh
+        names, values = (line.split() for line in snmp if line.startswith("Tcp:"))
+    fresh = int(values[names.index("ActiveOpens")]), int(values[names.index("RetransSegs")])
+    return {"first": first, "quiet": quiet, "after": after, "fresh": fresh, "same_fd": fd == activity._fd}
+
+
+@needs_netns
+def test_the_tcp_counters_are_read_again_through_the_file_kept_open():
+    seen = run_in_netns(_counters_as_read)
+    assert seen["first"] is not None and seen["quiet"] == seen["first"]  # a quiet namespace
+    opens, retrans = seen["first"]
+    assert seen["after"] == (opens + 1, retrans)  # the new connect is seen through the same file
+    assert seen["after"] == seen["fresh"] and seen["same_fd"]

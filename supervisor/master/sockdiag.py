@@ -9,6 +9,7 @@ have to be read whole.
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import struct
 from collections.abc import Iterable, Iterator
@@ -163,19 +164,48 @@ def tcp_sockets(
                 offset += (length + 3) & ~3
 
 
-def tcp_activity() -> tuple[int, int] | None:
+class TcpActivity:
     """This network namespace's count of connects begun and of segments retransmitted
-    (/proc/net/snmp: ActiveOpens, RetransSegs); None when unreadable. A dump walks every
-    bucket of the kernel's established hash, whatever the sockets: unchanged counters say no
-    connect began and nothing was retransmitted since the last look, so there is nothing new
-    to dump for."""
-    try:
-        with open("/proc/net/snmp", "rb") as snmp:
-            rows = [line.split() for line in snmp.read().splitlines() if line.startswith(b"Tcp:")]
-        names, values = rows[0], rows[1]
-        return int(values[names.index(b"ActiveOpens")]), int(values[names.index(b"RetransSegs")])
-    except (OSError, IndexError, ValueError):
-        return None
+    (/proc/net/snmp: ActiveOpens, RetransSegs). A dump walks every bucket of the kernel's
+    established hash, whatever the sockets: unchanged counters say no connect began and nothing
+    was retransmitted since the last look, so there is nothing new to dump for.
+
+    Looked at every poll, at rest too: the file stays open and is read again from its start
+    (procfs makes it anew for each read at offset 0), and the Tcp header's columns are found
+    once."""
+
+    PATH = "/proc/net/snmp"
+    _BUFFER = 1 << 13  # the whole file: a few hundred bytes past the Tcp lines
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._columns: tuple[int, int] = (0, 0)  # of ActiveOpens and RetransSegs in the values
+
+    def read(self) -> tuple[int, int] | None:
+        """(ActiveOpens, RetransSegs); None when unreadable (it is opened again next time)."""
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.PATH, os.O_RDONLY | os.O_CLOEXEC)
+                self._columns = self._find_columns(os.pread(self._fd, self._BUFFER, 0))
+            data = os.pread(self._fd, self._BUFFER, 0)
+            start = data.index(b"\nTcp: ", data.index(b"\nTcp: ") + 6) + 6
+            values = data[start:data.index(b"\n", start)].split()
+            opens, retrans = self._columns
+            return int(values[opens]), int(values[retrans])
+        except (OSError, IndexError, ValueError):
+            self.close()
+            return None
+
+    @staticmethod
+    def _find_columns(data: bytes) -> tuple[int, int]:
+        start = data.index(b"\nTcp: ") + 6
+        names = data[start:data.index(b"\n", start)].split()
+        return names.index(b"ActiveOpens"), names.index(b"RetransSegs")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def destroy(target: DiagSocket) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import socket
 import time
 from collections.abc import Callable, Generator
@@ -35,12 +36,13 @@ from ..master.sockdiag import (
     TCP_SYN_SENT,
     DiagSocket,
     SockDiagError,
+    TcpActivity,
     destroy,
-    tcp_activity,
     tcp_sockets,
 )
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
+from ..ticks import tick
 from .stalled import Endpoint, Stall, Suspect, idle, left_in, stall_of, suspects, to_abort
 
 log = logging.getLogger(__name__)
@@ -163,7 +165,13 @@ class StalledDetector:
         self.wake_steering = wake_steering
         self.can_abort = False
         self._current: ServerIndex | None = None
+        self._tcp = TcpActivity()
         self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
+        # What watched_indexes() last worked from, and its answer: at rest it is the same every poll.
+        self._seen_current: Generation | None = None
+        self._seen_generations: tuple[Generation, ...] = ()
+        self._seen_old: frozenset[int] = frozenset()
+        self._seen_answer: tuple[ServerIndex, ServerIndex] | None = None
         self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._watched_shas: set[str] = set()  # the configs merged into it
         # Old workers' own configs, indexed only once one of them has a connect toward a
@@ -194,7 +202,9 @@ class StalledDetector:
                 failing.over("stalled-connection detector: working again")
             except (OSError, CLIError) as exc:
                 failing.happened(exc)
-            await asyncio.sleep(self.settings.poll_interval_ms / 1000)
+            # On the shared grid of timers: the lag gauge's every 100 ms (looplag.py) wakes
+            # the loop at the same instants, so at rest a poll costs its own work, not a wake.
+            await tick(self.settings.poll_interval_ms)
 
     # ------------------------------------------------------------ one poll
 
@@ -206,6 +216,22 @@ class StalledDetector:
         that starts running is indexed once and merged in. One that stops running stays in the
         merged index (watching an endpoint no worker uses costs nothing) until the index has
         grown to twice the current config's, or the current worker runs alone."""
+        state = self.state
+        current = state.current
+        if (
+            current is self._seen_current and self._seen_answer is not None
+            and len(state.generations) == len(self._seen_generations)
+            and state.old_workers.keys() == self._seen_old
+            and all(map(operator.is_, state.generations.values(), self._seen_generations))
+        ):
+            return self._seen_answer  # generations are values, replaced when they change
+        seen = current, tuple(state.generations.values()), frozenset(state.old_workers)
+        answer = await self._work_out_indexes()
+        self._seen_current, self._seen_generations, self._seen_old = seen
+        self._seen_answer = answer
+        return answer
+
+    async def _work_out_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         current = self.state.current
         if current is None:
             return None
@@ -240,7 +266,7 @@ class StalledDetector:
         if found_indexes is None or current is None or not found_indexes[1].ports:
             return
         now_index, index = found_indexes
-        activity = tcp_activity()
+        activity = self._tcp.read()
         if activity is not None and activity == self._activity and not self._first_seen and not self._held:
             return  # no connect begun, nothing retransmitted, nothing stalled or suspect: no dump
         self._activity = activity
