@@ -7,9 +7,9 @@ import random
 import pytest
 
 from supervisor.haproxy.cache import ConfigCache
-from supervisor.haproxy.config import Config
+from supervisor.haproxy.config import CHUNKS, SERVER_FLAGS, Config
 from supervisor.haproxy.lexer import parse_line
-from supervisor.haproxy.resolution import split_address, template_names
+from supervisor.haproxy.resolution import SECTION_SERVERS, split_address, template_names
 from tests.conftest import corpus_files
 from tests.support import reference_build as reference
 
@@ -254,10 +254,10 @@ def test_caches_keep_only_what_the_last_two_parses_used():
         Config.parse(f"backend b{i}\n  server s 127.0.0.1:{i}\n", cache).server_flags_by_backend()
     lines = set(cache.lines.current) | set(cache.lines.previous)
     assert lines == {"backend b3\n", "  server s 127.0.0.1:3\n", "backend b4\n", "  server s 127.0.0.1:4\n"}
-    assert set(cache.chunks.current) | set(cache.chunks.previous) == {
+    assert set(cache.kept(CHUNKS).current) | set(cache.kept(CHUNKS).previous) == {
         "backend b3\n  server s 127.0.0.1:3\n", "backend b4\n  server s 127.0.0.1:4\n"
     }
-    bodies = {body for _, body in [*cache.server_flags.current, *cache.server_flags.previous]}
+    bodies = {body for _, body in [*cache.kept(SERVER_FLAGS).current, *cache.kept(SERVER_FLAGS).previous]}
     assert bodies == {"  server s 127.0.0.1:3\n", "  server s 127.0.0.1:4\n"}
 
 
@@ -271,5 +271,5 @@ def test_a_parse_without_the_cache_leaves_it_as_it_was():
     for i in range(3):
         Config.parse(f"backend other{i}\n  server s 127.0.0.1:{i}\n").servers()
     assert set(cache.lines.current) == {"backend kept\n", "  server s 127.0.0.1:1\n"}
-    assert [key[0] for key in cache.section_servers.current] == ["kept"]
+    assert [key[0] for key in cache.kept(SECTION_SERVERS).current] == ["kept"]
     assert kept.copy().cache is cache  # an injection's copy keeps filling its parse's cache

@@ -1,7 +1,8 @@
 """The shape of the code as the team keeps it: no module in supervisor/, tests/ or bench/ so long
-that it must mix subjects, and no function in supervisor/ that only the tests or the benchmarks
-call (those live in tests/support/). A module holds one whole idea, however long: the bound is
-for a file that has grown into several, not a size to cut ideas to."""
+that it must mix subjects, no function in supervisor/ that only the tests or the benchmarks
+call (those live in tests/support/), and no import cycle in supervisor/. A module holds one
+whole idea, however long: the bound is for a file that has grown into several, not a size to
+cut ideas to."""
 
 from __future__ import annotations
 
@@ -28,6 +29,87 @@ def names_used(root: Path) -> Counter[str]:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
                 used[node.value] += 1
     return used
+
+
+def module_imports(root: Path) -> dict[str, set[str]]:
+    """{module: the modules of `root`'s package it imports}, every import counted: inside a
+    function or under TYPE_CHECKING too, since either still ties the two modules together."""
+    package = root.name
+    modules: dict[str, tuple[ast.Module, tuple[str, ...]]] = {}
+    for path in root.rglob("*.py"):
+        parts = (package, *path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+            inside = parts
+        else:
+            inside = parts[:-1]
+        modules[".".join(parts)] = (ast.parse(path.read_text()), inside)
+    graph: dict[str, set[str]] = {}
+    for name, (tree, inside) in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(inside[: len(inside) - node.level + 1]) if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
+                           for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_supervisor():
+    graph = module_imports(ROOT / "supervisor")
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100  # the graph was read
+    assert cycles(graph) == []
 
 
 def test_no_module_mixes_subjects_by_its_length():

@@ -5,19 +5,16 @@ Consecutive rendered configs share almost all their lines and sections, so a lin
 a backend's servers and the guard's plan for a backend body are kept from one config to the
 next. Every value is immutable and keyed by all it depends on (the text it comes from, what
 the section inherits), so a hit is never stale, and a build in a thread that races the
-event loop costs a miss at worst.
+event loop costs a miss at worst. Each layer names what it keeps with a Slot of its own
+(config.py's chunks, resolution.py's servers, guard.py's plans): this, the lowest layer,
+knows none of their types.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .lexer import Line, parse_line
-
-if TYPE_CHECKING:
-    from .config import Chunk
-    from .guard import GuardPlan
-    from .resolution import ProxySettings, Server, ServerFlags
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -48,30 +45,40 @@ class RecentlyUsed(Generic[_K, _V]):
         self.current[key] = value
 
 
+class Slot(Generic[_K, _V]):
+    """The name of one RecentlyUsed in every ConfigCache: a module-level constant of the layer
+    that keeps it, typed with what it keeps."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class ConfigCache:
     """The results a config's parse and build keep for the next config's. A Config holds the
     cache it was parsed with (its copies too); one parsed without one gets its own, shared
     with nothing. The owner calls new_generation() before it parses the next rendered config."""
 
-    __slots__ = ("chunks", "guard_plans", "lines", "section_servers", "server_flags")
+    __slots__ = ("_kept", "lines")
 
     def __init__(self) -> None:
         # A line's text -> its Line: a parse of the next rendered config takes the previous
         # one's Lines instead of splitting 15,000 lines again.
         self.lines: RecentlyUsed[str, Line] = RecentlyUsed()
-        # A run of whole lines -> its parse (config.py's Chunk): most sections of the next
-        # config are the same text, and a lookup of a section is cheaper than one per line.
-        self.chunks: RecentlyUsed[str, Chunk] = RecentlyUsed()
-        # (the defaults' flags, a backend body's text) -> server_line_flags() of that body.
-        self.server_flags: RecentlyUsed[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = RecentlyUsed()
-        # (a backend's name, what applies to it, its body's text) -> its servers.
-        self.section_servers: RecentlyUsed[tuple[str, ProxySettings, str], tuple[Server, ...]] = RecentlyUsed()
-        # (what applies to a backend, its name, its body's text) -> where the guard goes in it.
-        self.guard_plans: RecentlyUsed[tuple[ProxySettings, str, str], GuardPlan] = RecentlyUsed()
+        self._kept: dict[Slot[Any, Any], RecentlyUsed[Any, Any]] = {}
+
+    def kept(self, slot: Slot[_K, _V]) -> RecentlyUsed[_K, _V]:
+        """What `slot` keeps: made on first use (a racing thread's first use costs a miss)."""
+        found = self._kept.get(slot)
+        if found is None:
+            found = self._kept.setdefault(slot, RecentlyUsed())
+        return found
 
     def new_generation(self) -> None:
         """A new rendered config is about to be parsed: keep what the last two used."""
-        for kept in (self.chunks, self.lines, self.server_flags, self.section_servers, self.guard_plans):
+        self.lines.new_generation()
+        for kept in list(self._kept.values()):
             kept.new_generation()
 
     def line(self, raw: str) -> Line:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-from .cache import ConfigCache
-from .lexer import Line, parse_line
+from .cache import ConfigCache, Slot
+from .lexer import Line, Section, parse_line
 from .resolution import (
     BACKEND_KINDS,
     BUILT_IN,
@@ -52,48 +51,6 @@ SECTION_KEYWORDS = frozenset(
 )
 
 
-@dataclass(slots=True)
-class Section:
-    """A section: its header line (None for the preamble before the first) and body."""
-
-    header: Line | None
-    body: list[Line] = field(default_factory=list)
-
-    @property
-    def kind(self) -> str:
-        return self.header.keyword if self.header else ""
-
-    @property
-    def name(self) -> str:
-        if self.header is None or len(self.header.words) < 2:
-            return ""
-        second = self.header.words[1]
-        # `defaults from x` has no name; every other section's name is its first argument.
-        return "" if self.kind == "defaults" and second == "from" else second
-
-    @property
-    def from_defaults(self) -> str | None:
-        """The named defaults section a proxy inherits from (`from NAME`), if any."""
-        if self.header is None:
-            return None
-        words = self.header.words
-        for i, w in enumerate(words[:-1]):
-            if w == "from" and i >= 1:
-                return words[i + 1]
-        return None
-
-    def lines(self) -> Iterator[Line]:
-        if self.header is not None:
-            yield self.header
-        yield from self.body
-
-    def render(self) -> str:
-        return "".join(line.raw for line in self.lines())
-
-    def copy(self) -> Section:
-        return Section(self.header, list(self.body))
-
-
 class Config:
     """A parsed HAProxy config: the preamble, then one Section per section header. `cache`:
     what its parse and build keep for the next config's (its own if none was given)."""
@@ -109,7 +66,7 @@ class Config:
         # Whole runs of lines at once: a drain changes a hundred backends of a thousand, and a
         # run seen in the last two parses is one lookup instead of a lookup per line. Any line
         # start is a correct place to cut, so the pattern only has to find the usual headers.
-        kept = cache.chunks
+        kept = cache.kept(CHUNKS)
         section = Section(None)
         sections = [section]
         start = 0
@@ -186,7 +143,7 @@ class Config:
         index in the body and the flags all its servers get: what servers_by_backend() tells
         about flags, without making a Server for each of 10,000 servers."""
         result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
-        kept = self.cache.server_flags
+        kept = self.cache.kept(SERVER_FLAGS)
         for section, settings in self.backends_with_settings():
             flags = settings.server_defaults
             # Nothing else goes into the flags: an edited line or `default-server` gives
@@ -213,6 +170,12 @@ class Config:
 _CHUNK_START = re.compile(r"\n(?=(?:backend|listen|frontend|defaults)[ \t\r\n#])")
 
 Chunk = tuple[tuple[Line, ...], tuple[tuple[Line, tuple[Line, ...]], ...]]
+
+# A run of whole lines -> its parse: most sections of the next config are the same text, and
+# a lookup of a section is cheaper than one per line.
+CHUNKS: Slot[str, Chunk] = Slot("chunks")
+# (the defaults' flags, a backend body's text) -> server_line_flags() of that body.
+SERVER_FLAGS: Slot[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = Slot("server flags")
 
 
 def _parse_chunk(text: str, cache: ConfigCache) -> Chunk:

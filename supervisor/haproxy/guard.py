@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache import Slot
 from .config import Config, Section
 from .lexer import Line, parse_line
 from .resolution import ProxySettings, ServerFlags, server_line_flags, template_names
@@ -181,6 +182,10 @@ class GuardPlan:
     redispatch: tuple[str, ...] = ()  # guard_redispatch()'s line, if it goes in
 
 
+# (what applies to a backend, its name, its body's text) -> where the guard goes in it.
+GUARD_PLANS: Slot[tuple[ProxySettings, str, str], GuardPlan] = Slot("guard plans")
+
+
 def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> GuardPlan:
     mode = settings.mode
     server_lines = server_line_flags(body, settings.server_defaults)
@@ -277,7 +282,7 @@ def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tupl
 def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
     # (settings, name, body text) -> its plan: nothing else goes into it, so an edited line
     # gives another key, never a stale plan.
-    kept = config.cache.guard_plans
+    kept = config.cache.kept(GUARD_PLANS)
     plans: list[tuple[Section, str, GuardPlan]] = []
     for section, settings in config.backends_with_settings():
         key = (settings, section.name, "".join([line.raw for line in section.body]))

@@ -1,9 +1,10 @@
-"""The lexer of HAProxy configs: one physical line into its words, as HAProxy splits them."""
+"""The lexer of HAProxy configs: one physical line into its words, as HAProxy splits them, and
+a section as its header line and body."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +92,44 @@ def quote_word(word: str) -> str:
         return word
     return "'" + word.replace("'", "'\\''") + "'"
 
+
+@dataclass(slots=True)
+class Section:
+    """A section: its header line (None for the preamble before the first) and body."""
+
+    header: Line | None
+    body: list[Line] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return self.header.keyword if self.header else ""
+
+    @property
+    def name(self) -> str:
+        if self.header is None or len(self.header.words) < 2:
+            return ""
+        second = self.header.words[1]
+        # `defaults from x` has no name; every other section's name is its first argument.
+        return "" if self.kind == "defaults" and second == "from" else second
+
+    @property
+    def from_defaults(self) -> str | None:
+        """The named defaults section a proxy inherits from (`from NAME`), if any."""
+        if self.header is None:
+            return None
+        words = self.header.words
+        for i, w in enumerate(words[:-1]):
+            if w == "from" and i >= 1:
+                return words[i + 1]
+        return None
+
+    def lines(self) -> Iterator[Line]:
+        if self.header is not None:
+            yield self.header
+        yield from self.body
+
+    def render(self) -> str:
+        return "".join(line.raw for line in self.lines())
+
+    def copy(self) -> Section:
+        return Section(self.header, list(self.body))

@@ -11,14 +11,10 @@ import functools
 import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .lexer import Line
+from .cache import ConfigCache, Slot
+from .lexer import Line, Section
 from .names import ServerKey
-
-if TYPE_CHECKING:
-    from .cache import ConfigCache
-    from .config import Section
 
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
 BACKEND_KINDS = frozenset({"backend", "listen"})
@@ -354,6 +350,10 @@ def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySetting
         yield section, settings
 
 
+# (a backend's name, what applies to it, its body's text) -> its servers.
+SECTION_SERVERS: Slot[tuple[str, ProxySettings, str], tuple[Server, ...]] = Slot("section servers")
+
+
 def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache | None = None) -> list[Server]:
     """The servers of a backend/listen section that `settings` (resolve()'s) apply to. With
     `cache`, consecutive configs share the servers of every section they share (nothing else
@@ -361,10 +361,11 @@ def section_servers(section: Section, settings: ProxySettings, cache: ConfigCach
     if cache is None:
         return list(_section_servers(section.name, section.body, settings))
     key = (section.name, settings, "".join([line.raw for line in section.body]))
-    servers = cache.section_servers.get(key)
+    kept = cache.kept(SECTION_SERVERS)
+    servers = kept.get(key)
     if servers is None:
         servers = tuple(_section_servers(section.name, section.body, settings))
-        cache.section_servers.put(key, servers)
+        kept.put(key, servers)
     return list(servers)
 
 

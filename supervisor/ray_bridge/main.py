@@ -23,7 +23,7 @@ from typing import Any
 
 from yarl import URL
 
-from ..binary import BRIDGE_NAME
+from ..binary import BRIDGE_NAME, names_the_bridge, resolve_binary
 from ..effective import sha256_text
 from ..files import UnreadableFile, read_regular, write_new
 from ..haproxy.config import Config
@@ -33,7 +33,6 @@ from ..statusclient import StatusFetchError, fetch_status, status_target, url_fr
 from ..waiting import wait_set
 from .admin import AdminRelay, bind_over, socket_mode
 from .argv import PassThrough, Run, UsageError, parse_argv
-from .passthrough import exec_real_binary
 from .verdicts import (
     Refused,
     Running,
@@ -63,6 +62,26 @@ log = logging.getLogger(PROG)
 
 class BridgeError(Exception):
     """Why the bridge cannot stand in for HAProxy. One line."""
+
+
+def real_binary(settings: Settings) -> str:
+    """The daemon's HAProxy binary; BridgeError if it resolves to the bridge itself."""
+    binary = resolve_binary(settings.haproxy.binary)
+    if names_the_bridge(binary):
+        raise BridgeError(f"haproxy.binary {settings.haproxy.binary!r} resolves to the bridge itself ({binary})")
+    return binary
+
+
+def exec_real_binary(settings: Settings, args: tuple[str, ...]) -> None:
+    """A query that starts nothing (`-v`, `-vv`, `-c` ...): become the daemon's HAProxy binary,
+    so that its answer and exit code are HAProxy's."""
+    binary = real_binary(settings)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(binary, [binary, *args])
+    except OSError as exc:
+        raise BridgeError(f"cannot run {binary}: {exc.strerror or exc}") from None
 
 
 def settings_path(environ: Mapping[str, str]) -> Path:
