@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.reloader.change import decide_change
+from supervisor.reloader.decisions import decide_change
 
 A, B = "a" * 64, "b" * 64
 IN1, IN2 = "inputs-1", "inputs-2"

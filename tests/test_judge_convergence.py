@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.reloader.convergence import Attempt, Facts, Judgement, judge_convergence, runs_goal
+from supervisor.reloader.decisions import Attempt, Facts, Judgement, judge_convergence, runs_goal
 from supervisor.state import ReloadRecord, utcnow
 
 SOCKET = "/run/haproxy-supervisor/master.sock"

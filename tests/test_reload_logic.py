@@ -7,11 +7,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.haproxy.answers import parse_show_proc
-from supervisor.reloader.bookkeeping import old_workers_over_max
 from supervisor.reloader.confirm import confirm_reload
-from supervisor.reloader.convergence import runs_goal
-from supervisor.reloader.problems import one_line
-from supervisor.reloader.schedule import ReloadScheduler, retry_delay
+from supervisor.reloader.decisions import ReloadScheduler, one_line, retry_delay, runs_goal
+from supervisor.reloader.records import old_workers_over_max
 from supervisor.reloader.watch import inputs_digest, split_watch
 
 HEAD = "#<PID>          <type>          <reloads>       <uptime>        <version>\n"

@@ -1,5 +1,5 @@
 """A render caught in the middle of Ray Serve's rebuild of an app waits for the next one
-(runtime/plan.py: transient_render; reloader/schedule.py: TransientHold). Pure."""
+(runtime/plan.py: transient_render; reloader/decisions.py: TransientHold). Pure."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.plan import transient_render
-from supervisor.reloader.schedule import TransientHold
+from supervisor.reloader.decisions import TransientHold
 
 # Ray Serve 2.60's render of two apps, cut to what the question needs (seen in bench.ray_drain).
 RAY = """\

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.reloader.inotify import (
+from supervisor.reloader.watch import (
     IN_CLOSE_WRITE,
     IN_CREATE,
     IN_DELETE,
@@ -20,9 +20,11 @@ from supervisor.reloader.inotify import (
     IN_MOVED_TO,
     IN_Q_OVERFLOW,
     Event,
+    Interest,
+    classify,
     parse_events,
+    plan_watches,
 )
-from supervisor.reloader.watchplan import Interest, classify, plan_watches
 
 
 def release_tree(root: Path) -> Path:

@@ -7,18 +7,17 @@ Pure functions make every decision, each unit-tested with a table; a few parts e
 their fields; `Reloader` holds the parts and keeps the tasks, the way gunicorn's Arbiter
 does. No class is spread over modules. Read in this order:
 
-- `schedule`: when the next cycle is due (debounce, min interval, retry backoff); pure.
-- `change`: what to do with a change: skip, runtime apply, reload; pure.
-- `convergence`: does the node run the rendered config, why not, is that passing, when to
-  retry; pure.
+- `decisions`: when the next cycle is due (debounce, min interval, retry backoff); what to do
+  with a change (skip, runtime apply, reload); does the node run the rendered config, why
+  not, is that passing, when to retry; how trouble is worded. Pure.
 - `confirm`: did a reload take, from `show proc` (pure), and `Confirmation`, the owner of a
   reload HAProxy has not confirmed yet.
-- `watch`: which filesystem events count as a change, and the digest of watched files.
-- `problems`: disk errors as the shell words them; HAProxy's message on one line.
+- `watch`: what to watch along each path, which filesystem events count as a change, inotify,
+  the safety-net look and the digest of watched files.
 - `hooks`: what is plugged in: the steering's hooks, the runtime apply, the state save.
-- `bookkeeping`: `GenerationBook`, the owner of the generations (published into State) and
-  of the files that record them; `OldWorkerCap`, old_workers.max.
-- `disk`: `ConfigOnDisk`, the owner of the effective config on disk and of what runs.
+- `records`: `GenerationBook`, the owner of the generations (published into State) and of the
+  files that record them; `OldWorkerCap`, old_workers.max; `ConfigOnDisk`, the owner of the
+  effective config on disk and of what runs.
 - `parts`: the parts together, and the steps several of them take at once.
 - `cycle`: one change under master.lock: settle, decide, check, runtime apply or reload.
 - `recovery`: first start, master restart, adoption after a daemon restart, runtime_dir lost.

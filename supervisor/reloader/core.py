@@ -21,17 +21,24 @@ from ..runlock import RuntimeDirLock
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, State, utcnow
 from ..waiting import wait_set
-from .bookkeeping import GenerationBook, OldWorkerCap
-from .change import Runs
 from .confirm import Confirmation, Settled
-from .convergence import Attempt, Facts, judge_convergence, runs_goal
 from .cycle import Cycle, guarded, load_whole
-from .disk import ConfigOnDisk
+from .decisions import (
+    Attempt,
+    Cause,
+    Facts,
+    ReloadScheduler,
+    Runs,
+    TransientHold,
+    io_error_line,
+    judge_convergence,
+    retry_delay,
+    runs_goal,
+)
 from .hooks import NoHooks, ReloadHooks, RuntimeApply, SaveServerState, call_hook
 from .parts import Parts
-from .problems import io_error_line
+from .records import ConfigOnDisk, GenerationBook, OldWorkerCap
 from .recovery import Recovery
-from .schedule import Cause, ReloadScheduler, TransientHold, retry_delay
 from .watch import ContentCheck, content_news, inputs_digest, split_watch, watch_changes
 
 log = logging.getLogger(__package__)

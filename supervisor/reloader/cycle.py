@@ -20,13 +20,11 @@ from ..notify import summary_line
 from ..settings import Settings
 from ..state import Generation
 from ..writers import WriterBusy
-from .change import decide_change
 from .confirm import Confirmed, Settled
-from .convergence import Attempt
-from .disk import LoadedConfig
+from .decisions import EXPECTED_IO_ERRORS, Attempt, decide_change, io_error_line, one_line
 from .hooks import RuntimeApply, SaveServerState, call_hook
 from .parts import Parts
-from .problems import EXPECTED_IO_ERRORS, io_error_line, one_line
+from .records import LoadedConfig
 
 log = logging.getLogger(__package__)
 

@@ -14,11 +14,10 @@ from ..master import MasterProcess
 from ..notify import Notifier
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State
-from .bookkeeping import GenerationBook, OldWorkerCap
 from .confirm import Confirmation
-from .disk import ConfigOnDisk, LoadedConfig
+from .decisions import ReloadScheduler
 from .hooks import ReloadHooks
-from .schedule import ReloadScheduler
+from .records import ConfigOnDisk, GenerationBook, LoadedConfig, OldWorkerCap
 
 log = logging.getLogger(__package__)
 

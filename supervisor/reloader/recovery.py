@@ -24,11 +24,9 @@ from ..master import MasterError
 from ..master.procfs import process_started_at
 from ..runlock import RuntimeDirLock
 from ..state import Generation
-from .change import Runs
-from .convergence import Attempt
-from .disk import LoadedConfig
+from .decisions import EXPECTED_IO_ERRORS, Attempt, Runs, io_error_line, one_line
 from .parts import Parts
-from .problems import EXPECTED_IO_ERRORS, io_error_line, one_line
+from .records import LoadedConfig
 from .watch import inputs_digest
 
 log = logging.getLogger(__package__)
