@@ -14,9 +14,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .controller import ControllerSockets
 from .controller.connections import stats_socket_capacity
@@ -26,45 +24,23 @@ from .haproxy.answers import ProcList
 from .haproxy.api import MasterCLI
 from .haproxy.names import ServerKey
 from .haproxy.runtime import RuntimeApplier
-from .haproxy.stderr import ServerEvent, StderrRelay
+from .haproxy.stderr import StderrRelay
 from .logs import setup_logging
 from .looplag import LoopLag
 from .master import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
-from .reloader import NoHooks, Reloader, ReloadHooks
+from .reloader import Reloader
 from .runlock import RuntimeDirInUse, RuntimeDirLock
 from .settings import Settings
 from .state import ReloadRecord, State
+from .status import StatusServer
 from .status.listener import StatusServerError
 from .steering.detector import StalledDetector
+from .steering.workers import OldWorkers
 
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_CRASHED, EXIT_REFUSED, EXIT_DETACHED = 0, 1, 2, 3
-
-
-class Component(Protocol):
-    async def run(self) -> None: ...
-
-
-class StatusComponent(Component, Protocol):
-    """The status server: bound by `start()` before READY=1, served by `run()`."""
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-class DisplacedComponent(ReloadHooks, Component, Protocol):
-    """The displaced-worker component (steering/workers.py)."""
-
-    def mark_dead(self, key: str) -> None: ...
-
-    def unmark_dead(self, key: str) -> None: ...
-
-    def has_server(self, key: str) -> bool: ...
-
-    def on_server_event(self, event: ServerEvent) -> None: ...
 
 
 class DaemonActions:
@@ -77,7 +53,7 @@ class DaemonActions:
         assert self._daemon.reloader is not None
         return await self._daemon.reloader.reload_now(reason="POST /reload")
 
-    def _displaced(self) -> Any:
+    def _displaced(self) -> OldWorkers:
         displaced = self._daemon.displaced
         if displaced is None:
             raise NotImplementedError("the displaced-worker component is not running")
@@ -98,29 +74,15 @@ class DaemonActions:
         return any(key in g.model.server_map() for g in self._daemon.state.generations.values())
 
 
-@dataclass
-class Extensions:
-    """Factories for the components other parts of the project provide. All optional: without
-    them the daemon runs HAProxy, watches and reloads on its own."""
-
-    # steering/workers.py: OldWorkers(settings, state, cli) -> hooks around reloads + run() task
-    displaced: Callable[[Settings, State, MasterCLI], DisplacedComponent] | None = None
-    # status/: build_app(state, settings, actions) + open_status_server(app, listen), wrapped in
-    # something whose run() serves until cancelled
-    status: Callable[[Settings, State, DaemonActions], StatusComponent] | None = None
-    extra_tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
-
-
 class Daemon:
-    def __init__(self, settings: Settings, extensions: Extensions | None = None) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.extensions = extensions or Extensions()
         self.state = State(haproxy_binary=settings.haproxy.binary)
         self.notifier = Notifier()
         self.cli = MasterCLI(settings.haproxy.master_socket_path)
         self.master: MasterProcess | None = None
         self.reloader: Reloader | None = None
-        self.displaced: DisplacedComponent | None = None
+        self.displaced: OldWorkers | None = None  # the old workers' steering, once run() built it
         self._stop = asyncio.Event()
         self._reloader_built = asyncio.Event()
         self._detach = False
@@ -225,11 +187,9 @@ class Daemon:
         self.master = MasterProcess(
             settings, self.state, self.cli, on_started=self.handle_master_started, stderr=relay
         )
-        ext = self.extensions
-        if ext.displaced is not None:
-            self.displaced = ext.displaced(settings, self.state, self.cli)
-            if relay is not None:
-                relay.subscribe(self.displaced.on_server_event)
+        displaced = self.displaced = OldWorkers(settings, self.state, self.cli)
+        if relay is not None:
+            relay.subscribe(displaced.on_server_event)
         # One applier serves both: it remembers the servers whose runtime change was refused,
         # so the state saved before the next reload leaves them out.
         state = self.state
@@ -240,25 +200,22 @@ class Daemon:
         )
         runtime_apply = applier if settings.reload.runtime_apply else None
         save_state = applier.save_server_state if settings.reload.preserve_server_state else None
-        hooks: ReloadHooks = self.displaced if self.displaced is not None else NoHooks()
         self.reloader = Reloader(
-            settings, self.state, self.cli, self.master, self.notifier,
-            hooks=hooks, runtime_apply=runtime_apply, save_server_state=save_state,
+            settings, self.state, self.cli, self.master, displaced, self.notifier,
+            runtime_apply=runtime_apply, save_server_state=save_state,
         )
         self._reloader_built.set()
         self.reloader.runtime_lock = self.runtime_lock
-        status: StatusComponent | None = None
-        if ext.status is not None:
-            # Bound before anything says READY=1: a daemon that cannot report must not start.
-            status = ext.status(settings, self.state, DaemonActions(self))
-            try:
-                await status.start()
-            except StatusServerError as exc:
-                log.error("%s: not starting without the status API", exc)
-                if relay is not None:
-                    relay.close()
-                await controller.close()
-                return EXIT_REFUSED
+        # Bound before anything says READY=1: a daemon that cannot report must not start.
+        status = StatusServer(settings, self.state, DaemonActions(self))
+        try:
+            await status.start()
+        except StatusServerError as exc:
+            log.error("%s: not starting without the status API", exc)
+            if relay is not None:
+                relay.close()
+            await controller.close()
+            return EXIT_REFUSED
         self._install_signals()
         log.info(
             "haproxy-supervisor starting pid=%d haproxy=%s binary=%s runtime_dir=%s",
@@ -274,8 +231,7 @@ class Daemon:
             log.error("%s", exc)
             if relay is not None:
                 relay.close()
-            if status is not None:
-                await status.stop()
+            await status.stop()
             await controller.close()
             return EXIT_CRASHED
         if adopted is not None:
@@ -293,19 +249,12 @@ class Daemon:
                 group.create_task(LoopLag(self.state).run(), name="event loop lag"),
                 group.create_task(applier.run(), name="pending removals"),
             ]
-            # ---- components built elsewhere start here: displaced workers, status server ----
-            if self.displaced is not None:
-                tasks.append(group.create_task(self.displaced.run(), name="displaced"))
-            detector = StalledDetector(settings.detector, self.state, self.cli,
-                                       getattr(self.displaced, "wake", None))
+            tasks.append(group.create_task(displaced.run(), name="displaced"))
+            detector = StalledDetector(settings.detector, self.state, self.cli, displaced.wake)
             tasks.append(group.create_task(detector.run(), name="stalled-connection detector"))
-            if status is not None:
-                tasks.append(group.create_task(status.run(), name="status"))
+            tasks.append(group.create_task(status.run(), name="status"))
             if controller.enabled:
                 tasks.append(group.create_task(controller.run(), name="controller sockets"))
-            for make in ext.extra_tasks:
-                tasks.append(group.create_task(make()))
-            # -----------------------------------------------------------------------------------
             if adopted is None:
                 tasks.append(group.create_task(self.reloader.reload_now(reason="startup")))
 
@@ -341,14 +290,6 @@ async def haproxy_version(binary: str) -> str | None:
     return m[1] if m else None
 
 
-def default_extensions() -> Extensions:
-    """Every component the project ships, as `haproxy-supervisor run` uses them."""
-    from .status import StatusServer
-    from .steering.workers import OldWorkers
-
-    return Extensions(displaced=OldWorkers, status=StatusServer)
-
-
 def watch_children_without_threads() -> None:
     """Python 3.11 waits for each asyncio child process (`haproxy -c`, on every change) in a
     thread started with it: ~3 ms more before the check even runs, on the way to steering
@@ -363,13 +304,11 @@ def watch_children_without_threads() -> None:
     asyncio.set_child_watcher(asyncio.PidfdChildWatcher())
 
 
-def run_daemon(settings: Settings, extensions: Extensions | None = None) -> int:
+def run_daemon(settings: Settings) -> int:
     setup_logging(settings.logging)
-    if extensions is None:
-        extensions = default_extensions()
     watch_children_without_threads()
     try:
-        return asyncio.run(Daemon(settings, extensions).run())
+        return asyncio.run(Daemon(settings).run())
     except Exception:  # an ExceptionGroup from the TaskGroup included
         # A bug, not a decision: HAProxy keeps running and the next `run` adopts it.
         log.critical("haproxy-supervisor crashed; haproxy is left running for the next start", exc_info=True)

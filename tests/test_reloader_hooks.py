@@ -134,7 +134,7 @@ async def running(rundir: Path, apply_at_runtime: bool):
         return RuntimeOutcome(True, model) if apply_at_runtime else RuntimeOutcome(False)
 
     master = MasterProcess(settings, state, cli)
-    reloader = Reloader(settings, state, cli, master, hooks=hooks, runtime_apply=runtime_apply)
+    reloader = Reloader(settings, state, cli, master, hooks, runtime_apply=runtime_apply)
     master.on_started = reloader.on_master_started
     patched = mock.patch("supervisor.reloader.cycle.start_effective_check", counting_checks(hooks))
     patched.start()

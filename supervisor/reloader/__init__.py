@@ -28,6 +28,6 @@ name operators grep for, however the package is cut.
 """
 
 from .core import Reloader
-from .hooks import NoHooks, ReloadHooks
+from .hooks import ReloadHooks
 
-__all__ = ["NoHooks", "ReloadHooks", "Reloader"]
+__all__ = ["ReloadHooks", "Reloader"]

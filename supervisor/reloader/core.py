@@ -35,7 +35,7 @@ from .decisions import (
     retry_delay,
     runs_goal,
 )
-from .hooks import NoHooks, ReloadHooks, RuntimeApply, SaveServerState, call_hook
+from .hooks import ReloadHooks, RuntimeApply, SaveServerState, call_hook
 from .parts import Parts
 from .records import ConfigOnDisk, GenerationBook, OldWorkerCap
 from .recovery import Recovery
@@ -56,8 +56,8 @@ class Reloader:
         state: State,
         cli: MasterCLI,
         master: MasterProcess,
+        hooks: ReloadHooks,
         notifier: Notifier | None = None,
-        hooks: ReloadHooks | None = None,
         runtime_apply: RuntimeApply | None = None,
         save_server_state: SaveServerState | None = None,
     ) -> None:
@@ -69,7 +69,7 @@ class Reloader:
         self.problems = RecurringConditions(log, logging.ERROR)  # keyed by what fails, caused by the error
         store = GenerationStore(settings.haproxy.runtime_dir)
         self.parts = Parts(
-            settings, state, cli, master, notifier or Notifier(environ={}), hooks or NoHooks(), self.scheduler,
+            settings, state, cli, master, notifier or Notifier(environ={}), hooks, self.scheduler,
             GenerationBook(state, store, self.problems), ConfigOnDisk(settings, self.problems),
             Confirmation(cli, master, reload.timeout_s, self.cli_failed), OldWorkerCap(settings.old_workers.max),
         )

@@ -28,20 +28,6 @@ class ReloadHooks(Protocol):
     async def refresh(self) -> None: ...
 
 
-class NoHooks:
-    async def prepare(self, effective: Effective) -> None:
-        return None
-
-    async def before_reload(self, effective: Effective) -> None:
-        return None
-
-    async def after_reload(self, ok: bool) -> None:
-        return None
-
-    async def refresh(self) -> None:
-        return None
-
-
 # (current generation, new effective model, the effective config) -> what the worker now runs.
 RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[RuntimeOutcome]]
 # (current generation, next effective model, state file) -> saved. Runs just before a reload so
