@@ -50,7 +50,7 @@ from typing import Any
 from bench._doc import markdown_table
 from bench._ray_evidence import parse_httplog, roomy_log_queue
 from bench._vanish import drop_ports
-from supervisor.master.procfs import socket_inodes
+from supervisor.master.processes import socket_inodes
 from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, SockDiagError, destroy, tcp_sockets
 from supervisor.settings import DetectorSettings
 from supervisor.steering.stalled import Endpoint, stall_of, to_abort

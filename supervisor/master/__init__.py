@@ -25,8 +25,10 @@ The package, one idea a module:
   workers (by argv); pure recognisers and /proc reads.
 - `readiness`: whether a worker is ready (answers on the master CLI, listens on the config's
   ports, seen through sock_diag).
-- `exits`: a process's end: watched through a pidfd, described, brought about by signals.
-- `procfs`: what /proc says about a process (alive, start time, sockets held).
+- `processes`: what /proc says about a process (alive, start time, sockets held); its end:
+  watched through a pidfd, described, brought about by signals; `WorkerExits`, a pidfd per
+  old worker.
+- `sockdiag`: the one sock_diag client (TCP sockets by state and port, SOCK_DESTROY).
 
 Every module logs as `supervisor.master` (`getLogger(__package__)`).
 """

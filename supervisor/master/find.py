@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 
 from ..settings import Settings
-from .procfs import is_alive, process_started_at, socket_inodes
+from .processes import is_alive, process_started_at, socket_inodes
 
 log = logging.getLogger(__package__)
 

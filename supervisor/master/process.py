@@ -22,9 +22,8 @@ from ..haproxy.stderr import StderrRelay
 from ..notify import child_environment
 from ..settings import Settings
 from ..state import State
-from .exits import kill_group, reap, send_signal, watch_exit
 from .find import find_master, find_masters, is_our_master_worker, read_pid_file
-from .procfs import is_alive
+from .processes import is_alive, kill_group, reap, send_signal, watch_exit
 from .readiness import config_ports, ready_worker
 
 log = logging.getLogger(__package__)

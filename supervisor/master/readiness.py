@@ -9,7 +9,7 @@ from pathlib import Path
 from ..haproxy.answers import ProcList, show_info_by_pid
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.config import Config
-from .procfs import socket_inodes
+from .processes import socket_inodes
 from .sockdiag import TCP_LISTEN, tcp_sockets
 
 log = logging.getLogger(__package__)

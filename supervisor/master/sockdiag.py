@@ -171,7 +171,7 @@ class TcpActivity:
     was retransmitted since the last look, so there is nothing new to dump for.
 
     Looked at every poll, at rest too: the file stays open and is read again from its start
-    (procfs makes it anew for each read at offset 0), and the Tcp header's columns are found
+    (the kernel makes it anew for each read at offset 0), and the Tcp header's columns are found
     once."""
 
     PATH = "/proc/net/snmp"

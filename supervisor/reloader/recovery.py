@@ -21,7 +21,7 @@ from ..generations import loaded_pending, plan_rebuild
 from ..haproxy.answers import ProcList
 from ..haproxy.config import Config
 from ..master import MasterError
-from ..master.procfs import process_started_at
+from ..master.processes import process_started_at
 from ..runlock import RuntimeDirLock
 from ..state import Generation
 from .decisions import EXPECTED_IO_ERRORS, Attempt, Runs, io_error_line, one_line

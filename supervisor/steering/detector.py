@@ -30,7 +30,7 @@ from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.names import ServerKey, validate_name
 from ..haproxy.resolution import is_ip, section_servers
 from ..logs import RecurringCondition
-from ..master.procfs import socket_inodes
+from ..master.processes import socket_inodes
 from ..master.sockdiag import (
     TCP_ESTABLISHED,
     TCP_SYN_SENT,

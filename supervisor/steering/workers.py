@@ -25,13 +25,12 @@ from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.names import ServerKey
 from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
-from ..master.procfs import process_started_at
+from ..master.processes import WorkerExits, process_started_at
 from ..settings import Settings
 from ..state import State
 from ..waiting import wait_set
 from .dead import ConfigDigest, LiveView, live_view
 from .digests import Digests
-from .exits import WorkerExits
 from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
 from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
 from .procs import worker_generations

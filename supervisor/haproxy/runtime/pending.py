@@ -23,7 +23,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from types import MappingProxyType
 
-from ...master.procfs import is_alive, socket_inodes
+from ...master.processes import is_alive, socket_inodes
 from ...master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, SockDiagError, tcp_sockets
 from ...state import PendingRemoval
 from ..answers import ServerState
