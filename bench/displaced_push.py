@@ -62,7 +62,7 @@ from supervisor.effective import (
     start_effective_check,
     write_effective,
 )
-from supervisor.gcpolicy import collector_paused, settle_after_reload
+from supervisor.eventloop import collector_paused, settle_after_reload
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings

@@ -19,6 +19,7 @@ from typing import Any
 from .controller import ControllerSockets
 from .controller.connections import stats_socket_capacity
 from .effective import prepare_runtime_dir, remove_stale_checks
+from .eventloop import LoopLag
 from .files import ensure_private_dir
 from .haproxy.answers import ProcList
 from .haproxy.api import MasterCLI
@@ -26,7 +27,6 @@ from .haproxy.names import ServerKey
 from .haproxy.runtime import RuntimeApplier
 from .haproxy.stderr import StderrRelay
 from .logs import setup_logging
-from .looplag import LoopLag
 from .master import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
 from .reloader import Reloader

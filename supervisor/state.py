@@ -252,7 +252,7 @@ class State:
     write_failures: int = 0
     # Why the status API cannot serve (its listening socket destroyed, not bound again yet); None: it serves.
     status_listener_down: str | None = None
-    event_loop_lag_s: float = 0.0  # the worst delay of the event loop lately (looplag.py)
+    event_loop_lag_s: float = 0.0  # the worst delay of the event loop lately (eventloop.LoopLag)
     old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
 
     # A steady count is noted again after this long, so its line reaches the present.

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.eventloop import wait_set
 from supervisor.haproxy.stderr import ServerEvent
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from supervisor.waiting import wait_set
 from tests.support.daemon import RENDERED
 from tests.support.harness import backends, free_port
 from tests.support.supervised import supervised

@@ -7,7 +7,7 @@ import gc
 from pathlib import Path
 
 from supervisor.effective import build_effective
-from supervisor.gcpolicy import collector_paused, settle_after_reload
+from supervisor.eventloop import collector_paused, settle_after_reload
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.steering.dead import Sections
 from tests.support.wholes import known_dead_servers, steer_entries

@@ -9,7 +9,7 @@ import time
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.looplag import LoopLag
+from supervisor.eventloop import LoopLag
 from supervisor.state import State
 from supervisor.status.metrics import metrics_registry
 

@@ -8,7 +8,7 @@ import selectors
 
 import pytest
 
-from supervisor.ticks import next_tick, tick
+from supervisor.eventloop import next_tick, tick
 
 
 @pytest.mark.parametrize(("now", "interval_ms", "due"), [

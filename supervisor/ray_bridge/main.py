@@ -25,12 +25,12 @@ from yarl import URL
 
 from ..binary import BRIDGE_NAME, names_the_bridge, resolve_binary
 from ..effective import sha256_text
+from ..eventloop import wait_set
 from ..files import UnreadableFile, read_regular, write_new
 from ..haproxy.config import Config
 from ..haproxy.global_policy import first_stats_socket
 from ..settings import Settings, SettingsError, decode_text, load_settings
 from ..statusclient import StatusFetchError, fetch_status, status_target, url_from_listen
-from ..waiting import wait_set
 from .admin import AdminRelay, bind_over, socket_mode
 from .argv import PassThrough, Run, UsageError, parse_argv
 from .verdicts import (

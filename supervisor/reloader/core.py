@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 
 from ..effective import RenderedConfigError, off_the_loop
-from ..gcpolicy import collector_paused
+from ..eventloop import collector_paused, wait_set
 from ..generations import GenerationStore
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError, MasterCLI
@@ -20,7 +20,6 @@ from ..notify import Notifier, summary_line
 from ..runlock import RuntimeDirLock
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, State, utcnow
-from ..waiting import wait_set
 from .confirm import Confirmation, Settled
 from .cycle import Cycle, guarded, load_whole
 from .decisions import (

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from ..effective import Effective, load_effective, off_the_loop, start_effective_check
-from ..gcpolicy import collector_paused, settle_after_reload
+from ..eventloop import collector_paused, settle_after_reload
 from ..generations import PendingReload
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError

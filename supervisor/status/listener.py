@@ -17,11 +17,11 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from ..eventloop import wait_set
 from ..files import bind_unix_private
 from ..logs import RecurringCondition, RecurringConditions
 from ..settings import Settings, StatusSettings, listen_address
 from ..state import State
-from ..waiting import wait_set
 from .routes import StatusActions, build_app, error_json
 
 log = logging.getLogger(__package__)

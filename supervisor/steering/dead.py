@@ -22,6 +22,7 @@ import re
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..eventloop import finished
 from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
@@ -125,12 +126,7 @@ class Sections:
         Generation carry it), by which a config seen lately is found without resolving its
         sections again (prepare, then before_reload); None: a model with no such digest, whose
         sections are still found by content."""
-        steps = self.digesting(model, sha256)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return finished(self.digesting(model, sha256))
 
     def digesting(self, model: Config, sha256: str | None = None) -> Generator[None, None, ConfigDigest]:
         """digest() in steps of SLICE sections, for a caller that lets the event loop run

@@ -17,7 +17,6 @@ steered that worker off is destroyed too, at first sight: its retry is redispatc
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import operator
 import socket
@@ -26,6 +25,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from ..eventloop import finished, sliced, tick
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.names import ServerKey, validate_name
 from ..haproxy.resolution import is_ip, section_servers
@@ -42,7 +42,6 @@ from ..master.sockdiag import (
 )
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
-from ..ticks import tick
 from .stalled import Endpoint, Stall, Suspect, idle, left_in, stall_of, suspects, to_abort
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class ServerIndex:
 
     @classmethod
     def of(cls, generation: Generation) -> ServerIndex:
-        return _finish(cls.building(generation))
+        return finished(cls.building(generation))
 
     @classmethod
     def building(cls, generation: Generation) -> Generator[None, None, ServerIndex]:
@@ -115,7 +114,7 @@ class ServerIndex:
 
 def merged(indexes: list[ServerIndex]) -> ServerIndex:
     """Several configs' servers in one index: the configs every worker runs."""
-    return _finish(merging(indexes))
+    return finished(merging(indexes))
 
 
 def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
@@ -133,24 +132,6 @@ def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
         frozenset().union(*(i.checked for i in indexes)), frozenset().union(*(i.keys for i in indexes)),
         frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))), {},
     )
-
-
-def _finish(steps: Generator[None, None, ServerIndex]) -> ServerIndex:
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
-async def _sliced(steps: Generator[None, None, ServerIndex]) -> ServerIndex:
-    """Run `steps`, the event loop let run between its slices."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-        await asyncio.sleep(0)
 
 
 class StalledDetector:
@@ -202,7 +183,7 @@ class StalledDetector:
                 failing.over("stalled-connection detector: working again")
             except (OSError, CLIError) as exc:
                 failing.happened(exc)
-            # On the shared grid of timers: the lag gauge's every 100 ms (looplag.py) wakes
+            # On the shared grid of timers: the lag gauge's every 100 ms (eventloop.LoopLag) wakes
             # the loop at the same instants, so at rest a poll costs its own work, not a wake.
             await tick(self.settings.poll_interval_ms)
 
@@ -241,7 +222,7 @@ class StalledDetector:
             if g is current or g.worker_pid in self.state.old_workers
         }
         if self._current is None or self._current.sha256 != current.effective_sha256:
-            self._current = await _sliced(ServerIndex.building(current))
+            self._current = await sliced(ServerIndex.building(current))
         now = self._current
         self._by_sha = {sha: i for sha, i in self._by_sha.items() if sha in running}
         watched = self._watched
@@ -254,8 +235,8 @@ class StalledDetector:
         if added:
             indexes = [watched]
             for sha in added:
-                indexes.append(now if sha == now.sha256 else await _sliced(ServerIndex.building(running[sha])))
-            watched = await _sliced(merging(indexes))
+                indexes.append(now if sha == now.sha256 else await sliced(ServerIndex.building(running[sha])))
+            watched = await sliced(merging(indexes))
             self._watched_shas.update(added)
         self._watched = watched
         return now, watched
@@ -390,7 +371,7 @@ class StalledDetector:
                 own[pid] = now_index.by_endpoint
                 continue
             if sha not in self._by_sha:
-                self._by_sha[sha] = await _sliced(ServerIndex.building(generation))
+                self._by_sha[sha] = await sliced(ServerIndex.building(generation))
             own[pid] = self._by_sha[sha].by_endpoint
         return own
 

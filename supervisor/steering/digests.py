@@ -3,11 +3,11 @@ effective config's sha256), the config prepare() planned for, and an index of th
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from collections.abc import Collection, Iterable
 
 from ..effective import Effective
+from ..eventloop import sliced
 from ..state import Generation
 from .dead import ConfigDigest, Sections
 
@@ -49,13 +49,7 @@ class Digests:
 
     async def of_effective(self, effective: Effective) -> ConfigDigest:
         """The next config's digest, the event loop let run between its slices."""
-        steps = self.sections.digesting(effective.effective_model, effective.sha256)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-            await asyncio.sleep(0)
+        return await sliced(self.sections.digesting(effective.effective_model, effective.sha256))
 
     def of(self, generation: Generation) -> ConfigDigest:
         key = (generation.number, generation.effective_sha256)

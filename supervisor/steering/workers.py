@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from ..binary import chash_node_keys
 from ..effective import Effective
+from ..eventloop import wait_set
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.names import ServerKey
@@ -28,7 +29,6 @@ from ..logs import RecurringCondition
 from ..master.processes import WorkerExits, process_started_at
 from ..settings import Settings
 from ..state import State
-from ..waiting import wait_set
 from .dead import ConfigDigest, LiveView, live_view
 from .digests import Digests
 from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
