@@ -82,7 +82,7 @@ def test_dead_sets_are_the_same_with_shared_and_separate_digests():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_server_index_holds_exactly_the_servers_of_the_configs_in_use(seed):
-    from supervisor.steering.digests import ServerIndex
+    from supervisor.steering.dead import ServerIndex
 
     rng = random.Random(seed)
     cache = Sections()

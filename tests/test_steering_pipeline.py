@@ -10,7 +10,7 @@ import pytest
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
-from supervisor.steering.digests import Digests
+from supervisor.steering.dead import Digests
 
 RENDERED = """\
 global

@@ -29,8 +29,7 @@ from ..logs import RecurringCondition
 from ..master.processes import WorkerExits, process_started_at
 from ..settings import Settings
 from ..state import State
-from .dead import ConfigDigest, LiveView, live_view
-from .digests import Digests
+from .dead import ConfigDigest, Digests, LiveView, live_view
 from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
 from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
 from .procs import worker_generations
