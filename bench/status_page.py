@@ -25,8 +25,7 @@ from datetime import UTC, datetime
 import aiohttp
 
 from bench._doc import markdown_table
-from supervisor.page.damage import BackendSizes, backends_of
-from supervisor.page.render import page_of
+from supervisor.page import BackendSizes, backends_of, page_of
 from supervisor.settings import Settings
 from supervisor.status.document import status_document
 from supervisor.status.routes import build_app

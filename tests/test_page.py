@@ -9,9 +9,18 @@ import pytest
 
 from supervisor.formats import format_age, format_bytes
 from supervisor.haproxy.config import Config
-from supervisor.page.charts import CHART_W, History, old_workers_chart, reload_chart
-from supervisor.page.damage import BackendSizes, backend_sizes, damage_by_backend, running_generations
-from supervisor.page.render import page_of, render_page
+from supervisor.page import (
+    CHART_W,
+    BackendSizes,
+    History,
+    backend_sizes,
+    damage_by_backend,
+    old_workers_chart,
+    page_of,
+    reload_chart,
+    render_page,
+    running_generations,
+)
 from supervisor.settings import Settings
 from supervisor.state import CHART_POINTS, Generation, OldWorker, ReloadRecord, State
 from supervisor.status.document import status_document

@@ -19,8 +19,7 @@ from prometheus_client.exposition import generate_latest
 
 from ..files import read_regular
 from ..haproxy.names import ServerKey
-from ..page.damage import BackendSizes
-from ..page.render import page_of
+from ..page import BackendSizes, page_of
 from ..settings import Settings, listen_address
 from ..state import ReloadRecord, State, utcnow
 from .document import SOCKET_MISSING, not_ready_reason, reload_json, status_document

@@ -12,7 +12,8 @@ Wire:
 - lines.py: those changes as CLI lines, and the answers to them read.
 The stalled-connection detector: stalled.py (which sockets are stalled, which servers are
 suspect, which sockets to destroy; pure) and detector.py (its owner, polling sock_diag).
-Around them, the shells: live.py (reads of the current worker's states), push.py (one worker's push and read-back, returning outcomes),
-rounds.py (the one place that changes a worker's record, record.py, and publishes to State)
-and workers.py (tracks, plans, pushes, verifies, backs off and rebuilds).
+Around them, the shells: live.py (reads of the current worker's states), push.py (one
+worker's push and read-back, returning outcomes), rounds.py (the one place that changes a
+worker's record, record.py, and publishes to State) and workers.py (tracks, plans, pushes,
+verifies, backs off and rebuilds).
 """

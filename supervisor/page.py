@@ -1,18 +1,302 @@
-"""The page at `/`, from the /status document: header, current worker, dead servers by
-backend, charts, old workers and reloads. Every value is escaped."""
+"""The status page served at `/`: one self-contained HTML document, no scripts, no external assets.
+
+Built from the /status document (`status.document.status_document`), plus two things the
+document does not carry: how many servers each backend has in the configs HAProxy runs (so a
+drain reads "b42: 3 of 10 dead"), and the bounded history behind the charts (State keeps it).
+Every value is escaped. At fleet size (10,000 servers, 1,000 dead, 50 old workers) the dead
+and steered servers are shown per backend, worst first, so every affected backend is on the
+page; the server names are in each backend's tooltip and in /status.
+
+In order: the escaping and the small HTML pieces the rest shares; dead servers grouped by
+backend, worst first, with the backends' sizes (pure); the inline SVG charts of reloads,
+pushes and old workers over time (pure); the page itself (`render_page`, and `page_of` for
+the daemon).
+"""
 
 from __future__ import annotations
 
+import functools
+import html
 import itertools
-from collections.abc import Mapping
+import math
+import re
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ..formats import format_age, format_bytes, format_duration_ms
-from ..state import State, rfc3339
-from .charts import History, charts_html
-from .damage import BackendDamage, BackendSizes, backends_of, damage_by_backend, running_generations
-from .markup import RESULT_TONE, badge, chips, esc, when
+from .formats import format_age, format_bytes, format_duration_ms, format_seconds
+from .haproxy.config import Config
+from .haproxy.resolution import template_names
+from .state import Generation, ReloadRecord, State, rfc3339
+
+# The tone of a reload result, in the chart and in the table.
+RESULT_TONE = {
+    "ok": "good", "runtime_applied": "good", "skipped_unchanged": "neutral", "failed": "bad", "invalid": "bad",
+}
+_OPERATOR_TAG = ' <span class="tag">operator</span>'
+
+
+def esc(value: Any) -> str:
+    return html.escape("—" if value is None else str(value), quote=True)
+
+
+def badge(text: str, tone: str) -> str:
+    return f'<span class="badge {tone}">{esc(text)}</span>'
+
+
+def chips(keys: list[str], tone: str = "", operator: frozenset[str] = frozenset()) -> str:
+    if not keys:
+        return '<span class="muted">none</span>'
+    return " ".join(
+        f'<span class="chip {tone}">{esc(key)}{_OPERATOR_TAG if key in operator else ""}</span>' for key in keys
+    )
+
+
+def when(value: str | None, now: datetime, with_date: bool = True) -> str:
+    """A time from the document as `2025-01-02 03:04:05` and how long ago; the exact value on hover."""
+    if value is None:
+        return '<span class="muted">—</span>'
+    moment = datetime.fromisoformat(value)
+    shown = moment.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
+    ago = format_age(max(0.0, (now - moment).total_seconds()))
+    return f'<span class="when" title="{esc(value)}">{esc(shown)} <span class="muted">{esc(ago)} ago</span></span>'
+
+
+def backend_sizes(model: Config) -> dict[str, int]:
+    """Servers per backend (and listen) section, templates expanded, backups included."""
+    sizes: dict[str, int] = {}
+    for section, server_lines in model.server_flags_by_backend():
+        count = 0
+        for index, _flags in server_lines:
+            words = section.body[index].words
+            count += 1 if words[0] == "server" else len(template_names(words[1], words[2]))
+        sizes[section.name] = count
+    return sizes
+
+
+class BackendSizes:
+    """backend_sizes() of the configs HAProxy runs, merged: a backend's largest size among them.
+
+    Kept per config by its effective sha256 (content, not identity), and only for the configs
+    still running: a 10,000-server config is counted once, not on every refresh of the page.
+    """
+
+    def __init__(self) -> None:
+        self._by_sha: dict[str, dict[str, int]] = {}
+
+    def of(self, generations: Iterable[Generation]) -> dict[str, int]:
+        running = {g.effective_sha256: g for g in generations}
+        for sha in [sha for sha in self._by_sha if sha not in running]:
+            del self._by_sha[sha]
+        merged: dict[str, int] = {}
+        for sha, generation in running.items():
+            sizes = self._by_sha.get(sha)
+            if sizes is None:
+                sizes = self._by_sha[sha] = backend_sizes(generation.model)
+            for backend, size in sizes.items():
+                if size > merged.get(backend, 0):
+                    merged[backend] = size
+        return merged
+
+
+def running_generations(state: State) -> list[Generation]:
+    """The generations the current worker and the old workers run (those that are known)."""
+    numbers = {state.current_generation, *(w.generation for w in state.old_workers.values())}
+    return [state.generations[n] for n in sorted(n for n in numbers if n is not None) if n in state.generations]
+
+
+@functools.lru_cache(maxsize=128)
+def backends_of(steered: tuple[str, ...]) -> frozenset[str]:
+    """The backends of `backend/server` keys. Kept by content: an old worker's 1,000 steered
+    servers seldom change between two refreshes of the page, and there are up to 50 of them."""
+    return frozenset(key.partition("/")[0] for key in steered)
+
+
+@dataclass(frozen=True)
+class BackendDamage:
+    """One backend's dead servers, as the page lists them."""
+
+    backend: str
+    dead: tuple[str, ...]  # server names, sorted
+    size: int | None  # servers it has in the largest running config that has it; None if unknown
+    operator: int  # of the dead, how many an operator marked
+    steered_in: int  # old workers steered away from at least one of its servers
+
+    @property
+    def share(self) -> float:
+        return 1.0 if not self.size else min(1.0, len(self.dead) / self.size)
+
+    @property
+    def tone(self) -> str:
+        if self.share >= 1.0:
+            return "all"
+        return "half" if self.share >= 0.5 else "some"
+
+    @property
+    def count(self) -> str:
+        """`3 of 10 dead`, or `3 dead` when no running config has the backend."""
+        return f"{len(self.dead)} of {self.size} dead" if self.size else f"{len(self.dead)} dead"
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}: {self.count}"
+
+
+def damage_by_backend(
+    dead_servers: Iterable[str], operator_dead: Iterable[str], old_workers: Iterable[Mapping[str, Any]],
+    sizes: Mapping[str, int],
+) -> list[BackendDamage]:
+    """Dead servers grouped by backend, worst first: the largest share of the backend dead,
+    then the most servers dead, then by name."""
+    dead: dict[str, list[str]] = {}
+    for key in dead_servers:
+        backend, _, server = key.partition("/")
+        dead.setdefault(backend, []).append(server)
+    by_operator: dict[str, int] = {}
+    for key in operator_dead:
+        backend = key.partition("/")[0]
+        by_operator[backend] = by_operator.get(backend, 0) + 1
+    steered_in: dict[str, int] = {}
+    for worker in old_workers:
+        for backend in backends_of(tuple(worker["steered"])):
+            steered_in[backend] = steered_in.get(backend, 0) + 1
+    damage = [
+        BackendDamage(backend, tuple(sorted(servers)), sizes.get(backend), by_operator.get(backend, 0),
+                      steered_in.get(backend, 0))
+        for backend, servers in dead.items()
+    ]
+    damage.sort(key=lambda d: (-d.share, -len(d.dead), d.size or 0, natural_key(d.backend)))
+    return damage
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """`b9` before `b10`: digit runs compare as numbers."""
+    return tuple((1, int(part)) if part.isdigit() else (0, part) for part in _DIGITS.split(name) if part)
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+CHART_W, CHART_H = 350, 96
+_PLOT_TOP, _PLOT_BOTTOM, _PLOT_LEFT = 14, 82, 2
+_TONE_FILL = {"good": "#2f9e44", "bad": "#e03131", "warn": "#f08c00", "neutral": "#868e96"}
+
+
+def _log_height(value: float, low: float, high: float) -> float:
+    """Bar height on a log scale from `low` (nothing) to `high` (the whole plot)."""
+    span = math.log10(high) - math.log10(low)
+    share = (math.log10(max(value, low)) - math.log10(low)) / span if span > 0 else 1.0
+    return max(1.0, share * (_PLOT_BOTTOM - _PLOT_TOP))
+
+
+def _svg(label: str, body: str, top: str, bottom_left: str, bottom_right: str) -> str:
+    return (
+        f'<svg class="chart" viewBox="0 0 {CHART_W} {CHART_H}" width="{CHART_W}" height="{CHART_H}" role="img" '
+        f'aria-label="{esc(label)}">'
+        f'<line x1="0" y1="{_PLOT_BOTTOM}" x2="{CHART_W}" y2="{_PLOT_BOTTOM}" class="axis"/>'
+        f'<text x="{CHART_W}" y="10" text-anchor="end" class="tick">{esc(top)}</text>'
+        f"{body}"
+        f'<text x="0" y="{CHART_H - 2}" class="tick">{esc(bottom_left)}</text>'
+        f'<text x="{CHART_W}" y="{CHART_H - 2}" text-anchor="end" class="tick">{esc(bottom_right)}</text>'
+        "</svg>"
+    )
+
+
+def _empty(label: str, message: str) -> str:
+    return _svg(label, f'<text x="{CHART_W / 2}" y="50" text-anchor="middle" class="tick">{esc(message)}</text>',
+                "", "", "")
+
+
+def _bars(
+    label: str, noun: str, bars: list[tuple[datetime, float, str, str]], low: float,
+    shown: Callable[[float], str], now: datetime,
+) -> str:
+    """One bar per (when, value, tone, what) in `bars`, oldest left, on a log scale from `low`."""
+    if not bars:
+        return _empty(label, f"no {noun} yet")
+    high = max(max(value for _, value, _, _ in bars), low * 10)
+    step = (CHART_W - _PLOT_LEFT) / max(len(bars), 24)
+    width = max(1.0, step * 0.7)
+    rects = []
+    for i, (at, value, tone, what) in enumerate(bars):
+        height = _log_height(value, low, high)
+        rects.append(
+            f'<rect x="{_PLOT_LEFT + i * step:.1f}" y="{_PLOT_BOTTOM - height:.1f}" width="{width:.1f}" '
+            f'height="{height:.1f}" fill="{_TONE_FILL[tone]}"><title>{esc(f"{rfc3339(at)} {what}")}</title></rect>'
+        )
+    worst = max(value for _, value, _, _ in bars)
+    since = f"{len(bars)} {noun}, since {format_age((now - bars[0][0]).total_seconds())} ago"
+    return _svg(label, "".join(rects), f"max {shown(worst)} (log scale)", since, "now")
+
+
+def reload_chart(records: Iterable[ReloadRecord], now: datetime) -> str:
+    bars = [
+        (r.at, r.duration_ms, RESULT_TONE.get(r.result, "neutral"), f"{r.result} {format_duration_ms(r.duration_ms)}")
+        for r in records
+    ]
+    return _bars("Reload durations", "reloads", bars, 1.0, format_duration_ms, now)
+
+
+def push_chart(points: Iterable[tuple[datetime, float]], now: datetime) -> str:
+    bars = [(at, s, "good" if s < 0.1 else "warn" if s < 1 else "bad", format_seconds(s)) for at, s in points]
+    return _bars("Push latency", "pushes", bars, 0.001, format_seconds, now)
+
+
+def old_workers_chart(points: Iterable[tuple[datetime, int]], now: datetime) -> str:
+    """A step line of the number of old workers over time, from the first note to now."""
+    points = list(points)
+    label = "Old workers over time"
+    if not points:
+        return _empty(label, "not sampled yet")
+    start = points[0][0]
+    span = max((now - start).total_seconds(), 1.0)
+    top = max(max(count for _, count in points), 1)
+
+    def x(at: datetime) -> float:
+        return _PLOT_LEFT + (CHART_W - _PLOT_LEFT) * min(1.0, (at - start).total_seconds() / span)
+
+    def y(count: int) -> float:
+        return _PLOT_BOTTOM - (_PLOT_BOTTOM - _PLOT_TOP) * count / top
+
+    path = [f"{x(points[0][0]):.1f},{y(points[0][1]):.1f}"]
+    for (_, before), (at, count) in itertools.pairwise(points):
+        path.append(f"{x(at):.1f},{y(before):.1f}")
+        path.append(f"{x(at):.1f},{y(count):.1f}")
+    path.append(f"{x(now):.1f},{y(points[-1][1]):.1f}")
+    body = (f'<polyline points="{" ".join(path)}" fill="none" stroke="#3b5bdb" stroke-width="1.5">'
+            f"<title>{esc(f'now {points[-1][1]}, at most {top}')}</title></polyline>")
+    return _svg(label, body, f"max {top}", f"{format_age(span)} ago", f"now {points[-1][1]}")
+
+
+@dataclass(frozen=True)
+class History:
+    """What the charts draw, from State's bounded series."""
+
+    reloads: tuple[ReloadRecord, ...] = ()
+    pushes: tuple[tuple[datetime, float], ...] = ()
+    old_workers: tuple[tuple[datetime, int], ...] = ()
+
+    @classmethod
+    def of(cls, state: State) -> History:
+        return cls(tuple(state.reloads.chart), tuple(state.push_duration.recent), tuple(state.old_worker_counts))
+
+
+def charts_html(history: History, now: datetime) -> str:
+    pushes = [s for _, s in history.pushes]
+    push_note = f"median {format_seconds(statistics.median(pushes))}" if pushes else ""
+    charts = [
+        ("Reload durations", "green ok, red failed or invalid", reload_chart(history.reloads, now)),
+        ("Old workers", "alive over time", old_workers_chart(history.old_workers, now)),
+        ("Push latency", push_note, push_chart(history.pushes, now)),
+    ]
+    return "".join(
+        f'<figure style="width: {CHART_W}px"><figcaption>{esc(title)} <span class="muted">{esc(note)}</span>'
+        f"</figcaption>{svg}</figure>"
+        for title, note, svg in charts
+    )
+
 
 PAGE_REFRESH_S = 5
 # Up to this many dead servers the page names each one; past it, per backend only (/status has all).
