@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.haproxy.answers import parse_map_list, parse_prepare_map, parse_servers_state, parse_show_map
-from supervisor.haproxy.batch_answers import split_answers
+from supervisor.haproxy.answers import (
+    parse_map_list,
+    parse_prepare_map,
+    parse_servers_state,
+    parse_show_map,
+    split_answers,
+)
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.membership import loaded_slot_table
 from supervisor.haproxy.runtime.apply import deleted, refusal

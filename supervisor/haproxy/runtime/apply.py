@@ -24,8 +24,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..answers import split_answers
 from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process
-from ..batch_answers import split_answers
 from .changes import ServerChange, ordered_commands
 
 log = logging.getLogger(__package__)
