@@ -16,8 +16,8 @@ from .effective import (
     start_effective_check,
     write_slot_table,
 )
+from .files import WriterBusy
 from .settings import Settings, SettingsError, load_settings
-from .writers import WriterBusy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -27,6 +27,7 @@ from .files import (
     create_if_missing,
     ensure_private_dir,
     read_regular,
+    read_whole,
     write_atomically,
 )
 from .haproxy.cache import ConfigCache
@@ -36,7 +37,6 @@ from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
 from .haproxy.observe import inject_observe
 from .haproxy.server_state import inject_server_state
 from .settings import Settings, SettingsError, decode_text
-from .writers import read_whole
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.files import WriterBusy, lock_file, read_whole
 from supervisor.reloader.watch import content_news
-from supervisor.writers import WriterBusy, lock_file, read_whole
 
 
 def test_a_file_nobody_writes_is_read(tmp_path: Path):

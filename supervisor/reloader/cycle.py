@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from ..effective import Effective, load_effective, off_the_loop, start_effective_check
 from ..eventloop import collector_paused, settle_after_reload
+from ..files import WriterBusy
 from ..generations import PendingReload
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError
@@ -19,7 +20,6 @@ from ..master.readiness import bind_ports
 from ..notify import summary_line
 from ..settings import Settings
 from ..state import Generation
-from ..writers import WriterBusy
 from .confirm import Confirmed, Settled
 from .decisions import EXPECTED_IO_ERRORS, Attempt, decide_change, io_error_line, one_line
 from .hooks import RuntimeApply, SaveServerState, call_hook
