@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.generations import (
+from supervisor.haproxy.answers import Proc, ProcList, parse_show_proc
+from supervisor.haproxy.config import Config
+from supervisor.reloader.records import (
     GenerationRecord,
     GenerationStore,
     PendingReload,
@@ -18,8 +20,6 @@ from supervisor.generations import (
     plan_rebuild,
     prunable,
 )
-from supervisor.haproxy.answers import Proc, ProcList, parse_show_proc
-from supervisor.haproxy.config import Config
 from supervisor.state import Generation
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)

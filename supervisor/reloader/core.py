@@ -11,7 +11,6 @@ from datetime import timedelta
 
 from ..effective import RenderedConfigError, off_the_loop
 from ..eventloop import collector_paused, wait_set
-from ..generations import GenerationStore
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError, MasterCLI
 from ..logs import RecurringConditions
@@ -36,7 +35,7 @@ from .decisions import (
 )
 from .hooks import ReloadHooks, RuntimeApply, SaveServerState, call_hook
 from .parts import Parts
-from .records import ConfigOnDisk, GenerationBook, OldWorkerCap
+from .records import ConfigOnDisk, GenerationBook, GenerationStore, OldWorkerCap
 from .recovery import Recovery
 from .watch import ContentCheck, content_news, inputs_digest, split_watch, watch_changes
 

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from ..effective import Effective, load_effective, off_the_loop, start_effective_check
 from ..eventloop import collector_paused, settle_after_reload
 from ..files import WriterBusy
-from ..generations import PendingReload
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError
 from ..haproxy.config import Config
@@ -24,7 +23,7 @@ from .confirm import Confirmed, Settled
 from .decisions import EXPECTED_IO_ERRORS, Attempt, decide_change, io_error_line, one_line
 from .hooks import RuntimeApply, SaveServerState, call_hook
 from .parts import Parts
-from .records import LoadedConfig
+from .records import LoadedConfig, PendingReload
 
 log = logging.getLogger(__package__)
 

@@ -17,7 +17,6 @@ from ..effective import (
     start_effective_check,
     validate,
 )
-from ..generations import loaded_pending, plan_rebuild
 from ..haproxy.answers import ProcList
 from ..haproxy.config import Config
 from ..master import MasterError
@@ -26,7 +25,7 @@ from ..runlock import RuntimeDirLock
 from ..state import Generation
 from .decisions import EXPECTED_IO_ERRORS, Attempt, Runs, io_error_line, one_line
 from .parts import Parts
-from .records import LoadedConfig
+from .records import LoadedConfig, loaded_pending, plan_rebuild
 from .watch import inputs_digest
 
 log = logging.getLogger(__package__)
