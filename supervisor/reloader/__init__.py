@@ -16,8 +16,8 @@ does. No class is spread over modules. Read in this order:
   the safety-net look and the digest of watched files.
 - `hooks`: what is plugged in: the steering's hooks, the runtime apply, the state save.
 - `records`: `GenerationBook`, the owner of the generations (published into State) and of the
-  files that record them (`GenerationStore`, the adoption plan); `OldWorkerCap`, old_workers.max; `ConfigOnDisk`, the owner of the
-  effective config on disk and of what runs.
+  files that record them (`GenerationStore`, the adoption plan); `OldWorkerCap`,
+  old_workers.max; `ConfigOnDisk`, the owner of the effective config on disk and of what runs.
 - `parts`: the parts together, and the steps several of them take at once.
 - `cycle`: one change under master.lock: settle, decide, check, runtime apply or reload.
 - `recovery`: first start, master restart, adoption after a daemon restart, runtime_dir lost.
