@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from supervisor.haproxy.runtime.apply import apply_changes
-from supervisor.haproxy.runtime.changes import ServerChange
+from supervisor.haproxy.runtime.plan import ServerChange
 from tests.test_runtime_commands import change
 
 # ---------------------------------------------------------------- make before break

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from supervisor.haproxy.runtime.apply import refusal
-from supervisor.haproxy.runtime.changes import ServerChange, ordered_commands
+from supervisor.haproxy.runtime.plan import ServerChange, ordered_commands
 from tests.conftest import CORPUS
 from tests.support.wholes import to_endpoint
 

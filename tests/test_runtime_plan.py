@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime.changes import ServerChange, ordered_commands
-from supervisor.haproxy.runtime.plan import config_skeleton, runtime_plan
+from supervisor.haproxy.runtime.plan import ServerChange, config_skeleton, ordered_commands, runtime_plan
 from tests.support.wholes import plan_runtime_apply
 from tests.test_runtime_commands import INGRESS
 

@@ -16,7 +16,7 @@ import pytest
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import apply_changes
-from supervisor.haproxy.runtime.changes import ServerChange
+from supervisor.haproxy.runtime.plan import ServerChange
 from tests.support.runtime_rig import PLACEHOLDER, Rig, failed_log_lines, pods, rendered_of, running_rig, under_load
 from tests.support.wholes import plan_runtime_apply
 

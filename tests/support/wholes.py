@@ -20,8 +20,7 @@ from supervisor.haproxy.guard import (
     is_guarded,
 )
 from supervisor.haproxy.routing import ID_TIMES_4096, NodeKeys
-from supervisor.haproxy.runtime.changes import ServerChange
-from supervisor.haproxy.runtime.plan import runtime_plan
+from supervisor.haproxy.runtime.plan import ServerChange, runtime_plan
 from supervisor.haproxy.server_state import server_state_parts
 from supervisor.steering.dead import At, ConfigDigest, Sections, at, by_backend_of, dead_groups, endpoint, live_view
 from supervisor.steering.entries import NoBackup, section_entries

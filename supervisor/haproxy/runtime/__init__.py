@@ -9,9 +9,9 @@ follows lands: requests balanced to it in that window fail with 503 (termination
 SC), and without `option redispatch` every retry hits the same slot.
 
 One idea a module:
-- `changes`: a change to one live server, and the order of its commands; pure.
 - `plan`: whether the new config differs from the running one only in what the runtime API
-  can change, and the changes (or the one-line reason a reload is needed); pure.
+  can change, and the changes (or the one-line reason a reload is needed); a change to one
+  live server, and the order of its commands; pure.
 - `apply`: sending the changes to one worker, make before break, every answer checked.
 - `add_remove`: servers added (`add server`) and removed (`del server`) in the current
   worker, its slot table kept in step.

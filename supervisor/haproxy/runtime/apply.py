@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..answers import split_answers
 from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process
-from .changes import ServerChange, ordered_commands
+from .plan import ServerChange, ordered_commands
 
 log = logging.getLogger(__package__)
 
