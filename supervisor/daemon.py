@@ -20,7 +20,7 @@ from .controller import ControllerSockets
 from .controller.connections import stats_socket_capacity
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .eventloop import LoopLag
-from .files import ensure_private_dir
+from .files import RuntimeDirInUse, RuntimeDirLock, ensure_private_dir
 from .haproxy.answers import ProcList
 from .haproxy.api import MasterCLI
 from .haproxy.names import ServerKey
@@ -30,7 +30,6 @@ from .logs import setup_logging
 from .master import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
 from .reloader import Reloader
-from .runlock import RuntimeDirInUse, RuntimeDirLock
 from .settings import Settings
 from .state import ReloadRecord, State
 from .status import StatusServer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.runlock import RuntimeDirInUse, RuntimeDirLock, lock_holder
+from supervisor.files import RuntimeDirInUse, RuntimeDirLock, lock_holder
 
 
 def test_a_second_lock_is_refused_and_names_the_holder(tmp_path: Path):

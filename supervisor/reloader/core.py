@@ -11,12 +11,12 @@ from datetime import timedelta
 
 from ..effective import RenderedConfigError, off_the_loop
 from ..eventloop import collector_paused, wait_set
+from ..files import RuntimeDirLock
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError, MasterCLI
 from ..logs import RecurringConditions
 from ..master import MasterProcess
 from ..notify import Notifier, summary_line
-from ..runlock import RuntimeDirLock
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, State, utcnow
 from .confirm import Confirmation, Settled

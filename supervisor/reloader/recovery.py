@@ -17,11 +17,11 @@ from ..effective import (
     start_effective_check,
     validate,
 )
+from ..files import RuntimeDirLock
 from ..haproxy.answers import ProcList
 from ..haproxy.config import Config
 from ..master import MasterError
 from ..master.processes import process_started_at
-from ..runlock import RuntimeDirLock
 from ..state import Generation
 from .decisions import EXPECTED_IO_ERRORS, Attempt, Runs, io_error_line, one_line
 from .parts import Parts
