@@ -12,14 +12,19 @@ import pytest
 
 from supervisor.haproxy.config import Config
 from supervisor.ray_bridge.admin import asks_show_info, socket_mode, with_pid
-from supervisor.ray_bridge.argv import PassThrough, Run, UsageError, parse_argv
-from supervisor.ray_bridge.main import Bridge, BridgeError, hard_stop_after_s
-from supervisor.ray_bridge.verdicts import (
+from supervisor.ray_bridge.main import (
+    Bridge,
+    BridgeError,
+    PassThrough,
     Refused,
+    Run,
     Running,
+    UsageError,
     Waiting,
     handover_verdict,
+    hard_stop_after_s,
     hold_back_reason,
+    parse_argv,
     primary_server_count,
     serving_config,
     serving_mine,
