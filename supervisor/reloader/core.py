@@ -202,9 +202,7 @@ class Reloader:
                 self.parts.notifier.status(status)
 
     async def _look_after_master(self) -> None:
-        """One housekeeping round, with master.lock held."""
-        if not self.master.up:
-            return
+        """One housekeeping round, with master.lock held (taken at once: the master is up)."""
         if not self.settings.haproxy.master_socket_path.exists():
             await self._recover_runtime_dir()
             return
