@@ -77,7 +77,7 @@ def sha256_text(text: str) -> str:
 
 def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool = False) -> str:
     """The rendered config's text: a regular file, UTF-8, at most `limit` bytes. With `whole`,
-    only as its writer finished it: WriterBusy while a writer holds it (writers.read_whole)."""
+    only as its writer finished it: WriterBusy while a writer holds it (files.read_whole)."""
     try:
         return decode_text(read_whole(path, limit) if whole else read_regular(path, limit))
     except OSError as exc:

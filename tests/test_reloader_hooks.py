@@ -198,5 +198,5 @@ async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
         await wait_until(lambda: state.reloads.invalid == 1)
         assert hooks.calls[6:] == [("prepare", [])]
         assert hooks.checking == [True, True, True]
-        assert hooks.collecting == [False, False, False]  # gcpolicy: paused in the cycle
+        assert hooks.collecting == [False, False, False]  # eventloop.collector_paused: paused in the cycle
         assert state.reloads.last is not None and "notaport" in (state.reloads.last.error or "")

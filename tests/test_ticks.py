@@ -1,4 +1,4 @@
-"""Periodic timers on the shared grid (supervisor/ticks.py): the detector's polls and the lag
+"""Periodic timers on the shared grid (supervisor/eventloop.py): the detector's polls and the lag
 gauge's samples fall due at the same instants, so at rest they cost one wake of the daemon."""
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ class Reloader:
     # ------------------------------------------------------------ handlers
 
     def assess(self, attempt: Attempt | None) -> None:
-        """Judge whether the current worker runs the goal (convergence.judge_convergence), publish
+        """Judge whether the current worker runs the goal (decisions.judge_convergence), publish
         the judgement, and schedule the next attempt it asks for."""
         convergence = self.state.convergence
         current = self.state.current

@@ -36,7 +36,7 @@ async def load_whole(settings: Settings) -> Effective:
     waiting_since: float | None = None
     while True:
         try:
-            with collector_paused():  # gcpolicy: no collection on the way to steering
+            with collector_paused():  # eventloop: no collection on the way to steering
                 effective = await off_the_loop(lambda: load_effective(settings))
         except WriterBusy as exc:
             if waiting_since is None:

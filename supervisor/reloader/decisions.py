@@ -193,7 +193,7 @@ def decide_change(current: Runs | None, goal: Runs, *, force: bool, runtime_appl
 
 
 # leave: the schedule stays as it is; stop: no attempt until the config changes or a reload is
-# asked for; backoff: the next attempt after retry_delay (schedule.py).
+# asked for; backoff: the next attempt after retry_delay (above).
 Retry = Literal["leave", "stop", "backoff"]
 
 
