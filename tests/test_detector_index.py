@@ -3,6 +3,8 @@ old worker still runs (a server a reload dropped is still reached by that worker
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -12,6 +14,7 @@ from supervisor.haproxy.config import Config
 from supervisor.settings import DetectorSettings
 from supervisor.state import Generation, State
 from supervisor.steering.detector import ServerIndex, StalledDetector, merged
+from tests.support.netns import needs_netns, run_in_netns
 
 OLD = """\
 backend app
@@ -90,3 +93,52 @@ async def test_the_indexes_are_worked_out_again_only_when_what_they_come_from_ch
     del state.old_workers[101]
     now, watched = await detector.watched_indexes()
     assert watched is now and ("10.0.0.7", 8001) not in watched.by_endpoint
+
+
+async def _polls_at_rest() -> list[int]:
+    """The detector's poll count: after 15 ticks with nothing to watch; once a config is
+    published and indexed; 15 ticks later; after a connect."""
+    state = State()
+    detector = StalledDetector(DetectorSettings(poll_interval_ms=10), state, MasterCLI("/nonexistent/master.sock"))
+    polls = 0
+    real_poll = detector.poll
+
+    async def counted() -> None:
+        nonlocal polls
+        polls += 1
+        await real_poll()
+
+    detector.poll = counted  # type: ignore[method-assign]
+    seen = []
+    task = asyncio.create_task(detector.run())
+    try:
+        await asyncio.sleep(0.15)
+        seen.append(polls)
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            port = listener.getsockname()[1]
+            state.publish_generation(
+                replace(generation(1, f"backend app\n    server r1 127.0.0.1:{port}\n"), worker_pid=101), current=True)
+            await asyncio.sleep(0.15)
+            seen.append(polls)
+            await asyncio.sleep(0.15)
+            seen.append(polls)
+            with socket.create_connection(("127.0.0.1", port)):  # ActiveOpens moves
+                await asyncio.sleep(0.05)
+            seen.append(polls)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return seen
+
+
+@needs_netns
+def test_at_rest_the_detector_task_is_woken_only_for_work():
+    """Its look at each tick is a plain timer callback; a poll runs when the configs change or
+    a connect begins in the namespace (ActiveOpens), not every tick. In a namespace of its own:
+    nothing else opens connections there."""
+    first, indexed, later, connected = run_in_netns(lambda: asyncio.run(_polls_at_rest()), timeout=30)
+    assert first == 1  # nothing to watch: no poll after the first
+    assert 2 <= indexed <= 3  # the new config indexed, the counters read once
+    assert later == indexed  # at rest: 15 ticks, no poll
+    assert connected > later

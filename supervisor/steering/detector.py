@@ -17,6 +17,7 @@ steered that worker off is destroyed too, at first sight: its retry is redispatc
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import operator
 import socket
@@ -25,7 +26,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from ..eventloop import finished, sliced, tick
+from ..eventloop import finished, next_tick, sliced
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.names import ServerKey, validate_name
 from ..haproxy.resolution import is_ip, section_servers
@@ -153,6 +154,7 @@ class StalledDetector:
         self._seen_generations: tuple[Generation, ...] = ()
         self._seen_old: frozenset[int] = frozenset()
         self._seen_answer: tuple[ServerIndex, ServerIndex] | None = None
+        self._look: asyncio.TimerHandle | None = None  # the at-rest look of the next tick
         self._watched: ServerIndex | None = None  # every running config's servers, merged
         self._watched_shas: set[str] = set()  # the configs merged into it
         # Old workers' own configs, indexed only once one of them has a connect toward a
@@ -177,15 +179,45 @@ class StalledDetector:
             log.warning("stalled-connection detector: no CAP_NET_ADMIN, stalled sockets are not aborted "
                         "(and idle pooled connections not closed): grant it to the daemon")
         failing = RecurringCondition(log, logging.WARNING, "stalled-connection detector: %s")
-        while True:
-            try:
-                await self.poll()
-                failing.over("stalled-connection detector: working again")
-            except (OSError, CLIError) as exc:
-                failing.happened(exc)
-            # On the shared grid of timers: the lag gauge's every 100 ms (eventloop.LoopLag) wakes
-            # the loop at the same instants, so at rest a poll costs its own work, not a wake.
-            await tick(self.settings.poll_interval_ms)
+        loop = asyncio.get_running_loop()
+        work = asyncio.Event()
+        try:
+            while True:
+                try:
+                    await self.poll()
+                    failing.over("stalled-connection detector: working again")
+                except (OSError, CLIError) as exc:
+                    failing.happened(exc)
+                work.clear()
+                self._look_at_next_tick(loop, work)
+                await work.wait()
+        finally:
+            if self._look is not None:
+                self._look.cancel()
+
+    def _look_at_next_tick(self, loop: asyncio.AbstractEventLoop, work: asyncio.Event) -> None:
+        """At the next instant of the shared grid of timers (the lag gauge wakes the loop then
+        too: eventloop.tick), look whether a poll has anything to do; at rest, look again at the
+        one after, as a plain callback: the task is woken only for work."""
+        def look() -> None:
+            if self._at_rest():
+                self._look_at_next_tick(loop, work)
+            else:
+                self._look = None
+                work.set()
+
+        self._look = loop.call_at(next_tick(loop.time(), self.settings.poll_interval_ms), look)
+
+    def _at_rest(self) -> bool:
+        """Nothing for a poll to do: the running configs are those last indexed, nothing is
+        stalled or suspect, and the TCP counters have not moved since the last poll looked."""
+        if self._first_seen or self._held or not self._indexes_unchanged():
+            return False
+        answer = self._seen_answer
+        if answer is None or not answer[1].ports:
+            return True  # nothing to watch until the configs change
+        activity = self._tcp.read()
+        return activity is not None and activity == self._activity
 
     # ------------------------------------------------------------ one poll
 
@@ -198,19 +230,24 @@ class StalledDetector:
         merged index (watching an endpoint no worker uses costs nothing) until the index has
         grown to twice the current config's, or the current worker runs alone."""
         state = self.state
-        current = state.current
-        if (
-            current is self._seen_current and self._seen_answer is not None
-            and len(state.generations) == len(self._seen_generations)
-            and state.old_workers.keys() == self._seen_old
-            and all(map(operator.is_, state.generations.values(), self._seen_generations))
-        ):
-            return self._seen_answer  # generations are values, replaced when they change
-        seen = current, tuple(state.generations.values()), frozenset(state.old_workers)
+        if self._indexes_unchanged() and self._seen_answer is not None:
+            return self._seen_answer
+        seen = state.current, tuple(state.generations.values()), frozenset(state.old_workers)
         answer = await self._work_out_indexes()
         self._seen_current, self._seen_generations, self._seen_old = seen
         self._seen_answer = answer
         return answer
+
+    def _indexes_unchanged(self) -> bool:
+        """The current generation, every generation and the old workers are the ones last
+        indexed (generations are values, replaced when they change)."""
+        state = self.state
+        return (
+            state.current is self._seen_current
+            and len(state.generations) == len(self._seen_generations)
+            and state.old_workers.keys() == self._seen_old
+            and all(map(operator.is_, state.generations.values(), self._seen_generations))
+        )
 
     async def _work_out_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         current = self.state.current
