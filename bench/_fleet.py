@@ -11,8 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from rigs.harness import haproxy_binary, kill_tree
 from supervisor.haproxy.api import CLIError, MasterCLI
-from tests.support.harness import haproxy_binary, kill_tree
 
 PER_BACKEND = 10
 TMPFS = Path("/dev/shm")

@@ -3,7 +3,7 @@ through the daemon's relay, on each HAProxy binary.
 
     python -m bench.controller_relay [--callers 200 1000] [--steps 300] [--binary PATH ...]
 
-The daemon runs in controller-socket mode (tests/support/sidecar.py: 4 slots, 2 live pods,
+The daemon runs in controller-socket mode (rigs/sidecar.py: 4 slots, 2 live pods,
 HAProxy's stats socket at its default maxconn). Two measurements per binary and path
 (*direct*: HAProxy's own stats socket; *relay*: the daemon's socket in front of it):
 
@@ -38,9 +38,9 @@ if str(ROOT) not in sys.path:
 
 from bench._doc import markdown_table  # noqa: E402
 from bench.rolling import default_binaries, version_of  # noqa: E402
-from tests.support.controller import disable, sync_line, wrap  # noqa: E402
-from tests.support.harness import short_tmpdir  # noqa: E402
-from tests.support.sidecar import (  # noqa: E402
+from rigs.controller import disable, sync_line, wrap  # noqa: E402
+from rigs.harness import short_tmpdir  # noqa: E402
+from rigs.sidecar import (  # noqa: E402
     Callers,
     Sidecar,
     controller_accepts,

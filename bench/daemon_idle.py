@@ -48,8 +48,8 @@ import psutil
 
 from bench._doc import markdown_table
 from bench._fleet import drained, rendered, runtime_tmpdir, server_name
-from tests.support.daemon import Daemon
-from tests.support.harness import free_port
+from rigs.daemon import Daemon
+from rigs.harness import free_port
 
 IDLE_S = 30.0
 SETTLE_S = 22.0  # longer than the lag gauge's window (10 to 20 s)

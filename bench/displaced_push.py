@@ -54,6 +54,8 @@ import psutil
 
 from bench._doc import markdown_table
 from bench._fleet import LagProbe, Master, Moved, drained, percentile, rendered, runtime_tmpdir, server_name
+from rigs.harness import free_port, haproxy_binary
+from rigs.wholes import known_dead_servers, steer_entries
 from supervisor.daemon import watch_children_without_threads
 from supervisor.effective import (
     build_effective,
@@ -71,8 +73,6 @@ from supervisor.steering import mapdiff
 from supervisor.steering.dead import Sections
 from supervisor.steering.lines import map_entries
 from supervisor.steering.workers import OldWorkers
-from tests.support.harness import free_port, haproxy_binary
-from tests.support.wholes import known_dead_servers, steer_entries
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The drain incident three ways in one run: plain reload, observe only, haproxy-supervisor.
 
-The staging is the end-to-end test's (tests/support/incident.py): a Ray Serve-shaped config
+The staging is the end-to-end test's (rigs/incident.py): a Ray Serve-shaped config
 (apps `echo` with 1 replica and `highscale` with 2, both only on the node being drained;
 `wide` with 1 of its 3 replicas there; a `fallback` backup in every backend), real HAProxy
 in master-worker mode, real backends on 127.0.0.1. Clients hold keep-alive connections to
@@ -48,9 +48,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench._doc import markdown_table
+from rigs.harness import KeepAliveClient, short_tmpdir
+from rigs.incident import APPS, Shape, Supervise, daemon_supervised, plain_haproxy, staged_drain, with_observe
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from tests.support.harness import KeepAliveClient, short_tmpdir
-from tests.support.incident import APPS, Shape, Supervise, daemon_supervised, plain_haproxy, staged_drain, with_observe
 
 SLOW_S = 0.5
 
@@ -233,8 +233,8 @@ VANISH_HEADER = ("variant", "detector", "held: failed / slow / worst", "new: fai
 
 def vanished(variant: str, requests: int) -> list[tuple[str, ...]]:
     """One variant with the detector off, then on: a row each."""
-    from tests.support.netns import run_in_netns
-    from tests.support.vanish import run_staged
+    from rigs.netns import run_in_netns
+    from rigs.vanish import run_staged
 
     found = []
     for detector in (False, True):

@@ -1,6 +1,6 @@
 """Does a steered old worker route as HAProxy would? Issue #24's incident, three ways in one run.
 
-The staging is the end-to-end test's (tests/support/fidelity.py): one node dies and takes one
+The staging is the end-to-end test's (rigs/fidelity.py): one node dies and takes one
 server of every backend with it, the new rendered config moves it and HAProxy reloads while
 clients hold keep-alive connections in the old worker, then the same requests go to the old
 worker. One backend per way HAProxy picks a server: cookie persistence (insert, rewrite,
@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from bench._doc import markdown_table
-from tests.support.fidelity import BACKENDS, Figures, fidelity_disabled, staged
-from tests.support.harness import short_tmpdir
-from tests.support.incident import daemon_supervised, plain_haproxy
-from tests.support.supervised import supervised
+from rigs.fidelity import BACKENDS, Figures, fidelity_disabled, staged
+from rigs.harness import short_tmpdir
+from rigs.incident import daemon_supervised, plain_haproxy
+from rigs.supervised import supervised
 
 MODES = ("HAProxy alone", "today's override", "daemon")
 REQUESTS = 150

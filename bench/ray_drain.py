@@ -43,9 +43,9 @@ from bench._ray_evidence import Evidence, explained, roomy_log_queue
 from bench._ray_runs import APPS, MODES, RayMode, Run, by_app, kept_runs, tables
 from bench._vanish import vanish
 from bench.drain import Answer
-from tests.support.harness import short_tmpdir
-from tests.support.ray_load import KeptConnection
-from tests.support.ray_serve import (
+from rigs.harness import short_tmpdir
+from rigs.ray_load import KeptConnection
+from rigs.ray_serve import (
     HTTP_PORT,
     NodeDaemon,
     deploy_apps,

@@ -16,8 +16,8 @@ import statistics
 import time
 
 from bench._doc import markdown_table
-from tests.support.daemon import RENDERED, daemons
-from tests.support.harness import backends, free_port, short_tmpdir
+from rigs.daemon import RENDERED, daemons
+from rigs.harness import backends, free_port, short_tmpdir
 
 CHANGES = 20
 DEBOUNCE_MS = 50

@@ -50,11 +50,11 @@ from typing import Any
 from bench._doc import markdown_table
 from bench._ray_evidence import parse_httplog, roomy_log_queue
 from bench._vanish import drop_ports
+from rigs.harness import Backend, HAProxyMaster, KeepAliveClient, free_port, short_tmpdir
 from supervisor.master.processes import socket_inodes
 from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, SockDiagError, destroy, tcp_sockets
 from supervisor.settings import DetectorSettings
 from supervisor.steering.stalled import Endpoint, stall_of, to_abort
-from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, free_port, short_tmpdir
 
 CONNECT_TIMEOUT_MS = 2000
 RETRIES = 3
@@ -301,7 +301,7 @@ def inside(args: argparse.Namespace) -> None:
 
 def run(binaries: list[str], shapes: list[str], abort: bool = True) -> list[Row]:
     """Every binary and shape, HAProxy alone, then (with `abort`) with the detector's abort."""
-    from tests.support.ray_serve import run_scenario
+    from rigs.ray_serve import run_scenario
 
     rows = []
     for binary in binaries:
@@ -356,7 +356,7 @@ def summary(rows: list[Row]) -> str:
 
 def installed_binaries() -> list[str]:
     """Debian's (or $HAPROXY_BIN), Ray's 2.8.25 and the 3.0.11 build, those that exist."""
-    from tests.support.harness import haproxy_binary
+    from rigs.harness import haproxy_binary
 
     found = [haproxy_binary()]
     try:

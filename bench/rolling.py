@@ -47,9 +47,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._doc import markdown_table  # noqa: E402
-from tests.support.daemon import Daemon, daemons  # noqa: E402
-from tests.support.harness import VanishedNode, free_port, short_tmpdir  # noqa: E402
-from tests.support.rolling import Load, ray_config  # noqa: E402
+from rigs.daemon import Daemon, daemons  # noqa: E402
+from rigs.harness import VanishedNode, free_port, short_tmpdir  # noqa: E402
+from rigs.rolling import Load, ray_config  # noqa: E402
 
 
 class Replicas:

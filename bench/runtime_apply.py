@@ -28,11 +28,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._doc import markdown_table  # noqa: E402
+from rigs.harness import HAProxyMaster, free_port, short_tmpdir  # noqa: E402
+from rigs.wholes import plan_runtime_apply  # noqa: E402
 from supervisor.haproxy.api import MasterCLI  # noqa: E402
 from supervisor.haproxy.config import Config  # noqa: E402
 from supervisor.haproxy.runtime.apply import apply_changes  # noqa: E402
-from tests.support.harness import HAProxyMaster, free_port, short_tmpdir  # noqa: E402
-from tests.support.wholes import plan_runtime_apply  # noqa: E402
 
 PLACEHOLDER = "127.0.0.1:1"
 

@@ -25,13 +25,13 @@ from datetime import UTC, datetime
 import aiohttp
 
 from bench._doc import markdown_table
+from rigs.harness import free_port
+from rigs.status_server import start_status_server
+from rigs.status_state import RecordingActions, fleet_state
 from supervisor.page import BackendSizes, backends_of, page_of
 from supervisor.settings import Settings
 from supervisor.status.document import status_document
 from supervisor.status.routes import build_app
-from tests.support.harness import free_port
-from tests.support.status_server import start_status_server
-from tests.support.status_state import RecordingActions, fleet_state
 
 RUNS = 30
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import daemons
-from tests.support.harness import haproxy_binary, short_tmpdir
+from rigs.daemon import daemons
+from rigs.harness import haproxy_binary, short_tmpdir
 from tests.support.watchdog import dump_tasks_after
 
 CORPUS = Path(__file__).parent / "corpus"

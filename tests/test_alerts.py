@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.daemon import DaemonSupervised, tagged_config
-from tests.support.harness import ROOT, backends, free_port
+from rigs.daemon import DaemonSupervised, tagged_config
+from rigs.harness import ROOT, backends, free_port
 
 RULES = ROOT / "contrib" / "prometheus" / "alerts.yml"
 RULE_TESTS = ROOT / "contrib" / "prometheus" / "alerts.test.yml"

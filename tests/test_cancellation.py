@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.daemon import RENDERED
+from rigs.harness import backends, free_port
+from rigs.supervised import supervised
 from supervisor.eventloop import wait_set
 from supervisor.haproxy.stderr import ServerEvent
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from tests.support.daemon import RENDERED
-from tests.support.harness import backends, free_port
-from tests.support.supervised import supervised
 
 WaitSet = Callable[[asyncio.Event, float], Awaitable[object]]
 

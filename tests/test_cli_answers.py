@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rigs.wholes import filter_server_state
 from supervisor.haproxy.answers import (
     parse_map_list,
     parse_prepare_map,
@@ -25,7 +26,6 @@ from supervisor.haproxy.membership import loaded_slot_table
 from supervisor.haproxy.runtime.apply import deleted, refusal
 from supervisor.haproxy.runtime.pending import left_pending
 from supervisor.steering.states import LiveTally
-from tests.support.wholes import filter_server_state
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rigs.controller import disable, enable, sync_line
 from supervisor.controller.commands import (
     Address,
     Effect,
@@ -17,7 +18,6 @@ from supervisor.controller.commands import (
     session_prefix,
     split_line,
 )
-from tests.support.controller import disable, enable, sync_line
 
 
 def order_of(line: bytes) -> list[bytes]:

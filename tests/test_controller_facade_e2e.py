@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.controller import disable, sync_line
+from rigs.harness import KeepAliveClient, haproxy_binary
+from rigs.sidecar import controller_accepts, reload_through_facade, roundtrip, sidecar
 from supervisor.effective import build_effective
 from supervisor.haproxy.answers import ProcList
 from supervisor.settings import load_settings
-from tests.support.controller import disable, sync_line
-from tests.support.harness import KeepAliveClient, haproxy_binary
-from tests.support.sidecar import controller_accepts, reload_through_facade, roundtrip, sidecar
 
 pytestmark = pytest.mark.haproxy
 

@@ -1,5 +1,5 @@
 """Controller-socket mode end to end, the relay: the lines haproxytech's ingress controller writes
-(tests/support/controller.py) are replayed through the daemon's runtime socket under keep-alive
+(rigs/controller.py) are replayed through the daemon's runtime socket under keep-alive
 load, and the answers, map updates and out-of-service marks come through as HAProxy gives them.
 
 The control sends the same lines straight to HAProxy's stats socket: the controller's
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from tests.support.controller import add_map_payload, disable, enable, sync_line, wrap
-from tests.support.harness import KeepAliveClient
-from tests.support.sidecar import (
+from rigs.controller import add_map_payload, disable, enable, sync_line, wrap
+from rigs.harness import KeepAliveClient
+from rigs.sidecar import (
     controller_accepts,
     raise_fd_limit,
     reload_through_facade,

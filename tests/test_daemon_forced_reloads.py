@@ -14,8 +14,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

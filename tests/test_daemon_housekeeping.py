@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from rigs.daemon import one_backend, write_atomic
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 from supervisor.effective import load_effective
 from supervisor.haproxy.answers import ProcList
 from supervisor.haproxy.api import CLIError
 from supervisor.settings import load_settings
-from tests.support.daemon import one_backend, write_atomic
-from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.daemon import http_get, one_backend
-from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port
+from rigs.daemon import http_get, one_backend
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

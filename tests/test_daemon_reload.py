@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import RequestLoop, http_get
-from tests.support.daemon import tagged_config as config
+from rigs.daemon import RequestLoop, http_get
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 from tests.support.faults import status
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

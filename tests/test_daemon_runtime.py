@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from rigs.harness import free_port
+from rigs.runtime_rig import HEAD, LogReceiver, daemon_applies_under_load, pods
 from supervisor.haproxy.answers import parse_servers_state
-from tests.support.harness import free_port
-from tests.support.runtime_rig import HEAD, LogReceiver, daemon_applies_under_load, pods
 from tests.test_runtime_rolling_e2e import initial_assignment as first_assignment
 from tests.test_runtime_rolling_e2e import rolling_body, rolling_deployment
 

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rigs.harness import KeepAliveClient, backends, free_port, haproxy_binary
 from supervisor.haproxy.answers import parse_show_map
-from tests.support.harness import KeepAliveClient, backends, free_port, haproxy_binary
 
 pytestmark = pytest.mark.haproxy
 

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from rigs.wholes import inject_guard, plan_runtime_apply
 from supervisor.effective import effective_config
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import slot_table
@@ -20,7 +21,6 @@ from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettin
 from supervisor.steering.dead import Sections
 from tests.conftest import CORPUS, corpus_files
 from tests.support import reference_build as reference
-from tests.support.wholes import inject_guard, plan_runtime_apply
 
 # The issue's example: the mode comes from two defaults up.
 CHAIN = """\

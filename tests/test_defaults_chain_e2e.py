@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 
+from rigs.harness import HAProxyMaster, KeepAliveClient, backends, free_port
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.haproxy.api import MasterCLI
@@ -22,7 +23,6 @@ from supervisor.haproxy.guard import guard_rules
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, Settings
 from supervisor.steering.lines import phase_lines
 from supervisor.steering.mapdiff import Phase
-from tests.support.harness import HAProxyMaster, KeepAliveClient, backends, free_port
 from tests.test_observe_e2e import drain_on_old_worker
 
 pytestmark = pytest.mark.haproxy

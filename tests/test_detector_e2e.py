@@ -10,8 +10,8 @@ import socket
 import threading
 import time
 
-from tests.support.netns import needs_netns, run_in_netns
-from tests.support.vanish import Outcome, run_staged, staged_status
+from rigs.netns import needs_netns, run_in_netns
+from rigs.vanish import Outcome, run_staged, staged_status
 
 pytestmark = needs_netns
 

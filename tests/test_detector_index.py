@@ -9,12 +9,12 @@ import socket
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from rigs.netns import needs_netns, run_in_netns
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import DetectorSettings
 from supervisor.state import Generation, State
 from supervisor.steering.detector import ServerIndex, StalledDetector, merged
-from tests.support.netns import needs_netns, run_in_netns
 
 OLD = """\
 backend app

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
+from rigs.harness import KeepAliveClient, backends, free_port
+from rigs.supervised import supervised
 from supervisor.effective import build_effective
 from supervisor.haproxy.answers import ProcList
 from supervisor.haproxy.api import MasterCLI
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from tests.support.harness import KeepAliveClient, backends, free_port
 from tests.support.old_worker import TEMPLATE, old_worker, server_lines
-from tests.support.supervised import supervised
 
 pytestmark = pytest.mark.haproxy
 

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from rigs.harness import KeepAliveClient, backends, free_port
+from rigs.supervised import supervised
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from tests.support.harness import KeepAliveClient, backends, free_port
 from tests.support.old_worker import TEMPLATE, Env, answers, old_worker, server_lines, vanish
-from tests.support.supervised import supervised
 
 pytestmark = pytest.mark.haproxy
 

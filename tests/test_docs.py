@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.wholes import guard_block
+from rigs.wholes import guard_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -1,5 +1,5 @@
 """A steered old worker routes as HAProxy would, but for the requests HAProxy would send to a
-dead server (issue #24), against real HAProxy: the incident of tests/support/fidelity.py.
+dead server (issue #24), against real HAProxy: the incident of rigs/fidelity.py.
 
 Each test has its control, the same requests under today's override (fidelity_disabled): the
 guard draws every steered request at random and loses what each test checks.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.fidelity import BACKENDS, LIVE, Figures, cookie_of, fidelity_disabled, staged
+from rigs.fidelity import BACKENDS, LIVE, Figures, cookie_of, fidelity_disabled, staged
 
 pytestmark = pytest.mark.haproxy
 

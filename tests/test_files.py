@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from rigs.harness import ROOT
 from supervisor.effective import RenderedConfigError, prepare_runtime_dir, read_rendered, write_atomically
 from supervisor.files import UnsafeDirectory, ensure_private_dir, read_regular
 from supervisor.settings import load_settings
-from tests.support.harness import ROOT
 
 NOBODY = 65534
 

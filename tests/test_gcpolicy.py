@@ -6,11 +6,11 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+from rigs.wholes import known_dead_servers, steer_entries
 from supervisor.effective import build_effective
 from supervisor.eventloop import collector_paused, settle_after_reload
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.steering.dead import Sections
-from tests.support.wholes import known_dead_servers, steer_entries
 
 CORPUS = Path(__file__).parent / "corpus"
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rigs.daemon import http_get
+from rigs.harness import backends, free_port, kill_tree, wait_for
 from supervisor.cli import main
 from supervisor.effective import RenderedConfigError, build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.global_policy import RefusedGlobal, supervised_global
 from supervisor.master.process import master_command
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from tests.support.daemon import http_get
-from tests.support.harness import backends, free_port, kill_tree, wait_for
 
 SOCKET = Path("/run/x/master.sock")
 

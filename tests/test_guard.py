@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rigs.wholes import guard_block, guarded_backends, inject_guard
 from supervisor.effective import effective_config, effective_config_and_table
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import GUARD_MARKER, SlotTable, slot_table, slot_table_text
@@ -19,7 +20,6 @@ from supervisor.settings import (
     SettingsError,
 )
 from tests.conftest import CORPUS, corpus_files
-from tests.support.wholes import guard_block, guarded_backends, inject_guard
 
 MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0123456789abcdef.map"

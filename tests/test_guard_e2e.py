@@ -8,6 +8,8 @@ from collections import Counter
 
 import pytest
 
+from rigs.harness import HAProxyMaster, KeepAliveClient, backends, free_port
+from rigs.wholes import inject_guard
 from supervisor.effective import prepare_runtime_dir, write_slot_table
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
@@ -15,8 +17,6 @@ from supervisor.haproxy.guard import SlotTable
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.steering.lines import map_entries, phase_lines
 from supervisor.steering.mapdiff import Phase
-from tests.support.harness import HAProxyMaster, KeepAliveClient, backends, free_port
-from tests.support.wholes import inject_guard
 
 pytestmark = pytest.mark.haproxy
 

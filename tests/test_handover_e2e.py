@@ -15,11 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.effective import build_effective
-from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime.apply import apply_changes
-from tests.support.harness import free_port
-from tests.support.runtime_rig import (
+from rigs.harness import free_port
+from rigs.runtime_rig import (
     HEAD,
     PLACEHOLDER,
     LogReceiver,
@@ -31,7 +28,10 @@ from tests.support.runtime_rig import (
     running_rig,
     under_load,
 )
-from tests.support.wholes import plan_runtime_apply
+from rigs.wholes import plan_runtime_apply
+from supervisor.effective import build_effective
+from supervisor.haproxy.config import Config
+from supervisor.haproxy.runtime.apply import apply_changes
 
 pytestmark = pytest.mark.haproxy
 

@@ -1,5 +1,5 @@
 """The incident, end to end with real HAProxy: a node is drained while old workers keep
-receiving requests on the connections they hold (staged by tests/support/incident.py, which
+receiving requests on the connections they hold (staged by rigs/incident.py, which
 bench/drain.py runs too): requests keep arriving on the old workers' kept-alive connections
 for all three apps.
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from rigs.harness import KeepAliveClient
+from rigs.incident import APPS, Shape, daemon_supervised, staged_drain
+from rigs.supervised import Supervised, supervised
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from tests.support.harness import KeepAliveClient
-from tests.support.incident import APPS, Shape, daemon_supervised, staged_drain
-from tests.support.supervised import Supervised, supervised
 
 pytestmark = pytest.mark.haproxy
 

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from rigs.wholes import known_dead_servers, steer_entries, steered_servers, summarize_states
 from supervisor.steering.dead import Sections, dead_groups, live_view
 from supervisor.steering.plan import Planner
 from supervisor.steering.states import LiveStates
 from tests.support.steering_cases import NEW, OLD, digest, live_of, model, random_config, state
-from tests.support.wholes import known_dead_servers, steer_entries, steered_servers, summarize_states
 
 # ---------------------------------------------------------------- known-dead rules
 

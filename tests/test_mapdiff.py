@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from rigs.wholes import diff_map, map_commands
 from supervisor.haproxy.guard import backend_of_key
 from supervisor.steering.lines import phase_lines
 from supervisor.steering.mapdiff import ROUTING_PHASES, Phase, diff_phases
 from tests.support.steering_cases import MAP
-from tests.support.wholes import diff_map, map_commands
 
 # ---------------------------------------------------------------- map diff
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from rigs.daemon import Daemon, daemons
+from rigs.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
+from rigs.rolling import CONNECT_TIMEOUT_S, Load, ray_config
 from supervisor.haproxy.answers import parse_show_map
 from supervisor.haproxy.membership import loaded_slot_table
-from tests.support.daemon import Daemon, daemons
-from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
-from tests.support.rolling import CONNECT_TIMEOUT_S, Load, ray_config
 
 pytestmark = pytest.mark.haproxy
 
@@ -44,7 +44,7 @@ def start(started: dict[str, Backend], name: str) -> int:
 
 
 async def status_of(d: Daemon) -> dict:
-    from tests.support.daemon import DaemonSupervised
+    from rigs.daemon import DaemonSupervised
 
     _, text = await DaemonSupervised(d).request("/status")
     return json.loads(text)

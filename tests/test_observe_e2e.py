@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from rigs.harness import HAProxyMaster, KeepAliveClient, VanishedNode, backends, free_port
 from supervisor.effective import build_effective
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
-from tests.support.harness import HAProxyMaster, KeepAliveClient, VanishedNode, backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

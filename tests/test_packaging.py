@@ -10,12 +10,12 @@ import re
 import sys
 from pathlib import Path
 
+from rigs.harness import free_port
+from rigs.status_server import start_status_server
+from rigs.status_state import RecordingActions, running_state
 from supervisor.settings import Settings, load_settings
 from supervisor.status.routes import build_app
 from supervisor.statusclient import url_from_listen
-from tests.support.harness import free_port
-from tests.support.status_server import start_status_server
-from tests.support.status_state import RecordingActions, running_state
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()

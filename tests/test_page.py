@@ -7,6 +7,14 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from rigs.status_state import (
+    CURRENT_PID,
+    HOSTILE_ERROR,
+    OLD_PIDS,
+    fleet_dead,
+    fleet_state,
+    running_state,
+)
 from supervisor.formats import format_age, format_bytes
 from supervisor.haproxy.config import Config
 from supervisor.page import (
@@ -24,14 +32,6 @@ from supervisor.page import (
 from supervisor.settings import Settings
 from supervisor.state import CHART_POINTS, Generation, OldWorker, ReloadRecord, State
 from supervisor.status.document import status_document
-from tests.support.status_state import (
-    CURRENT_PID,
-    HOSTILE_ERROR,
-    OLD_PIDS,
-    fleet_dead,
-    fleet_state,
-    running_state,
-)
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 

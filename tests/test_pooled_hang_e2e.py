@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from tests.support.harness import short_tmpdir
+from rigs.harness import short_tmpdir
+from rigs.ray_serve import run_scenario
 from tests.support.pooled_hang import CLIENT_TIMEOUT_S
-from tests.support.ray_serve import run_scenario
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("unshare") and (shutil.which("nft") or shutil.which("/usr/sbin/nft"))),

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import random
 
+from rigs.wholes import diff_map
 from supervisor.haproxy.config import Config
 from supervisor.steering.dead import line_limit
 from supervisor.steering.lines import answer_problem, delta_lines, is_whole_answer, map_entries
 from supervisor.steering.mapdiff import ROUTING_PHASES, BackendDelta, backend_delta
 from tests.support.steering_cases import MAP
-from tests.support.wholes import diff_map
 
 
 def resolve(entries: dict[str, str], backend: str, slot: int) -> str:

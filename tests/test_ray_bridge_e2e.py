@@ -1,5 +1,5 @@
 """The Ray bridge end to end: the real daemon, real HAProxy (master-worker), real backends, and
-the bridge run exactly as Ray Serve's HAProxyManager runs its HAProxy (tests/support/ray_driver.py):
+the bridge run exactly as Ray Serve's HAProxyManager runs its HAProxy (rigs/ray_driver.py):
 Ray's argv forms, `show info` polled on admin.sock every 0.5 s until `Pid:` is the spawned PID,
 SIGUSR1 to the old PID after a new one is ready, SIGKILL on stop. Configs are Ray-shaped, on
 127.0.0.1 ports. Real Ray on top: the raysuite tests.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import RequestLoop, http_get
-from tests.support.harness import KeepAliveClient, backends, free_port, haproxy_binary, port_open
-from tests.support.ray_driver import (
+from rigs.daemon import RequestLoop, http_get
+from rigs.harness import KeepAliveClient, backends, free_port, haproxy_binary, port_open
+from rigs.ray_driver import (
     App,
     RayManager,
     has_prometheus_exporter,

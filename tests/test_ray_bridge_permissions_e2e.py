@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.daemon import RunAs
-from tests.support.harness import haproxy_binary
+from rigs.daemon import RunAs
+from rigs.harness import haproxy_binary
 from tests.support.ray_node import ray_node
 
 pytestmark = pytest.mark.haproxy

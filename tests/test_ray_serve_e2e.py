@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import short_tmpdir
+from rigs.harness import short_tmpdir
+from rigs.ray_serve import run_scenario
 from tests.support.ray_churn import CHURN
-from tests.support.ray_serve import run_scenario
 
 pytestmark = [pytest.mark.ray, pytest.mark.haproxy, pytest.mark.timeout(600)]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.harness import HAProxyMaster, free_port
 from supervisor.haproxy.api import MasterCLI
 from supervisor.logs import RecurringCondition, RecurringConditions
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from supervisor.state import State
 from supervisor.steering.workers import OldWorkers
-from tests.support.harness import HAProxyMaster, free_port
 
 LOGGER = "test.recurring"
 

@@ -19,6 +19,8 @@ from unittest import mock
 
 import pytest
 
+from rigs.daemon import write_atomic
+from rigs.harness import haproxy_binary
 from supervisor.effective import ConfigCheck, Effective, prepare_runtime_dir, start_effective_check
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
@@ -27,8 +29,6 @@ from supervisor.master import MasterProcess
 from supervisor.reloader import Reloader
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, State
-from tests.support.daemon import write_atomic
-from tests.support.harness import haproxy_binary
 
 pytestmark = pytest.mark.haproxy
 
@@ -112,7 +112,7 @@ class Rig:
 
 @contextlib.asynccontextmanager
 async def running(rundir: Path, apply_at_runtime: bool):
-    from tests.support.harness import free_port
+    from rigs.harness import free_port
 
     rendered = rundir / "rendered.cfg"
     front = free_port()

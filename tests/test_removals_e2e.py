@@ -30,12 +30,12 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rigs.daemon import Daemon, DaemonSupervised, daemons
+from rigs.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
+from rigs.rolling import Load, ray_config
+from rigs.runtime_rig import LogReceiver
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.haproxy.runtime.add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
-from tests.support.daemon import Daemon, DaemonSupervised, daemons
-from tests.support.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
-from tests.support.rolling import Load, ray_config
-from tests.support.runtime_rig import LogReceiver
 
 pytestmark = pytest.mark.haproxy
 

@@ -7,7 +7,7 @@ on), but at once."""
 
 from __future__ import annotations
 
-from tests.support.netns import needs_netns, run_in_netns
+from rigs.netns import needs_netns, run_in_netns
 from tests.support.retry_abort import CONNECT_TIMEOUT_S, run_staged
 
 pytestmark = needs_netns

@@ -55,7 +55,7 @@ def test_control_a_steered_request_to_a_vanished_server_waits_for_its_last_retry
     `option redispatch` it retries its dead target until the last retry; with `option redispatch 1`
     it leaves after one timeout; with neither it fails after every retry. With the detector's abort
     (`option redispatch 1`), it leaves at the first poll once the worker is steered."""
-    from tests.support.harness import haproxy_binary
+    from rigs.harness import haproxy_binary
 
     assert "steered to r1, then r1 dead" in SHAPES
     rows = {(r.balance, r.redispatch): r for r in run([haproxy_binary()], ["steered to r1, then r1 dead"])}

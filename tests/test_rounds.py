@@ -8,6 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
+from rigs.wholes import inject_guard
 from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
@@ -17,7 +18,6 @@ from supervisor.steering.plan import Planner
 from supervisor.steering.record import WorkerRecord
 from supervisor.steering.rounds import PushRounds
 from supervisor.steering.states import LiveStates
-from tests.support.wholes import inject_guard
 
 PID = 999_999_999  # no such process: the old worker's record has no start time
 RUNS = "defaults\n  mode http\nbackend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n"

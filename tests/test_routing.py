@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rigs.wholes import inject_guard, steer_entries
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import SlotTable, slot_table
 from supervisor.haproxy.routing import (
@@ -25,7 +26,6 @@ from supervisor.haproxy.routing import (
     server_map,
 )
 from supervisor.steering.dead import Sections
-from tests.support.wholes import inject_guard, steer_entries
 
 MAP, TABLE = "/run/hs/steer.map", "/run/hs/slots-0.map"
 

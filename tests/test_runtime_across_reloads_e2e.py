@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tests.support.runtime_rig import PLACEHOLDER, STATEFUL, bodies_of, pods, rendered_of, running_rig
+from rigs.runtime_rig import PLACEHOLDER, STATEFUL, bodies_of, pods, rendered_of, running_rig
 
 pytestmark = pytest.mark.haproxy
 

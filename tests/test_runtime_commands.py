@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
+from rigs.wholes import to_endpoint
 from supervisor.haproxy.runtime.apply import refusal
 from supervisor.haproxy.runtime.plan import ServerChange, ordered_commands
 from tests.conftest import CORPUS
-from tests.support.wholes import to_endpoint
 
 INGRESS = (CORPUS / "ingress.cfg").read_text()
 

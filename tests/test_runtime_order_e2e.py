@@ -13,10 +13,10 @@ from collections import Counter
 
 import pytest
 
+from rigs.harness import KeepAliveClient
+from rigs.runtime_rig import PLACEHOLDER, STATEFUL, bodies_of, failed_log_lines, pods, rendered_of, running_rig
 from supervisor.haproxy.runtime.apply import apply_changes
 from supervisor.haproxy.runtime.plan import ServerChange
-from tests.support.harness import KeepAliveClient
-from tests.support.runtime_rig import PLACEHOLDER, STATEFUL, bodies_of, failed_log_lines, pods, rendered_of, running_rig
 
 pytestmark = pytest.mark.haproxy
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from rigs.wholes import plan_runtime_apply
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.plan import ServerChange, config_skeleton, ordered_commands, runtime_plan
-from tests.support.wholes import plan_runtime_apply
 from tests.test_runtime_commands import INGRESS
 
 # ---------------------------------------------------------------- plan_runtime_apply

@@ -13,12 +13,12 @@ from dataclasses import replace
 
 import pytest
 
+from rigs.runtime_rig import PLACEHOLDER, Rig, failed_log_lines, pods, rendered_of, running_rig, under_load
+from rigs.wholes import plan_runtime_apply
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import apply_changes
 from supervisor.haproxy.runtime.plan import ServerChange
-from tests.support.runtime_rig import PLACEHOLDER, Rig, failed_log_lines, pods, rendered_of, running_rig, under_load
-from tests.support.wholes import plan_runtime_apply
 
 pytestmark = pytest.mark.haproxy
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from tests.support.daemon import Daemon
+from rigs.daemon import Daemon
+from rigs.harness import Backend, KeepAliveClient, backends, free_port
 from tests.support.faults import metrics, status
-from tests.support.harness import Backend, KeepAliveClient, backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

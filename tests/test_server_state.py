@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.wholes import filter_server_state, server_state_target
 from supervisor.effective import build_effective, effective_config
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.server_state import EMPTY_STATE, inject_server_state, save_server_state, server_state_parts
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import corpus_files
-from tests.support.wholes import filter_server_state, server_state_target
 
 STATE_PATH = Path("/run/hs/server-state")
 

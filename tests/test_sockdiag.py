@@ -8,6 +8,7 @@ import errno
 import socket
 import time
 
+from rigs.netns import drop_port, needs_netns, run_in_netns
 from supervisor.master.sockdiag import (
     TCP_ESTABLISHED,
     TCP_LISTEN,
@@ -18,7 +19,6 @@ from supervisor.master.sockdiag import (
     tcp_sockets,
 )
 from supervisor.steering.stalled import stall_of
-from tests.support.netns import drop_port, needs_netns, run_in_netns
 
 
 def _pending_connect(port: int) -> socket.socket:

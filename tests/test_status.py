@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rigs.status_state import CURRENT_PID, MASTER_PID, OLD_PIDS, running_state
 from supervisor import __version__
 from supervisor.settings import Settings
 from supervisor.state import State
@@ -21,7 +22,6 @@ from supervisor.status.listener import StatusServerError, bind_unix_socket
 from supervisor.status.metrics import metrics_registry
 from supervisor.status.routes import load_token
 from supervisor.statusclient import StatusFetchError, format_status, status_target, url_from_listen
-from tests.support.status_state import CURRENT_PID, MASTER_PID, OLD_PIDS, running_state
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 STATUS_DOC = Path(__file__).resolve().parents[1] / "docs" / "status.md"

@@ -27,12 +27,12 @@ import aiohttp
 import psutil
 import pytest
 
+from rigs.harness import free_port, kill_tree
+from rigs.status_server import start_status_server
+from rigs.status_state import CURRENT_PID, OLD_PIDS, RecordingActions, fleet_dead, fleet_state, running_state
 from supervisor.settings import Settings
 from supervisor.state import utcnow
 from supervisor.status.routes import build_app
-from tests.support.harness import free_port, kill_tree
-from tests.support.status_server import start_status_server
-from tests.support.status_state import CURRENT_PID, OLD_PIDS, RecordingActions, fleet_dead, fleet_state, running_state
 
 BROWSER_TIMEOUT_S = 60
 

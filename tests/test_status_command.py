@@ -8,12 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from tests.support.harness import free_port
-from tests.support.status_server import Served
-from tests.support.status_server import tcp as tcp  # a fixture
-from tests.support.status_server import token_file as token_file  # a fixture of tcp
-from tests.support.status_server import unix as unix  # a fixture
-from tests.support.status_state import CURRENT_PID, OLD_PIDS
+from rigs.harness import free_port
+from rigs.status_server import Served
+from rigs.status_server import tcp as tcp  # a fixture
+from rigs.status_server import token_file as token_file  # a fixture of tcp
+from rigs.status_server import unix as unix  # a fixture
+from rigs.status_state import CURRENT_PID, OLD_PIDS
 from tests.test_status import documented_schema_keys, key_paths
 
 # ---------------------------------------------------------------- the `status` command

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from yarl import URL
 
-from tests.support.harness import free_port
-from tests.support.status_server import AUTH, TOKEN, Served, Server, get_json
-from tests.support.status_server import tcp as tcp  # a fixture
-from tests.support.status_server import token_file as token_file  # a fixture, and one of tcp
+from rigs.harness import free_port
+from rigs.status_server import AUTH, TOKEN, Served, Server, get_json
+from rigs.status_server import tcp as tcp  # a fixture
+from rigs.status_server import token_file as token_file  # a fixture, and one of tcp
 
 # ---------------------------------------------------------------- actions over TCP
 

@@ -7,10 +7,10 @@ import os
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.status_server import Served, get_json
-from tests.support.status_server import tcp as tcp  # a fixture
-from tests.support.status_server import token_file as token_file  # a fixture of tcp
-from tests.support.status_state import CURRENT_PID, OLD_PIDS
+from rigs.status_server import Served, get_json
+from rigs.status_server import tcp as tcp  # a fixture
+from rigs.status_server import token_file as token_file  # a fixture of tcp
+from rigs.status_state import CURRENT_PID, OLD_PIDS
 from tests.test_status import documented_schema_keys, key_paths
 
 # ---------------------------------------------------------------- reads

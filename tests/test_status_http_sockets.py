@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from rigs.status_server import Served, Server, get_json, start_status_server
+from rigs.status_server import tcp as tcp  # a fixture
+from rigs.status_server import token_file as token_file  # a fixture of tcp
+from rigs.status_server import unix as unix  # a fixture
+from rigs.status_state import CURRENT_PID, RecordingActions
 from supervisor.settings import Settings
 from supervisor.state import State
 from supervisor.status.routes import build_app
-from tests.support.status_server import Served, Server, get_json, start_status_server
-from tests.support.status_server import tcp as tcp  # a fixture
-from tests.support.status_server import token_file as token_file  # a fixture of tcp
-from tests.support.status_server import unix as unix  # a fixture
-from tests.support.status_state import CURRENT_PID, RecordingActions
 
 # ---------------------------------------------------------------- unix socket
 

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from rigs.harness import free_port
+from rigs.status_server import start_status_server
+from rigs.status_state import RecordingActions, running_state
 from supervisor.haproxy.names import validate_name
 from supervisor.settings import Settings, StatusSettings
 from supervisor.status.routes import build_app
-from tests.support.harness import free_port
-from tests.support.status_server import start_status_server
-from tests.support.status_state import RecordingActions, running_state
 
 LIMITS = StatusSettings(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=5)
 # How long a test waits to see a connection closed: the timeouts above plus a loaded machine.

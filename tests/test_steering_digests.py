@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.wholes import known_dead_servers, parse_live_states, summarize_states
 from supervisor.haproxy.answers import servers_state_parts
 from supervisor.steering.dead import ConfigDigest, Sections, live_view
 from supervisor.steering.plan import Planner
 from supervisor.steering.states import LiveStates, LiveTally
 from tests.support.steering_cases import NEW, OLD, dead_in, digest, model, random_config
-from tests.support.wholes import known_dead_servers, parse_live_states, summarize_states
 from tests.test_worker_answers import SERVERS_STATE
 
 # ---------------------------------------------------------------- digests

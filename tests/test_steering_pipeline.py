@@ -162,11 +162,11 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
     """Through prepare, before_reload and after_reload (the poll stopped, so only the hooks
     run): one plan per worker, one map_deltas per worker per push round, and each push round
     publishes its records in one call before its pushes and one after."""
+    from rigs.harness import KeepAliveClient
     from supervisor.state import State
     from supervisor.steering import record as record_module
     from supervisor.steering.plan import Planner
     from supervisor.steering.workers import OldWorkers
-    from tests.support.harness import KeepAliveClient
     from tests.support.old_worker import old_worker, server_lines
 
     async with old_worker(rundir, lambda p: server_lines(p, ["r1", "r2"]), shutdown_stuck_sessions=False) as env:

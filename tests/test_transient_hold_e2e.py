@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from tests.support.daemon import http_get
-from tests.support.harness import backends, free_port
+from rigs.daemon import http_get
+from rigs.harness import backends, free_port
 from tests.test_transient_render import MOVED_REPLICAS, MOVED_VAR, RAY
 
 pytestmark = pytest.mark.haproxy

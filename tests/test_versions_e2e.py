@@ -17,11 +17,11 @@ import aiohttp
 import psutil
 import pytest
 
+from rigs.daemon import Daemon, http_get, one_backend
+from rigs.daemon import tagged_config as config
+from rigs.harness import KeepAliveClient, backends, free_port
 from supervisor.binary import resolve_binary
 from supervisor.steering.lines import map_entries
-from tests.support.daemon import Daemon, http_get, one_backend
-from tests.support.daemon import tagged_config as config
-from tests.support.harness import KeepAliveClient, backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+from rigs.wholes import known_dead_servers, parse_live_states, steer_entries, summarize_states
 from supervisor.haproxy.answers import Proc, ProcList, parse_servers_state, show_info_by_pid
 from supervisor.haproxy.config import Config
 from supervisor.state import Generation
 from supervisor.steering.dead import live_view
 from supervisor.steering.procs import stuck_sessions, worker_generations
 from tests.support.steering_cases import NEW, OLD, dead_in, digest, live_of, model, steer_map_entries
-from tests.support.wholes import known_dead_servers, parse_live_states, steer_entries, summarize_states
 
 # ---------------------------------------------------------------- processes and parsers
 

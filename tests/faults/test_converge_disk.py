@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import Daemon, RequestLoop
-from tests.support.daemon import tagged_config as config
+from rigs.daemon import Daemon, RequestLoop
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 from tests.support.faults import FAST_CONVERGE, fill, metrics, remount, status, tmpfs, wait_converged, wait_unready
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

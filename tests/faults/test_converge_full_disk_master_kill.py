@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from tests.support.daemon import Daemon, RequestLoop, http_get
-from tests.support.daemon import tagged_config as config
+from rigs.daemon import Daemon, RequestLoop, http_get
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 from tests.support.faults import FAST_CONVERGE, fill, metrics, status, tmpfs, wait_converged
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
+from rigs.harness import HAProxyMaster, free_port
 from supervisor.haproxy.answers import parse_show_proc
 from supervisor.haproxy.api import CLIError, MasterCLI
-from tests.support.harness import HAProxyMaster, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -17,8 +17,8 @@ import socket
 
 import pytest
 
+from rigs.harness import free_port
 from tests.support.faults import FAST_CONVERGE, readyz, serving, status, wait_converged
-from tests.support.harness import free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -15,12 +15,12 @@ import signal
 
 import pytest
 
+from rigs.daemon import RequestLoop
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 from supervisor.master.find import find_masters
 from supervisor.settings import load_settings
-from tests.support.daemon import RequestLoop
-from tests.support.daemon import tagged_config as config
 from tests.support.faults import FAST_CONVERGE, fill, get, serving, status, tmpfs, wait_converged
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from rigs.daemon import one_backend
+from rigs.daemon import tagged_config as config
 from supervisor.effective import build_effective
 from supervisor.settings import load_settings
-from tests.support.daemon import one_backend
-from tests.support.daemon import tagged_config as config
 
 pytestmark = pytest.mark.haproxy
 

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from tests.support.daemon import Node, http_get, tagged_config
+from rigs.daemon import Node, http_get, tagged_config
+from rigs.harness import free_port
 from tests.support.faults import FAST_CONVERGE, serving, status, wait_converged
-from tests.support.harness import free_port
 
 pytestmark = pytest.mark.haproxy
 

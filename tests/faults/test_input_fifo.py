@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from tests.support.daemon import one_backend
-from tests.support.daemon import tagged_config as config
+from rigs.daemon import one_backend
+from rigs.daemon import tagged_config as config
 
 pytestmark = pytest.mark.haproxy
 

@@ -10,8 +10,8 @@ import stat
 
 import pytest
 
-from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port, wait_for
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port, wait_for
 
 pytestmark = pytest.mark.haproxy
 

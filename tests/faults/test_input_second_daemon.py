@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from rigs.daemon import Daemon, http_get
+from rigs.harness import ROOT
 from supervisor.master.find import find_masters
 from supervisor.settings import load_settings
-from tests.support.daemon import Daemon, http_get
 from tests.support.faults import serving
-from tests.support.harness import ROOT
 
 pytestmark = pytest.mark.haproxy
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import ROOT
+from rigs.harness import ROOT
 
 # A bad settings file is refused before anything starts; a daemon still running after this
 # long accepted it.

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from tests.support.daemon import RequestLoop
-from tests.support.daemon import tagged_config as config
-from tests.support.harness import backends, free_port
+from rigs.daemon import RequestLoop
+from rigs.daemon import tagged_config as config
+from rigs.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.harness import free_port
+from rigs.status_server import start_status_server
+from rigs.status_state import RecordingActions, running_state
 from supervisor.settings import Settings, StatusSettings
 from supervisor.status.routes import build_app
 from tests.support.faults import FAST_CONVERGE, serving, tcp_request
-from tests.support.harness import free_port
-from tests.support.status_server import start_status_server
-from tests.support.status_state import RecordingActions, running_state
 
 pytestmark = pytest.mark.haproxy
 

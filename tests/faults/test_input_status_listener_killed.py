@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from rigs.daemon import RequestLoop, tagged_config
+from rigs.harness import backends, free_port
 from supervisor.status.listener import quiet_loop_errors
-from tests.support.daemon import RequestLoop, tagged_config
 from tests.support.faults import FAST_CONVERGE, cpu_seconds, serving, tcp_request
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from rigs.daemon import RequestLoop, tagged_config, write_atomic
+from rigs.harness import backends, free_port
 from supervisor.reloader.core import CONTENT_CHECK_S
-from tests.support.daemon import RequestLoop, tagged_config, write_atomic
 from tests.support.faults import FAST_CONVERGE, Honesty, serving, wait_converged
-from tests.support.harness import backends, free_port
 
 pytestmark = pytest.mark.haproxy
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from rigs.daemon import Daemon, Node, _metric_values, http_get, one_backend
 from supervisor.haproxy.api import CLIError
-from tests.support.daemon import Daemon, Node, _metric_values, http_get, one_backend
 
 # Settings that make every fault quick to show and to clear: a short reload timeout (3.x starts a
 # worker in about a second on a busy 2-core machine), retries at most a second apart, /readyz 503

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rigs.harness import Backend, KeepAliveClient, VanishedNode, backends, free_port
+from rigs.supervised import Supervised, supervised
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from tests.support.harness import Backend, KeepAliveClient, VanishedNode, backends, free_port
-from tests.support.supervised import Supervised, supervised
 
 # `close-spread-time infinite`: the old worker keeps the clients it holds, idle or not, until
 # hard-stop-after. With a window (Ray Serve's template has 60 s) HAProxy closes each of them at

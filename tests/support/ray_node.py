@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from rigs.daemon import Daemon, RunAs, http_get
+from rigs.harness import Backend, backends, free_port, haproxy_binary
+from rigs.ray_driver import App, RayManager, bridge_executable, has_prometheus_exporter, ray_config
 from supervisor.statusclient import fetch_status, url_from_listen
-from tests.support.daemon import Daemon, RunAs, http_get
-from tests.support.harness import Backend, backends, free_port, haproxy_binary
-from tests.support.ray_driver import App, RayManager, bridge_executable, has_prometheus_exporter, ray_config
 
 SETTINGS = {
     "haproxy": {"move_stats_socket": True},

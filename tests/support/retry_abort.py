@@ -1,5 +1,5 @@
 """A steered old worker's connect retries meeting black-holed servers the daemon knows dead, in a
-network namespace (tests/support/netns.py): three servers under the daemon, held keep-alive
+network namespace (rigs/netns.py): three servers under the daemon, held keep-alive
 connections in an old worker, r1 and r2 black-holed by nftables while requests on those
 connections are connecting, then marked dead by the operator. The old worker is steered off
 them, and HAProxy retries the connects it already began (`option redispatch 1`, the guard's):
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.support.daemon import Daemon
-from tests.support.harness import KeepAliveClient, backends, free_port
-from tests.support.netns import drop_port
+from rigs.daemon import Daemon
+from rigs.harness import KeepAliveClient, backends, free_port
+from rigs.netns import drop_port
 
 CONNECT_TIMEOUT_S = 2.0
 # No `option redispatch`: the guard adds `option redispatch 1`. `http-server-close`: every request

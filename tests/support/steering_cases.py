@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import random
 
+from rigs.wholes import inject_guard, steer_entries
 from supervisor.haproxy.answers import ServerState
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import slot_table
 from supervisor.steering.dead import ConfigDigest, Sections, dead_groups
-from tests.support.wholes import inject_guard, steer_entries
 
 MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0.map"

@@ -4,8 +4,8 @@ Tests observe it through its log lines, the master CLI and the files in runtime_
 Every daemon and every HAProxy master it started is stopped by PID in cleanup(),
 including masters left running after a `kill -9` of the daemon.
 
-HTTP through HAProxy (tests/support/http_requests.py) and the daemon as a "Supervised"
-(tests/support/daemon_supervised.py) live in modules of their own; their names are re-exported
+HTTP through HAProxy (rigs/http_requests.py) and the daemon as a "Supervised"
+(rigs/daemon_supervised.py) live in modules of their own; their names are re-exported
 here, where the tests and the benchmarks import them with the daemon.
 """
 
@@ -27,14 +27,14 @@ from typing import Any
 import psutil
 import yaml
 
+from rigs.daemon_supervised import DaemonSupervised as DaemonSupervised
+from rigs.daemon_supervised import StatusSnapshot as StatusSnapshot
+from rigs.daemon_supervised import _metric_values as _metric_values
+from rigs.harness import ROOT, backends, free_port, haproxy_binary, kill_tree
+from rigs.http_requests import RequestLoop as RequestLoop
+from rigs.http_requests import http_get as http_get
 from supervisor.haproxy.answers import ProcList
 from supervisor.haproxy.api import MasterCLI
-from tests.support.daemon_supervised import DaemonSupervised as DaemonSupervised
-from tests.support.daemon_supervised import StatusSnapshot as StatusSnapshot
-from tests.support.daemon_supervised import _metric_values as _metric_values
-from tests.support.harness import ROOT, backends, free_port, haproxy_binary, kill_tree
-from tests.support.http_requests import RequestLoop as RequestLoop
-from tests.support.http_requests import http_get as http_get
 
 RENDERED = """\
 global

@@ -6,7 +6,7 @@ connections in the old worker. Each backend is one way HAProxy picks a server: c
 persistence in every mode, stick tables, weights, map-based and consistent hashing, and the
 stateful algorithms. Before the reload the clients learn where the (then current) worker sends
 each key; after it, `measure` sends the same requests on the held connections and reports what
-was kept. Who reloads is `supervised` (the supervisor's component, tests/support/supervised.py)
+was kept. Who reloads is `supervised` (the supervisor's component, rigs/supervised.py)
 with the guard on or off: off, it is HAProxy alone, reloaded by hand.
 
 Everything listens on 127.0.0.1; every process is stopped by PID on the way out.
@@ -22,14 +22,14 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rigs.harness import VanishedNode, backends, free_port, wait_for
+from rigs.incident import Supervise
+from rigs.supervised import supervised
 from supervisor.haproxy import guard
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.haproxy.routing import PLAIN
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from supervisor.steering import dead, entries
-from tests.support.harness import VanishedNode, backends, free_port, wait_for
-from tests.support.incident import Supervise
-from tests.support.supervised import supervised
 
 LIVE = ("s1", "s2", "s3")
 SLOW_S = 0.5
@@ -300,7 +300,7 @@ async def staged(
 ) -> AsyncIterator[Stage]:
     """The old worker after the reload, `gone` vanished, steered when `guard` is on.
     `supervise`: the supervisor's component in this process (the default), the real daemon
-    or plain HAProxy (tests/support/incident.py's daemon_supervised and plain_haproxy)."""
+    or plain HAProxy (rigs/incident.py's daemon_supervised and plain_haproxy)."""
     front = free_port()
     tag = tag or f"t{time.monotonic_ns()}"
     with backends(*LIVE, "gone", "moved") as started:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BACKEND_SCRIPT = ROOT / "demo" / "backend.py"
 
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.harness import ROOT
+from rigs.harness import ROOT
 
 STARTUP_TIMEOUT_S = 30.0
 

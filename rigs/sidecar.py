@@ -1,7 +1,7 @@
 """The daemon (a subprocess) in controller-socket mode, as a sidecar to haproxytech's ingress
 controller, for its end-to-end tests: the config the controller renders, the daemon with its
 relay and master-socket facade in front of real pods, keep-alive load, and the controller's
-lines (tests/support/controller.py) replayed through its sockets."""
+lines (rigs/controller.py) replayed through its sockets."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rigs.controller import add_map_payload, disable, enable, sync_line, wrap
+from rigs.daemon import Daemon
+from rigs.harness import Backend, KeepAliveClient, backends, free_port
+from rigs.runtime_rig import LogReceiver
 from supervisor.controller.connections import connect_unix
-from tests.support.controller import add_map_payload, disable, enable, sync_line, wrap
-from tests.support.daemon import Daemon
-from tests.support.harness import Backend, KeepAliveClient, backends, free_port
-from tests.support.runtime_rig import LogReceiver
 
 SLOTS = 4
 

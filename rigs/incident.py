@@ -7,7 +7,7 @@ move, HAProxy reloads, and the drained node vanishes (connects hang). Whoever us
 `staged_drain` then sends requests on the connections the old workers hold.
 
 Who reloads is a parameter (`supervise`): the supervisor's component in this process
-(tests/support/supervised.py), the real daemon (`daemon_supervised`), or plain HAProxy with
+(rigs/supervised.py), the real daemon (`daemon_supervised`), or plain HAProxy with
 or without the observe directive (`plain_haproxy`). Everything listens on 127.0.0.1; every
 process is stopped by PID on the way out.
 """
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rigs.daemon import DaemonSupervised, daemons
+from rigs.harness import HAProxyMaster, KeepAliveClient, VanishedNode, backends, free_port
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.observe import inject_observe
 from supervisor.settings import Settings
-from tests.support.daemon import DaemonSupervised, daemons
-from tests.support.harness import HAProxyMaster, KeepAliveClient, VanishedNode, backends, free_port
 
 APPS = ("echo", "highscale", "wide")
 DRAINED = ("echo_r1", "highscale_r1", "highscale_r2", "wide_r1")  # all on the node being drained

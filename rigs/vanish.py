@@ -1,4 +1,4 @@
-"""A staged vanished server, in a network namespace (tests/support/netns.py): HAProxy in front
+"""A staged vanished server, in a network namespace (rigs/netns.py): HAProxy in front
 of two servers under the daemon, one of them black-holed (or partitioned) by nftables, and
 requests on new connections (the current worker) and on held ones (an old worker).
 Shared by tests/test_detector_e2e.py and bench/drain.py's vanished variants."""
@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.daemon import Daemon
-from tests.support.harness import KeepAliveClient, backends, free_port
-from tests.support.http_requests import http_get
-from tests.support.netns import drop_port, lift_drop
+from rigs.daemon import Daemon
+from rigs.harness import KeepAliveClient, backends, free_port
+from rigs.http_requests import http_get
+from rigs.netns import drop_port, lift_drop
 
 # Ray Serve's shape: pooled server connections, no `timeout server`, Ray's check timings.
 CONFIG = """\

@@ -4,7 +4,7 @@ The reloader and daemon live elsewhere; this fixture does what architecture.md s
 they do around a reload (build the effective config, `haproxy -c` with prepare while it
 runs, before_reload, write, `reload` on the master CLI, confirm with `show proc`, register
 the generation, after_reload) so the end-to-end tests exercise OldWorkers exactly
-through its contract. tests/support/daemon.py runs the real daemon instead.
+through its contract. rigs/daemon.py runs the real daemon instead.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rigs.harness import HAProxyMaster
 from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
@@ -24,7 +25,6 @@ from supervisor.settings import Settings
 from supervisor.state import Generation, State, utcnow
 from supervisor.steering.lines import map_entries
 from supervisor.steering.workers import OldWorkers
-from tests.support.harness import HAProxyMaster
 
 
 @dataclass

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rigs.harness import Backend, HAProxyMaster, KeepAliveClient, backends, free_port
 from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
 from supervisor.haproxy.answers import ServerState, parse_servers_state, parse_show_proc
 from supervisor.haproxy.api import MasterCLI
@@ -24,7 +25,6 @@ from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime import RuntimeApplier
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, utcnow
-from tests.support.harness import Backend, HAProxyMaster, KeepAliveClient, backends, free_port
 
 PLACEHOLDER = "127.0.0.1:1"
 

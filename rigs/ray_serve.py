@@ -25,9 +25,9 @@ from typing import Any
 import psutil
 import yaml
 
+from rigs.harness import ROOT
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.statusclient import StatusFetchError, fetch_status
-from tests.support.harness import ROOT
 
 HTTP_PORT = 8000
 # Ray's own, lowered from 30 s: a replica told to stop keeps its port this long for processes
@@ -93,7 +93,7 @@ def ray_environment(
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(draining_period_s)
         env["RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S"] = str(draining_period_s)
     if bridge_settings is not None:
-        from tests.support.ray_driver import bridge_executable
+        from rigs.ray_driver import bridge_executable
 
         env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(bridge_executable(directory))
         env["HAPROXY_SUPERVISOR_SETTINGS"] = str(bridge_settings)

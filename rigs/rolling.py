@@ -12,7 +12,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from tests.support.harness import KeepAliveClient
+from rigs.harness import KeepAliveClient
 
 CONNECT_TIMEOUT_S = 0.5
 

@@ -1,5 +1,5 @@
-"""The daemon as a "Supervised": the real daemon (tests/support/daemon.py) behind the interface of
-tests/support/supervised.Supervised, its State read back from /status and /metrics."""
+"""The daemon as a "Supervised": the real daemon (rigs/daemon.py) behind the interface of
+rigs/supervised.Supervised, its State read back from /status and /metrics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tests.support.daemon import Daemon
+    from rigs.daemon import Daemon
 
 # ---------------------------------------------------------------- the daemon as a "Supervised"
 
@@ -46,10 +46,10 @@ def _metric_values(text: str) -> dict[str, float]:
 
 
 class DaemonSupervised:
-    """The real daemon behind the interface of tests/support/supervised.Supervised."""
+    """The real daemon behind the interface of rigs/supervised.Supervised."""
 
     def __init__(self, daemon: Daemon) -> None:
-        from tests.support.harness import HAProxyMaster
+        from rigs.harness import HAProxyMaster
 
         self.daemon = daemon
         # Only its master-CLI helpers are used (command, worker_pids): the daemon owns HAProxy.

@@ -14,12 +14,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from rigs.harness import free_port
+from rigs.status_state import RecordingActions, running_state
 from supervisor.settings import Settings, StatusSettings
 from supervisor.state import State
 from supervisor.status.listener import open_status_server
 from supervisor.status.routes import build_app
-from tests.support.harness import free_port
-from tests.support.status_state import RecordingActions, running_state
 
 TOKEN = "t0ken-for-tests"
 
