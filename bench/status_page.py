@@ -1,6 +1,6 @@
 """How long the status page takes to build at fleet size.
 
-The state of a daemon after a big drain (tests/support/status_state.fleet_state): 10,000
+The state of a daemon after a big drain (rigs/status_state.fleet_state): 10,000
 servers in 1,000 backends, 1,000 of them dead in 710 backends, 50 old workers each steered
 away from all 1,000, and an hour of chart history. Median and p90 of 30 runs, milliseconds:
 
