@@ -6,6 +6,7 @@ included: `http-reuse always`, no `timeout server`), new ones to the current wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -103,6 +104,19 @@ def _full_syn_backlog() -> dict[str, object]:
     filler = socket.create_connection(("127.0.0.1", port))
     filler.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
 
+    def answer(conn: socket.socket) -> None:
+        # A thread per connection: one whose request is still being retransmitted (its
+        # handshake completed late) must not hold up the others.
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(15)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nlate")
+
     def serve() -> None:
         time.sleep(4.5)
         listener.settimeout(10)
@@ -111,9 +125,7 @@ def _full_syn_backlog() -> dict[str, object]:
                 conn, _ = listener.accept()
             except OSError:
                 return
-            with conn:
-                if conn.recv(4096):
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nlate")
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     try:
