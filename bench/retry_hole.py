@@ -20,7 +20,10 @@ Wave 1: every client sends a request at once; 200 ms later the old worker gets t
 A second run per shape has `option redispatch 1` backends only, and the detector's abort from
 the push on (the worker is steered off the dead servers then): every detector poll, the old
 worker's stalled sockets, judged by the daemon's own decision (steering/stalled.py: to_abort)
-with the dead servers known dead and steered off, destroyed through sock_diag (SOCK_DESTROY).
+with the dead servers known dead and steered off, destroyed through sock_diag (SOCK_DESTROY);
+beside them, the same backends with their servers observed as Ray ships them (`check observe
+layer4 error-limit 3 on-error mark-down`), so that the old worker marks a dead server down itself
+after three failed connects, aborted ones counted.
 
 Per row, wave 1: requests whose first connect went to a dead server, how many of them a retry
 sent back to a dead server (they paid 2 or more connect timeouts), failed, the slowest; wave 2's
@@ -59,11 +62,15 @@ from supervisor.steering.stalled import Endpoint, stall_of, to_abort
 CONNECT_TIMEOUT_MS = 2000
 RETRIES = 3
 BALANCES = ("leastconn", "roundrobin", "random")
-REDISPATCH = {"none": "", "last": "option redispatch", "every": "option redispatch 1", "abort": "option redispatch 1"}
+REDISPATCH = {"none": "", "last": "option redispatch", "every": "option redispatch 1", "abort": "option redispatch 1",
+              "observe": "option redispatch 1"}
 REDISPATCH_SHOWN = {"none": "no option redispatch", "last": "option redispatch", "every": "option redispatch 1",
-                    "abort": "option redispatch 1 + abort"}
+                    "abort": "option redispatch 1 + abort", "observe": "option redispatch 1 + abort + observe"}
 PLAIN_KEYS = ("none", "last", "every")  # one run, HAProxy alone
-ABORT_KEYS = ("abort",)  # another, with the detector's abort
+ABORT_KEYS = ("abort", "observe")  # another, with the detector's abort
+# Ray's gate (RAY_SERVE_HAPROXY_OBSERVE_MARK_DOWN_ENABLED) and limit, as the guard injects them. An
+# old worker runs no checks, but counts its failed connects, aborted ones included.
+OBSERVED = " check inter 60s observe layer4 error-limit 3 on-error mark-down"
 # shape: (servers, how many of the first are dead, how they die, steered to r1 before it dies)
 SHAPES = {
     "one of two dead": (2, 1, "drop", False),
@@ -112,7 +119,8 @@ def config(directory: Path, port: int, servers: dict[str, int], backup: int, key
                 "    http-request set-var(txn.k) rand(16)",
                 "    http-request set-var(txn.key) be_name,concat(_,txn.k,)",
                 f"    use-server %[var(txn.key),map({steer})] if {{ var(txn.key),map({steer}) -m found }}",
-                *(f"    server {name} 127.0.0.1:{p}" for name, p in servers.items()),
+                *(f"    server {name} 127.0.0.1:{p}{OBSERVED if key == 'observe' else ''}"
+                  for name, p in servers.items()),
                 f"    server backup 127.0.0.1:{backup} backup",
             ]
     return "\n".join(lines) + "\n"
@@ -279,7 +287,7 @@ def rows_of(found: dict[str, Any], shape: str) -> list[Row]:
             met = [e for e in wave1 if e["retries"] > 0 or e["status"] != 200]
             paid = [round(e["Ta"] / CONNECT_TIMEOUT_MS) if e["Ta"] >= 0 else RETRIES + 1 for e in met]
             # An aborted connect pays no timeout: then its retries say it, as for a refused one.
-            timed = SHAPES[shape][2] == "drop" and key != "abort"
+            timed = SHAPES[shape][2] == "drop" and key not in ABORT_KEYS
             again = sum(p >= 2 for p in paid) if timed else sum(e["retries"] >= 2 for e in met)
             out.append(Row(found["version"], shape, balance, key, len(met), again,
                            sum(s != 200 for s, _ in answers1),

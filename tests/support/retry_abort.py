@@ -4,7 +4,10 @@ connections in an old worker, r1 and r2 black-holed by nftables while requests o
 connections are connecting, then marked dead by the operator. The old worker is steered off
 them, and HAProxy retries the connects it already began (`option redispatch 1`, the guard's):
 a retry can meet the other dead server. The detector's stall threshold is set far above the
-run, so no server becomes suspect: only the known-dead rule can abort those connects."""
+run, so no server becomes suspect: only the known-dead rule can abort those connects. With
+`observe`, the servers have checks and the daemon's observe gate is on, as under Ray: the guard
+adds `observe layer4 ... on-error mark-down`, which an old worker obeys, its aborted connects
+counted."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from rigs.harness import KeepAliveClient, backends, free_port
 from rigs.netns import drop_port
 
 CONNECT_TIMEOUT_S = 2.0
+RETRIES = 3
 # No `option redispatch`: the guard adds `option redispatch 1`. `http-server-close`: every request
 # connects anew (a pooled connection would be another case, the detector's suspects).
 CONFIG = """\
@@ -30,7 +34,7 @@ defaults
     timeout connect {connect_ms}ms
     timeout client 30s
     timeout server 10s
-    retries 3
+    retries {retries}
     retry-on conn-failure
     option http-server-close
     option idle-close-on-response
@@ -42,9 +46,9 @@ frontend fe
 
 backend app
     balance roundrobin
-    server r1 127.0.0.1:{r1}
-    server r2 127.0.0.1:{r2}
-    server r3 127.0.0.1:{r3}
+    server r1 127.0.0.1:{r1}{check}
+    server r2 127.0.0.1:{r2}{check}
+    server r3 127.0.0.1:{r3}{check}
 """
 
 
@@ -54,7 +58,7 @@ async def _post(daemon: Daemon, path: str) -> int:
         return r.status
 
 
-async def staged(*, abort: bool, requests: int = 9) -> dict[str, object]:
+async def staged(*, abort: bool, observe: bool = False, requests: int = 9) -> dict[str, object]:
     """(status, server, seconds) of each request on a held connection after the vanish, the
     daemon's log lines of what it destroyed, and whether the effective config redispatches."""
     with tempfile.TemporaryDirectory(prefix="hs-rabort-") as tmp, backends("r1", "r2", "r3") as servers:
@@ -62,11 +66,13 @@ async def staged(*, abort: bool, requests: int = 9) -> dict[str, object]:
         ports = {name: s.port for name, s in servers.items()}
 
         def config(tag: str) -> str:
-            return CONFIG.format(front=front, tag=tag, connect_ms=int(CONNECT_TIMEOUT_S * 1000), **ports)
+            return CONFIG.format(front=front, tag=tag, connect_ms=int(CONNECT_TIMEOUT_S * 1000), retries=RETRIES,
+                                 check=" check inter 60s" if observe else "", **ports)
 
         daemon = Daemon(Path(tmp), config("one"), {
             "old_workers": {"guard": True},
             "detector": {"enabled": True, "abort": abort, "threshold_floor_ms": 60_000},
+            "observe": {"enabled": observe},
         })
         try:
             daemon.start()
@@ -92,6 +98,7 @@ async def staged(*, abort: bool, requests: int = 9) -> dict[str, object]:
                 "answers": answers,
                 "destroyed": [line for line in log.splitlines() if "destroyed" in line],
                 "effective_redispatch": [line.strip() for line in effective.splitlines() if "redispatch" in line],
+                "observed": sum("on-error mark-down" in line for line in effective.splitlines()),
             }
         finally:
             daemon.cleanup()
