@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -109,6 +110,30 @@ def listen_on_servers(text: str) -> list[socket.socket]:
     return listeners
 
 
+def callback_totals(path: Path) -> tuple[float, dict[str, list[float]]]:
+    """(when, owner -> [callbacks, CPU seconds]) as the daemon last wrote them
+    (bench/callbacks/sitecustomize.py, at most once a second)."""
+    found = json.loads(path.read_text())
+    return found["at"], found["totals"]
+
+
+def at_rest_by_owner(before: tuple[float, dict[str, list[float]]], after: tuple[float, dict[str, list[float]]]
+                     ) -> dict[str, tuple[float, float]]:
+    """Per owner, between two readings: (callbacks a second, CPU as a share of one core in %)."""
+    elapsed = after[0] - before[0]
+    return {
+        owner: ((count - before[1].get(owner, [0, 0.0])[0]) / elapsed,
+                100 * (cpu - before[1].get(owner, [0, 0.0])[1]) / elapsed)
+        for owner, (count, cpu) in after[1].items()
+    }
+
+
+def wakes_at_rest(owners: dict[str, tuple[float, float]]) -> str:
+    """One line per owner that ran at rest, the costliest first."""
+    ranked = sorted(owners.items(), key=lambda item: -item[1][1])
+    return "".join(f"    {owner}: {rate:.1f}/s, {pct:.3f} %\n" for owner, (rate, pct) in ranked if rate > 0)
+
+
 def longest_callback_ms(log: Path, start: float, end: float) -> float:
     """The longest event-loop callback that started between `start` and `end` (monotonic),
     from the daemon's callback log (bench/callbacks/sitecustomize.py)."""
@@ -121,9 +146,10 @@ def longest_callback_ms(log: Path, start: float, end: float) -> float:
     return 1000 * max(held)
 
 
-async def run(workers: int, servers: int, posts: int, checks: bool = False, detector: bool = True) -> dict[str, float]:
+async def run(workers: int, servers: int, posts: int, checks: bool = False, detector: bool = True) -> dict[str, Any]:
     directory = runtime_tmpdir("hsi-")
     callbacks = directory / "callbacks.log"
+    cpu_totals = directory / "callbacks-cpu.json"
     front = free_port()
     base = rendered(servers, front, {})
     if checks:
@@ -133,10 +159,11 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False, dete
     })
     sock = directory / "status.sock"
     holders: list[socket.socket] = listen_on_servers(base) if checks else []
-    figures: dict[str, float] = {}
+    figures: dict[str, Any] = {}
     try:
         daemon.start(
-            env={"BENCH_CALLBACK_LOG": str(callbacks), "PYTHONPATH": str(Path(__file__).parent / "callbacks")}
+            env={"BENCH_CALLBACK_LOG": str(callbacks), "BENCH_CALLBACK_CPU": str(cpu_totals),
+                 "PYTHONPATH": str(Path(__file__).parent / "callbacks")}
         )
         await daemon.wait_generation(1, timeout=120)
         for i in range(workers):
@@ -152,9 +179,13 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False, dete
         await asyncio.sleep(SETTLE_S)
         process = psutil.Process(daemon.pid)
         reads = await metric(sock, "haproxy_supervisor_server_state_reads_total")
-        cpu, started = process.cpu_times(), time.monotonic()
+        cpu, started, totals = process.cpu_times(), time.monotonic(), callback_totals(cpu_totals)
         await asyncio.sleep(IDLE_S)
         after, elapsed = process.cpu_times(), time.monotonic() - started
+        owners = at_rest_by_owner(totals, callback_totals(cpu_totals))
+        figures["detector_cpu_pct"] = sum(pct for owner, (_, pct) in owners.items() if "StalledDetector" in owner)
+        figures["callbacks_cpu_pct"] = sum(pct for _, pct in owners.values())
+        figures["wakes"] = owners
         figures["idle_reads"] = await metric(sock, "haproxy_supervisor_server_state_reads_total") - reads
         figures["idle_cpu_pct"] = 100 * (after.user + after.system - cpu.user - cpu.system) / elapsed
         figures["rss_mb"] = process.memory_info().rss / 2**20
@@ -210,6 +241,7 @@ def section(quick: bool = False) -> str:
     f = asyncio.run(run(workers, servers, posts))
     return markdown_table([f"{workers} old workers, {servers:,} servers", "figure"], [
         ("daemon CPU at rest", f"{f['idle_cpu_pct']:.2f} % of a core"),
+        ("of it, the stalled-connection detector's own callbacks", f"{f['detector_cpu_pct']:.3f} % of a core"),
         (f"full state reads in {IDLE_S:.0f} s at rest", f"{f['idle_reads']:.0f}"),
         ("daemon RSS", f"{f['rss_mb']:.0f} MB"),
         ("`POST` / `DELETE` a server, median", f"{f['post_p50_ms']:.1f} / {f['delete_p50_ms']:.1f} ms"),
@@ -238,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{', every one health checked' if args.checks else ''}, detector {args.detector}\n"
         f"  idle CPU {f['idle_cpu_pct']:.2f} % of a core, RSS {f['rss_mb']:.0f} MB, "
         f"{f['idle_reads']:.0f} full state reads in {IDLE_S:.0f} s\n"
+        f"  of it in event-loop callbacks {f['callbacks_cpu_pct']:.3f} %, the detector's own "
+        f"{f['detector_cpu_pct']:.3f} %; what runs at rest (callbacks a second, % of a core):\n"
+        f"{wakes_at_rest(f['wakes'])}"
         f"  POST p50 {f['post_p50_ms']:.1f} ms max {f['post_max_ms']:.1f} ms; "
         f"DELETE p50 {f['delete_p50_ms']:.1f} ms max {f['delete_max_ms']:.1f} ms; "
         f"POST unknown server (404) {f['post_unknown_ms']:.1f} ms\n"
