@@ -56,32 +56,54 @@ def test_a_suspect_that_comes_back_is_routed_again_within_rise_checks():
     assert outcome.back_after_s is not None and outcome.back_after_s < 2.5, outcome
 
 
+class LateServer:
+    """A live HTTP server on loopback whose application starts accepting `after_s` late, with
+    an accept queue of `backlog`; each connection is answered in a thread of its own, so one
+    whose request is still being retransmitted (its handshake completed late) holds up no other."""
+
+    def __init__(self, backlog: int, after_s: float) -> None:
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(backlog)
+        self.port = self.listener.getsockname()[1]
+        self.after_s = after_s
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        time.sleep(self.after_s)
+        self.listener.settimeout(10)
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _answer(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(15)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nlate")
+
+    def close(self) -> None:
+        self.listener.close()
+
+
 def _slow_accepting() -> dict[str, object]:
     """A live server that accepts late: its kernel completes the handshakes and acknowledges
     the requests, the application reads them 1.5 s later. Slow, not stalled."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    port = listener.getsockname()[1]
-
-    def serve() -> None:
-        time.sleep(1.5)
-        listener.settimeout(10)
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(4096)
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nslow")
-
-    threading.Thread(target=serve, daemon=True).start()
+    server = LateServer(backlog=64, after_s=1.5)
     try:
-        return asyncio.run(staged_status(port, requests=3, wait_s=1.0))
+        return asyncio.run(staged_status(server.port, requests=3, wait_s=1.0))
     finally:
-        listener.close()
+        server.close()
 
 
 def test_a_live_server_that_accepts_slowly_is_no_false_alarm():
@@ -96,43 +118,14 @@ def _full_syn_backlog() -> dict[str, object]:
     accepts again and a connect gets through (`timeout connect 5s`, then a retry). It is the
     backend's only server: aborting its connects, retried after a turn-around of 1 s each,
     spends HAProxy's 3 retries before it accepts, and a slow 200 becomes a 503."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    filler = socket.create_connection(("127.0.0.1", port))
+    server = LateServer(backlog=0, after_s=4.5)
+    filler = socket.create_connection(("127.0.0.1", server.port))
     filler.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-
-    def answer(conn: socket.socket) -> None:
-        # A thread per connection: one whose request is still being retransmitted (its
-        # handshake completed late) must not hold up the others.
-        with conn, contextlib.suppress(OSError):
-            conn.settimeout(15)
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nlate")
-
-    def serve() -> None:
-        time.sleep(4.5)
-        listener.settimeout(10)
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
     try:
-        return asyncio.run(staged_status(port, requests=6, wait_s=1.0))
+        return asyncio.run(staged_status(server.port, requests=6, wait_s=1.0))
     finally:
         filler.close()
-        listener.close()
+        server.close()
 
 
 def test_the_last_server_of_a_backend_with_a_full_syn_backlog_is_left_in():
