@@ -19,7 +19,6 @@ import re
 import signal
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 
 import psutil
@@ -255,9 +254,6 @@ class GenerationStore:
             log.warning("%s: ignored: %s", self.index, exc)
             return None
 
-
-
-
 def old_workers_over_max(procs: ProcList, max_old: int) -> list[Proc]:
     """The old workers beyond `max_old`, oldest first (the most reloads ago, then lowest PID)."""
     olds = sorted(procs.old_workers, key=lambda p: (-p.reloads, p.pid))
@@ -278,19 +274,19 @@ class GenerationBook:
         self.last_procs: ProcList | None = None  # the last `show proc` answer observed
         self._persisted: Snapshot | None = None
 
-    @property
-    def current(self) -> Generation | None:
-        return self.state.current
-
-    def started(
-        self, model: Config, effective_sha: str, rendered_sha: str, inputs: str | None, worker_pid: int,
-        started_at: datetime | None = None,
-    ) -> Generation:
-        """A new worker runs this: the next generation, now the current one."""
+    def worker_started(self, pid: int, model: Config, loaded: LoadedConfig, procs: ProcList | None = None,
+                       started_at: datetime | None = None) -> Generation:
+        """Worker `pid` runs `loaded`: the next generation, now the current one, its config
+        recorded and no reload in flight; with `procs`, that `show proc` observed too. What
+        HAProxy runs is decided: a failed write (a full disk) changes nothing of it."""
         self.last_number += 1
-        generation = Generation(self.last_number, model, effective_sha, rendered_sha, started_at or utcnow(),
-                                worker_pid, inputs)
+        generation = Generation(self.last_number, model, loaded.sha256, loaded.rendered_sha256,
+                                started_at or utcnow(), pid, loaded.inputs_sha256)
         self.state.publish_generation(generation, current=True)
+        self.pending = None
+        self.write_config(generation.number, loaded.text)
+        if procs is not None:
+            self.observe(procs)
         return generation
 
     def kept(self, record: GenerationRecord, model: Config) -> Generation:
@@ -304,9 +300,10 @@ class GenerationBook:
     def make_current(self, generation: Generation) -> None:
         self.state.publish_generation(generation, current=True)
 
-    def ran(self, current: Generation, runs: Config, effective: Effective, *, whole: bool) -> Generation:
-        """A runtime apply changed what the current worker runs to `runs`: its new value. `whole`:
-        the whole change is live, and its config the last good one; else a reload finishes it."""
+    def applied_at_runtime(self, current: Generation, runs: Config, effective: Effective, *,
+                           whole: bool) -> Generation:
+        """The current worker runs `runs` now, changed at runtime. `whole`: the whole change is
+        live, and its config the last good one; else a reload finishes it."""
         generation = replace(current, model=runs, effective_sha256=effective.sha256,
                              rendered_sha256=effective.rendered_sha256)
         self.state.publish_generation(generation, current=whole)
@@ -314,19 +311,16 @@ class GenerationBook:
         self.persist()
         return generation
 
-    def sending(self, pending: PendingReload) -> None:
+    def sending_reload(self, pending: PendingReload) -> None:
         """Recorded before it is sent: a daemon killed before HAProxy answers leaves the next one
         what the new worker was given, so adopting it costs no reload."""
         self.pending = pending
         self.persist()
 
-    def decided(self, *, persist: bool = True) -> None:
-        """The reload in flight is decided (loaded or refused); recorded now, or by the caller's
-        next `persist` or `observe`."""
-        if self.pending is not None:
-            self.pending = None
-            if persist:
-                self.persist()
+    def reload_failed(self) -> None:
+        """HAProxy refused the reload in flight, or it failed: no worker runs it."""
+        self.pending = None
+        self.persist()
 
     def write_config(self, number: int, text: str) -> None:
         try:
@@ -350,8 +344,7 @@ class GenerationBook:
         self.persist()
 
     def persist(self) -> None:
-        generations = self.state.generations
-        records = tuple(record_of(g) for g in generations.values())
+        records = tuple(record_of(g) for g in self.state.generations.values())
         snapshot = Snapshot(records, self.state.current_generation, self.last_number, self.pending)
         if snapshot == self._persisted:
             return
@@ -406,25 +399,19 @@ class OldWorkerCap:
         return [p.pid for p in victims]
 
 
-
-
-@dataclass
+@dataclass(frozen=True)
 class LoadedConfig:
     """The effective config on disk that the current worker runs (the last good one)."""
 
     text: str
+    sha256: str  # compared every housekeeping round: a 50 MB config is hashed once, not every second
     rendered_sha256: str
     inputs_sha256: str | None
     slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss
 
-    @cached_property
-    def sha256(self) -> str:
-        # Compared every housekeeping round: a 50 MB config is hashed once, not every second.
-        return sha256_text(self.text)
-
     @classmethod
     def of(cls, effective: Effective, inputs: str | None) -> LoadedConfig:
-        return cls(effective.text, effective.rendered_sha256, inputs, effective.slot_table)
+        return cls(effective.text, effective.sha256, effective.rendered_sha256, inputs, effective.slot_table)
 
 
 class ConfigOnDisk:
@@ -438,9 +425,21 @@ class ConfigOnDisk:
         self.loaded: LoadedConfig | None = None
         self._on_disk_sha: str | None = None  # the effective config last written to disk
 
-    def runs(self, loaded: LoadedConfig) -> None:
-        """The current worker runs `loaded`."""
+    def worker_runs(self, loaded: LoadedConfig) -> None:
+        """The current worker runs `loaded`: the file is kept that, and other slot tables go."""
         self.loaded = loaded
+        self.write_back()
+        try:
+            removed = remove_stale_slot_tables(self.runtime_dir, loaded.slot_table)
+        except OSError as exc:  # a leftover file costs disk space, not the reload
+            log.warning("cannot remove old slot tables: %s", exc.strerror or exc)
+            return
+        if removed:
+            log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
+
+    def loaded_text(self, text: str, rendered_sha256: str, inputs: str | None) -> LoadedConfig:
+        """`text`, read from disk, as the config a worker runs, with the slot table it names."""
+        return LoadedConfig(text, sha256_text(text), rendered_sha256, inputs, self._slot_table_named(text))
 
     def write(self, effective: Effective) -> None:
         """The effective config on disk, for a reload or a start to load. OSError when it cannot
@@ -454,7 +453,7 @@ class ConfigOnDisk:
             write_slot_table(effective.slot_table)  # content-addressed: there, or OSError
         self._on_disk_sha = effective.sha256
 
-    def holds(self, text: str | None) -> None:
+    def file_holds(self, text: str | None) -> None:
         """The file holds `text` (read, or written by an earlier daemon); None: not known."""
         self._on_disk_sha = None if text is None else sha256_text(text)
 
@@ -482,27 +481,12 @@ class ConfigOnDisk:
 
     def rewrite(self) -> bool:
         """Write what runs again, whatever the file was believed to hold (runtime_dir was lost,
-        or a reload was refused); True when the disk now holds what runs."""
+        or a reload was refused); True when the disk now holds what runs, or nothing runs."""
         self._on_disk_sha = None
         self.write_back()
         return self.loaded is None or self._on_disk_sha == self.loaded.sha256
 
-    @property
-    def rewritten(self) -> bool:
-        """Whether a config that runs is on disk (after `rewrite`)."""
-        return self._on_disk_sha is not None
-
-    def remove_stale_slot_tables(self, running: Effective) -> None:
-        try:
-            removed = remove_stale_slot_tables(self.runtime_dir, running.slot_table)
-        except OSError as exc:  # a leftover file costs disk space, not the reload
-            log.warning("cannot remove old slot tables: %s", exc.strerror or exc)
-            return
-        if removed:
-            log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
-
-    def slot_table_named(self, text: str) -> SlotTable | None:
-        """The slot table file a config names, read from runtime_dir (to write it back with it)."""
+    def _slot_table_named(self, text: str) -> SlotTable | None:
         match = re.search(rf"{re.escape(str(self.runtime_dir))}/{SLOT_TABLE_PREFIX}[0-9a-f]+\.map", text)
         if match is None:
             return None
