@@ -351,14 +351,11 @@ class Reloader:
         started = time.monotonic()
         try:
             return await cycle
-        except OSError as exc:
-            if exc.errno in EXPECTED_IO_ERRORS:
+        except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno in EXPECTED_IO_ERRORS:
                 error = io_error_line(exc)
                 log.error("reload failed: %s", error)
                 return Attempt(self._record("failed", started, error))
-            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
-            return Attempt(self._record("failed", started, f"{type(exc).__name__}: {exc}"))
-        except Exception as exc:
             log.exception("reload failed: the cycle raised %s", type(exc).__name__)
             return Attempt(self._record("failed", started, f"{type(exc).__name__}: {exc}"))
 
@@ -391,7 +388,8 @@ class Reloader:
         settled = await self.confirmation.settle(procs)
         if settled is not None:
             await self._settled(settled, procs)
-        self._observe(procs)
+        self.book.observe(procs)
+        self.cap.enforce(procs, self.state.generations)
         if self.confirmation.unconfirmed is None:
             self.disk.write_back()
 
@@ -646,11 +644,6 @@ class Reloader:
     def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
         """One cycle's outcome, timed from the monotonic `started`, published."""
         return self.state.publish_reload(result, (time.monotonic() - started) * 1000, error)
-
-    def _observe(self, procs: ProcList) -> None:
-        """Prune dead generations and enforce old_workers.max from one `show proc` answer."""
-        self.book.observe(procs)
-        self.cap.enforce(procs, self.state.generations)
 
     def _worker_runs(self, effective: Effective, inputs: str, after: ProcList) -> Generation:
         """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation."""

@@ -180,11 +180,8 @@ Runs = tuple[str, str | None]
 
 
 def decide_change(current: Runs | None, goal: Runs, *, force: bool, runtime_apply: bool) -> Action:
-    """skip: the current worker runs the goal already and no reload is forced. runtime: the
-    watched files are as the current worker loaded them and a runtime apply is plugged in, so
-    only the config changed and the runtime API may carry it (it falls back to a reload when it
-    cannot). reload: anything else, a forced reload always, and whatever there is no current
-    worker for. The runtime and the reload both follow `haproxy -c` passing."""
+    """skip: the current worker runs the goal and nothing is forced. runtime: only the config
+    changed (the watched files are as loaded) and a runtime apply is plugged in. reload: else."""
     if current == goal and not force:
         return "skip"
     if runtime_apply and current is not None and not force and current[1] == goal[1]:

@@ -1,13 +1,9 @@
-"""What the reloader records. `GenerationBook`: the generations the daemon knows, published into
-State, and the files that record them; `OldWorkerCap`: the cap on old workers. `ConfigOnDisk`:
-the effective config a restarted master loads, kept what the current worker runs, and the
-slot tables it names.
-
-The generations are on disk so that a restarted daemon knows what every live worker runs:
-`<runtime_dir>/generations/<N>.cfg` is the effective config generation N's worker started with
-(or was updated to at runtime); `<runtime_dir>/generations.json` maps worker PIDs to
-generations with their checksums and start times. Encoding, decoding and the adoption plan
-are pure; `GenerationStore` is the thin file shell.
+"""What the reloader records. `GenerationBook`: the generations, published into State, and the
+files that record them (`<runtime_dir>/generations/<N>.cfg`, the effective config generation
+N's worker runs; `generations.json`, worker PIDs to generations, and the reload in flight), so
+that a restarted daemon knows what every live worker runs. `OldWorkerCap`: old_workers.max.
+`ConfigOnDisk`: the effective config a restarted master loads, kept what the current worker
+runs. Encoding, decoding and the adoption plan are pure; the rest are thin file shells.
 """
 
 from __future__ import annotations
@@ -172,12 +168,8 @@ class RebuildPlan:
 
 
 def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
-    """Match persisted generations to the workers `show proc` lists.
-
-    The current worker having no record means the daemon died between HAProxy starting
-    a worker and the daemon writing generations.json (mid-reload or mid-start); the
-    caller then builds a generation from the effective config HAProxy loaded.
-    """
+    """Match persisted generations to the workers `show proc` lists. A current worker with no
+    record: the daemon died between HAProxy starting it and writing generations.json."""
     records = snapshot.records if snapshot else ()
     current_pid = procs.current_worker.pid if procs.current_worker else None
     live = {p.pid for p in procs.workers} | {p.pid for p in procs.old_workers}
@@ -190,10 +182,8 @@ def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
 
 
 def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha256: str) -> bool:
-    """Whether the current worker, which has no recorded generation, is the one the pending
-    reload started: the same master, a worker started by a reload after it was recorded (by the
-    counts `show proc` gives), and the effective config the master re-executed on is the one
-    that was sent."""
+    """Did the pending reload start the current worker (which has no generation)? The same master,
+    a worker started by a later reload (`show proc`'s counts), and the config sent on disk."""
     master, worker = procs.master, procs.current_worker
     if pending is None or master is None or worker is None or master.pid != pending.master_pid:
         return False
@@ -202,10 +192,8 @@ def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha25
 
 
 def prunable(generations: dict[int, Generation], procs: ProcList, current: int | None) -> list[int]:
-    """Generations whose worker `show proc` no longer lists. The current one is never pruned,
-    even when a `show proc` taken mid-reload does not list its worker; and an answer without
-    the master is none: the master dropped the connection while it re-executed (seen during
-    reloads on 2.6 and 3.4), which lists no worker at all."""
+    """Generations whose worker `show proc` no longer lists; never the current one (mid-reload its
+    worker may be missing), and none from an answer without the master (cut as it re-executed)."""
     if procs.master is None:
         return []
     live = {p.pid for p in (*procs.workers, *procs.old_workers)}

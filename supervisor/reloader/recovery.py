@@ -201,7 +201,6 @@ class Recovery:
         return True
 
     def _unknown_inputs(self) -> str | None:
-        """The watched files' digest for a config whose loading nobody recorded: known when no
-        file is watched (there is nothing else it could depend on), else unknown (None), and
-        the next change reloads to be sure."""
+        # The watched files' digest of a config whose loading nobody recorded: with none watched
+        # it is known; else None, and the next change reloads to be sure.
         return None if self.settings.haproxy.watch else inputs_digest(())
