@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from .files import (
     DEFAULT_MAX_READ_BYTES,
@@ -162,9 +162,15 @@ def write_slot_table(table: SlotTable | None) -> None:
         create_if_missing(table.path, table.text.encode())
 
 
-def write_effective(path: Path, effective: Effective) -> None:
-    """Write the effective config, after the slot table it names: a config on disk never
-    names a file that is not there."""
+class NamesSlotTable(Protocol):
+    text: str
+    slot_table: SlotTable | None
+
+
+def write_effective(path: Path, effective: NamesSlotTable) -> None:
+    """Write an effective config, after the slot table it names: a config on disk never names a
+    file that is not there. A config just checked needs only `write_atomically`: the check
+    wrote its table."""
     write_slot_table(effective.slot_table)
     write_atomically(path, effective.text)
 

@@ -25,7 +25,6 @@ from ..effective import (
     sha256_text,
     write_atomically,
     write_effective,
-    write_slot_table,
 )
 from ..files import ensure_private_dir
 from ..haproxy.answers import Proc, ProcList
@@ -430,15 +429,15 @@ class ConfigOnDisk:
         return LoadedConfig(text, sha256_text(text), rendered_sha256, inputs, self._slot_table_named(text))
 
     def write(self, effective: Effective) -> None:
-        """The effective config on disk, for a reload or a start to load. OSError when it cannot
-        be written, unless the file holds that text already (a full disk has no room for the copy
-        an atomic write makes, and needs none)."""
+        """The effective config on disk, for a reload or a start to load, once `haproxy -c` passed
+        on it (the check wrote the slot table it names). OSError when it cannot be written,
+        unless the file holds that text already (a full disk has no room for the copy an
+        atomic write makes, and needs none)."""
         try:
-            write_effective(self.path, effective)
+            write_atomically(self.path, effective.text)
         except OSError:
             if self.previous() != effective.text:
                 raise
-            write_slot_table(effective.slot_table)  # content-addressed: there, or OSError
         self._on_disk_sha = effective.sha256
 
     def file_holds(self, text: str | None) -> None:
@@ -458,8 +457,7 @@ class ConfigOnDisk:
         if loaded is None or loaded.sha256 == self._on_disk_sha:
             return
         try:
-            write_slot_table(loaded.slot_table)
-            write_atomically(self.path, loaded.text)
+            write_effective(self.path, loaded)
             self._on_disk_sha = loaded.sha256
         except OSError as exc:
             error = io_error_line(exc)
