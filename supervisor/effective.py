@@ -90,13 +90,9 @@ def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool =
         raise RenderedConfigError(f"{path}: rendered config {exc}") from None
 
 
-def effective_config(rendered: Config, settings: Settings) -> Config:
-    """The rendered config after every injection that the settings switch on."""
-    return effective_config_and_table(rendered, settings)[0]
-
-
 def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Config, SlotTable | None]:
-    """effective_config(), and the slot table file it names (None with the guard off)."""
+    """The rendered config after every injection that the settings switch on, and the slot
+    table file it names (None with the guard off)."""
     config = rendered
     if settings.observe.enabled:
         config = inject_observe(config, settings.observe.error_limit)
@@ -211,11 +207,6 @@ def prepare_runtime_dir(settings: Settings) -> None:
     if settings.reload.preserve_server_state:
         # A state file with no server (haproxy.server_state.EMPTY_STATE): loads without a warning.
         create_if_missing(settings.haproxy.server_state_file, b"1\n")
-
-
-async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:
-    """Run `haproxy -c` on `text`. Returns (valid, HAProxy's own message)."""
-    return await (await start_check(binary, text, directory)).verdict()
 
 
 def source_lines(rendered_text: str, effective_text: str) -> list[int]:
