@@ -463,12 +463,20 @@ class Reloader:
                     return await self._change(effective, inputs, force, reason, time.monotonic())
 
     async def _first_start(self, effective: Effective, inputs: str, started: float) -> Attempt | None:
+        """No master yet: it starts on `effective` once valid and written; else on the effective
+        config an earlier run left on disk, if valid, until the rendered one can be loaded."""
         failed = await self.recovery.first_start(effective, inputs)
         if failed is None:
             return None
-        attempt = Attempt(self._record(*failed, started))
-        if failed[0] == "invalid" and not self.master.wanted:
-            self.notifier.status(f"waiting for a valid config: {one_line(failed[1], 200)}")
+        result, error = failed
+        attempt = Attempt(self._record(result, started, error))
+        if await self.recovery.start_on_previous():
+            return attempt
+        if result == "failed":
+            log.error("no effective config on disk to start haproxy with: retrying")
+            return attempt
+        log.error("no valid config to start haproxy with: waiting for %s to change", self.settings.haproxy.config)
+        self.notifier.status(f"waiting for a valid config: {one_line(error, 200)}")
         return attempt
 
     # ------------------------------------------------------------ one change, master.lock held

@@ -63,32 +63,27 @@ class Recovery:
         return await self.master.take_back(pid)
 
     async def first_start(self, effective: Effective, inputs: str) -> tuple[ReloadResult, str] | None:
-        """No master yet: validate, write the effective config, and let the master start on it;
-        else (result, error) for the reloader to record. When the config is invalid, or cannot be
-        written for HAProxy to read (a full or read-only runtime_dir), HAProxy starts on the
-        effective config an earlier run left on disk, if valid."""
+        """No master yet: validate, write the effective config, and let the master start on it.
+        Else (result, error): the config is invalid, or cannot be written for HAProxy to read (a
+        full or read-only runtime_dir)."""
         ok, message = await self._check(effective)
-        if ok:
-            try:
-                self.disk.write(effective)
-            except OSError as exc:
-                if exc.errno not in EXPECTED_IO_ERRORS:
-                    raise
-                error = f"cannot write the effective config for haproxy: {io_error_line(exc)}"
-                log.error("reload failed: %s", error)
-                if not await self._start_on_previous():
-                    log.error("no effective config on disk to start haproxy with: retrying")
-                return "failed", error
-            self.disk.worker_runs(LoadedConfig.of(effective, inputs))
-            log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
-            self.master.request_start()
-            return None
-        log.error("initial config invalid: %s", one_line(message))
-        if not await self._start_on_previous():
-            log.error("no valid config to start haproxy with: waiting for %s to change", self.settings.haproxy.config)
-        return "invalid", message
+        if not ok:
+            log.error("initial config invalid: %s", one_line(message))
+            return "invalid", message
+        try:
+            self.disk.write(effective)
+        except OSError as exc:
+            if exc.errno not in EXPECTED_IO_ERRORS:
+                raise
+            error = f"cannot write the effective config for haproxy: {io_error_line(exc)}"
+            log.error("reload failed: %s", error)
+            return "failed", error
+        self.disk.worker_runs(LoadedConfig.of(effective, inputs))
+        log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
+        self.master.request_start()
+        return None
 
-    async def _start_on_previous(self) -> bool:
+    async def start_on_previous(self) -> bool:
         """Start HAProxy on the effective config on disk, the last good one, if it is valid."""
         h = self.settings.haproxy
         fallback = self.disk.previous()
