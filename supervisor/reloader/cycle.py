@@ -236,8 +236,6 @@ class Reloader:
         self.cap = OldWorkerCap(settings.old_workers.max)
         self.recovery = Recovery(settings, master, self.book, self.disk)
         self.hold = TransientHold(reload.transient_hold_ms / 1000)
-        self.watch_files, self.watch_dirs = split_watch(settings.haproxy.config, settings.haproxy.watch)
-        self.watch_ignore = [settings.haproxy.runtime_dir]
         # The safety net under the watches; its first look, taken now, is what later looks compare with.
         self.content = ContentCheck(settings.haproxy.config)
         self.content.commit(*self.content.look())
@@ -280,9 +278,10 @@ class Reloader:
     # ------------------------------------------------------------ tasks
 
     async def run(self) -> None:
+        h = self.settings.haproxy
+        files, directories = split_watch(h.config, h.watch)
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(watch_changes(self.watch_files, self.watch_dirs, self.watch_ignore, self.changed,
-                                         self.being_written))
+            tg.create_task(watch_changes(files, directories, [h.runtime_dir], self.changed, self.being_written))
             tg.create_task(self._schedule())
             tg.create_task(self._housekeeping())
             tg.create_task(self._content_check())

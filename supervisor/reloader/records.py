@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import signal
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -102,13 +102,7 @@ def encode(snapshot: Snapshot) -> str:
         "last_generation": snapshot.last_number,
         "workers": workers,
         "unattached": unattached,
-        "pending_reload": None if snapshot.pending is None else {
-            "effective_sha256": snapshot.pending.effective_sha256,
-            "rendered_sha256": snapshot.pending.rendered_sha256,
-            "inputs_sha256": snapshot.pending.inputs_sha256,
-            "master_pid": snapshot.pending.master_pid,
-            "master_reloads": snapshot.pending.master_reloads,
-        },
+        "pending_reload": None if snapshot.pending is None else asdict(snapshot.pending),
     }
     return json.dumps(doc, indent=2) + "\n"
 
