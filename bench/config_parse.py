@@ -11,7 +11,7 @@ import time
 
 from bench._doc import markdown_table
 from bench.displaced_push import rendered
-from supervisor.effective import build_effective, effective_config
+from supervisor.effective import build_effective, effective_config_and_table
 from supervisor.haproxy.cache import ConfigCache
 from supervisor.haproxy.config import Config
 from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
@@ -80,11 +80,14 @@ def measure(repeat: int = 15) -> list[tuple[str, list[float]]]:
     return [
         ("parse + render (10k servers)", timed(lambda: warm(text).render(), repeat)),
         ("parse + servers() (10k servers)", timed(lambda: warm(text).servers(), repeat)),
-        ("parse + all injections + render (10k)", timed(lambda: effective_config(warm(text), full).render(), repeat)),
+        (
+            "parse + all injections + render (10k)",
+            timed(lambda: effective_config_and_table(warm(text), full)[0].render(), repeat),
+        ),
         ("cold: parse + servers() (10k)", timed(lambda: Config.parse(text).servers(), repeat)),
         (
             "cold: parse + all injections + render (10k)",
-            timed(lambda: effective_config(Config.parse(text), full).render(), repeat),
+            timed(lambda: effective_config_and_table(Config.parse(text), full)[0].render(), repeat),
         ),
         ("build_effective, a new config each run", timed(lambda: build(kept), repeat)),
         ("cold: build_effective", timed(lambda: build(ConfigCache()), repeat)),

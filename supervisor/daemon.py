@@ -225,7 +225,7 @@ class Daemon:
             try:
                 adopted = await self.master.adopt()
             except MasterSocketGone as gone:
-                adopted = await self.reloader.take_back(gone.pid)
+                adopted = await self.reloader.recovery.take_back(gone.pid)
         except MasterError as exc:
             log.error("%s", exc)
             if relay is not None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from .files import (
     DEFAULT_MAX_READ_BYTES,
@@ -90,13 +90,9 @@ def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool =
         raise RenderedConfigError(f"{path}: rendered config {exc}") from None
 
 
-def effective_config(rendered: Config, settings: Settings) -> Config:
-    """The rendered config after every injection that the settings switch on."""
-    return effective_config_and_table(rendered, settings)[0]
-
-
 def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Config, SlotTable | None]:
-    """effective_config(), and the slot table file it names (None with the guard off)."""
+    """The rendered config after every injection that the settings switch on, and the slot
+    table file it names (None with the guard off)."""
     config = rendered
     if settings.observe.enabled:
         config = inject_observe(config, settings.observe.error_limit)
@@ -162,9 +158,15 @@ def write_slot_table(table: SlotTable | None) -> None:
         create_if_missing(table.path, table.text.encode())
 
 
-def write_effective(path: Path, effective: Effective) -> None:
-    """Write the effective config, after the slot table it names: a config on disk never
-    names a file that is not there."""
+class NamesSlotTable(Protocol):
+    text: str
+    slot_table: SlotTable | None
+
+
+def write_effective(path: Path, effective: NamesSlotTable) -> None:
+    """Write an effective config, after the slot table it names: a config on disk never names a
+    file that is not there. A config just checked needs only `write_atomically`: the check
+    wrote its table."""
     write_slot_table(effective.slot_table)
     write_atomically(path, effective.text)
 
@@ -205,11 +207,6 @@ def prepare_runtime_dir(settings: Settings) -> None:
     if settings.reload.preserve_server_state:
         # A state file with no server (haproxy.server_state.EMPTY_STATE): loads without a warning.
         create_if_missing(settings.haproxy.server_state_file, b"1\n")
-
-
-async def validate(binary: str, text: str, directory: Path) -> tuple[bool, str]:
-    """Run `haproxy -c` on `text`. Returns (valid, HAProxy's own message)."""
-    return await (await start_check(binary, text, directory)).verdict()
 
 
 def source_lines(rendered_text: str, effective_text: str) -> list[int]:

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from rigs.wholes import inject_guard, plan_runtime_apply
-from supervisor.effective import effective_config
+from supervisor.effective import effective_config_and_table
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import slot_table
 from supervisor.haproxy.observe import inject_observe
@@ -156,7 +156,7 @@ def test_server_state_file_reaches_a_backend_through_its_chain():
         reload=ReloadSettings(preserve_server_state=True),
         old_workers=OldWorkerSettings(guard=False),
     )
-    out = Config.parse(effective_config(Config.parse(CHAIN), settings).render())
+    out = Config.parse(effective_config_and_table(Config.parse(CHAIN), settings)[0].render())
     # Both defaults sections load the state; the backend inherits it from def_back.
     loads = [s.kind for s in out.sections if any(line.keyword == "load-server-state-from-file" for line in s.body)]
     assert loads == ["defaults", "defaults"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rigs.wholes import guard_block, guarded_backends, inject_guard
-from supervisor.effective import effective_config, effective_config_and_table
+from supervisor.effective import effective_config_and_table
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import GUARD_MARKER, SlotTable, slot_table, slot_table_text
 from supervisor.settings import (
@@ -153,7 +153,7 @@ def test_unsafe_map_path_is_refused_with_one_line():
     # Through the settings it is a settings error: `run` and `check` say so in one line.
     settings = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/my dir,x")))
     with pytest.raises(SettingsError, match=r"map path '/run/my dir,x/steer\.map'"):
-        effective_config(Config.parse("backend b\n  server s 127.0.0.1:1\n"), settings)
+        effective_config_and_table(Config.parse("backend b\n  server s 127.0.0.1:1\n"), settings)[0]
 
 
 def test_effective_config_applies_guard_only_when_on():
@@ -162,9 +162,9 @@ def test_effective_config_applies_guard_only_when_on():
     no_state = ReloadSettings(preserve_server_state=False)
     on = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/hs")), reload=no_state)
     off = Settings(old_workers=OldWorkerSettings(guard=False), reload=no_state)
-    assert effective_config(Config.parse(text), off).render() == text
+    assert effective_config_and_table(Config.parse(text), off)[0].render() == text
     table = SlotTable.of(Config.parse(text), Path("/run/hs"))
-    assert effective_config(Config.parse(text), on).render() == guarded(text, table.path)
+    assert effective_config_and_table(Config.parse(text), on)[0].render() == guarded(text, table.path)
 
 
 def test_slot_table_lists_every_primary_in_config_order():

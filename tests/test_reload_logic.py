@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.haproxy.answers import parse_show_proc
-from supervisor.reloader.confirm import confirm_reload
-from supervisor.reloader.decisions import ReloadScheduler, one_line, retry_delay, runs_goal
+from supervisor.reloader.decisions import ReloadScheduler, confirm_reload, one_line, retry_delay, runs_goal
 from supervisor.reloader.records import old_workers_over_max
 from supervisor.reloader.watch import inputs_digest, split_watch
 

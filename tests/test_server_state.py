@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rigs.wholes import filter_server_state, server_state_target
-from supervisor.effective import build_effective, effective_config
+from supervisor.effective import build_effective, effective_config_and_table
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.server_state import EMPTY_STATE, inject_server_state, save_server_state, server_state_parts
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
@@ -103,8 +103,8 @@ def test_setting_switches_the_injection():
     rendered = Config.parse("global\ndefaults\nbackend b\n  server s 127.0.0.1:1\n")
     on = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/x")), old_workers=OldWorkerSettings(guard=False))
     off = Settings(reload=ReloadSettings(preserve_server_state=False), old_workers=OldWorkerSettings(guard=False))
-    assert "server-state-file /run/x/server-state" in effective_config(rendered, on).render()
-    assert effective_config(rendered, off).render() == rendered.render()
+    assert "server-state-file /run/x/server-state" in effective_config_and_table(rendered, on)[0].render()
+    assert effective_config_and_table(rendered, off)[0].render() == rendered.render()
 
 
 def test_target_of_the_effective_config():

@@ -1,5 +1,8 @@
-"""One change, with master.lock held: settle a reload still unconfirmed, decide (skip, runtime
-apply, reload), `haproxy -c` it, then apply it at runtime or reload, and record what runs."""
+"""The `Reloader`, read top to bottom the way gunicorn's Arbiter is: its tasks watch the inputs,
+run each cycle when it is due, and look after the master between reloads. One cycle, with
+master.lock held: settle a reload still unconfirmed, decide (skip, runtime apply, reload),
+`haproxy -c` it, then apply it at runtime or reload, confirm it from `show proc`, and record
+what runs. The parts it holds own their fields and return what they find; the Reloader acts."""
 
 from __future__ import annotations
 
@@ -7,27 +10,174 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal, Protocol
 
-from ..effective import Effective, load_effective, off_the_loop, start_effective_check
-from ..eventloop import collector_paused, settle_after_reload
-from ..files import WriterBusy
+from ..effective import Effective, RenderedConfigError, load_effective, off_the_loop, start_effective_check
+from ..eventloop import collector_paused, settle_after_reload, wait_set
+from ..files import RuntimeDirLock, WriterBusy
 from ..haproxy.answers import ProcList
-from ..haproxy.api import CLIError
+from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.config import Config
+from ..haproxy.runtime import RuntimeOutcome
 from ..haproxy.server_state import clear_server_state
-from ..master.readiness import bind_ports
-from ..notify import summary_line
+from ..logs import RecurringConditions
+from ..master import MasterProcess
+from ..master.readiness import bind_ports, worker_ready
+from ..notify import Notifier, summary_line
 from ..settings import Settings
-from ..state import Generation
-from .confirm import Confirmed, Settled
-from .decisions import EXPECTED_IO_ERRORS, Attempt, decide_change, io_error_line, one_line
-from .hooks import RuntimeApply, SaveServerState, call_hook
-from .parts import Parts
-from .records import LoadedConfig, PendingReload
+from ..state import Generation, ReloadRecord, ReloadResult, State, utcnow
+from .decisions import (
+    EXPECTED_IO_ERRORS,
+    Attempt,
+    Cause,
+    Facts,
+    ReloadScheduler,
+    Runs,
+    TransientHold,
+    Verdict,
+    confirm_reload,
+    decide_change,
+    io_error_line,
+    judge_convergence,
+    one_line,
+    retry_delay,
+    runs_goal,
+)
+from .records import ConfigOnDisk, GenerationBook, GenerationStore, LoadedConfig, OldWorkerCap, PendingReload
+from .recovery import Recovery
+from .watch import ContentCheck, content_news, inputs_digest, split_watch, watch_changes
 
 log = logging.getLogger(__package__)
 
+HOUSEKEEPING_S = 1.0
+CONTENT_CHECK_S = 1.0  # the safety net under the watches: how often the rendered config is looked at
+CONFIRM_POLL_S = 0.05
 WRITER_POLL_S = 0.05  # how often a file being written is looked at again
+
+
+class ReloadHooks(Protocol):
+    """What the displaced-worker component needs around each change."""
+
+    async def prepare(self, effective: Effective) -> None: ...
+
+    async def before_reload(self, effective: Effective) -> None: ...
+
+    async def after_reload(self, ok: bool) -> None: ...
+
+    async def refresh(self) -> None: ...
+
+
+# (current generation, new effective model, the effective config) -> what the worker now runs.
+RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[RuntimeOutcome]]
+# (current generation, next effective model, state file) -> saved. Runs just before a reload so
+# the new worker starts with the current worker's server states (maint, DOWN, weights).
+SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class Unconfirmed:
+    """A reload HAProxy did not confirm within reload.timeout_s: it may still take (a big
+    config loads for a minute), so the new config stays on disk until `show proc` settles it."""
+
+    before: ProcList
+    effective: Effective
+    inputs: str
+    sent: float  # monotonic
+    ports: set[int]  # the config's listening ports: a new worker is ready once it listens on them
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """How a reload ended while it was waited for."""
+
+    verdict: Verdict
+    after: ProcList | None
+    error: str | None = None
+    refused: bool = False  # HAProxy could not load the config
+    cli_failed: bool = False  # a `show proc` went unanswered on the way
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a later `show proc` says of the unconfirmed reload. loading: a new worker is listed
+    but not ready yet, so nothing else may be sent; pending: no verdict yet; ok and failed: the
+    reload `of` is decided, and no longer held."""
+
+    verdict: Literal["loading", "pending", "ok", "failed"]
+    of: Unconfirmed | None = None
+
+
+class Confirmation:
+    """Confirms a reload from `show proc`, and holds one HAProxy has not confirmed (`unconfirmed`)."""
+
+    def __init__(self, cli: MasterCLI, master: MasterProcess, timeout_s: float) -> None:
+        self.cli = cli
+        self.master = master
+        self.timeout_s = timeout_s
+        self.unconfirmed: Unconfirmed | None = None
+
+    async def show_proc_until(self, deadline: float) -> ProcList:
+        """`show proc`, given up at `deadline`: a stopped master accepts a connection and never answers."""
+        try:
+            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                return await self.cli.show_proc()
+        except TimeoutError:
+            raise CLIError("show proc: no answer within reload.timeout_s") from None
+
+    async def confirm(self, before: ProcList, deadline: float, ports: set[int]) -> Confirmed:
+        after: ProcList | None = None
+        cli_failed = False
+        while True:
+            if not self.master.alive:
+                return Confirmed("failed", after, "haproxy master exited during the reload", cli_failed=cli_failed)
+            try:
+                after = await self.show_proc_until(deadline)
+                verdict = confirm_reload(before, after)
+                worker = after.current_worker
+                if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
+                    verdict = "pending"  # 3.1+ lists the new worker before it has loaded and bound
+            except CLIError:
+                cli_failed = True
+                verdict = "pending"
+            if verdict == "ok":
+                return Confirmed("ok", after, cli_failed=cli_failed)
+            if verdict == "failed":
+                assert after is not None
+                return Confirmed("failed", after, (
+                    f"HAProxy could not load the new config (show proc: failed={after.master_failed}); "
+                    "its reason is in HAProxy's own log lines on the daemon's stderr"
+                ), refused=True, cli_failed=cli_failed)
+            if time.monotonic() > deadline:
+                return Confirmed("unknown", after, (
+                    f"no new worker in `show proc` within reload.timeout_s={self.timeout_s:g}s"
+                ), cli_failed=cli_failed)
+            await asyncio.sleep(CONFIRM_POLL_S)
+
+    def hold(self, before: ProcList, effective: Effective, inputs: str, ports: set[int]) -> None:
+        self.unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(), ports)
+
+    def take(self) -> Unconfirmed | None:
+        """The unconfirmed reload, no longer held (a master restarted on its config)."""
+        held, self.unconfirmed = self.unconfirmed, None
+        return held
+
+    async def settle(self, procs: ProcList) -> Settled | None:
+        """Decide the unconfirmed reload from a later `show proc` (with master.lock held); None
+        when there is none."""
+        held = self.unconfirmed
+        if held is None:
+            return None
+        verdict = confirm_reload(held.before, procs)
+        worker = procs.current_worker
+        if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, held.ports):
+            return Settled("loading")
+        if verdict == "pending":
+            return Settled("pending")
+        self.unconfirmed = None
+        return Settled("ok" if verdict == "ok" else "failed", held)
 
 
 async def load_whole(settings: Settings) -> Effective:
@@ -49,63 +199,312 @@ async def load_whole(settings: Settings) -> Effective:
         return effective
 
 
-async def guarded(parts: Parts, cycle: Awaitable[Attempt | None]) -> Attempt | None:
-    """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the
-    daemon goes on watching, HAProxy goes on serving the last good config."""
-    started = time.monotonic()
+async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> None:
+    # A component's failure must not stop a reload that protects the fleet from stale configs.
     try:
-        return await cycle
-    except OSError as exc:
-        if exc.errno not in EXPECTED_IO_ERRORS:
-            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
-            return Attempt(parts.record("failed", started, f"{type(exc).__name__}: {exc}"))
-        error = io_error_line(exc)
-        log.error("reload failed: %s", error)
-        return Attempt(parts.record("failed", started, error))
-    except Exception as exc:
-        log.exception("reload failed: the cycle raised %s", type(exc).__name__)
-        return Attempt(parts.record("failed", started, f"{type(exc).__name__}: {exc}"))
+        await getattr(hooks, name)(*args)
+    except Exception:
+        log.exception("hook %s raised", name)
 
 
-class Cycle:
-    """Takes one change to the master; owns nothing: what it learns goes to the parts' owners."""
+class Reloader:
+    """watch -> debounce -> cycle -> assess, and housekeeping between cycles."""
 
     def __init__(
-        self, parts: Parts, runtime_apply: RuntimeApply | None, save_server_state: SaveServerState | None,
-        settled: Callable[[Settled, ProcList], Awaitable[None]], cli_failed: Callable[[], None],
+        self,
+        settings: Settings,
+        state: State,
+        cli: MasterCLI,
+        master: MasterProcess,
+        hooks: ReloadHooks,
+        notifier: Notifier | None = None,
+        runtime_apply: RuntimeApply | None = None,
+        save_server_state: SaveServerState | None = None,
     ) -> None:
-        self.parts = parts
+        self.settings, self.state, self.cli, self.master, self.hooks = settings, state, cli, master, hooks
+        self.notifier = notifier or Notifier(environ={})
         self.runtime_apply = runtime_apply
         self.save_server_state = save_server_state
-        self.settled = settled  # the reloader's handler of a reload settled late
-        self.cli_failed = cli_failed
+        reload = settings.reload
+        self.scheduler = ReloadScheduler(
+            reload.debounce_ms / 1000, reload.min_interval_ms / 1000, reload.max_delay_ms / 1000
+        )
+        self.problems = RecurringConditions(log, logging.ERROR)  # keyed by what fails, caused by the error
+        self.book = GenerationBook(state, GenerationStore(settings.haproxy.runtime_dir), self.problems)
+        self.disk = ConfigOnDisk(settings, self.problems)
+        self.confirmation = Confirmation(cli, master, reload.timeout_s)
+        self.cap = OldWorkerCap(settings.old_workers.max)
+        self.recovery = Recovery(settings, master, self.book, self.disk)
+        self.hold = TransientHold(reload.transient_hold_ms / 1000)
+        # The safety net under the watches; its first look, taken now, is what later looks compare with.
+        self.content = ContentCheck(settings.haproxy.config)
+        self.content.commit(*self.content.look())
+        self.runtime_lock: RuntimeDirLock | None = None  # the daemon's, renewed when runtime_dir is made again
+        self._cycling = False  # a cycle is under way (it reads the rendered config)
+        self._wake = asyncio.Event()
+        # What the node should run: (effective sha256, watched files' digest) of the rendered config.
+        self._goal: Runs | None = None
+        # The cycle requests join, by kind ("forced", "asked"), and who asked.
+        self._requested: dict[Cause, asyncio.Future[ReloadRecord | None]] = {}
+        self._requested_by: list[str] = []
+        self._cli_failed = False  # the master CLI failed to answer, and has not answered since
+        self._status_sent = ""
+        state.publish_paths(str(settings.haproxy.config), str(settings.haproxy.effective_config))
 
-    async def change(self, effective: Effective, inputs: str, force: bool, reason: str, started: float) -> Attempt:
-        p = self.parts
-        if p.confirmation.unconfirmed is not None:
+    # ------------------------------------------------------------ events
+
+    def changed(self, now: float | None = None) -> None:
+        self.scheduler.changed(time.monotonic() if now is None else now)
+        if self.state.convergence.converged:
+            self.state.publish_unconverged("a change is pending", transient=True)
+        self._wake.set()
+
+    def being_written(self) -> None:
+        """A watched file is being written: not converged from now, read once it is closed."""
+        self.scheduler.being_written()
+        if self.state.convergence.converged:
+            self.state.publish_unconverged("a change is being written", transient=True)
+
+    def cli_answered(self) -> None:
+        """The master CLI answered: after a failure, a pending attempt to converge runs now."""
+        if not self._cli_failed:
+            return
+        self._cli_failed = False
+        if self.scheduler.answered_again(time.monotonic()):
+            self.state.publish_next_attempt(utcnow())
+            log.info("master CLI answers again: attempt %d now", self.state.convergence.attempts)
+            self._wake.set()
+
+    # ------------------------------------------------------------ tasks
+
+    async def run(self) -> None:
+        h = self.settings.haproxy
+        files, directories = split_watch(h.config, h.watch)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(watch_changes(files, directories, [h.runtime_dir], self.changed, self.being_written))
+            tg.create_task(self._schedule())
+            tg.create_task(self._housekeeping())
+            tg.create_task(self._content_check())
+
+    async def _content_check(self) -> None:
+        """Every CONTENT_CHECK_S: a stat of the rendered config through its symlinks, and a hash
+        when the stat changed. A content no event told of (a path component swapped where no
+        watch could see it, a filesystem without inotify) is a change all the same. While a
+        change is pending or a cycle runs, it waits: that cycle reads the file anyway."""
+        content = self.content
+        while True:
+            await asyncio.sleep(CONTENT_CHECK_S)
+            if self.scheduler.pending or self._cycling or not content.stale():
+                continue
+            key, sha = await off_the_loop(content.look)
+            if self.scheduler.pending or self._cycling:
+                continue  # looked at while a change came in: the next look decides
+            news = content_news(sha, content.sha, self.state.rendered_sha256)
+            content.commit(key, sha)
+            if news:
+                log.warning("watch: %s changed with no event seen; change scheduled", content.path)
+                self.changed()
+
+    async def _schedule(self) -> None:
+        while True:
+            due = self.scheduler.due_at()
+            now = time.monotonic()
+            if due is None or due > now:
+                self._wake.clear()
+                await wait_set(self._wake, None if due is None else due - now)
+                continue
+            cause = self.scheduler.take(now)
+            if cause is not None:
+                self._cycling = True
+                try:
+                    await self._cycle(cause)
+                finally:
+                    self._cycling = False
+
+    async def _cycle(self, cause: Cause) -> None:
+        """One cycle toward the goal; then convergence is assessed and a retry set when needed."""
+        waiters: list[asyncio.Future[ReloadRecord | None]] = []
+        reason: str = cause
+        if cause in ("forced", "asked"):
+            # A forced cycle answers the requests for an asked one too: it does all they asked.
+            waiters = [self._requested.pop(kind) for kind in ("asked", cause) if kind in self._requested]
+            by, self._requested_by = self._requested_by, []
+            reason = by[0] if len(by) == 1 else f"{by[0]} and {len(by) - 1} more requests"
+        elif cause == "retry":
+            convergence = self.state.convergence
+            reason = f"retry {convergence.attempts}"
+            log.warning("converge: attempt %d, not converged for %.1fs: %s",
+                        convergence.attempts, convergence.unconverged_s(utcnow()), convergence.reason)
+        attempt: Attempt | None = None
+        try:
+            attempt = await self._guarded(self._attempt(force=cause == "forced", reason=reason))
+        finally:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(attempt.record if attempt else None)
+        self.assess(attempt)
+
+    async def _guarded(self, cycle: Awaitable[Attempt | None]) -> Attempt | None:
+        """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the
+        daemon goes on watching, HAProxy goes on serving the last good config."""
+        started = time.monotonic()
+        try:
+            return await cycle
+        except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno in EXPECTED_IO_ERRORS:
+                error = io_error_line(exc)
+                log.error("reload failed: %s", error)
+                return Attempt(self._record("failed", started, error))
+            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+            return Attempt(self._record("failed", started, f"{type(exc).__name__}: {exc}"))
+
+    async def _housekeeping(self) -> None:
+        """Between reloads: settle an unconfirmed reload, prune generations whose worker is gone,
+        enforce old_workers.max, put back what was lost from runtime_dir, assess convergence."""
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            if self.master.up and not self.master.lock.locked():
+                async with self.master.lock:
+                    await self._look_after_master()
+            self.assess(None)
+            status = summary_line(self.state, self.book.old_count())
+            if status != self._status_sent:
+                self._status_sent = status
+                self.notifier.status(status)
+
+    async def _look_after_master(self) -> None:
+        """One housekeeping round, with master.lock held (taken at once: the master is up)."""
+        if not self.settings.haproxy.master_socket_path.exists():
+            await self._recover_runtime_dir()
+            return
+        try:
+            procs = await self.cli.show_proc()
+        except CLIError as exc:
+            log.debug("housekeeping: %s", exc)
+            self._cli_failed = True
+            return
+        self.cli_answered()
+        settled = await self.confirmation.settle(procs)
+        if settled is not None:
+            await self._settled(settled, procs)
+        self.book.observe(procs)
+        self.cap.enforce(procs, self.state.generations)
+        if self.confirmation.unconfirmed is None:
+            self.disk.write_back()
+
+    # ------------------------------------------------------------ requests
+
+    async def reload_now(self, reason: str = "requested", force: bool = True) -> ReloadRecord | None:
+        """Reload even when nothing changed (SIGHUP, POST /reload), as soon as reload.min_interval_ms
+        allows; with `force` False, a cycle that goes the way of a change: skipped when nothing
+        changed, applied at runtime when it can be (a controller's `reload`). Requests made
+        before that cycle starts join it and get its record."""
+        kind: Cause = "forced" if force else "asked"
+        future = self._requested.get(kind)
+        if future is None:
+            future = self._requested[kind] = asyncio.get_running_loop().create_future()
+            if force:
+                self.scheduler.force()
+            else:
+                self.scheduler.ask()
+            self._wake.set()
+        else:
+            log.info("reload requested (%s): joins the reload already due", reason)
+        self._requested_by.append(reason)
+        return await asyncio.shield(future)
+
+    async def _attempt(self, force: bool, reason: str) -> Attempt | None:
+        started = time.monotonic()
+        if self.master.stopping:
+            return None
+        self._goal = None  # read afresh: until then, what the node should run is not known
+        try:
+            effective = await load_whole(self.settings)
+        except RenderedConfigError as exc:
+            # What this read found is no news for the safety net (a deleted file, bytes that are
+            # not UTF-8): it would take it for a change no event told of, and count it again.
+            content = self.content
+            content.commit(*await off_the_loop(content.look))
+            if exc.missing and not self.master.wanted:
+                # A controller that has rendered nothing yet (a Ray node before Ray starts) is no
+                # bad input, and nothing serves that a record would warn about: its write is the change.
+                log.info("waiting for the rendered config: %s", exc)
+                return None
+            log.error("reload invalid: %s", exc)
+            return Attempt(self._record("invalid", started, str(exc)))
+        except OSError:  # the daemon short of descriptors or memory: a passing failure, retried
+            raise
+        except Exception as exc:  # our parser choking on input must not take the daemon down
+            error = f"{self.settings.haproxy.config}: cannot build the effective config: {exc}"
+            log.error("reload invalid: %s", error)
+            return Attempt(self._record("invalid", started, error))
+        watch = self.settings.haproxy.watch
+        inputs = await off_the_loop(lambda: inputs_digest(watch))  # maps and certificates can be big
+        self.state.publish_rendered(effective.rendered_sha256)
+        self._goal = (effective.sha256, inputs)
+        if not self.master.wanted:
+            return await self._first_start(effective, inputs, started)
+        current = None if force or self.state.current is None else self.state.current.model
+        wait, why = self.hold.check(current, effective.effective_model, effective.sha256, time.monotonic())
+        if wait > 0:
+            log.info("reload held %.1fs for the next render: %s", wait, why)
+            self.scheduler.retry(time.monotonic() + wait)
+            return None
+        while True:
+            await self.master.wait_up()
+            async with self.master.lock:
+                if self.master.stopping:
+                    return None
+                if not self.master.up:
+                    continue
+                # Timed (and reload.timeout_s counted) from here, not from waiting for the lock.
+                with collector_paused():
+                    return await self._change(effective, inputs, force, reason, time.monotonic())
+
+    async def _first_start(self, effective: Effective, inputs: str, started: float) -> Attempt | None:
+        """No master yet: it starts on `effective` once valid and written; else on the effective
+        config an earlier run left on disk, if valid, until the rendered one can be loaded."""
+        failed = await self.recovery.first_start(effective, inputs)
+        if failed is None:
+            return None
+        result, error = failed
+        attempt = Attempt(self._record(result, started, error))
+        if await self.recovery.start_on_previous():
+            return attempt
+        if result == "failed":
+            log.error("no effective config on disk to start haproxy with: retrying")
+            return attempt
+        log.error("no valid config to start haproxy with: waiting for %s to change", self.settings.haproxy.config)
+        self.notifier.status(f"waiting for a valid config: {one_line(error, 200)}")
+        return attempt
+
+    # ------------------------------------------------------------ one change, master.lock held
+
+    async def _change(self, effective: Effective, inputs: str, force: bool, reason: str, started: float) -> Attempt:
+        if self.confirmation.unconfirmed is not None:
             waiting = await self._settle_first(started)
             if waiting is not None:
                 return waiting
-        current = p.state.current
+        current = self.state.current
         runs = None if current is None else (current.effective_sha256, current.inputs_sha256)
         action = decide_change(runs, (effective.sha256, inputs), force=force,
                                runtime_apply=self.runtime_apply is not None)
         if action == "skip":
             log.info("reload skipped_unchanged sha256=%s reason=%s", effective.sha256[:12], reason)
-            return Attempt(p.record("skipped_unchanged", started))
-        h = p.settings.haproxy
+            return Attempt(self._record("skipped_unchanged", started))
+        h = self.settings.haproxy
         check = await start_effective_check(h.binary, effective, h.runtime_dir, h.config)
         # `haproxy -c` takes a core of its own for a while (a quarter of a second at 10,000
         # servers): work out the steering the next config needs meanwhile, so that only its
         # pushes are left once the check passes. Nothing is pushed before the verdict.
         try:
-            await call_hook(p.hooks, "prepare", effective)
+            await call_hook(self.hooks, "prepare", effective)
         finally:
             ok, message = await check.verdict()  # reaps `haproxy -c` whatever happened
         if not ok:
             log.error("reload invalid: %s", one_line(message))
-            record = p.record("invalid", started, message)
-            p.notifier.status(summary_line(p.state))
+            record = self._record("invalid", started, message)
+            self.notifier.status(summary_line(self.state))
             return Attempt(record)
         model = effective.effective_model
         if action == "runtime" and current is not None and self.runtime_apply is not None:
@@ -120,30 +519,29 @@ class Cycle:
                     # The new servers went in before it fell back to a reload (a `del server`
                     # refused): the worker runs them, plus removed ones left in maint. Its
                     # generation says so, for its steering once it is old and for a daemon restart.
-                    p.book.ran(current, outcome.runs, effective, whole=False)
+                    self.book.applied_at_runtime(current, outcome.runs, effective, whole=False)
         return await self._reload(effective, model, inputs, reason, started)
 
     async def _settle_first(self, started: float) -> Attempt | None:
         """A second reload must not be sent while HAProxy may still be loading the first: settle
         it. An attempt when it cannot be (nothing sent, nothing failed: the outcome is still
         HAProxy's to give), else None."""
-        p = self.parts
         loading = True
         try:
-            procs = await p.confirmation.show_proc_until(started + p.settings.reload.timeout_s)
+            procs = await self.confirmation.show_proc_until(started + self.settings.reload.timeout_s)
         except CLIError as exc:
-            self.cli_failed()
+            self._cli_failed = True
             error = f"HAProxy has not settled the previous reload: {exc}"
         else:
-            settled = await p.confirmation.settle(procs)
+            settled = await self.confirmation.settle(procs)
             if settled is not None:
-                await self.settled(settled, procs)
+                await self._settled(settled, procs)
             loading = settled is not None and settled.verdict == "loading"
             error = "HAProxy is still loading the previous reload (its new worker is not ready yet)"
         if loading:
             log.warning("reload unknown: %s", error)
-            return Attempt(p.record("unknown", started, error))
-        held = p.confirmation.unconfirmed
+            return Attempt(self._record("unknown", started, error))
+        held = self.confirmation.unconfirmed
         if held is not None:
             log.info("reload still unconfirmed after %.1fs, and no new worker listed: sending it again",
                      time.monotonic() - held.sent)
@@ -152,117 +550,229 @@ class Cycle:
     async def _runtime_applied(
         self, current: Generation, runs: Config, effective: Effective, inputs: str, started: float
     ) -> Attempt:
-        p = self.parts
-        p.disk.runs(LoadedConfig.of(effective, inputs))
         # HAProxy runs the change already: a failed write is retried by housekeeping, not undone.
-        p.disk.write_back()
-        generation = p.book.ran(current, runs, effective, whole=True)
-        p.disk.remove_stale_slot_tables(effective)
-        record = p.record("runtime_applied", started)
-        log.info(
-            "reload runtime_applied generation=%d worker=%s duration_ms=%d",
-            generation.number, generation.worker_pid, record.duration_ms,
-        )
-        await call_hook(p.hooks, "refresh")
-        p.notifier.status(summary_line(p.state, p.book.old_count()))
+        self.disk.worker_runs(LoadedConfig.of(effective, inputs))
+        generation = self.book.applied_at_runtime(current, runs, effective, whole=True)
+        record = self._record("runtime_applied", started)
+        log.info("reload runtime_applied generation=%d worker=%s duration_ms=%d",
+                 generation.number, generation.worker_pid, record.duration_ms)
+        await call_hook(self.hooks, "refresh")
+        self.notifier.status(summary_line(self.state, self.book.old_count()))
         return Attempt(record)
 
     async def _save_server_state(self, model: Config) -> None:
-        current = self.parts.state.current
+        current = self.state.current
         if self.save_server_state is None or current is None:
             return
-        path = self.parts.settings.haproxy.server_state_file
+        path = self.settings.haproxy.server_state_file
         try:
             await self.save_server_state(current, model, path)
-            self.parts.state.publish_write("server-state file", None)
+            self.state.publish_write("server-state file", None)
         except OSError as exc:
             # A previous reload's file must not hand the new worker states that are no longer true.
             error = io_error_line(exc)
             cleared = clear_server_state(path)
             log.error("saving server state failed: %s; the new worker starts from the config", cleared or error)
-            self.parts.state.publish_write("server-state file", cleared or error)
+            self.state.publish_write("server-state file", cleared or error)
         except Exception:  # a missing state file costs states, not the reload
             log.exception("saving server state failed; the new worker starts from the config")
 
     async def _reload(self, effective: Effective, model: Config, inputs: str, reason: str, started: float) -> Attempt:
-        p = self.parts
-        deadline = started + p.settings.reload.timeout_s
+        deadline = started + self.settings.reload.timeout_s
         try:
-            before = await p.confirmation.show_proc_until(deadline)
+            before = await self.confirmation.show_proc_until(deadline)
         except CLIError as exc:
-            self.cli_failed()
+            self._cli_failed = True
             log.error("reload failed: %s", exc)
-            return Attempt(p.record("failed", started, str(exc)))
-        await call_hook(p.hooks, "before_reload", effective)
+            return Attempt(self._record("failed", started, str(exc)))
+        await call_hook(self.hooks, "before_reload", effective)
         confirmed = Confirmed("pending", None)
         try:
             await self._save_server_state(model)
-            p.notifier.reloading(f"reloading: {reason}")
+            self.notifier.reloading(f"reloading: {reason}")
             if before.master is not None:
-                p.book.sending(PendingReload(
+                self.book.sending_reload(PendingReload(
                     effective.sha256, effective.rendered_sha256, inputs, before.master.pid, before.master.reloads
                 ))
-            p.disk.write(effective)
-            p.scheduler.reloaded(time.monotonic())
+            self.disk.write(effective)
+            self.scheduler.reloaded(time.monotonic())
             try:
                 # Bounded by reload.timeout_s: a stopped master accepts the connection and never answers.
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
-                    answer = await p.cli.reload()
+                    answer = await self.cli.reload()
                 if answer.success is False:
                     confirmed = Confirmed("failed", None, answer.log or "reload answered Success=0", refused=True)
             except (CLIError, TimeoutError) as exc:
                 # 2.6 closes the connection as the master re-executes; `show proc` decides.
                 log.debug("reload command: %s", exc or "timed out")
             if confirmed.verdict == "pending":
-                confirmed = await p.confirmation.confirm(before, deadline, bind_ports(model))
+                confirmed = await self.confirmation.confirm(before, deadline, bind_ports(model))
+                self._cli_failed |= confirmed.cli_failed
             after = confirmed.after
             if confirmed.verdict == "ok" and after is not None and after.current_worker is not None:
-                attempt = self._reload_ok(effective, inputs, after, started)
+                generation = self._worker_runs(effective, inputs, after)
+                record = self._record("ok", started)
+                log.info("reload ok generation=%d worker=%s duration_ms=%d",
+                         generation.number, generation.worker_pid, record.duration_ms)
+                attempt = Attempt(record)
             elif confirmed.verdict == "unknown":
-                attempt = self._reload_unknown(before, effective, inputs, confirmed.error or "unconfirmed",
-                                               started, model)
+                self.confirmation.hold(before, effective, inputs, bind_ports(model))
+                error = confirmed.error or "unconfirmed"
+                record = self._record("unknown", started, error)
+                log.warning("reload unknown duration_ms=%d: %s; HAProxy may still be loading it: %s keeps the "
+                            "new config and `show proc` settles it",
+                            record.duration_ms, error, self.settings.haproxy.effective_config)
+                attempt = Attempt(record)
             else:
                 attempt = self._reload_failed(before, confirmed, started)
         finally:
-            await call_hook(p.hooks, "after_reload", confirmed.verdict == "ok")
-        p.notifier.ready(summary_line(p.state, p.book.old_count()))
+            await call_hook(self.hooks, "after_reload", confirmed.verdict == "ok")
+        self.notifier.ready(summary_line(self.state, self.book.old_count()))
         if confirmed.verdict == "ok":
             settle_after_reload()  # after the old workers are steered, never before
         return attempt
 
-    def _reload_ok(self, effective: Effective, inputs: str, after: ProcList, started: float) -> Attempt:
-        generation = self.parts.loaded_by(effective, inputs, after)
-        record = self.parts.record("ok", started)
-        log.info(
-            "reload ok generation=%d worker=%s duration_ms=%d",
-            generation.number, generation.worker_pid, record.duration_ms,
-        )
-        return Attempt(record)
-
-    def _reload_unknown(
-        self, before: ProcList, effective: Effective, inputs: str, error: str, started: float, model: Config
-    ) -> Attempt:
-        p = self.parts
-        p.confirmation.hold(before, effective, inputs, bind_ports(model))
-        record = p.record("unknown", started, error)
-        log.warning(
-            "reload unknown duration_ms=%d: %s; HAProxy may still be loading it: %s keeps the new config "
-            "and `show proc` settles it",
-            record.duration_ms, error, p.settings.haproxy.effective_config,
-        )
-        return Attempt(record)
-
     def _reload_failed(self, before: ProcList, confirmed: Confirmed, started: float) -> Attempt:
-        p = self.parts
         error = confirmed.error or "reload failed"
-        p.book.decided()
-        restored = p.disk.rewrite()
+        self.book.reload_failed()
+        restored = self.disk.rewrite()
         current = before.current_worker
-        record = p.record("failed", started, error)
+        record = self._record("failed", started, error)
         log.error(
             "reload failed duration_ms=%d: %s; worker %s keeps serving; %s %s",
             record.duration_ms, one_line(error), current.pid if current else None,
-            p.settings.haproxy.effective_config,
+            self.settings.haproxy.effective_config,
             "restored to the last good config" if restored else "to be restored to the last good config",
         )
         return Attempt(record, refused=confirmed.refused)
+
+    # ------------------------------------------------------------ what the parts found
+
+    def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
+        """One cycle's outcome, timed from the monotonic `started`, published."""
+        return self.state.publish_reload(result, (time.monotonic() - started) * 1000, error)
+
+    def _worker_runs(self, effective: Effective, inputs: str, after: ProcList) -> Generation:
+        """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation."""
+        worker = after.current_worker
+        assert worker is not None
+        loaded = LoadedConfig.of(effective, inputs)
+        generation = self.book.worker_started(worker.pid, effective.effective_model, loaded, after)
+        self.disk.worker_runs(loaded)
+        self.cap.enforce(after, self.state.generations)
+        return generation
+
+    def assess(self, attempt: Attempt | None) -> None:
+        """Judge whether the current worker runs the goal (decisions.judge_convergence), publish
+        the judgement, and schedule the next attempt it asks for."""
+        convergence = self.state.convergence
+        current = self.state.current
+        runs = None if current is None else (current.effective_sha256, current.inputs_sha256)
+        judgement = judge_convergence(Facts(
+            master_up=self.master.up, master_socket_ok=self.state.master_socket_ok,
+            unconfirmed=self.confirmation.unconfirmed is not None, change_pending=self.scheduler.pending,
+            runs_goal=runs_goal(self._goal, runs), converged=convergence.converged,
+            retry_set=self.scheduler.retry_at is not None, attempt=attempt,
+            master_socket=str(self.settings.haproxy.master_socket_path),
+        ))
+        if judgement.converged:
+            if not convergence.converged:
+                # A write that changed nothing, or a reload that went through, says so itself.
+                routine = convergence.attempts == 0 and convergence.reason == "a change is pending"
+                log.log(logging.DEBUG if routine else logging.INFO,
+                        "converged: worker %s runs the rendered config (sha256=%s) after %.1fs, %d retries",
+                        current.worker_pid if current else None, self._goal[0][:12] if self._goal else None,
+                        convergence.unconverged_s(utcnow()), convergence.attempts)
+            self.state.publish_converged()
+            return
+        if judgement.reason is not None:
+            self.state.publish_unconverged(judgement.reason, judgement.transient)
+        if judgement.retry == "stop":
+            self.scheduler.retry(None)
+            self.state.publish_next_attempt(None)
+            if attempt is not None and attempt.record.result == "failed":
+                log.warning("not converged: %s; not retried until the config changes or a reload is asked for",
+                            convergence.reason)
+        elif judgement.retry == "backoff":
+            delay = retry_delay(convergence.attempts, self.settings.reload.retry_max_s)
+            self.state.publish_next_attempt(utcnow() + timedelta(seconds=delay), convergence.attempts + 1)
+            self.scheduler.retry(time.monotonic() + delay)
+            self._wake.set()
+            log.warning("not converged for %.1fs: %s; attempt %d in %.1fs",
+                        convergence.unconverged_s(utcnow()), convergence.reason, convergence.attempts, delay)
+
+    async def _settled(self, settled: Settled, procs: ProcList) -> None:
+        """A reload HAProxy did not confirm in time is decided by a later `show proc`."""
+        held = settled.of
+        if held is None:
+            return
+        waited = time.monotonic() - held.sent
+        if settled.verdict == "ok":
+            generation = self._worker_runs(held.effective, held.inputs, procs)
+            log.info("reload settled ok generation=%d worker=%s: confirmed %.1fs after it was sent",
+                     generation.number, generation.worker_pid, waited)
+            await call_hook(self.hooks, "after_reload", True)
+            return
+        error = f"HAProxy could not load the new config (show proc: failed={procs.master_failed})"
+        log.error("reload settled failed: %s", error)
+        self.book.reload_failed()
+        self.disk.rewrite()
+        self.assess(Attempt(self._record("failed", held.sent, error), refused=True))
+
+    # ------------------------------------------------------------ starting from what is there
+
+    async def on_master_started(self, procs: ProcList) -> Generation | None:
+        """A master we started (first start or restart) runs the effective config on disk. Called
+        by MasterProcess.run() with master.lock held, before any reload can run."""
+        if procs.current_worker is None:
+            return None
+        held = self.confirmation.take()  # it started on the disk's config: the unconfirmed reload's
+        generation = self.recovery.master_started(
+            procs, None if held is None else LoadedConfig.of(held.effective, held.inputs))
+        self.cap.enforce(procs, self.state.generations)
+        self._check_inputs_since_loaded("the master was starting")
+        self.assess(None)
+        return generation
+
+    def rebuild(self, procs: ProcList) -> Generation | None:
+        """After adoption: the generations every live worker runs, from what an earlier daemon recorded."""
+        current = self.recovery.rebuild(procs)
+        if current is not None:
+            self.cap.enforce(procs, self.state.generations)
+            self._check_inputs_since_loaded("no daemon was watching")
+        return current
+
+    def _check_inputs_since_loaded(self, why: str) -> None:
+        """Schedule a change when the rendered config or a watched file differs from what was loaded."""
+        goal = self.recovery.goal_since_loaded()
+        if goal is None:
+            log.info("inputs changed while %s: change scheduled", why)
+            self.changed()
+        else:
+            self._goal = goal
+
+    async def _recover_runtime_dir(self) -> None:
+        """The master's socket is gone (runtime_dir deleted under us): recreate what the daemon
+        owns, then make the master re-execute, which binds its socket again, with master.lock held."""
+        h = self.settings.haproxy
+        if self.state.master_socket_ok:
+            log.error("%s is missing (runtime_dir deleted?): recreating %s, then making master pid=%s bind it again",
+                      h.master_socket_path, h.runtime_dir, self.master.pid)
+            self.state.publish_master_socket(False)
+            self.assess(None)
+        try:
+            if not self.recovery.restore_runtime_dir(self.runtime_lock):
+                return
+        except OSError as exc:
+            error = io_error_line(exc)
+            self.problems.happened("runtime_dir", error, f"cannot recreate {h.runtime_dir}: {error}")
+            return
+        self.problems.over("runtime_dir")
+        procs = await self.master.reexec(self.book.last_procs)
+        if procs is None:
+            return
+        self.state.publish_master_socket(True)
+        generation = await self.on_master_started(procs)
+        log.info("runtime_dir recreated: master pid=%s answers on %s again; generation=%s worker=%s",
+                 self.master.pid, h.master_socket_path, generation.number if generation else None,
+                 generation.worker_pid if generation else None)

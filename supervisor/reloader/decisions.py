@@ -1,9 +1,8 @@
 """The reloader's decisions, pure functions over the facts it holds, each unit-tested with a
 table: when the next cycle is due and why (fed with monotonic timestamps); what to do with a
-change (skip it, apply it at runtime, or reload); whether the node runs the rendered config,
-why not, whether that is passing and when to try again; and how trouble is worded (a disk
-error as the shell says it, HAProxy's message on one line: each condition is logged once,
-then a reminder a minute, by logs.RecurringConditions).
+change (skip it, apply it at runtime, or reload); did a reload take, from `show proc`; whether
+the node runs the rendered config, why not, whether that is passing and when to try again;
+and how trouble is worded (a disk error as the shell says it, HAProxy's message on one line).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import errno
 from dataclasses import dataclass
 from typing import Literal
 
+from ..haproxy.answers import ProcList
 from ..haproxy.config import Config
 from ..haproxy.runtime.plan import transient_render
 from ..state import ReloadRecord, ReloadResult
@@ -180,16 +180,33 @@ Runs = tuple[str, str | None]
 
 
 def decide_change(current: Runs | None, goal: Runs, *, force: bool, runtime_apply: bool) -> Action:
-    """skip: the current worker runs the goal already and no reload is forced. runtime: the
-    watched files are as the current worker loaded them and a runtime apply is plugged in, so
-    only the config changed and the runtime API may carry it (it falls back to a reload when it
-    cannot). reload: anything else, a forced reload always, and whatever there is no current
-    worker for. The runtime and the reload both follow `haproxy -c` passing."""
+    """skip: the current worker runs the goal and nothing is forced. runtime: only the config
+    changed (the watched files are as loaded) and a runtime apply is plugged in. reload: else."""
     if current == goal and not force:
         return "skip"
     if runtime_apply and current is not None and not force and current[1] == goal[1]:
         return "runtime"
     return "reload"
+
+
+Verdict = Literal["ok", "failed", "pending", "unknown"]
+
+
+def confirm_reload(before: ProcList, after: ProcList) -> Verdict:
+    """Did the reload take? ok: a current worker that was not there before. failed: the
+    master's `[failed: N]` grew, or the master reloaded (its counter moved) with failures and
+    no new worker. HAProxy resets `failed` to 0 on a successful load: "unchanged" is not required."""
+    if after.master is None:
+        return "pending"
+    known = {p.pid for p in (*before.workers, *before.old_workers)}
+    current = after.current_worker
+    if current is not None and current.pid not in known:
+        return "ok"
+    if after.master_failed > before.master_failed:
+        return "failed"
+    if before.master is not None and after.master.reloads > before.master.reloads and after.master_failed > 0:
+        return "failed"
+    return "pending"
 
 
 # leave: the schedule stays as it is; stop: no attempt until the config changes or a reload is

@@ -1,13 +1,9 @@
-"""What the reloader records. `GenerationBook`: the generations the daemon knows, published into
-State, and the files that record them; `OldWorkerCap`: the cap on old workers. `ConfigOnDisk`:
-the effective config a restarted master loads, kept what the current worker runs, and the
-slot tables it names.
-
-The generations are on disk so that a restarted daemon knows what every live worker runs:
-`<runtime_dir>/generations/<N>.cfg` is the effective config generation N's worker started with
-(or was updated to at runtime); `<runtime_dir>/generations.json` maps worker PIDs to
-generations with their checksums and start times. Encoding, decoding and the adoption plan
-are pure; `GenerationStore` is the thin file shell.
+"""What the reloader records. `GenerationBook`: the generations, published into State, and the
+files that record them (`<runtime_dir>/generations/<N>.cfg`, the effective config generation
+N's worker runs; `generations.json`, worker PIDs to generations, and the reload in flight), so
+that a restarted daemon knows what every live worker runs. `OldWorkerCap`: old_workers.max.
+`ConfigOnDisk`: the effective config a restarted master loads, kept what the current worker
+runs. Encoding, decoding and the adoption plan are pure; the rest are thin file shells.
 """
 
 from __future__ import annotations
@@ -17,9 +13,8 @@ import logging
 import os
 import re
 import signal
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 
 import psutil
@@ -30,7 +25,6 @@ from ..effective import (
     sha256_text,
     write_atomically,
     write_effective,
-    write_slot_table,
 )
 from ..files import ensure_private_dir
 from ..haproxy.answers import Proc, ProcList
@@ -108,13 +102,7 @@ def encode(snapshot: Snapshot) -> str:
         "last_generation": snapshot.last_number,
         "workers": workers,
         "unattached": unattached,
-        "pending_reload": None if snapshot.pending is None else {
-            "effective_sha256": snapshot.pending.effective_sha256,
-            "rendered_sha256": snapshot.pending.rendered_sha256,
-            "inputs_sha256": snapshot.pending.inputs_sha256,
-            "master_pid": snapshot.pending.master_pid,
-            "master_reloads": snapshot.pending.master_reloads,
-        },
+        "pending_reload": None if snapshot.pending is None else asdict(snapshot.pending),
     }
     return json.dumps(doc, indent=2) + "\n"
 
@@ -173,12 +161,8 @@ class RebuildPlan:
 
 
 def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
-    """Match persisted generations to the workers `show proc` lists.
-
-    The current worker having no record means the daemon died between HAProxy starting
-    a worker and the daemon writing generations.json (mid-reload or mid-start); the
-    caller then builds a generation from the effective config HAProxy loaded.
-    """
+    """Match persisted generations to the workers `show proc` lists. A current worker with no
+    record: the daemon died between HAProxy starting it and writing generations.json."""
     records = snapshot.records if snapshot else ()
     current_pid = procs.current_worker.pid if procs.current_worker else None
     live = {p.pid for p in procs.workers} | {p.pid for p in procs.old_workers}
@@ -191,10 +175,8 @@ def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
 
 
 def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha256: str) -> bool:
-    """Whether the current worker, which has no recorded generation, is the one the pending
-    reload started: the same master, a worker started by a reload after it was recorded (by the
-    counts `show proc` gives), and the effective config the master re-executed on is the one
-    that was sent."""
+    """Did the pending reload start the current worker (which has no generation)? The same master,
+    a worker started by a later reload (`show proc`'s counts), and the config sent on disk."""
     master, worker = procs.master, procs.current_worker
     if pending is None or master is None or worker is None or master.pid != pending.master_pid:
         return False
@@ -203,10 +185,8 @@ def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha25
 
 
 def prunable(generations: dict[int, Generation], procs: ProcList, current: int | None) -> list[int]:
-    """Generations whose worker `show proc` no longer lists. The current one is never pruned,
-    even when a `show proc` taken mid-reload does not list its worker; and an answer without
-    the master is none: the master dropped the connection while it re-executed (seen during
-    reloads on 2.6 and 3.4), which lists no worker at all."""
+    """Generations whose worker `show proc` no longer lists; never the current one (mid-reload its
+    worker may be missing), and none from an answer without the master (cut as it re-executed)."""
     if procs.master is None:
         return []
     live = {p.pid for p in (*procs.workers, *procs.old_workers)}
@@ -255,9 +235,6 @@ class GenerationStore:
             log.warning("%s: ignored: %s", self.index, exc)
             return None
 
-
-
-
 def old_workers_over_max(procs: ProcList, max_old: int) -> list[Proc]:
     """The old workers beyond `max_old`, oldest first (the most reloads ago, then lowest PID)."""
     olds = sorted(procs.old_workers, key=lambda p: (-p.reloads, p.pid))
@@ -278,19 +255,19 @@ class GenerationBook:
         self.last_procs: ProcList | None = None  # the last `show proc` answer observed
         self._persisted: Snapshot | None = None
 
-    @property
-    def current(self) -> Generation | None:
-        return self.state.current
-
-    def started(
-        self, model: Config, effective_sha: str, rendered_sha: str, inputs: str | None, worker_pid: int,
-        started_at: datetime | None = None,
-    ) -> Generation:
-        """A new worker runs this: the next generation, now the current one."""
+    def worker_started(self, pid: int, model: Config, loaded: LoadedConfig, procs: ProcList | None = None,
+                       started_at: datetime | None = None) -> Generation:
+        """Worker `pid` runs `loaded`: the next generation, now the current one, its config
+        recorded and no reload in flight; with `procs`, that `show proc` observed too. What
+        HAProxy runs is decided: a failed write (a full disk) changes nothing of it."""
         self.last_number += 1
-        generation = Generation(self.last_number, model, effective_sha, rendered_sha, started_at or utcnow(),
-                                worker_pid, inputs)
+        generation = Generation(self.last_number, model, loaded.sha256, loaded.rendered_sha256,
+                                started_at or utcnow(), pid, loaded.inputs_sha256)
         self.state.publish_generation(generation, current=True)
+        self.pending = None
+        self.write_config(generation.number, loaded.text)
+        if procs is not None:
+            self.observe(procs)
         return generation
 
     def kept(self, record: GenerationRecord, model: Config) -> Generation:
@@ -304,9 +281,10 @@ class GenerationBook:
     def make_current(self, generation: Generation) -> None:
         self.state.publish_generation(generation, current=True)
 
-    def ran(self, current: Generation, runs: Config, effective: Effective, *, whole: bool) -> Generation:
-        """A runtime apply changed what the current worker runs to `runs`: its new value. `whole`:
-        the whole change is live, and its config the last good one; else a reload finishes it."""
+    def applied_at_runtime(self, current: Generation, runs: Config, effective: Effective, *,
+                           whole: bool) -> Generation:
+        """The current worker runs `runs` now, changed at runtime. `whole`: the whole change is
+        live, and its config the last good one; else a reload finishes it."""
         generation = replace(current, model=runs, effective_sha256=effective.sha256,
                              rendered_sha256=effective.rendered_sha256)
         self.state.publish_generation(generation, current=whole)
@@ -314,19 +292,16 @@ class GenerationBook:
         self.persist()
         return generation
 
-    def sending(self, pending: PendingReload) -> None:
+    def sending_reload(self, pending: PendingReload) -> None:
         """Recorded before it is sent: a daemon killed before HAProxy answers leaves the next one
         what the new worker was given, so adopting it costs no reload."""
         self.pending = pending
         self.persist()
 
-    def decided(self, *, persist: bool = True) -> None:
-        """The reload in flight is decided (loaded or refused); recorded now, or by the caller's
-        next `persist` or `observe`."""
-        if self.pending is not None:
-            self.pending = None
-            if persist:
-                self.persist()
+    def reload_failed(self) -> None:
+        """HAProxy refused the reload in flight, or it failed: no worker runs it."""
+        self.pending = None
+        self.persist()
 
     def write_config(self, number: int, text: str) -> None:
         try:
@@ -350,8 +325,7 @@ class GenerationBook:
         self.persist()
 
     def persist(self) -> None:
-        generations = self.state.generations
-        records = tuple(record_of(g) for g in generations.values())
+        records = tuple(record_of(g) for g in self.state.generations.values())
         snapshot = Snapshot(records, self.state.current_generation, self.last_number, self.pending)
         if snapshot == self._persisted:
             return
@@ -406,25 +380,19 @@ class OldWorkerCap:
         return [p.pid for p in victims]
 
 
-
-
-@dataclass
+@dataclass(frozen=True)
 class LoadedConfig:
     """The effective config on disk that the current worker runs (the last good one)."""
 
     text: str
+    sha256: str  # compared every housekeeping round: a 50 MB config is hashed once, not every second
     rendered_sha256: str
     inputs_sha256: str | None
     slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss
 
-    @cached_property
-    def sha256(self) -> str:
-        # Compared every housekeeping round: a 50 MB config is hashed once, not every second.
-        return sha256_text(self.text)
-
     @classmethod
     def of(cls, effective: Effective, inputs: str | None) -> LoadedConfig:
-        return cls(effective.text, effective.rendered_sha256, inputs, effective.slot_table)
+        return cls(effective.text, effective.sha256, effective.rendered_sha256, inputs, effective.slot_table)
 
 
 class ConfigOnDisk:
@@ -438,23 +406,35 @@ class ConfigOnDisk:
         self.loaded: LoadedConfig | None = None
         self._on_disk_sha: str | None = None  # the effective config last written to disk
 
-    def runs(self, loaded: LoadedConfig) -> None:
-        """The current worker runs `loaded`."""
+    def worker_runs(self, loaded: LoadedConfig) -> None:
+        """The current worker runs `loaded`: the file is kept that, and other slot tables go."""
         self.loaded = loaded
+        self.write_back()
+        try:
+            removed = remove_stale_slot_tables(self.runtime_dir, loaded.slot_table)
+        except OSError as exc:  # a leftover file costs disk space, not the reload
+            log.warning("cannot remove old slot tables: %s", exc.strerror or exc)
+            return
+        if removed:
+            log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
+
+    def loaded_text(self, text: str, rendered_sha256: str, inputs: str | None) -> LoadedConfig:
+        """`text`, read from disk, as the config a worker runs, with the slot table it names."""
+        return LoadedConfig(text, sha256_text(text), rendered_sha256, inputs, self._slot_table_named(text))
 
     def write(self, effective: Effective) -> None:
-        """The effective config on disk, for a reload or a start to load. OSError when it cannot
-        be written, unless the file holds that text already (a full disk has no room for the copy
-        an atomic write makes, and needs none)."""
+        """The effective config on disk, for a reload or a start to load, once `haproxy -c` passed
+        on it (the check wrote the slot table it names). OSError when it cannot be written,
+        unless the file holds that text already (a full disk has no room for the copy an
+        atomic write makes, and needs none)."""
         try:
-            write_effective(self.path, effective)
+            write_atomically(self.path, effective.text)
         except OSError:
             if self.previous() != effective.text:
                 raise
-            write_slot_table(effective.slot_table)  # content-addressed: there, or OSError
         self._on_disk_sha = effective.sha256
 
-    def holds(self, text: str | None) -> None:
+    def file_holds(self, text: str | None) -> None:
         """The file holds `text` (read, or written by an earlier daemon); None: not known."""
         self._on_disk_sha = None if text is None else sha256_text(text)
 
@@ -471,8 +451,7 @@ class ConfigOnDisk:
         if loaded is None or loaded.sha256 == self._on_disk_sha:
             return
         try:
-            write_slot_table(loaded.slot_table)
-            write_atomically(self.path, loaded.text)
+            write_effective(self.path, loaded)
             self._on_disk_sha = loaded.sha256
         except OSError as exc:
             error = io_error_line(exc)
@@ -482,27 +461,12 @@ class ConfigOnDisk:
 
     def rewrite(self) -> bool:
         """Write what runs again, whatever the file was believed to hold (runtime_dir was lost,
-        or a reload was refused); True when the disk now holds what runs."""
+        or a reload was refused); True when the disk now holds what runs, or nothing runs."""
         self._on_disk_sha = None
         self.write_back()
         return self.loaded is None or self._on_disk_sha == self.loaded.sha256
 
-    @property
-    def rewritten(self) -> bool:
-        """Whether a config that runs is on disk (after `rewrite`)."""
-        return self._on_disk_sha is not None
-
-    def remove_stale_slot_tables(self, running: Effective) -> None:
-        try:
-            removed = remove_stale_slot_tables(self.runtime_dir, running.slot_table)
-        except OSError as exc:  # a leftover file costs disk space, not the reload
-            log.warning("cannot remove old slot tables: %s", exc.strerror or exc)
-            return
-        if removed:
-            log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
-
-    def slot_table_named(self, text: str) -> SlotTable | None:
-        """The slot table file a config names, read from runtime_dir (to write it back with it)."""
+    def _slot_table_named(self, text: str) -> SlotTable | None:
         match = re.search(rf"{re.escape(str(self.runtime_dir))}/{SLOT_TABLE_PREFIX}[0-9a-f]+\.map", text)
         if match is None:
             return None

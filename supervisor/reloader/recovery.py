@@ -1,6 +1,7 @@
 """Starting from what is there: the first start, a master (re)started on the config on disk, the
 adoption of a running master after a daemon restart, and runtime_dir deleted under us. Each step
-records what it finds with the parts' owners and returns it; the reloader acts on it."""
+records what it finds in the generations book and the config on disk, and returns it; the
+Reloader acts on it."""
 
 from __future__ import annotations
 
@@ -14,18 +15,18 @@ from ..effective import (
     prepare_runtime_dir,
     read_rendered,
     sha256_text,
+    start_check,
     start_effective_check,
-    validate,
 )
 from ..files import RuntimeDirLock
 from ..haproxy.answers import ProcList
 from ..haproxy.config import Config
-from ..master import MasterError
+from ..master import MasterError, MasterProcess
 from ..master.processes import process_started_at
-from ..state import Generation
-from .decisions import EXPECTED_IO_ERRORS, Attempt, Runs, io_error_line, one_line
-from .parts import Parts
-from .records import LoadedConfig, loaded_pending, plan_rebuild
+from ..settings import Settings
+from ..state import Generation, ReloadResult
+from .decisions import EXPECTED_IO_ERRORS, Runs, io_error_line, one_line
+from .records import ConfigOnDisk, GenerationBook, LoadedConfig, loaded_pending, plan_rebuild
 from .watch import inputs_digest
 
 log = logging.getLogger(__package__)
@@ -34,106 +35,88 @@ log = logging.getLogger(__package__)
 class Recovery:
     """Owns nothing: what it finds goes to the generations book and the config on disk."""
 
-    def __init__(self, parts: Parts) -> None:
-        self.parts = parts
+    def __init__(self, settings: Settings, master: MasterProcess, book: GenerationBook, disk: ConfigOnDisk) -> None:
+        self.settings, self.master, self.book, self.disk = settings, master, book, disk
+
+    async def _check(self, effective: Effective) -> tuple[bool, str]:
+        h = self.settings.haproxy
+        return await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
 
     async def take_back(self, pid: int) -> ProcList | None:
         """Our master `pid` lives but its socket file is gone (runtime_dir deleted while no daemon
         ran). What it runs is unknown; the effective config of the rendered config, once valid,
         goes on disk for it to re-execute on, and it is adopted. MasterError when there is no
         valid config to give it: a second HAProxy must never start beside it."""
-        p = self.parts
-        h = p.settings.haproxy
+        settings = self.settings
         log.warning("haproxy master pid=%d lives but %s was removed: taking it back on the rendered config",
-                    pid, h.master_socket_path)
-        settings = p.settings
+                    pid, settings.haproxy.master_socket_path)
         try:
             effective = await off_the_loop(lambda: load_effective(settings))
         except Exception as exc:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config cannot be "
                               f"used ({exc}): refusing to start a second HAProxy") from None
-        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
+        ok, message = await self._check(effective)
         if not ok:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config is invalid "
                               f"({one_line(message, 200)}): refusing to start a second HAProxy")
-        p.disk.write(effective)
-        return await p.master.take_back(pid)
+        self.disk.write(effective)
+        return await self.master.take_back(pid)
 
-    async def first_start(self, effective: Effective, inputs: str, started: float) -> Attempt | None:
+    async def first_start(self, effective: Effective, inputs: str) -> tuple[ReloadResult, str] | None:
         """No master yet: validate, write the effective config, and let the master start on it.
-        When the config is invalid, or cannot be written for HAProxy to read (a full or read-only
-        runtime_dir), HAProxy starts on the effective config an earlier run left on disk, if valid."""
-        p = self.parts
-        h = p.settings.haproxy
-        ok, message = await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
-        if ok:
-            try:
-                p.disk.write(effective)
-            except OSError as exc:
-                if exc.errno not in EXPECTED_IO_ERRORS:
-                    raise
-                error = f"cannot write the effective config for haproxy: {io_error_line(exc)}"
-                log.error("reload failed: %s", error)
-                attempt = Attempt(p.record("failed", started, error))
-                if not await self._start_on_previous():
-                    log.error("no effective config on disk to start haproxy with: retrying")
-                return attempt
-            p.disk.runs(LoadedConfig.of(effective, inputs))
-            log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
-            p.master.request_start()
-            return None
-        log.error("initial config invalid: %s", one_line(message))
-        attempt = Attempt(p.record("invalid", started, message))
-        if await self._start_on_previous():
-            return attempt
-        log.error("no valid config to start haproxy with: waiting for %s to change", h.config)
-        p.notifier.status(f"waiting for a valid config: {one_line(message, 200)}")
-        return attempt
+        Else (result, error): the config is invalid, or cannot be written for HAProxy to read (a
+        full or read-only runtime_dir)."""
+        ok, message = await self._check(effective)
+        if not ok:
+            log.error("initial config invalid: %s", one_line(message))
+            return "invalid", message
+        try:
+            self.disk.write(effective)
+        except OSError as exc:
+            if exc.errno not in EXPECTED_IO_ERRORS:
+                raise
+            error = f"cannot write the effective config for haproxy: {io_error_line(exc)}"
+            log.error("reload failed: %s", error)
+            return "failed", error
+        self.disk.worker_runs(LoadedConfig.of(effective, inputs))
+        log.info("initial config valid sha256=%s: starting haproxy", effective.sha256[:12])
+        self.master.request_start()
+        return None
 
-    async def _start_on_previous(self) -> bool:
+    async def start_on_previous(self) -> bool:
         """Start HAProxy on the effective config on disk, the last good one, if it is valid."""
-        p = self.parts
-        h = p.settings.haproxy
-        fallback = p.disk.previous()
+        h = self.settings.haproxy
+        fallback = self.disk.previous()
         if fallback is None:
             return False
-        ok, _ = await validate(h.binary, fallback, h.runtime_dir)
+        ok, _ = await (await start_check(h.binary, fallback, h.runtime_dir)).verdict()
         if not ok:
             return False
         log.warning("starting haproxy on the previous effective config %s until the rendered one can be loaded",
                     h.effective_config)
-        p.disk.runs(LoadedConfig(fallback, "", None, p.disk.slot_table_named(fallback)))
-        p.disk.holds(fallback)
-        p.master.request_start()
+        self.disk.file_holds(fallback)
+        self.disk.worker_runs(self.disk.loaded_text(fallback, "", None))
+        self.master.request_start()
         return True
 
-    def master_started(self, procs: ProcList) -> Generation | None:
-        """A master we started (first start or restart) runs the effective config on disk."""
-        p = self.parts
+    def master_started(self, procs: ProcList, held: LoadedConfig | None) -> Generation:
+        """A master we started (first start or restart) runs the effective config on disk: `held`,
+        the config of a reload never confirmed, when there was one."""
         worker = procs.current_worker
-        if worker is None:
-            return None
-        held = p.confirmation.take()
-        if held is not None:
-            # It started on the disk's config: the one whose reload was never confirmed.
-            p.disk.runs(LoadedConfig.of(held.effective, held.inputs))
-        loaded = p.disk.loaded
+        assert worker is not None
+        disk = self.disk
+        loaded = held or disk.loaded
         if loaded is None:
-            text = p.disk.previous() or ""
-            loaded = LoadedConfig(text, "", self._unknown_inputs(), p.disk.slot_table_named(text))
-            p.disk.runs(loaded)
-        generation = p.book.started(
-            Config.parse(loaded.text), loaded.sha256, loaded.rendered_sha256, loaded.inputs_sha256, worker.pid
-        )
-        p.book.write_config(generation.number, loaded.text)
+            loaded = disk.loaded_text(disk.previous() or "", "", self._unknown_inputs())
+        disk.worker_runs(loaded)
+        # The workers of a previous master are gone: their generations are pruned.
+        generation = self.book.worker_started(worker.pid, Config.parse(loaded.text), loaded, procs)
         log.info("generation started generation=%d worker=%d (master start)", generation.number, worker.pid)
-        p.observe(procs)  # the workers of a previous master are gone: prune their generations
         return generation
 
     def rebuild(self, procs: ProcList) -> Generation | None:
         """After adoption: generations from generations.json + generations/*.cfg, matched to `show proc`."""
-        p = self.parts
-        book, disk = p.book, p.disk
+        book, disk, h = self.book, self.disk, self.settings.haproxy
         snapshot = book.store.load()
         plan = plan_rebuild(snapshot, procs)
         book.last_number = snapshot.last_number if snapshot else 0
@@ -160,42 +143,39 @@ class Recovery:
             pending = snapshot.pending if snapshot else None
             if pending is not None and loaded_pending(pending, procs, sha256_text(text)):
                 log.info("current worker %d has no recorded generation: started by the reload sent before "
-                         "the daemon stopped, it runs %s", worker.pid, p.settings.haproxy.effective_config)
+                         "the daemon stopped, it runs %s", worker.pid, h.effective_config)
                 rendered, inputs = pending.rendered_sha256, pending.inputs_sha256
             else:
                 log.warning("current worker %d has no recorded generation: assuming it runs %s",
-                            worker.pid, p.settings.haproxy.effective_config)
+                            worker.pid, h.effective_config)
                 rendered, inputs = "", self._unknown_inputs()
-            current = book.started(Config.parse(text), sha256_text(text), rendered, inputs, worker.pid,
-                                   process_started_at(worker.pid))
-            book.write_config(current.number, text)
+            current = book.worker_started(worker.pid, Config.parse(text), disk.loaded_text(text, rendered, inputs),
+                                          started_at=process_started_at(worker.pid))
         if current is None:
             return None
         book.make_current(current)
         text = book.store.read_config(current.number) or on_disk or ""
         if on_disk != text:
             # Died mid-reload with a config on disk that never took: disk must be what runs.
-            log.warning("%s differs from what worker %s runs: restored", p.settings.haproxy.effective_config,
-                        current.worker_pid)
+            log.warning("%s differs from what worker %s runs: restored", h.effective_config, current.worker_pid)
         else:
-            disk.holds(text)
-        disk.runs(LoadedConfig(text, current.rendered_sha256, current.inputs_sha256, disk.slot_table_named(text)))
-        disk.write_back()
+            disk.file_holds(text)
+        disk.worker_runs(disk.loaded_text(text, current.rendered_sha256, current.inputs_sha256))
         for record in plan.drop:
             log.info("generation pruned generation=%d worker=%s: worker gone", record.number, record.worker_pid)
         book.store.remove_configs([r.number for r in plan.drop])
-        p.observe(procs)
+        book.observe(procs)
         log.info(
             "generations rebuilt current=%d worker=%s kept=%s unknown_old_workers=%s",
-            current.number, current.worker_pid, sorted(p.state.generations), list(plan.unknown_old_pids),
+            current.number, current.worker_pid, sorted(book.state.generations), list(plan.unknown_old_pids),
         )
         return current
 
     def goal_since_loaded(self) -> Runs | None:
         """What the node should run when the rendered config and the watched files are as the
         current worker loaded them; None when they differ (a change to schedule)."""
-        loaded = self.parts.disk.loaded
-        h = self.parts.settings.haproxy
+        loaded = self.disk.loaded
+        h = self.settings.haproxy
         try:
             rendered_sha = sha256_text(read_rendered(h.config, h.max_config_bytes))
         except RenderedConfigError:
@@ -207,18 +187,15 @@ class Recovery:
     def restore_runtime_dir(self, lock: RuntimeDirLock | None) -> bool:
         """Recreate what the daemon owns in runtime_dir: the directory, its lock, the config that
         runs and the generations. False when there is nothing that runs to put back; OSError raised."""
-        p = self.parts
-        prepare_runtime_dir(p.settings)
+        prepare_runtime_dir(self.settings)
         if lock is not None:
             lock.renew()
-        p.disk.rewrite()
-        if not p.disk.rewritten:
+        if not self.disk.rewrite() or self.disk.loaded is None:
             return False
-        p.book.rewrite_all()
+        self.book.rewrite_all()
         return True
 
     def _unknown_inputs(self) -> str | None:
-        """The watched files' digest for a config whose loading nobody recorded: known when no
-        file is watched (there is nothing else it could depend on), else unknown (None), and
-        the next change reloads to be sure."""
-        return None if self.parts.settings.haproxy.watch else inputs_digest(())
+        # The watched files' digest of a config whose loading nobody recorded: with none watched
+        # it is known; else None, and the next change reloads to be sure.
+        return None if self.settings.haproxy.watch else inputs_digest(())

@@ -1,19 +1,12 @@
-"""Watching the inputs: what to watch and what each filesystem event means, inotify to hear it,
-the safety net under it (`ContentCheck`), and the digest of the watched files.
+"""Watching the inputs: what to watch and what each filesystem event means (`classify`, pure),
+inotify to hear it (read through libc on the event loop: no thread, no polling at rest), the
+safety net under it (`ContentCheck`), and the digest of the watched files.
 
-A watched path is followed the way HAProxy (the kernel) reads it: component by component,
-through every symlink. Each symlink met on the way, and each name not there yet, is watched in
-the directory that holds it: a swap of any of them (`ln -s v2 current.new && mv -T current.new
-current`, a ConfigMap's `..data`) changes what the path reads, and re-plans the watches. The
-file itself is watched in the directory it really lives in, for completed writes only: a
-close after writing, or a rename into place. A file being written (IN_MODIFY, a create not yet
-closed) is not a change. `classify` is the pure rule; `plan_watches` reads only directory
-entries and links.
-
-Linux inotify is read through libc (ctypes) on the event loop: no thread, no polling at rest.
-The kernel tells a completed write (IN_CLOSE_WRITE) from a write in progress (IN_MODIFY), and a
-rename into place (IN_MOVED_TO) from a file being created: what "the input changed" must mean.
-`parse_events` is pure; `Inotify` is the thin shell around the descriptor.
+A watched path is followed the way the kernel reads it, through every symlink: each symlink
+met and each name not there yet is watched in the directory that holds it, so a swap of any
+of them (`mv -T current.new current`, a ConfigMap's `..data`) re-plans the watches. The file
+itself counts for completed writes only (IN_CLOSE_WRITE, IN_MOVED_TO): a file being written
+(IN_MODIFY, a create not yet closed) is not a change.
 """
 
 from __future__ import annotations
@@ -33,8 +26,9 @@ from typing import Literal
 
 from ..files import read_regular
 
+log = logging.getLogger(__package__)
+
 IN_MODIFY = 0x00000002
-IN_ATTRIB = 0x00000004
 IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
@@ -48,9 +42,6 @@ IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
 IN_DONT_FOLLOW = 0x02000000
 IN_ISDIR = 0x40000000
-
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
 
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
 
@@ -89,7 +80,7 @@ class Inotify:
 
     def __init__(self) -> None:
         self._lib = _libc()
-        fd = self._lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        fd = self._lib.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
@@ -273,9 +264,6 @@ def classify(interest: Interest | None, mask: int, name: str, is_link: bool = Fa
     return "ignore"
 
 
-log = logging.getLogger(__package__)
-
-
 def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[Path]]:
     """(files, directories) among what to watch; a path that does not exist yet counts as a file."""
     files = [config]
@@ -286,11 +274,9 @@ def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[P
 
 
 def inputs_digest(paths: Sequence[Path]) -> str:
-    """sha256 over the content of every file under haproxy.watch: maps, certificates, includes.
-
-    A change there needs a reload even when the effective config text is the same.
-    Kubernetes' `..` internals are skipped: the visible names resolve through them.
-    """
+    """sha256 over every file under haproxy.watch (maps, certificates, includes): a change there
+    needs a reload even when the effective config is the same. Kubernetes' `..` internals are
+    skipped: the visible names resolve through them."""
     h = hashlib.sha256()
     for root in sorted(paths):
         if root.is_dir():
@@ -391,8 +377,7 @@ async def watch_changes(files: Sequence[Path], directories: Sequence[Path], igno
 
 
 def content_news(look: str | None, previous: str | None, read: str | None) -> bool:
-    """Is what the safety net found news? Not when it is what it found last time, nor what the
-    last cycle read (a change the watches reported, and a cycle loaded)."""
+    """News: neither what the safety net found last time nor what the last cycle read."""
     return look != previous and look != read
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from rigs.daemon import RequestLoop, tagged_config, write_atomic
 from rigs.harness import backends, free_port
-from supervisor.reloader.core import CONTENT_CHECK_S
+from supervisor.reloader.cycle import CONTENT_CHECK_S
 from tests.support.faults import FAST_CONVERGE, Honesty, serving, wait_converged
 
 pytestmark = pytest.mark.haproxy
