@@ -99,7 +99,8 @@ async def _polls_at_rest() -> list[int]:
     """The detector's poll count: after 15 ticks with nothing to watch; once a config is
     published and indexed; 15 ticks later; after a connect."""
     state = State()
-    detector = StalledDetector(DetectorSettings(poll_interval_ms=10), state, MasterCLI("/nonexistent/master.sock"))
+    settings = DetectorSettings(poll_interval_ms=10)  # at rest, a look every 20 ms
+    detector = StalledDetector(settings, state, MasterCLI("/nonexistent/master.sock"))
     polls = 0
     real_poll = detector.poll
 
@@ -123,7 +124,7 @@ async def _polls_at_rest() -> list[int]:
             await asyncio.sleep(0.15)
             seen.append(polls)
             with socket.create_connection(("127.0.0.1", port)):  # ActiveOpens moves
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.1)
             seen.append(polls)
     finally:
         task.cancel()

@@ -13,12 +13,13 @@ from supervisor.master.sockdiag import (
     TCP_ESTABLISHED,
     TCP_LISTEN,
     TCP_SYN_SENT,
+    DiagSocket,
     TcpActivity,
     destroy,
     port_filter,
     tcp_sockets,
 )
-from supervisor.steering.stalled import stall_of
+from supervisor.steering.stalled import idle, stall_of
 
 
 def _pending_connect(port: int) -> socket.socket:
@@ -117,3 +118,34 @@ def test_the_tcp_counters_are_read_again_through_the_file_kept_open():
     opens, retrans = seen["first"]
     assert seen["after"] == (opens + 1, retrans)  # the new connect is seen through the same file
     assert seen["after"] == seen["fresh"] and seen["same_fd"]
+
+
+def _opened_then_answered() -> tuple[bool, bool]:
+    """Whether stalled.idle() takes a connection for a pooled idle one: just opened, and once
+    it has carried a request and its answer."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    server, _ = listener.accept()
+
+    def client_side() -> DiagSocket:
+        (found,) = [s for s in tcp_sockets(socket.AF_INET, (TCP_ESTABLISHED,), {port}, info=True)]
+        return found
+
+    opened = idle(client_side())
+    client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    server.recv(100)
+    server.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+    client.recv(100)
+    time.sleep(0.05)
+    answered = idle(client_side())
+    for s in (client, server, listener):
+        s.close()
+    return opened, answered
+
+
+@needs_netns
+def test_a_connection_just_opened_is_not_taken_for_an_idle_pooled_one():
+    assert run_in_netns(_opened_then_answered) == (False, True)

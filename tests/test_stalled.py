@@ -10,11 +10,12 @@ from supervisor.steering.stalled import idle, left_in, stall_of, suspects, thres
 
 def sock(state: int = TCP_SYN_SENT, timer: int = 1, retrans: int = 0, expires: int = 0, wqueue: int = 0,
          rto: float | None = None, port: int = 8001, address: str = "10.0.0.1", rqueue: int = 0,
-         sent_ago: int | None = None, received_ago: int | None = None, inode: int = 7) -> DiagSocket:
+         sent_ago: int | None = None, received_ago: int | None = None, inode: int = 7,
+         data_in: int | None = None) -> DiagSocket:
     sockid = f"{address}:{port}:{state}:{timer}:{retrans}:{expires}:{inode}".encode()
     return DiagSocket(2, state, "127.0.0.1", 40000, address, port, sockid, timer, retrans, expires, rqueue, wqueue,
                       inode,
-                      rto_ms=rto, sent_ago_ms=sent_ago, received_ago_ms=received_ago)
+                      rto_ms=rto, sent_ago_ms=sent_ago, received_ago_ms=received_ago, data_segs_in=data_in)
 
 
 @pytest.mark.parametrize(("socket", "why", "age_ms"), [
@@ -94,6 +95,9 @@ def test_since_is_the_oldest_stall():
 @pytest.mark.parametrize(("socket", "expected"), [
     (sock(TCP_ESTABLISHED, timer=0), True),
     (sock(TCP_ESTABLISHED, timer=0, sent_ago=36_000, received_ago=35_990), True),  # answered, then idle
+    (sock(TCP_ESTABLISHED, timer=0, sent_ago=36_000, received_ago=35_990, data_in=1), True),
+    # just opened: the last thing in was the SYN-ACK, and no request has gone out on it yet
+    (sock(TCP_ESTABLISHED, timer=0, sent_ago=4_100, received_ago=2, data_in=0), False),
     (sock(TCP_ESTABLISHED, timer=0, sent_ago=300, received_ago=36_000), False),  # a request awaits its answer
     (sock(TCP_ESTABLISHED, timer=0, rqueue=5), False),  # an answer not read yet
     (sock(TCP_ESTABLISHED, retrans=1, wqueue=70), False),  # a request in flight

@@ -33,6 +33,7 @@ _DPORT, _DPORT_AT = struct.Struct(">H"), 6  # idiag_dport, in inet_diag_msg
 # struct tcp_info, as far as read: state .. backoff (bytes 0-4), rto at 8, unacked at 24, rtt at 68.
 _TCPI_RETRANSMITS_AT, _TCPI_BACKOFF_AT, _TCPI_RTO_AT, _TCPI_UNACKED_AT, _TCPI_RTT_AT = 2, 4, 8, 24, 68
 _TCPI_LAST_DATA_SENT_AT, _TCPI_LAST_DATA_RECV_AT = 44, 52  # ms since
+_TCPI_DATA_SEGS_IN_AT = 152  # segments that carried data in (Linux 4.6 and later)
 # A bytecode longer than this would overflow its jumps' 16 bits: dump by state alone then.
 MAX_FILTERED_PORTS = 4000
 
@@ -64,6 +65,7 @@ class DiagSocket:
     backoff: int | None = None
     sent_ago_ms: int | None = None  # since data was last sent, and received
     received_ago_ms: int | None = None
+    data_segs_in: int | None = None  # segments with data received: 0 on a connection never answered
 
 
 @functools.lru_cache(maxsize=4)
@@ -114,6 +116,8 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
             (received,) = struct.unpack_from("=I", data, info + _TCPI_LAST_DATA_RECV_AT)
             extra.update(rto_ms=rto / 1000, rtt_ms=rtt / 1000, unacked=unacked, sent_ago_ms=sent,
                          received_ago_ms=received)
+            if length >= _ATTR.size + _TCPI_DATA_SEGS_IN_AT + 4:
+                (extra["data_segs_in"],) = struct.unpack_from("=I", data, info + _TCPI_DATA_SEGS_IN_AT)
         offset += (length + 3) & ~3
     return DiagSocket(
         family, state, _address(family, src), sport, _address(family, dst), dport, sockid, timer, retrans,
@@ -123,6 +127,7 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
         backoff=int(extra["backoff"]) if "backoff" in extra else None,
         sent_ago_ms=int(extra["sent_ago_ms"]) if "sent_ago_ms" in extra else None,
         received_ago_ms=int(extra["received_ago_ms"]) if "received_ago_ms" in extra else None,
+        data_segs_in=int(extra["data_segs_in"]) if "data_segs_in" in extra else None,
     )
 
 

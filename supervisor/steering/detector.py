@@ -195,18 +195,24 @@ class StalledDetector:
             if self._look is not None:
                 self._look.cancel()
 
-    def _look_at_next_tick(self, loop: asyncio.AbstractEventLoop, work: asyncio.Event) -> None:
+    def _look_at_next_tick(self, loop: asyncio.AbstractEventLoop, work: asyncio.Event, interval_ms: int = 0) -> None:
         """At the next instant of the shared grid of timers (the lag gauge wakes the loop then
-        too: eventloop.tick), look whether a poll has anything to do; at rest, look again at the
-        one after, as a plain callback: the task is woken only for work."""
+        too: eventloop.tick), look whether a poll has anything to do; at rest, look again later,
+        as a plain callback: the task is woken only for work. At rest the looks are two polls
+        apart, never past the stall threshold's floor: a stall's age is read from the kernel's
+        timer, so a connect first seen then is judged as soon as it would have been, and one
+        toward a known-dead server is aborted at most one poll later."""
+        poll = self.settings.poll_interval_ms
+        at_rest = poll * max(1, min(self.settings.threshold_floor_ms, 2 * poll) // poll)
+
         def look() -> None:
             if self._at_rest():
-                self._look_at_next_tick(loop, work)
+                self._look_at_next_tick(loop, work, at_rest)
             else:
                 self._look = None
                 work.set()
 
-        self._look = loop.call_at(next_tick(loop.time(), self.settings.poll_interval_ms), look)
+        self._look = loop.call_at(next_tick(loop.time(), interval_ms or poll), look)
 
     def _at_rest(self) -> bool:
         """Nothing for a poll to do: the running configs are those last indexed, nothing is
@@ -418,7 +424,8 @@ class StalledDetector:
     ) -> None:
         """Destroy the stalled sockets stalled.to_abort() names, and every worker's idle pooled
         connections to suspects."""
-        held_at = {s.endpoint for s, _ in self._held.values()}
+        # A suspect left in is still routed (stalled.left_in): its connections are the backend's only way.
+        held_at = {s.endpoint for key, (s, _) in self._held.items() if key not in self._left_in}
         targets: list[tuple[DiagSocket, str]] = [
             (stall.socket, "aborted" if why == "suspect" else "aborted (known dead)")
             for stall, why in to_abort(stalls, owners, index.by_endpoint, self._held.keys(), current_pid,

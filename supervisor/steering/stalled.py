@@ -110,8 +110,9 @@ def left_in(suspect_keys: Iterable[str], backends: Mapping[str, tuple[str, ...]]
 def idle(sock: DiagSocket) -> bool:
     """An established connection with nothing in flight either way: a pooled idle one. Its
     queues are empty and its last data came in after its last data went out; a request sent
-    and acknowledged whose answer is still being worked out has empty queues too."""
-    if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue:
+    and acknowledged whose answer is still being worked out has empty queues too, and so has
+    a connection just opened, that no answer has come in on yet: its request is on its way."""
+    if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue or sock.data_segs_in == 0:
         return False
     return sock.sent_ago_ms is None or sock.received_ago_ms is None or sock.received_ago_ms <= sock.sent_ago_ms
 
