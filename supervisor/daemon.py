@@ -21,9 +21,8 @@ from .controller.connections import stats_socket_capacity
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .eventloop import LoopLag
 from .files import RuntimeDirInUse, RuntimeDirLock, ensure_private_dir
-from .haproxy.answers import ProcList
+from .haproxy.answers import ProcList, ServerKey
 from .haproxy.api import MasterCLI
-from .haproxy.names import ServerKey
 from .haproxy.runtime import RuntimeApplier
 from .haproxy.stderr import StderrRelay
 from .logs import setup_logging

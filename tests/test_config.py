@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from supervisor.haproxy.cache import ConfigCache
 from supervisor.haproxy.config import CHUNKS, SERVER_FLAGS, Config
-from supervisor.haproxy.lexer import parse_line
+from supervisor.haproxy.lexer import ConfigCache, parse_line
 from supervisor.haproxy.resolution import SECTION_SERVERS, split_address, template_names
 from tests.conftest import corpus_files
 from tests.support import reference_build as reference

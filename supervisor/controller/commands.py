@@ -12,7 +12,7 @@ import ipaddress
 from dataclasses import dataclass
 from enum import Enum
 
-from ..haproxy.names import ServerKey
+from ..haproxy.answers import ServerKey
 
 PAYLOAD_MARK = b"<<"
 

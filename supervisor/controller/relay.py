@@ -29,8 +29,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..haproxy.answers import parse_servers_state
-from ..haproxy.names import validate_name
+from ..haproxy.answers import parse_servers_state, validate_name
 from .commands import Address, address_waits, has_payload, parse_line, safe_order, service_changes, session_prefix
 from .connections import (
     HAPROXY_STATS_MAXCONN,

@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import Slot
 from .config import Config, Section
-from .lexer import Line, parse_line
+from .lexer import Line, Slot, parse_line
 from .resolution import ProxySettings, ServerFlags, server_line_flags, template_names
 from .routing import BUCKET_BITS, PLAIN, Routing, routing_of, server_ids
 

@@ -23,10 +23,9 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .answers import parse_map_list
+from .answers import ServerKey, parse_map_list, validate_name
 from .config import Config, Section
 from .guard import COOKIE_ROW, SLOT_TABLE_PREFIX, STICK_ROW, persistence_rows, slot_table
-from .names import ServerKey, validate_name
 from .resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, is_ip, section_servers
 
 # Flags a fresh dynamic server starts without: `no-<flag>` after nothing that set it says

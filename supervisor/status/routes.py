@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client.exposition import generate_latest
 
 from ..files import read_regular
-from ..haproxy.names import ServerKey
+from ..haproxy.answers import ServerKey
 from ..page import BackendSizes, page_of
 from ..settings import Settings, listen_address
 from ..state import ReloadRecord, State, utcnow

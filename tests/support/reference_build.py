@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.haproxy.config import SECTION_KEYWORDS, Config, Section
+from supervisor.haproxy.config import SECTION_KEYWORDS, Config, Section, observe_directive
 from supervisor.haproxy.global_policy import supervised_global
 from supervisor.haproxy.guard import (
     _RULE_RANK,
@@ -26,7 +26,6 @@ from supervisor.haproxy.guard import (
     guard_use_server,
 )
 from supervisor.haproxy.lexer import Line, quote_word
-from supervisor.haproxy.observe import observe_directive
 from supervisor.haproxy.resolution import BACKEND_KINDS, PROXY_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, template_names
 from supervisor.haproxy.routing import routing_of, server_ids
 from supervisor.settings import Settings

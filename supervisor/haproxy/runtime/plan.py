@@ -35,10 +35,9 @@ import logging
 import re
 from dataclasses import dataclass, replace
 
-from ..answers import ServerState
+from ..answers import ServerKey, ServerState, validate_name
 from ..config import Config, Section
 from ..membership import ServerAdd, ServerRemove, membership
-from ..names import ServerKey, validate_name
 from ..resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server
 
 MAX_WEIGHT = 256  # HAProxy's absolute weight range is 0..256
