@@ -26,7 +26,7 @@ from .haproxy.api import MasterCLI
 from .haproxy.runtime import RuntimeApplier
 from .haproxy.stderr import StderrRelay
 from .logs import setup_logging
-from .master import MasterError, MasterProcess, MasterSocketGone
+from .master.process import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
 from .reloader import Reloader
 from .settings import Settings

@@ -24,8 +24,7 @@ from ..haproxy.config import Config
 from ..haproxy.runtime import RuntimeOutcome
 from ..haproxy.server_state import clear_server_state
 from ..logs import RecurringConditions
-from ..master import MasterProcess
-from ..master.readiness import bind_ports, worker_ready
+from ..master.process import MasterProcess, bind_ports, worker_ready
 from ..notify import Notifier, summary_line
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State, utcnow
