@@ -23,7 +23,7 @@ from .eventloop import LoopLag
 from .files import RuntimeDirInUse, RuntimeDirLock, ensure_private_dir
 from .haproxy.answers import ProcList, ServerKey
 from .haproxy.api import MasterCLI
-from .haproxy.runtime import RuntimeApplier
+from .haproxy.runtime.hook import RuntimeApplier
 from .haproxy.stderr import StderrRelay
 from .logs import setup_logging
 from .master.process import MasterError, MasterProcess, MasterSocketGone

@@ -323,7 +323,7 @@ def slot_table(config: Config) -> list[tuple[str, list[str]]]:
     Every primary has its slot, disabled, weight 0 and down ones included: the table then
     depends only on which servers exist, so a runtime apply of in-place changes leaves a
     worker's table equal to the one its new config names; one that adds or removes servers
-    brings the worker's loaded table to the new rows with map commands (runtime/add_remove.py). The
+    brings the worker's loaded table to the new rows with map commands (runtime/apply.py). The
     steer map overrides the slots that must not be used.
     """
     return _slot_rows(config.server_flags_by_backend())

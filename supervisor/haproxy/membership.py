@@ -1,4 +1,4 @@
-"""Servers added and removed by name, planned for the Runtime API (pure; runtime/add_remove.py applies).
+"""Servers added and removed by name, planned for the Runtime API (pure; runtime/apply.py applies).
 
 A replica that moves gets a new server name (Ray Serve names each server after its replica),
 so a rolling deployment adds and removes `server` lines and changes nothing else. HAProxy
