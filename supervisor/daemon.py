@@ -31,8 +31,7 @@ from .notify import Notifier, summary_line
 from .reloader import Reloader
 from .settings import Settings
 from .state import ReloadRecord, State
-from .status import StatusServer
-from .status.listener import StatusServerError
+from .status.listener import StatusServer, StatusServerError
 from .steering.detector import StalledDetector
 from .steering.workers import OldWorkers
 
