@@ -31,8 +31,7 @@ from ..answers import parse_show_map, split_answers
 from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process
 from ..config import Config
 from ..guard import is_guarded
-from ..membership import ServerAdd, loaded_slot_table, slot_map_commands
-from .plan import RuntimePlan, ServerChange, ordered_commands
+from .plan import RuntimePlan, ServerAdd, ServerChange, loaded_slot_table, ordered_commands, slot_map_commands
 
 # What `set server ... addr` answers when it took. 2.6 and 2.8: `no need to change the addr, port
 # changed from 'a' to 'b' by 'stats socket command'` (either part may say changed or no need);
@@ -297,7 +296,7 @@ async def apply_membership(
     line_limit: int = DEFAULT_LINE_LIMIT,
     background: bool = True,
 ) -> MembershipResult:
-    """Add and remove servers in one worker, make before break (module doc of membership.py):
+    """Add and remove servers in one worker, make before break (module doc of plan.py):
     add in maint, enable checks, ready; the in-place changes; the worker's slot table; only
     then the removed servers to maint and `del server`. A removal refused while connections
     are attached gets the placeholder address and one more `del server`; then, `background`,
