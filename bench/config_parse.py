@@ -12,8 +12,8 @@ import time
 from bench._doc import markdown_table
 from bench.displaced_push import rendered
 from supervisor.effective import build_effective, effective_config_and_table
-from supervisor.haproxy.cache import ConfigCache
 from supervisor.haproxy.config import Config
+from supervisor.haproxy.lexer import ConfigCache
 from supervisor.settings import ObserveSettings, OldWorkerSettings, Settings
 
 

@@ -22,8 +22,7 @@ from typing import Any
 
 from rigs.daemon import DaemonSupervised, daemons
 from rigs.harness import HAProxyMaster, KeepAliveClient, VanishedNode, backends, free_port
-from supervisor.haproxy.config import Config
-from supervisor.haproxy.observe import inject_observe
+from supervisor.haproxy.config import Config, inject_observe
 from supervisor.settings import Settings
 
 APPS = ("echo", "highscale", "wide")

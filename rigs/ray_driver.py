@@ -41,7 +41,7 @@ def bridge_executable(directory: Path) -> Path:
         f"#!{sys.executable}\n"
         "import sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from supervisor.ray_bridge.main import main\n"
+        "from supervisor.ray_bridge import main\n"
         "sys.exit(main())\n"
     )
     path.chmod(0o755)

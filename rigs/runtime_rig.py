@@ -22,7 +22,7 @@ from supervisor.effective import build_effective, prepare_runtime_dir, write_eff
 from supervisor.haproxy.answers import ServerState, parse_servers_state, parse_show_proc
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime import RuntimeApplier
+from supervisor.haproxy.runtime.hook import RuntimeApplier
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, utcnow
 

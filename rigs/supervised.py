@@ -20,7 +20,7 @@ from rigs.harness import HAProxyMaster
 from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
-from supervisor.master.readiness import bind_ports, worker_ready
+from supervisor.master.process import bind_ports, worker_ready
 from supervisor.settings import Settings
 from supervisor.state import Generation, State, utcnow
 from supervisor.steering.lines import map_entries

@@ -21,19 +21,17 @@ from .controller.connections import stats_socket_capacity
 from .effective import prepare_runtime_dir, remove_stale_checks
 from .eventloop import LoopLag
 from .files import RuntimeDirInUse, RuntimeDirLock, ensure_private_dir
-from .haproxy.answers import ProcList
+from .haproxy.answers import ProcList, ServerKey
 from .haproxy.api import MasterCLI
-from .haproxy.names import ServerKey
-from .haproxy.runtime import RuntimeApplier
+from .haproxy.runtime.hook import RuntimeApplier
 from .haproxy.stderr import StderrRelay
 from .logs import setup_logging
-from .master import MasterError, MasterProcess, MasterSocketGone
+from .master.process import MasterError, MasterProcess, MasterSocketGone
 from .notify import Notifier, summary_line
 from .reloader import Reloader
 from .settings import Settings
 from .state import ReloadRecord, State
-from .status import StatusServer
-from .status.listener import StatusServerError
+from .status.listener import StatusServer, StatusServerError
 from .steering.detector import StalledDetector
 from .steering.workers import OldWorkers
 

@@ -30,11 +30,10 @@ from .files import (
     read_whole,
     write_atomically,
 )
-from .haproxy.cache import ConfigCache
-from .haproxy.config import Config
+from .haproxy.config import Config, inject_observe
 from .haproxy.global_policy import RefusedGlobal, move_stats_socket, supervised_global
 from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
-from .haproxy.observe import inject_observe
+from .haproxy.lexer import ConfigCache
 from .haproxy.server_state import inject_server_state
 from .settings import Settings, SettingsError, decode_text
 

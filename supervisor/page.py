@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .formats import format_age, format_bytes, format_duration_ms, format_seconds
 from .haproxy.config import Config
 from .haproxy.resolution import template_names
 from .state import Generation, ReloadRecord, State, rfc3339
+from .statusclient import format_age, format_bytes, format_duration_ms, format_seconds
 
 # The tone of a reload result, in the chart and in the table.
 RESULT_TONE = {

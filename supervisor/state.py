@@ -197,7 +197,7 @@ class PendingRemoval:
     """A server the rendered config no longer has that the current worker still holds, because
     `del server` is refused while connections are attached to it. It is in maint at the
     placeholder address, so it routes nothing; `del server` is retried in the background
-    (haproxy/runtime/pending.py) for as long as that worker is the current one. After a reload
+    (haproxy/runtime/hook.py) for as long as that worker is the current one. After a reload
     it stays pending in that old worker for as long as it holds connections to `endpoint`."""
 
     key: str  # backend/server

@@ -1,7 +1,9 @@
 """`haproxy-supervisor status`: fetch GET /status from a running daemon and print it.
 
 The URL is `--url` (http://host:port or unix:/path), else derived from `status.listen`
-of `--config`, else http://127.0.0.1:9180. Unreachable daemon: exit 1, one line.
+of `--config`, else http://127.0.0.1:9180. Unreachable daemon: exit 1, one line. Ages, sizes
+and durations are shown as people read them (`3m 05s`, `1.5 MiB`, `250 ms`), here and on the
+status page.
 """
 
 from __future__ import annotations
@@ -14,11 +16,42 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from .formats import format_age, format_bytes, format_duration_ms
 from .settings import SettingsError, listen_address, load_settings
 
 DEFAULT_URL = "http://127.0.0.1:9180"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def format_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    total = max(0, int(seconds))  # a clock step must not show "-3s"
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m {total % 60:02d}s"
+    if total < 86400:
+        return f"{total // 3600}h {total % 3600 // 60:02d}m"
+    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
+
+
+def format_bytes(value: int | None) -> str:
+    if value is None:
+        return "?"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_duration_ms(value: float) -> str:
+    return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.1f} s"
+
+
+def format_seconds(value: float) -> str:
+    return format_duration_ms(value * 1000) if value >= 0.001 else f"{value * 1e6:.0f} µs"
 
 
 class StatusFetchError(Exception):

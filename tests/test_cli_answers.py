@@ -22,9 +22,9 @@ from supervisor.haproxy.answers import (
     split_answers,
 )
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.membership import loaded_slot_table
 from supervisor.haproxy.runtime.apply import deleted, refusal
-from supervisor.haproxy.runtime.pending import left_pending
+from supervisor.haproxy.runtime.hook import left_pending
+from supervisor.haproxy.runtime.plan import loaded_slot_table
 from supervisor.steering.states import LiveTally
 
 CAPTURED = Path(__file__).parent / "captured"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rigs.controller import disable, enable, sync_line
-from supervisor.controller.commands import (
+from supervisor.controller.connections import (
     Address,
     Effect,
     address_waits,

@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.controller.commands import split_line
-from supervisor.controller.connections import QueueTimeout, UpstreamSlots, connect_unix, stats_socket_capacity
+from supervisor.controller.connections import (
+    QueueTimeout,
+    UpstreamSlots,
+    connect_unix,
+    split_line,
+    stats_socket_capacity,
+)
 from supervisor.controller.facade import classify_master_command, master_line_check
 from supervisor.files import mode_bits, owner_ids
 from supervisor.haproxy.config import Config

@@ -14,9 +14,8 @@ import pytest
 
 from rigs.wholes import inject_guard, plan_runtime_apply
 from supervisor.effective import effective_config_and_table
-from supervisor.haproxy.config import Config
+from supervisor.haproxy.config import Config, inject_observe
 from supervisor.haproxy.guard import slot_table
-from supervisor.haproxy.observe import inject_observe
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.steering.dead import Sections
 from tests.conftest import CORPUS, corpus_files

@@ -11,8 +11,7 @@ import pytest
 from bench.config_parse import synthetic_config
 from bench.displaced_push import rendered
 from supervisor.effective import build_effective, effective_config_and_table, name_rendered_lines, source_lines
-from supervisor.haproxy.config import Config
-from supervisor.haproxy.observe import inject_observe, observe_directive
+from supervisor.haproxy.config import Config, inject_observe, observe_directive
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from tests.conftest import CORPUS, corpus_files
 from tests.support.reference_build import reference_effective
@@ -196,7 +195,7 @@ def test_guard_plans_kept_from_earlier_builds_give_what_a_cold_build_gives(tmp_p
     starts cold, even where the edit sits in a section the last build had planned."""
     import random
 
-    from supervisor.haproxy.cache import ConfigCache
+    from supervisor.haproxy.lexer import ConfigCache
     from supervisor.settings import HAProxySettings, Settings
 
     settings = Settings(haproxy=HAProxySettings(runtime_dir=tmp_path))

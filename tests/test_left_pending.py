@@ -1,4 +1,4 @@
-"""Removals a killed daemon left pending, found by the next one (runtime/pending.py:
+"""Removals a killed daemon left pending, found by the next one (runtime/hook.py:
 left_pending), over what the worker holds and its generation's config; pure."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from supervisor.haproxy.answers import ServerState
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime.pending import left_pending
+from supervisor.haproxy.runtime.hook import left_pending
 
 CONFIG = Config.parse("""\
 defaults

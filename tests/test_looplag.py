@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.eventloop import LoopLag
 from supervisor.state import State
-from supervisor.status.metrics import metrics_registry
+from supervisor.status.document import metrics_registry
 
 
 def test_the_worst_lag_of_the_last_window_stays_until_a_whole_window_passed():

@@ -7,10 +7,14 @@ import socket
 from pathlib import Path
 
 from supervisor.haproxy.config import Config
-from supervisor.master.find import is_our_master, is_our_master_worker, master_socket_candidates, read_pid_file
-from supervisor.master.process import HEALTHY_UPTIME_S, master_command, next_backoff
-from supervisor.master.processes import describe_exit
-from supervisor.master.readiness import bind_ports, listening_ports
+from supervisor.master.process import HEALTHY_UPTIME_S, bind_ports, listening_ports, master_command, next_backoff
+from supervisor.master.processes import (
+    describe_exit,
+    is_our_master,
+    is_our_master_worker,
+    master_socket_candidates,
+    read_pid_file,
+)
 from supervisor.settings import HAProxySettings, Settings
 
 

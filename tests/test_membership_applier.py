@@ -54,10 +54,10 @@ ATTACHED = "Server still has connections attached to it, cannot remove it."
 
 
 async def test_without_background_removals_a_del_server_refused_to_the_end_reloads(replaced, monkeypatch):
-    import supervisor.haproxy.runtime.add_remove as add_remove
-    from supervisor.haproxy.runtime import RuntimeApplier
+    import supervisor.haproxy.runtime.apply as apply
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
-    monkeypatch.setattr(add_remove, "AFTER_SHUTDOWN_S", 0.2)
+    monkeypatch.setattr(apply, "AFTER_SHUTDOWN_S", 0.2)
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
@@ -70,8 +70,8 @@ async def test_without_background_removals_a_del_server_refused_to_the_end_reloa
 
 
 async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_deleted(replaced, monkeypatch):
-    import supervisor.haproxy.runtime.pending as pending
-    from supervisor.haproxy.runtime import RuntimeApplier
+    import supervisor.haproxy.runtime.hook as pending
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     monkeypatch.setattr(pending, "RETRY_MAX_S", 0.05)
     old, new = replaced
@@ -106,7 +106,7 @@ async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_delet
 
 
 async def test_a_pending_removal_ends_when_its_worker_is_no_longer_current(replaced):
-    from supervisor.haproxy.runtime import RuntimeApplier
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
@@ -129,7 +129,7 @@ async def test_a_pending_removal_ends_when_its_worker_is_no_longer_current(repla
 
 
 async def test_a_server_added_back_while_its_removal_is_pending_reloads_if_still_refused(replaced):
-    from supervisor.haproxy.runtime import RuntimeApplier
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     old, new = replaced
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
@@ -144,7 +144,7 @@ async def test_a_server_added_back_while_its_removal_is_pending_reloads_if_still
 
 
 async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replaced):
-    from supervisor.haproxy.runtime import RuntimeApplier
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     old, _ = replaced
     new = Config.parse(edit(RAY, "    server app1_r1 127.0.0.1:9001 check\n",
@@ -163,7 +163,7 @@ async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replace
 
 
 async def test_add_server_is_sent_again_in_experimental_mode_when_haproxy_asks_for_it(replaced):
-    from supervisor.haproxy.runtime import RuntimeApplier
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     old, new = replaced
     cli = ScriptedCLI(
@@ -249,7 +249,7 @@ class HoldingCLI(ScriptedCLI):
 
 
 async def test_a_change_a_killed_daemon_began_is_completed_at_runtime(replaced):
-    from supervisor.haproxy.runtime import RuntimeApplier
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     old, new = replaced
     cli = HoldingCLI({
@@ -265,7 +265,7 @@ async def test_a_change_a_killed_daemon_began_is_completed_at_runtime(replaced):
 
 async def test_control_a_worker_this_daemon_changed_is_not_read_again(replaced):
     # Once this daemon has changed the worker, an `Already exists` is a real refusal: a reload.
-    from supervisor.haproxy.runtime import RuntimeApplier
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     old, new = replaced
     cli = HoldingCLI({"add server": "Already exists a server with the same name in backend."})
@@ -277,7 +277,7 @@ async def test_control_a_worker_this_daemon_changed_is_not_read_again(replaced):
 
 
 def test_a_pending_removal_is_retried_ever_less_often_up_to_a_bound():
-    from supervisor.haproxy.runtime.pending import RETRY_FIRST_S, RETRY_MAX_S, retry_delay
+    from supervisor.haproxy.runtime.hook import RETRY_FIRST_S, RETRY_MAX_S, retry_delay
 
     delays = [retry_delay(tries) for tries in range(1, 10)]
     assert delays[0] == RETRY_FIRST_S and delays[1] == 2 * RETRY_FIRST_S
@@ -298,7 +298,7 @@ class LeftoverCLI(HoldingCLI):
 
 
 async def test_a_name_added_back_over_a_removal_left_at_the_placeholder_is_deleted_then_added(replaced):
-    from supervisor.haproxy.runtime import RuntimeApplier
+    from supervisor.haproxy.runtime.hook import RuntimeApplier
 
     old, new = replaced
     cli = LeftoverCLI({

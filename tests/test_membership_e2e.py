@@ -24,7 +24,7 @@ from rigs.daemon import Daemon, daemons
 from rigs.harness import Backend, KeepAliveClient, VanishedNode, free_port, short_tmpdir
 from rigs.rolling import CONNECT_TIMEOUT_S, Load, ray_config
 from supervisor.haproxy.answers import parse_show_map
-from supervisor.haproxy.membership import loaded_slot_table
+from supervisor.haproxy.runtime.plan import loaded_slot_table
 
 pytestmark = pytest.mark.haproxy
 

@@ -10,8 +10,7 @@ import pytest
 from rigs.wholes import plan_runtime_apply
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.membership import loaded_slot_table, resolved_params, slot_map_commands
-from supervisor.haproxy.runtime.plan import runtime_plan
+from supervisor.haproxy.runtime.plan import loaded_slot_table, resolved_params, runtime_plan, slot_map_commands
 from supervisor.settings import HAProxySettings, Settings
 
 RAY = """\

@@ -15,7 +15,6 @@ from rigs.status_state import (
     fleet_state,
     running_state,
 )
-from supervisor.formats import format_age, format_bytes
 from supervisor.haproxy.config import Config
 from supervisor.page import (
     CHART_W,
@@ -32,6 +31,7 @@ from supervisor.page import (
 from supervisor.settings import Settings
 from supervisor.state import CHART_POINTS, Generation, OldWorker, ReloadRecord, State
 from supervisor.status.document import status_document
+from supervisor.statusclient import format_age, format_bytes
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 

@@ -1,4 +1,4 @@
-"""When a pending removal ends after a reload (runtime/pending.py: why_ended); pure."""
+"""When a pending removal ends after a reload (runtime/hook.py: why_ended); pure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from supervisor.haproxy.runtime.pending import why_ended
+from supervisor.haproxy.runtime.hook import why_ended
 from supervisor.state import PendingRemoval
 
 OLD, CURRENT = 100, 200

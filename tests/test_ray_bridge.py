@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from supervisor.haproxy.config import Config
-from supervisor.ray_bridge.admin import asks_show_info, socket_mode, with_pid
-from supervisor.ray_bridge.main import (
+from supervisor.ray_bridge import (
     Bridge,
     BridgeError,
     PassThrough,
@@ -21,6 +20,7 @@ from supervisor.ray_bridge.main import (
     Running,
     UsageError,
     Waiting,
+    asks_show_info,
     handover_verdict,
     hard_stop_after_s,
     hold_back_reason,
@@ -28,6 +28,8 @@ from supervisor.ray_bridge.main import (
     primary_server_count,
     serving_config,
     serving_mine,
+    socket_mode,
+    with_pid,
 )
 from supervisor.settings import HAProxySettings, Settings
 

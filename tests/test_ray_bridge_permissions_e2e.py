@@ -38,7 +38,7 @@ def _python_for(uid: int, gid: int) -> str | None:
     for candidate in dict.fromkeys([sys.executable, "/usr/bin/python3"]):
         probe = subprocess.run(
             [candidate, "-c", f"import os, sys; os.setgroups([{gid}]); os.setgid({gid}); os.setuid({uid}); "
-             f"sys.path[:0] = {paths!r}; import supervisor.ray_bridge.main"],
+             f"sys.path[:0] = {paths!r}; import supervisor.ray_bridge"],
             capture_output=True, timeout=60,
         ) if Path(candidate).exists() else None
         if probe is not None and probe.returncode == 0:
@@ -51,7 +51,7 @@ def _bridge_as(path: Path, python: str, uid: int, gid: int) -> Path:
     paths = _checkout_paths()
     path.write_text(
         f"#!{python}\nimport os, sys\nos.setgroups([{gid}]); os.setgid({gid}); os.setuid({uid})\n"
-        f"sys.path[:0] = {paths!r}\nfrom supervisor.ray_bridge.main import main\nsys.exit(main())\n"
+        f"sys.path[:0] = {paths!r}\nfrom supervisor.ray_bridge import main\nsys.exit(main())\n"
     )
     path.chmod(0o755)
     return path

@@ -24,8 +24,8 @@ from rigs.harness import haproxy_binary
 from supervisor.effective import ConfigCheck, Effective, prepare_runtime_dir, start_effective_check
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime import RuntimeOutcome
-from supervisor.master import MasterProcess
+from supervisor.haproxy.runtime.hook import RuntimeOutcome
+from supervisor.master.process import MasterProcess
 from supervisor.reloader import Reloader
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.state import Generation, State

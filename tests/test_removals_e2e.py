@@ -35,7 +35,7 @@ from rigs.harness import Backend, KeepAliveClient, VanishedNode, free_port, shor
 from rigs.rolling import Load, ray_config
 from rigs.runtime_rig import LogReceiver
 from supervisor.haproxy.answers import parse_servers_state
-from supervisor.haproxy.runtime.add_remove import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
+from supervisor.haproxy.runtime.apply import PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT
 
 pytestmark = pytest.mark.haproxy
 

@@ -17,9 +17,8 @@ from rigs.status_state import CURRENT_PID, MASTER_PID, OLD_PIDS, running_state
 from supervisor import __version__
 from supervisor.settings import Settings
 from supervisor.state import State
-from supervisor.status.document import not_ready_reason, status_document
+from supervisor.status.document import metrics_registry, not_ready_reason, status_document
 from supervisor.status.listener import StatusServerError, bind_unix_socket
-from supervisor.status.metrics import metrics_registry
 from supervisor.status.routes import load_token
 from supervisor.statusclient import StatusFetchError, format_status, status_target, url_from_listen
 

@@ -17,7 +17,7 @@ import pytest
 from rigs.harness import free_port
 from rigs.status_server import start_status_server
 from rigs.status_state import RecordingActions, running_state
-from supervisor.haproxy.names import validate_name
+from supervisor.haproxy.answers import validate_name
 from supervisor.settings import Settings, StatusSettings
 from supervisor.status.routes import build_app
 

@@ -19,7 +19,6 @@ from enum import Enum
 from pathlib import Path
 
 from ..state import ReloadRecord
-from .commands import split_line
 from .connections import (
     LINE_LIMIT,
     IdleTimeout,
@@ -28,6 +27,7 @@ from .connections import (
     pipe_through,
     read_first_line,
     refuse_long_line,
+    split_line,
     start_unix_server,
 )
 

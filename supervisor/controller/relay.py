@@ -1,6 +1,6 @@
 """The runtime socket an ingress controller dials, relayed to HAProxy's own `stats socket`.
 
-A connection's first line is read and parsed (commands.py). A line whose commands are
+A connection's first line is read and parsed (connections.py). A line whose commands are
 already in a safe order, and everything after it, goes to HAProxy untouched, byte for
 byte both ways (an interactive `prompt` session included). A line with a server whose
 address changes before it goes out of service, or before it is put in service, is sent one
@@ -29,20 +29,25 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..haproxy.answers import parse_servers_state
-from ..haproxy.names import validate_name
-from .commands import Address, address_waits, has_payload, parse_line, safe_order, service_changes, session_prefix
+from ..haproxy.answers import parse_servers_state, validate_name
 from .connections import (
     HAPROXY_STATS_MAXCONN,
     LINE_LIMIT,
+    Address,
     IdleTimeout,
     QueueTimeout,
     UpstreamSlots,
+    address_waits,
     connect_unix,
+    has_payload,
     idle_timeout,
+    parse_line,
     pipe_through,
     read_first_line,
     refuse_long_line,
+    safe_order,
+    service_changes,
+    session_prefix,
     start_unix_server,
 )
 

@@ -1,5 +1,7 @@
-"""Parsers of what the master CLI answers, one per answer: pure functions over its text,
-unit-tested on captured answers of every supported binary (tests/captured/).
+"""The CLI's language: names checked before they go on a line, `ServerKey` (a server as the
+CLI names it, `<backend>/<server>`, the key of every server map and set), and parsers of what
+the master CLI answers, one per answer: pure functions over its text, unit-tested on captured
+answers of every supported binary (tests/captured/).
 
 A `;` line's text is first cut into one answer per command (`split_answers`): the master CLI
 relays each command's answer after the last, with nothing between them but what each command
@@ -12,7 +14,51 @@ import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-from .names import ServerKey
+# ---------------------------------------------------------------- names
+
+# Names that reach the CLI must not be able to smuggle a second command or argument.
+_SAFE_NAME = re.compile(r"\A[A-Za-z0-9_.:\-]+\Z")  # \Z: "$" would let a trailing newline through
+
+
+def validate_name(kind: str, name: str) -> str:
+    """A backend, server, map key or value that may go on a CLI line, or ValueError."""
+    if not _SAFE_NAME.match(name):
+        raise ValueError(f"invalid {kind} name {name!r}: only letters, digits and _ . : - are allowed")
+    return name
+
+
+class ServerKey(str):
+    """A server as the CLI names it, `<backend>/<server>`: the key of every server map and set.
+    A str (its text form), so it is a dict key and compares equal to that text. of() takes
+    names HAProxy already holds (a parsed config or answer); checked() and parse() take
+    names that are to reach the CLI, and raise ValueError for one that could not."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, backend: str, server: str) -> ServerKey:
+        return cls(f"{backend}/{server}")
+
+    @classmethod
+    def checked(cls, backend: str, server: str) -> ServerKey:
+        return cls(f"{validate_name('backend', backend)}/{validate_name('server', server)}")
+
+    @classmethod
+    def parse(cls, text: str) -> ServerKey:
+        """`<backend>/<server>`, both names checked."""
+        backend, sep, server = text.partition("/")
+        if not sep:
+            raise ValueError(f"invalid server key {text!r}: expected backend/server")
+        return cls.checked(backend, server)
+
+    @property
+    def backend(self) -> str:
+        return self.partition("/")[0]
+
+    @property
+    def server(self) -> str:
+        return self.partition("/")[2]
+
 
 # ---------------------------------------------------------------- show proc
 

@@ -4,7 +4,10 @@ The model keeps every line's raw text, so an unmodified parse renders back
 byte-identical. Edits (injections) replace or insert whole lines; nothing else
 is ever reformatted, which keeps the effective config diffable against the
 rendered one. Lines come from lexer.py; what applies to each proxy and server
-from resolution.py.
+from resolution.py. One edit lives here, the observe injection (`observe layer4 ...
+on-error mark-down` on every server line that wants it, so that a worker marks a server
+down by its own traffic, between health checks): switched off, the effective config is
+the rendered one.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from .cache import ConfigCache, Slot
-from .lexer import Line, Section, parse_line
+from .lexer import ConfigCache, Line, Section, Slot, parse_line
 from .resolution import (
     BACKEND_KINDS,
     BUILT_IN,
@@ -163,6 +165,29 @@ class Config:
                     if line.keyword == keyword:
                         return line
         return None
+
+
+def observe_directive(error_limit: int) -> str:
+    return f"observe layer4 error-limit {error_limit} on-error mark-down"
+
+
+def wants_observe(server: Server | ServerFlags) -> bool:
+    """Primary servers with health checks, not already observed: `observe` without `check`
+    silently does nothing, and on a `track` server `check` is a fatal config error; backups are
+    the fallback the mark-down exists to reach, so they never get marked down."""
+    return server.check and not server.backup and server.track is None and not server.observe
+
+
+def inject_observe(config: Config, error_limit: int) -> Config:
+    """Add `observe layer4 ... on-error mark-down` to every server line that wants it."""
+    result = config.copy()
+    suffix = " " + observe_directive(error_limit)
+    # Per line, not per server: a server-template line declares many servers with the same flags.
+    for section, server_lines in result.server_flags_by_backend():
+        for index, flags in server_lines:
+            if wants_observe(flags):
+                section.body[index] = section.body[index].with_appended(suffix, result.cache.line)
+    return result
 
 
 # Where Config.parse cuts a config into runs of lines it caches whole: before the usual

@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import Slot
 from .config import Config, Section
-from .lexer import Line, parse_line
+from .lexer import Line, Slot, parse_line
 from .resolution import ProxySettings, ServerFlags, server_line_flags, template_names
 from .routing import BUCKET_BITS, PLAIN, Routing, routing_of, server_ids
 
@@ -157,14 +156,6 @@ def _rank(line: Line) -> int | None:
     return _RULE_RANK.get(line.keyword)
 
 
-def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
-    """Put the guard's rules first among the request rules of every backend and listen that
-    has primary servers, and its `use-server` first among the `use-server` rules; the rules
-    name the slot table SlotTable.of(config, directory), returned with the config: the
-    servers are looked at once for both (10,000 of them, on every reload)."""
-    return _inject_guard(config, map_path, directory)
-
-
 @dataclass(frozen=True, slots=True)
 class GuardPlan:
     """What the guard needs from one backend body: its slot-table row, and where the block
@@ -244,7 +235,11 @@ def _persistence_rows(
     return tuple(rows)
 
 
-def _inject_guard(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
+def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
+    """Put the guard's rules first among the request rules of every backend and listen that
+    has primary servers, and its `use-server` first among the `use-server` rules; the rules
+    name the slot table SlotTable.of(config, directory), returned with the config: the
+    servers are looked at once for both (10,000 of them, on every reload)."""
     result = config.copy()
     plans = _plans(result)
     table = SlotTable.of_plans(plans, directory)
@@ -324,14 +319,10 @@ def slot_table(config: Config) -> list[tuple[str, list[str]]]:
     Every primary has its slot, disabled, weight 0 and down ones included: the table then
     depends only on which servers exist, so a runtime apply of in-place changes leaves a
     worker's table equal to the one its new config names; one that adds or removes servers
-    brings the worker's loaded table to the new rows with map commands (runtime/add_remove.py). The
+    brings the worker's loaded table to the new rows with map commands (runtime/apply.py). The
     steer map overrides the slots that must not be used.
     """
-    return _slot_rows(config.server_flags_by_backend())
-
-
-def _slot_rows(flagged: list[tuple[Section, list[tuple[int, ServerFlags]]]]) -> list[tuple[str, list[str]]]:
-    rows = [(section.name, primary_names(section.body, server_lines)) for section, server_lines in flagged]
+    rows = [(section.name, primary_names(section.body, lines)) for section, lines in config.server_flags_by_backend()]
     return [(name, names) for name, names in rows if names]
 
 

@@ -12,9 +12,8 @@ import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .cache import ConfigCache, Slot
-from .lexer import Line, Section
-from .names import ServerKey
+from .answers import ServerKey
+from .lexer import ConfigCache, Line, Section, Slot
 
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
 BACKEND_KINDS = frozenset({"backend", "listen"})

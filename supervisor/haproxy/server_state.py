@@ -35,11 +35,10 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from ..files import write_atomically
-from .answers import ROW_TEXT, is_servers_state, servers_state_parts, servers_state_rows
+from .answers import ROW_TEXT, ServerKey, is_servers_state, servers_state_parts, servers_state_rows
 from .api import CLIError, MasterCLI
 from .config import Config, Section
 from .lexer import Line, parse_line, quote_word
-from .names import ServerKey
 from .resolution import PROXY_KINDS, Server, is_ip
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .names import ServerKey, validate_name
+from .answers import ServerKey, validate_name
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,27 @@
-"""`MasterProcess`: the one object that owns the HAProxy master's lifecycle."""
+"""The HAProxy master process: start, adopt, watch, restart with backoff, stop.
+
+One object owns the master the way gunicorn's Arbiter owns its workers. HAProxy
+runs in master-worker mode in the foreground (`-W`, no `-D`), as our child in a
+session of its own, so a Ctrl-C on the daemon's terminal reaches the daemon only.
+Its stdout is the daemon's; its stderr is the daemon's FIFO (haproxy/stderr.py), which
+the daemon relays line by line to its own stderr (under systemd: the journal) and reads
+server state changes from. The FIFO's write end is non-blocking: after a daemon crash
+HAProxy's messages are lost (EPIPE, ignored), HAProxy is never stalled, and the next
+daemon opens the FIFO again by its path.
+
+A master that is not our child (adopted after a daemon restart) is watched through
+a pidfd, which becomes readable when the process exits; a child is watched the
+same way and reaped. No thread, no polling.
+
+HAProxy's signals in master-worker mode (checked on 2.6.12): SIGUSR1 to the master
+soft-stops every worker and the master exits once they are all gone; SIGTERM (and
+SIGINT) hard-stop them. When the master dies, its workers notice (their pipe to the
+master closes) and exit.
+
+Readiness is asked here too: a worker is ready once it answers on the master CLI and
+listens on every port its config binds (seen through sock_diag). Every module of the package
+logs as `supervisor.master` (`getLogger(__package__)`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +31,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -15,16 +39,110 @@ from pathlib import Path
 
 import psutil
 
-from ..haproxy.answers import ProcList
+from ..haproxy.answers import ProcList, show_info_by_pid
 from ..haproxy.api import CLIError, MasterCLI
+from ..haproxy.config import Config
 from ..haproxy.server_state import clear_server_state
 from ..haproxy.stderr import StderrRelay
 from ..notify import child_environment
 from ..settings import Settings
 from ..state import State
-from .find import find_master, find_masters, is_our_master_worker, read_pid_file
-from .processes import is_alive, kill_group, reap, send_signal, watch_exit
-from .readiness import config_ports, ready_worker
+from .processes import (
+    find_master,
+    find_masters,
+    is_alive,
+    is_our_master_worker,
+    kill_group,
+    read_pid_file,
+    reap,
+    send_signal,
+    socket_inodes,
+    watch_exit,
+)
+from .sockdiag import TCP_LISTEN, tcp_sockets
+
+
+def bind_ports(config: Config) -> set[int]:
+    """The TCP ports the config's `bind` lines listen on (literal ports; ranges, unix and the
+    like are left out: they cannot be checked this simply)."""
+    ports: set[int] = set()
+    for section in config.sections:
+        if section.kind not in ("frontend", "listen"):
+            continue
+        for line in section.body:
+            words = line.words
+            if len(words) < 2 or words[0] != "bind" or "quic" in words[1]:
+                continue
+            for address in words[1].split(","):
+                family, at, rest = address.rpartition("@")
+                if at and family not in ("ipv4", "ipv6", "tcp", "tcp4", "tcp6"):
+                    continue
+                port = rest.rpartition(":")[2]
+                if port.isdigit():
+                    ports.add(int(port))
+    return ports
+
+
+def _listening_tcp_sockets() -> dict[int, int]:
+    """{socket inode: port} of every listening TCP socket (IPv4 and IPv6) of this network namespace."""
+    return {
+        found.inode: found.sport
+        for family in (socket.AF_INET, socket.AF_INET6)
+        for found in tcp_sockets(family, (TCP_LISTEN,))
+    }
+
+
+def listening_ports(pid: int) -> set[int] | None:
+    """The TCP ports process `pid` holds a listening socket on; None when the kernel cannot say."""
+    try:
+        listening = _listening_tcp_sockets()
+    except OSError as exc:
+        log.debug("sock_diag unavailable (%s): listeners not checked", exc)
+        return None
+    return {listening[inode] for inode in socket_inodes(pid) if inode in listening}
+
+
+async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
+    """Does the worker answer `@!<pid>` on the master CLI, and listen on every port in `ports`?
+
+    Being listed by `show proc` is not enough: from 3.1 on the master lists a new worker before
+    that worker has loaded its config, bound its ports or can be reached through the master.
+    The listening sockets come from the kernel (sock_diag), matched to the worker's own fds;
+    a fresh worker holds few, so this stays cheap on a node with many connections.
+    """
+    try:
+        infos = show_info_by_pid(await cli.on(pid, "show info", timeout=2))
+    except CLIError:
+        return False
+    if pid not in infos:
+        return False  # `Can't find the target PID matching the prefix`: not reachable yet
+    if not ports:
+        return True
+    held = listening_ports(pid)
+    return held is None or ports <= held
+
+
+def config_ports(path: Path) -> set[int]:
+    """The ports the effective config at `path` binds: what a ready worker listens on."""
+    try:
+        return bind_ports(Config.parse(path.read_text()))
+    except (OSError, UnicodeDecodeError):
+        return set()
+
+
+async def ready_worker(cli: MasterCLI, master_pid: int, ports: set[int]) -> tuple[ProcList | None, str]:
+    """`show proc` when it lists `master_pid` with a current worker that is ready, else why not."""
+    try:
+        procs = await cli.show_proc()
+    except CLIError as exc:
+        return None, str(exc)
+    worker = procs.current_worker
+    if procs.master is None or procs.master.pid != master_pid or worker is None:
+        return None, f"show proc lists master {procs.master.pid if procs.master else None}, no current worker"
+    if not await worker_ready(cli, worker.pid, ports):
+        return None, f"worker {worker.pid} is listed but does not answer or listen yet"
+    return procs, ""
+
 
 log = logging.getLogger(__package__)
 

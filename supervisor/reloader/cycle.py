@@ -21,11 +21,10 @@ from ..files import RuntimeDirLock, WriterBusy
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.config import Config
-from ..haproxy.runtime import RuntimeOutcome
+from ..haproxy.runtime.hook import RuntimeOutcome
 from ..haproxy.server_state import clear_server_state
 from ..logs import RecurringConditions
-from ..master import MasterProcess
-from ..master.readiness import bind_ports, worker_ready
+from ..master.process import MasterProcess, bind_ports, worker_ready
 from ..notify import Notifier, summary_line
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State, utcnow

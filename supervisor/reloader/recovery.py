@@ -21,7 +21,7 @@ from ..effective import (
 from ..files import RuntimeDirLock
 from ..haproxy.answers import ProcList
 from ..haproxy.config import Config
-from ..master import MasterError, MasterProcess
+from ..master.process import MasterError, MasterProcess
 from ..master.processes import process_started_at
 from ..settings import Settings
 from ..state import Generation, ReloadResult

@@ -18,12 +18,18 @@ from aiohttp import web
 from prometheus_client.exposition import generate_latest
 
 from ..files import read_regular
-from ..haproxy.names import ServerKey
+from ..haproxy.answers import ServerKey
 from ..page import BackendSizes, page_of
 from ..settings import Settings, listen_address
 from ..state import ReloadRecord, State, utcnow
-from .document import SOCKET_MISSING, not_ready_reason, reload_json, status_document
-from .metrics import METRICS_CONTENT_TYPE, metrics_registry
+from .document import (
+    METRICS_CONTENT_TYPE,
+    SOCKET_MISSING,
+    metrics_registry,
+    not_ready_reason,
+    reload_json,
+    status_document,
+)
 
 log = logging.getLogger(__package__)
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..eventloop import finished, next_tick, sliced
+from ..haproxy.answers import ServerKey, validate_name
 from ..haproxy.api import CLIError, MasterCLI
-from ..haproxy.names import ServerKey, validate_name
 from ..haproxy.resolution import is_ip, section_servers
 from ..logs import RecurringCondition
 from ..master.processes import socket_inodes

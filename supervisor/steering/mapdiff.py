@@ -11,8 +11,8 @@ import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from ..haproxy.answers import validate_name
 from ..haproxy.guard import HOP_SEPARATOR, backend_of_key, count_key, hop_key, is_count_key, is_hop_key
-from ..haproxy.names import validate_name
 from .entries import FAIL_FAST, Entries
 
 

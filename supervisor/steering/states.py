@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..haproxy.answers import ADMIN_MAINT_MASK, servers_state_rows
-from ..haproxy.names import ServerKey
+from ..haproxy.answers import ADMIN_MAINT_MASK, ServerKey, servers_state_rows
 
 # Where a server is: "<backend> <address>:<port>". One string (a backend name has no blank):
 # strings cache their hash, and sets of thousands of them are compared on every drain.

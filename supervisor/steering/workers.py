@@ -21,9 +21,8 @@ from typing import TypeVar
 from ..binary import chash_node_keys
 from ..effective import Effective
 from ..eventloop import wait_set
-from ..haproxy.answers import ProcList
+from ..haproxy.answers import ProcList, ServerKey
 from ..haproxy.api import CLIError, MasterCLI
-from ..haproxy.names import ServerKey
 from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..master.processes import WorkerExits, process_started_at

@@ -18,7 +18,7 @@ import pytest
 from rigs.daemon import RequestLoop
 from rigs.daemon import tagged_config as config
 from rigs.harness import backends, free_port
-from supervisor.master.find import find_masters
+from supervisor.master.processes import find_masters
 from supervisor.settings import load_settings
 from tests.support.faults import FAST_CONVERGE, fill, get, serving, status, tmpfs, wait_converged
 

@@ -20,7 +20,7 @@ import pytest
 
 from rigs.daemon import Daemon, http_get
 from rigs.harness import ROOT
-from supervisor.master.find import find_masters
+from supervisor.master.processes import find_masters
 from supervisor.settings import load_settings
 from tests.support.faults import serving
 
