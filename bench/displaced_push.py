@@ -129,7 +129,7 @@ class Bench:
         # What the reloader does: check the config, and work the steering out meanwhile.
         check = await start_effective_check(haproxy_binary(), effective, self.rundir)
         spawned = time.monotonic()
-        await displaced.prepare(effective)
+        plan = await displaced.prepare(effective)
         prepared = time.monotonic()
         valid, message = await check.verdict()
         checked = time.monotonic()
@@ -139,7 +139,7 @@ class Bench:
         check_s = checked - spawned if checked - prepared > 0.001 else 0.0
         before_pid = self.state.current.worker_pid if self.state.current else None
         push_record = displaced.last_push
-        await displaced.before_reload(effective)
+        plan = await displaced.before_reload(plan)
         steered = time.monotonic()
         # When HAProxy answered the last push of the make-before-break (bookkeeping after it excluded).
         answered = displaced.last_push["steered_at"] if displaced.last_push is not push_record else steered
@@ -158,7 +158,7 @@ class Bench:
         confirmed = time.monotonic()
         self.register(model, effective.sha256, new_pid)
         push_record = displaced.last_push
-        await displaced.after_reload(True)
+        await displaced.after_reload(plan, True)
         done = time.monotonic()
         if figures is not None:
             reload_s = confirmed - reload_start

@@ -340,7 +340,7 @@ class Reloader:
             generation = self.parts.loaded_by(held.effective, held.inputs, procs)
             log.info("reload settled ok generation=%d worker=%s: confirmed %.1fs after it was sent",
                      generation.number, generation.worker_pid, waited)
-            await call_hook(self.parts.hooks, "after_reload", True)
+            await call_hook(self.parts.hooks, "after_reload", None, True)
             return
         error = f"HAProxy could not load the new config (show proc: failed={procs.master_failed})"
         log.error("reload settled failed: %s", error)

@@ -98,8 +98,9 @@ class Cycle:
         # `haproxy -c` takes a core of its own for a while (a quarter of a second at 10,000
         # servers): work out the steering the next config needs meanwhile, so that only its
         # pushes are left once the check passes. Nothing is pushed before the verdict.
+        plan = None
         try:
-            await call_hook(p.hooks, "prepare", effective)
+            plan = await call_hook(p.hooks, "prepare", effective)
         finally:
             ok, message = await check.verdict()  # reaps `haproxy -c` whatever happened
         if not ok:
@@ -121,7 +122,7 @@ class Cycle:
                     # refused): the worker runs them, plus removed ones left in maint. Its
                     # generation says so, for its steering once it is old and for a daemon restart.
                     p.book.ran(current, outcome.runs, effective, whole=False)
-        return await self._reload(effective, model, inputs, reason, started)
+        return await self._reload(effective, model, inputs, reason, started, plan)
 
     async def _settle_first(self, started: float) -> Attempt | None:
         """A second reload must not be sent while HAProxy may still be loading the first: settle
@@ -184,7 +185,9 @@ class Cycle:
         except Exception:  # a missing state file costs states, not the reload
             log.exception("saving server state failed; the new worker starts from the config")
 
-    async def _reload(self, effective: Effective, model: Config, inputs: str, reason: str, started: float) -> Attempt:
+    async def _reload(
+        self, effective: Effective, model: Config, inputs: str, reason: str, started: float, plan: object
+    ) -> Attempt:
         p = self.parts
         deadline = started + p.settings.reload.timeout_s
         try:
@@ -193,7 +196,7 @@ class Cycle:
             self.cli_failed()
             log.error("reload failed: %s", exc)
             return Attempt(p.record("failed", started, str(exc)))
-        await call_hook(p.hooks, "before_reload", effective)
+        plan = await call_hook(p.hooks, "before_reload", plan)
         confirmed = Confirmed("pending", None)
         try:
             await self._save_server_state(model)
@@ -224,7 +227,7 @@ class Cycle:
             else:
                 attempt = self._reload_failed(before, confirmed, started)
         finally:
-            await call_hook(p.hooks, "after_reload", confirmed.verdict == "ok")
+            await call_hook(p.hooks, "after_reload", plan, confirmed.verdict == "ok")
         p.notifier.ready(summary_line(p.state, p.book.old_count()))
         if confirmed.verdict == "ok":
             settle_after_reload()  # after the old workers are steered, never before

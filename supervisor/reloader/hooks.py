@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..effective import Effective
 from ..haproxy.config import Config
@@ -17,13 +17,15 @@ log = logging.getLogger(__package__)
 
 
 class ReloadHooks(Protocol):
-    """What the displaced-worker component needs around each change."""
+    """What the displaced-worker component needs around each change. prepare() returns its
+    plan for the reload, which the reloader hands to before_reload() as it is, and what
+    before_reload() returns to after_reload()."""
 
-    async def prepare(self, effective: Effective) -> None: ...
+    async def prepare(self, effective: Effective) -> Any: ...
 
-    async def before_reload(self, effective: Effective) -> None: ...
+    async def before_reload(self, plan: Any) -> Any: ...
 
-    async def after_reload(self, ok: bool) -> None: ...
+    async def after_reload(self, plan: Any, ok: bool) -> object: ...
 
     async def refresh(self) -> None: ...
 
@@ -35,9 +37,11 @@ RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[RuntimeOutcom
 SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
 
 
-async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> None:
+async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> Any:
+    """The hook's answer; None if it raised."""
     # A component's failure must not stop a reload that protects the fleet from stale configs.
     try:
-        await getattr(hooks, name)(*args)
+        return await getattr(hooks, name)(*args)
     except Exception:
         log.exception("hook %s raised", name)
+        return None

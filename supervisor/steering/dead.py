@@ -15,8 +15,7 @@ Three rules make a server of a generation dead:
 A server its own config disables is never routed to by that worker, so it is left out.
 
 `Digests` holds every config in use, digested once: what each generation runs (by its number
-and its effective config's sha256), the config prepare() planned for, and an index of their
-servers.
+and its effective config's sha256) and an index of their servers.
 """
 
 from __future__ import annotations
@@ -349,7 +348,6 @@ class Digests:
     def __init__(self) -> None:
         self.sections = Sections()
         self.servers = ServerIndex()  # the servers of every generation's config
-        self.prepared: ConfigDigest | None = None  # the config prepare() planned for, until after_reload
         self._of_generation: dict[tuple[int, str], ConfigDigest] = {}
 
     async def of_effective(self, effective: Effective) -> ConfigDigest:
@@ -373,13 +371,13 @@ class Digests:
         return key in self.servers
 
     def keep_only(self, generations: Iterable[Generation], latest: ConfigDigest) -> list[ConfigDigest]:
-        """Forget every config but these (and the prepared one); the digests kept. The sections
+        """Forget every config but these and `latest`; the digests kept. The sections
         no config holds any more are let go only when a generation went."""
         keep = {(g.number, g.effective_sha256) for g in generations}
         gone = [k for k in self._of_generation if k not in keep]
         for key in gone:
             self.servers.remove(self._of_generation.pop(key))
-        kept = [latest, *self._of_generation.values(), *([self.prepared] if self.prepared is not None else [])]
+        kept = [latest, *self._of_generation.values()]
         if gone:
             self.sections.keep_only(kept)
         return kept

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from ..binary import chash_node_keys
@@ -45,6 +46,17 @@ class _Interrupted(Exception):
     """A poll's read was called off for a reload."""
 
 
+@dataclass(frozen=True)
+class ReloadPlan:
+    """One reload's steering round as a value: prepare() makes it, before_reload() steers by
+    it and returns it with what it did, after_reload() ends it. The plans themselves are
+    found again by content (Planner), not carried."""
+
+    next: ConfigDigest  # the config the reload sends
+    leaving_pid: int | None  # the worker about to become old
+    steered: bool = False  # before_reload's make-before-break round went through
+
+
 class OldWorkers:
     """Keeps every old worker steered away from the servers known to be dead."""
 
@@ -68,8 +80,9 @@ class OldWorkers:
         self._live: LiveRead | None = None
         self._live_stale = False  # HAProxy wrote that a server of the current worker changed
         self._down: frozenset[str] = frozenset()  # the last view's down endpoints
-        self._next: ConfigDigest | None = None  # set between before_reload and after_reload
-        self._leaving_pid: int | None = None  # the worker about to become old
+        # The reload under way, from before_reload to after_reload: a poll's round in between
+        # steers by it too, or it would undo the make-before-break.
+        self._reloading: ReloadPlan | None = None
         self._dead_key: object = None  # what state.dead_servers was last made from
         self._rounds: dict[Basis, dict[int, Steering]] = {}  # the last rounds' plans by PID, per basis
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
@@ -126,11 +139,12 @@ class OldWorkers:
             woken = self._wake.is_set()
             self._wake.clear()
 
-    async def prepare(self, effective: Effective) -> None:
-        """Work out the next config's plans while `haproxy -c` checks it: before_reload then
-        finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
+    async def prepare(self, effective: Effective) -> ReloadPlan:
+        """The next config's plan, worked out while `haproxy -c` checks it, and each worker's
+        push to it (rounds.work_ahead). Nothing is pushed: a config that fails the check
+        steers nothing."""
         async with self._lock:
-            latest = self._digests.prepared = await self._digests.of_effective(effective)
+            latest = await self._digests.of_effective(effective)
             current = self.state.current
             leaving = current.worker_pid if current is not None else None
             judged = self._judged(leaving)
@@ -138,30 +152,38 @@ class OldWorkers:
                 with contextlib.suppress(CLIError):
                     view = await self._live_view(latest, leaving, reuse=True)
                     await self.rounds.work_ahead(self._workers, await self._plan(latest, view, judged))
+            return ReloadPlan(latest, leaving)
 
-    async def before_reload(self, effective: Effective) -> None:
+    async def before_reload(self, plan: ReloadPlan | None) -> ReloadPlan | None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
-        the servers the next config drops, before the reload is sent."""
+        the servers the next config drops, before the reload is sent. None (prepare failed):
+        a round as at rest."""
         current = self.state.current
-        self._next = await self._digests.of_effective(effective)
-        self._leaving_pid = current.worker_pid if current is not None else None
+        if plan is not None:
+            plan = self._reloading = replace(plan, leaving_pid=current.worker_pid if current is not None else None)
         for task in self._reads:  # the master relays one answer at a time: the pushes come first
             task.cancel()
         try:
             await self.sync()
         except CLIError as exc:
             log.warning("make-before-break steering failed: %s", exc)  # after_reload pushes again
+            return plan
+        return replace(plan, steered=True) if plan is not None else None
 
-    async def after_reload(self, ok: bool) -> None:
+    async def after_reload(self, plan: ReloadPlan | None, ok: bool) -> bool:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
-        the make-before-break steering of the worker that stays current."""
-        self._next, self._leaving_pid, self._digests.prepared = None, None, None
+        the make-before-break steering of the worker that stays current. `plan`: as
+        before_reload returned it (None for a reload settled late). Whether the round went
+        through."""
+        self._reloading = None
         try:
             # The states read before the reload still hold: the new worker reports every server
             # UP until its checks have run, and the next poll reads it anyway.
             await self.sync(reuse=True)
         except CLIError as exc:
             log.warning("steering after %s reload failed: %s", "the" if ok else "a failed", exc)
+            return False
+        return True
 
     async def refresh(self) -> None:
         """Recompute and push now: a runtime change altered the current config in place."""
@@ -210,7 +232,7 @@ class OldWorkers:
         worker's server states first (outside the lock: a reload does not wait on it);
         `reuse`: go by the last read, whatever its age."""
         current = self.state.current
-        if fresh and self._next is None and current is not None and current.worker_pid is not None:
+        if fresh and self._reloading is None and current is not None and current.worker_pid is not None:
             await self._interruptible(self._fetch_live(current.worker_pid))
         async with self._lock:
             procs = await self.cli.show_proc()
@@ -251,11 +273,12 @@ class OldWorkers:
 
     async def _steer(self, procs: ProcList, reuse: bool) -> None:
         current = self.state.current
-        latest = self._next if self._next is not None else (self._digests.of(current) if current is not None else None)
+        reloading = self._reloading
+        latest = reloading.next if reloading is not None else self._digests.of(current) if current is not None else None
         if latest is None:
             self.state.publish_dead_servers(())
             return
-        leaving = self._leaving_pid if self._next is not None else None
+        leaving = reloading.leaving_pid if reloading is not None else None
         judged = self._judged(leaving)
         for worker in self._workers.values():
             generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
@@ -311,7 +334,8 @@ class OldWorkers:
     async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
         # Around a reload the last answer will do, whatever its age: the steering must not wait
         # on a 10,000-line answer, and a new worker reports every server UP until it checked them.
-        if current_pid is not None and (self._live is None or (not reuse and self._next is None and self._live_due())):
+        stale = not reuse and self._reloading is None and self._live_due()
+        if current_pid is not None and (self._live is None or stale):
             await self._fetch_live(current_pid)
         states = self._live.states if self._live is not None else LiveStates()
         suspect_at = [f"{key.partition('/')[0]} {s.endpoint}" for key, s in self.state.suspect_servers.items()]
