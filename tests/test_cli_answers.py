@@ -25,7 +25,7 @@ from supervisor.haproxy.config import Config
 from supervisor.haproxy.membership import loaded_slot_table
 from supervisor.haproxy.runtime.apply import deleted, refusal
 from supervisor.haproxy.runtime.pending import left_pending
-from supervisor.steering.states import LiveTally
+from supervisor.steering.live import LiveTally
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")

@@ -34,7 +34,7 @@ from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
 from ..haproxy.resolution import Server, is_ip, section_servers
 from ..haproxy.routing import routing_of
 from ..state import Generation
-from .states import At, LiveStates
+from .live import At, LiveStates
 
 DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
 

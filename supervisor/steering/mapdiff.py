@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..haproxy.guard import HOP_SEPARATOR, backend_of_key, count_key, hop_key, is_count_key, is_hop_key
 from ..haproxy.names import validate_name
-from .entries import FAIL_FAST, Entries
+from .plan import FAIL_FAST, Entries
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -29,17 +29,20 @@ from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..master.processes import WorkerExits, process_started_at
 from ..settings import Settings
-from ..state import State
+from ..state import Generation, State
 from .dead import ConfigDigest, Digests, LiveView, live_view
-from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
+from .live import LiveRead, LiveStates, live_read_interval, read_states, read_unusable, update_stats
 from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
-from .procs import worker_generations
-from .record import WorkerRecord
-from .rounds import PushRounds
-from .states import LiveStates
+from .rounds import PushRounds, WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
 R = TypeVar("R")
+
+
+def worker_generations(procs: ProcList, generations: Mapping[int, Generation]) -> dict[int, int | None]:
+    """Every worker PID of `show proc` (current and old) -> the generation it runs, or None."""
+    by_pid = {g.worker_pid: n for n, g in generations.items() if g.worker_pid is not None}
+    return {p.pid: by_pid.get(p.pid) for p in (*procs.workers, *procs.old_workers)}
 
 
 class _Interrupted(Exception):
@@ -112,7 +115,8 @@ class OldWorkers:
                     await self.sync(fresh=self._live_due())
                 if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
                     self._wake.set()
-                views = await self._interruptible(read_unusable(self.cli, self._workers.values()))
+                unasked = [w.pid for w in self._workers.values() if w.unusable is None and not w.current]
+                views = await self._interruptible(read_unusable(self.cli, unasked))
                 if views:
                     self.state.publish_state_reads(len(views))
                     self.rounds.own_views(self._workers, views)
