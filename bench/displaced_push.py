@@ -71,7 +71,7 @@ from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import Generation, State, utcnow
 from supervisor.steering import mapdiff
 from supervisor.steering.dead import Sections
-from supervisor.steering.lines import map_entries
+from supervisor.steering.mapdiff import map_entries
 from supervisor.steering.workers import OldWorkers
 
 

@@ -23,7 +23,7 @@ from supervisor.haproxy.config import Config
 from supervisor.master.readiness import bind_ports, worker_ready
 from supervisor.settings import Settings
 from supervisor.state import Generation, State, utcnow
-from supervisor.steering.lines import map_entries
+from supervisor.steering.mapdiff import map_entries
 from supervisor.steering.workers import OldWorkers
 
 

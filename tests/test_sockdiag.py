@@ -18,7 +18,7 @@ from supervisor.master.sockdiag import (
     port_filter,
     tcp_sockets,
 )
-from supervisor.steering.stalled import stall_of
+from supervisor.steering.detector import stall_of
 
 
 def _pending_connect(port: int) -> socket.socket:

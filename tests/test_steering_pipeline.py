@@ -269,8 +269,7 @@ def test_diff_phases_table():
 
 
 def test_phase_lines_table():
-    from supervisor.steering.lines import phase_lines
-    from supervisor.steering.mapdiff import Phase
+    from supervisor.steering.mapdiff import Phase, phase_lines
 
     m = "/run/hs/steer.map"
     # (phase, limit, version) -> lines
@@ -289,7 +288,7 @@ def test_phase_lines_table():
 
 
 def test_answers_to_map_lines_table():
-    from supervisor.steering.lines import answer_problem, is_whole_answer, map_entries
+    from supervisor.steering.mapdiff import answer_problem, is_whole_answer, map_entries
 
     # (line, answer) -> the problem, or None
     table = [

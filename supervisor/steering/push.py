@@ -18,8 +18,18 @@ from dataclasses import dataclass
 
 from ..haproxy.answers import parse_prepare_map, parse_show_sess
 from ..haproxy.api import CLIError, MasterCLI, on_process
-from .lines import answer_problem, delta_lines, is_whole_answer, map_entries, phase_lines
-from .mapdiff import PHASES, ROUTING_PHASES, BackendDelta, Phase, valid_entry
+from .mapdiff import (
+    PHASES,
+    ROUTING_PHASES,
+    BackendDelta,
+    Phase,
+    answer_problem,
+    delta_lines,
+    is_whole_answer,
+    map_entries,
+    phase_lines,
+    valid_entry,
+)
 from .plan import Entries, Steering
 
 # Above this many `set map`/`del map` commands for one worker the whole map is replaced
