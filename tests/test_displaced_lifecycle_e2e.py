@@ -31,7 +31,7 @@ async def test_make_before_break_and_undo_after_a_failed_reload(rundir):
         # (and so does the older one).
         assert await sup.map_of(current) == {"app_0": "r2", "app_n": "2"}
         assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
-        log = (time.monotonic() - started, sup.displaced.last_push)
+        log = (time.monotonic() - started, sup.displaced.rounds.last_push)
         fresh = await KeepAliveClient(env.front).connect()
         try:
             bodies = {(await fresh.get())[1] for _ in range(4)}
@@ -81,7 +81,7 @@ async def test_daemon_restart_rebuilds_from_the_maps_and_reconcile_repairs_drift
         await sup.restart_displaced(reconcile_interval_s=0.3)
         await sup.wait_steered([env.old_pid])
         # It learnt the map from the old worker and found nothing to change.
-        assert sup.displaced.last_push == {} and sup.state.push_duration.count == 0
+        assert sup.displaced.rounds.last_push == {} and sup.state.push_duration.count == 0
         assert sup.state.old_workers[env.old_pid].generation == 1
         assert sup.state.old_workers[env.old_pid].steered == ["app/r1"]
         # Someone empties the map by hand: the next reconcile puts it back.

@@ -128,10 +128,8 @@ class Sections:
         return len(self._by_key)
 
     def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
-        """The config's digest. `sha256`: the digest of its effective text (Effective and
-        Generation carry it), by which a config seen lately is found without resolving its
-        sections again (prepare, then before_reload); None: a model with no such digest, whose
-        sections are still found by content."""
+        """The config's digest; `sha256` (of its effective text, if known) finds one seen lately
+        without resolving its sections again."""
         return finished(self.digesting(model, sha256))
 
     def digesting(self, model: Config, sha256: str | None = None) -> Generator[None, None, ConfigDigest]:

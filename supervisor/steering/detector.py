@@ -235,7 +235,7 @@ class ServerIndex:
     keys: frozenset[str]
     ports: frozenset[int]
     families: tuple[int, ...]
-    backends: dict[str, tuple[str, ...]]  # backend -> every server it can route to (stalled.left_in)
+    backends: dict[str, tuple[str, ...]]  # backend -> every server it can route to (left_in)
 
     @classmethod
     def of(cls, generation: Generation) -> ServerIndex:
@@ -322,7 +322,7 @@ class StalledDetector:
         self._rtts: dict[Endpoint, float] = {}  # the slowest smoothed RTT seen lately, per endpoint
         self._held: dict[str, tuple[Suspect, float]] = {}  # key -> (suspect, monotonic last seen stalled)
         self._health_down: set[str] = set()  # suspects set `health down` in the current worker
-        self._left_in: set[str] = set()  # suspects the current worker keeps: stalled.left_in
+        self._left_in: set[str] = set()  # suspects the current worker keeps: left_in()
         self._destroyed: set[bytes] = set()
         self.aborted = 0  # stalled sockets destroyed
         self.idle_closed = 0  # idle pooled connections destroyed
@@ -544,7 +544,7 @@ class StalledDetector:
     ) -> dict[int, dict[Endpoint, tuple[str, ...]]]:
         """Each old worker's own config's servers per endpoint, for the old workers with a
         stalled connect toward an endpoint where some server is known dead and steered off in
-        it: only those can have a connect to abort as known dead (stalled.to_abort)."""
+        it: only those can have a connect to abort as known dead (to_abort)."""
         dead = self.state.dead_servers
         latest = {g.worker_pid: g for g in sorted(self.state.generations.values(), key=lambda g: g.number)}
         wanted: dict[int, Generation] = {}
@@ -573,7 +573,7 @@ class StalledDetector:
         self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
         index: ServerIndex, steered: dict[int, frozenset[str]], own: dict[int, dict[Endpoint, tuple[str, ...]]],
     ) -> None:
-        """Destroy the stalled sockets stalled.to_abort() names, and every worker's idle pooled
+        """Destroy the stalled sockets to_abort() names, and every worker's idle pooled
         connections to suspects."""
         held_at = {s.endpoint for s, _ in self._held.values()}
         targets: list[tuple[DiagSocket, str]] = [

@@ -219,14 +219,8 @@ class OldWorkers:
         self.state.publish_operator_dead(ServerKey.parse(key), False)
         self._wake.set()
 
-    @property
-    def last_push(self) -> dict[str, float]:
-        """Figures of the last push round, for benchmarks."""
-        return self.rounds.last_push
-
     def has_server(self, key: str) -> bool:
-        """Whether the current config or one an old worker runs has this server: one lookup in
-        an index kept as generations come and go."""
+        """Whether the current config or one an old worker runs has this server."""
         return self._digests.has_server(key, list(self.state.generations.values()))
 
     # ------------------------------------------------------------ one round
@@ -259,10 +253,13 @@ class OldWorkers:
         and the servers they skip themselves."""
         judged = {}
         for worker in self._workers.values():
-            generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
+            generation = self._generation_of(worker)
             if generation is not None and (not worker.current or worker.pid == leaving):
                 judged[worker.pid] = (self._digests.of(generation), worker.unusable or frozenset())
         return judged
+
+    def _generation_of(self, worker: WorkerRecord) -> Generation | None:
+        return self.state.generations.get(worker.generation) if worker.generation is not None else None
 
     def _track(self, procs: ProcList) -> None:
         generations = worker_generations(procs, self.state.generations)
@@ -285,7 +282,7 @@ class OldWorkers:
         leaving = reloading.leaving_pid if reloading is not None else None
         judged = self._judged(leaving)
         for worker in self._workers.values():
-            generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
+            generation = self._generation_of(worker)
             if generation is None:
                 self.rounds.want(worker, None, "the config this worker runs is unknown: it cannot be steered")
             elif worker.pid not in judged:
