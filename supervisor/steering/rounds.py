@@ -140,7 +140,6 @@ class PushRounds:
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
         self._news: dict[int, PushNews] = {}  # push records not published yet
         self._failures = 0  # failures not published yet
-        self._ahead: dict[int, Ahead] = {}  # pushes worked out before they were due, by pid
 
     # ------------------------------------------------------------ what the shell learns
 
@@ -184,9 +183,10 @@ class PushRounds:
 
     # ------------------------------------------------------------ pushes and read-backs
 
-    async def push_all(self, workers: Collection[WorkerRecord]) -> None:
+    async def push_all(self, workers: Collection[WorkerRecord], ahead: Mapping[int, Ahead] | None = None) -> None:
         """Push to every worker whose map differs from its plan (and is not backing off), all at
-        once: every worker steered first, then every map tidied."""
+        once: every worker steered first, then every map tidied. `ahead`: pushes work_ahead()
+        worked out, taken where they still hold."""
         started = time.monotonic()
         due: list[tuple[WorkerRecord, asyncio.Task[Steered]]] = []
         try:
@@ -195,7 +195,7 @@ class PushRounds:
                 if wanted is None:
                     continue
                 try:
-                    deltas, going = self._worked_out(worker, wanted)
+                    deltas, going = self._worked_out(worker, wanted, (ahead or {}).get(worker.pid))
                 except ValueError as exc:  # an entry or a map path that no CLI line can carry
                     self.failed(worker, str(exc))
                     continue
@@ -240,11 +240,13 @@ class PushRounds:
             }
         self.publish()
 
-    async def work_ahead(self, workers: Mapping[int, WorkerRecord], plans: Mapping[int, Steering]) -> None:
-        """Work out each worker's push to its next plan now (while `haproxy -c` checks the next
-        config), for push_all to find if neither changed meanwhile: a reload's make-before-break
-        push then only sends lines."""
-        self._ahead = {}
+    async def work_ahead(
+        self, workers: Mapping[int, WorkerRecord], plans: Mapping[int, Steering]
+    ) -> dict[int, Ahead]:
+        """Each worker's push to its next plan, worked out now (while `haproxy -c` checks the
+        next config), by PID: push_all takes it if neither changed meanwhile, so a reload's
+        make-before-break push only sends lines."""
+        found: dict[int, Ahead] = {}
         for pid, plan in plans.items():
             worker = workers.get(pid)
             if worker is None or worker.held is None or not plan.digest.guarded:
@@ -253,13 +255,15 @@ class PushRounds:
                 deltas = worker.deltas_to(plan)
                 if deltas is not None:
                     going = outgoing(pid, self.map_path, plan, deltas) if deltas else None
-                    self._ahead[pid] = Ahead(worker.held, plan, deltas, going)
+                    found[pid] = Ahead(worker.held, plan, deltas, going)
             await asyncio.sleep(0)  # the operator API and the pushes under way get the loop in between
+        return found
 
-    def _worked_out(self, worker: WorkerRecord, wanted: Steering) -> tuple[list[BackendDelta] | None, Outgoing | None]:
+    def _worked_out(
+        self, worker: WorkerRecord, wanted: Steering, ahead: Ahead | None
+    ) -> tuple[list[BackendDelta] | None, Outgoing | None]:
         """The changes a worker's map needs, and the push that carries them (None: none, or its
         map is unknown): as worked out ahead if that still holds."""
-        ahead = self._ahead.pop(worker.pid, None)
         if ahead is not None and ahead.held is worker.held and ahead.wanted is wanted:
             return ahead.deltas, ahead.going
         deltas = worker.deltas()

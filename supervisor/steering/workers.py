@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from ..binary import chash_node_keys
@@ -33,7 +33,7 @@ from ..state import Generation, State
 from .dead import ConfigDigest, Digests, LiveView, live_view
 from .live import LiveRead, LiveStates, live_read_interval, read_states, read_unusable, update_stats
 from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
-from .rounds import PushRounds, WorkerRecord
+from .rounds import Ahead, PushRounds, WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
 R = TypeVar("R")
@@ -52,11 +52,13 @@ class _Interrupted(Exception):
 @dataclass(frozen=True)
 class ReloadPlan:
     """One reload's steering round as a value: prepare() makes it, before_reload() steers by
-    it and returns it with what it did, after_reload() ends it. The plans themselves are
-    found again by content (Planner), not carried."""
+    it and returns it with what it did, after_reload() ends it."""
 
     next: ConfigDigest  # the config the reload sends
     leaving_pid: int | None  # the worker about to become old
+    basis: Basis | None = None  # what `plans` were made under
+    plans: Mapping[int, Steering] = field(default_factory=dict)  # by PID, worked out in prepare
+    ahead: Mapping[int, Ahead] = field(default_factory=dict)  # their pushes, by PID
     steered: bool = False  # before_reload's make-before-break round went through
 
 
@@ -155,7 +157,9 @@ class OldWorkers:
             if judged:
                 with contextlib.suppress(CLIError):
                     view = await self._live_view(latest, leaving, reuse=True)
-                    await self.rounds.work_ahead(self._workers, await self._plan(latest, view, judged))
+                    plans = await self._plan(latest, view, judged, remember=False)
+                    ahead = await self.rounds.work_ahead(self._workers, plans)
+                    return ReloadPlan(latest, leaving, (latest.key, view), plans, ahead)
             return ReloadPlan(latest, leaving)
 
     async def before_reload(self, plan: ReloadPlan | None) -> ReloadPlan | None:
@@ -301,7 +305,7 @@ class OldWorkers:
                     self.rounds.want(worker, steering)
                 else:
                     self.rounds.want(worker, None, "its config has no guard: it cannot be steered")
-        await self.rounds.push_all(self._workers.values())
+        await self.rounds.push_all(self._workers.values(), reloading.ahead if reloading is not None else None)
         # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:
@@ -312,22 +316,29 @@ class OldWorkers:
             await self.rounds.sweep(self._workers.values())
 
     async def _plan(
-        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
+        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]],
+        remember: bool = True,
     ) -> dict[int, Steering]:
         """The planner's plans, one worker at a time: the operator API and the pushes under way
-        get the event loop in between. A plan made in a recent round under the same basis, for
-        the same worker content, is taken as it is: a reload plans each worker in prepare, and
-        before_reload and after_reload find them."""
+        get the event loop in between. A plan made under the same basis for the same worker
+        content, in a recent round or in the reload's prepare, is taken as it is: a reload plans
+        each worker once. `remember`: keep these among the recent rounds' (prepare's travel in
+        its ReloadPlan instead)."""
         basis: Basis = (latest.key, view)
-        last = self._rounds.pop(basis, {})
+        last = self._rounds.get(basis, {})
+        reloading = self._reloading
+        if reloading is not None and reloading.basis == basis:
+            last = {**reloading.plans, **last}
         plans = reused_plans(last, judged)
         for pid, worker in judged.items():
             if pid not in plans:
                 plans.update(self._planner.plan(latest, view, {pid: worker}))
                 await asyncio.sleep(0)
-        self._rounds[basis] = plans  # most recent last
-        while len(self._rounds) > self.RECENT_ROUNDS:
-            del self._rounds[next(iter(self._rounds))]
+        if remember:
+            self._rounds.pop(basis, None)
+            self._rounds[basis] = plans  # most recent last
+            while len(self._rounds) > self.RECENT_ROUNDS:
+                del self._rounds[next(iter(self._rounds))]
         return plans
 
     # ------------------------------------------------------------ the current worker's evidence
