@@ -71,7 +71,7 @@ from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import Generation, State, utcnow
 from supervisor.steering import mapdiff
 from supervisor.steering.dead import Sections
-from supervisor.steering.lines import map_entries
+from supervisor.steering.mapdiff import map_entries
 from supervisor.steering.workers import OldWorkers
 
 
@@ -129,7 +129,7 @@ class Bench:
         # What the reloader does: check the config, and work the steering out meanwhile.
         check = await start_effective_check(haproxy_binary(), effective, self.rundir)
         spawned = time.monotonic()
-        await displaced.prepare(effective)
+        plan = await displaced.prepare(effective)
         prepared = time.monotonic()
         valid, message = await check.verdict()
         checked = time.monotonic()
@@ -138,11 +138,12 @@ class Bench:
         # did not, its end is not known: none of it is taken off (prepare is counted whole).
         check_s = checked - spawned if checked - prepared > 0.001 else 0.0
         before_pid = self.state.current.worker_pid if self.state.current else None
-        push_record = displaced.last_push
-        await displaced.before_reload(effective)
+        push_record = displaced.rounds.last_push
+        plan = await displaced.before_reload(plan)
         steered = time.monotonic()
         # When HAProxy answered the last push of the make-before-break (bookkeeping after it excluded).
-        answered = displaced.last_push["steered_at"] if displaced.last_push is not push_record else steered
+        last = displaced.rounds.last_push
+        answered = last["steered_at"] if last is not push_record else steered
         write_effective(self.settings.haproxy.effective_config, effective)
         reload_start = time.monotonic()
         with contextlib.suppress(CLIError):
@@ -157,15 +158,15 @@ class Bench:
                 await asyncio.sleep(0.005)
         confirmed = time.monotonic()
         self.register(model, effective.sha256, new_pid)
-        push_record = displaced.last_push
-        await displaced.after_reload(True)
+        push_record = displaced.rounds.last_push
+        await displaced.after_reload(plan, True)
         done = time.monotonic()
         if figures is not None:
             reload_s = confirmed - reload_start
             figures.reload.append(reload_s)
             figures.overhead.append(done - started - reload_s - (checked - prepared))
-            if displaced.last_push is not push_record:  # steering had to be finished after the reload
-                figures.to_steered.append(displaced.last_push["steered_at"] - started - check_s - reload_s)
+            if displaced.rounds.last_push is not push_record:  # steering had to be finished after the reload
+                figures.to_steered.append(displaced.rounds.last_push["steered_at"] - started - check_s - reload_s)
             else:
                 figures.to_steered.append(answered - started - check_s)
             figures.build.append(built - started)
@@ -173,7 +174,7 @@ class Bench:
             figures.check.append(checked - spawned)
             figures.steered.append(steered - started)
             figures.after.append(done - confirmed)
-            figures.entries.append(int(displaced.last_push.get("changes", 0)))
+            figures.entries.append(int(displaced.rounds.last_push.get("changes", 0)))
 
     async def release_oldest(self) -> None:
         pid, sock = self.holders.pop(0)

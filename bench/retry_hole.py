@@ -19,7 +19,7 @@ Wave 1: every client sends a request at once; 200 ms later the old worker gets t
 (every slot to a live server). Wave 2, 1 s after the push, on other held connections: steered.
 A second run per shape has `option redispatch 1` backends only, and the detector's abort from
 the push on (the worker is steered off the dead servers then): every detector poll, the old
-worker's stalled sockets, judged by the daemon's own decision (steering/stalled.py: to_abort)
+worker's stalled sockets, judged by the daemon's own decision (steering/detector.py: to_abort)
 with the dead servers known dead and steered off, destroyed through sock_diag (SOCK_DESTROY);
 beside them, the same backends with their servers observed as Ray ships them (`check observe
 layer4 error-limit 3 on-error mark-down`), so that the old worker marks a dead server down itself
@@ -57,7 +57,7 @@ from rigs.harness import Backend, HAProxyMaster, KeepAliveClient, free_port, sho
 from supervisor.master.processes import socket_inodes
 from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, SockDiagError, destroy, tcp_sockets
 from supervisor.settings import DetectorSettings
-from supervisor.steering.stalled import Endpoint, stall_of, to_abort
+from supervisor.steering.detector import Endpoint, stall_of, to_abort
 
 CONNECT_TIMEOUT_MS = 2000
 RETRIES = 3

@@ -29,7 +29,7 @@ from supervisor.haproxy import guard
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.haproxy.routing import PLAIN
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from supervisor.steering import dead, entries
+from supervisor.steering import dead, plan
 
 LIVE = ("s1", "s2", "s3")
 SLOW_S = 0.5
@@ -290,7 +290,7 @@ def fidelity_disabled(monkeypatch) -> Iterator[None]:
     with monkeypatch.context() as patch:
         patch.setattr(guard, "routing_of", lambda *_: PLAIN)
         patch.setattr(dead, "routing_of", lambda *_: PLAIN)
-        patch.setattr(entries, "weighted_draws", lambda *_: [])
+        patch.setattr(plan, "weighted_draws", lambda *_: [])
         yield
 
 

@@ -23,7 +23,7 @@ from supervisor.haproxy.config import Config
 from supervisor.master.process import bind_ports, worker_ready
 from supervisor.settings import Settings
 from supervisor.state import Generation, State, utcnow
-from supervisor.steering.lines import map_entries
+from supervisor.steering.mapdiff import map_entries
 from supervisor.steering.workers import OldWorkers
 
 
@@ -83,13 +83,14 @@ class Supervised:
         next_model = Config.parse(effective.text)
         before = self.current_pid
         check = await start_effective_check(self.settings.haproxy.binary, effective, self.settings.haproxy.runtime_dir)
+        plan = None
         try:
-            await self.displaced.prepare(effective)
+            plan = await self.displaced.prepare(effective)
         finally:
             valid, message = await check.verdict()
         if not valid:
             raise ValueError(f"haproxy -c refused the config: {message}")
-        await self.displaced.before_reload(effective)
+        plan = await self.displaced.before_reload(plan)
         write_effective(self.settings.haproxy.effective_config, effective)
         started = time.monotonic()
         with contextlib.suppress(CLIError):  # 2.6 may drop the connection as the master re-executes
@@ -99,7 +100,7 @@ class Supervised:
         new_pid = None
         while new_pid is None:
             if time.monotonic() > deadline:
-                await self.displaced.after_reload(False)
+                await self.displaced.after_reload(plan, False)
                 raise TimeoutError("no new worker after reload")
             with contextlib.suppress(CLIError):
                 procs = await self.cli.show_proc()
@@ -113,7 +114,7 @@ class Supervised:
         self.reload_seconds.append(time.monotonic() - started)
         # The same effective config before_reload saw: its digest is found by its sha256.
         self.register(next_model, effective.rendered_sha256, effective.sha256, new_pid)
-        await self.displaced.after_reload(True)
+        await self.displaced.after_reload(plan, True)
         return new_pid
 
     async def refresh_state(self) -> State:

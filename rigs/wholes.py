@@ -23,9 +23,9 @@ from supervisor.haproxy.routing import ID_TIMES_4096, NodeKeys
 from supervisor.haproxy.runtime.plan import ServerChange, runtime_plan
 from supervisor.haproxy.server_state import server_state_parts
 from supervisor.steering.dead import At, ConfigDigest, Sections, at, by_backend_of, dead_groups, endpoint, live_view
-from supervisor.steering.entries import NoBackup, section_entries
+from supervisor.steering.live import LiveStates, LiveTally
 from supervisor.steering.mapdiff import Phase, diff_phases
-from supervisor.steering.states import LiveStates, LiveTally
+from supervisor.steering.plan import NoBackup, section_entries
 
 
 def parse_live_states(text: str) -> LiveStates:

@@ -25,7 +25,7 @@ from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import deleted, refusal
 from supervisor.haproxy.runtime.hook import left_pending
 from supervisor.haproxy.runtime.plan import loaded_slot_table
-from supervisor.steering.states import LiveTally
+from supervisor.steering.live import LiveTally
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")

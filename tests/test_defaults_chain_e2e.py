@@ -21,8 +21,7 @@ from supervisor.haproxy.answers import parse_servers_state
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.guard import guard_rules
 from supervisor.settings import HAProxySettings, ObserveSettings, OldWorkerSettings, Settings
-from supervisor.steering.lines import phase_lines
-from supervisor.steering.mapdiff import Phase
+from supervisor.steering.mapdiff import Phase, phase_lines
 from tests.test_observe_e2e import drain_on_old_worker
 
 pytestmark = pytest.mark.haproxy

@@ -26,12 +26,12 @@ async def test_make_before_break_and_undo_after_a_failed_reload(rundir):
         current = sup.current_pid
         effective = build_effective(sup.settings, env.rendered(server_lines(env.ports, ["r2"])))
         started = time.monotonic()
-        await sup.displaced.before_reload(effective)
+        plan = await sup.displaced.before_reload(await sup.displaced.prepare(effective))
         # Before any reload, the worker about to become old already avoids the dropped r1
         # (and so does the older one).
         assert await sup.map_of(current) == {"app_0": "r2", "app_n": "2"}
         assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
-        log = (time.monotonic() - started, sup.displaced.last_push)
+        log = (time.monotonic() - started, sup.displaced.rounds.last_push)
         fresh = await KeepAliveClient(env.front).connect()
         try:
             bodies = {(await fresh.get())[1] for _ in range(4)}
@@ -39,7 +39,7 @@ async def test_make_before_break_and_undo_after_a_failed_reload(rundir):
             await fresh.close()
         assert bodies == {"r2"}, (bodies, log)
         # The reload failed: the current worker routes by its config again.
-        await sup.displaced.after_reload(False)
+        await sup.displaced.after_reload(plan, False)
         assert await sup.map_of(current) == {}
         assert await sup.map_of(env.old_pid) == {}
 
@@ -47,25 +47,25 @@ async def test_make_before_break_and_undo_after_a_failed_reload(rundir):
 async def test_prepare_steers_nothing_and_before_reload_steers_the_same_either_way(rundir):
     """prepare() runs while `haproxy -c` checks the next config, which may fail the check:
     it pushes nothing, whatever polls come meanwhile. before_reload then steers the same maps
-    whether prepare ran first or not (the control)."""
+    whether polls came between or not (the control)."""
     async with old_worker(rundir, lambda p: server_lines(p, ["r1", "r2"])) as env:
         sup = env.sup
         current = sup.current_pid
-        for prepared in (True, False):
+        for polled in (True, False):
             # A new Effective each time: plans are found by content, not by object.
             effective = build_effective(sup.settings, env.rendered(server_lines(env.ports, ["r2"])))
-            if prepared:
-                await sup.displaced.prepare(effective)
+            plan = await sup.displaced.prepare(effective)
+            if polled:
                 await sup.displaced.sync()
                 await sup.displaced.sync()
                 # Nothing steered: not the old worker, not the one that would become old.
                 assert await sup.map_of(current) == {}
                 assert await sup.map_of(env.old_pid) == {}
                 assert "app/r1" not in sup.state.dead_servers
-            await sup.displaced.before_reload(effective)
+            plan = await sup.displaced.before_reload(plan)
             assert await sup.map_of(current) == {"app_0": "r2", "app_n": "2"}
             assert await sup.map_of(env.old_pid) == {"app_0": "r2", "app_n": "2"}
-            await sup.displaced.after_reload(False)  # the reload failed: back as it was
+            await sup.displaced.after_reload(plan, False)  # the reload failed: back as it was
             assert await sup.map_of(current) == {}
             assert await sup.map_of(env.old_pid) == {}
 
@@ -81,7 +81,7 @@ async def test_daemon_restart_rebuilds_from_the_maps_and_reconcile_repairs_drift
         await sup.restart_displaced(reconcile_interval_s=0.3)
         await sup.wait_steered([env.old_pid])
         # It learnt the map from the old worker and found nothing to change.
-        assert sup.displaced.last_push == {} and sup.state.push_duration.count == 0
+        assert sup.displaced.rounds.last_push == {} and sup.state.push_duration.count == 0
         assert sup.state.old_workers[env.old_pid].generation == 1
         assert sup.state.old_workers[env.old_pid].steered == ["app/r1"]
         # Someone empties the map by hand: the next reconcile puts it back.

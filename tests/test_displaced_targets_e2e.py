@@ -169,6 +169,6 @@ async def test_many_changed_targets_replace_the_whole_map_at_once(rundir):
         }
         await sup.until(lambda: map_is(second), what="second steering")
         # 80 `del map` commands would be needed: the whole map (162 entries) went in one committed version
-        assert sup.displaced.last_push["changes"] == 2 * backends_count + len(steady)
+        assert sup.displaced.rounds.last_push["changes"] == 2 * backends_count + len(steady)
         assert sup.state.old_workers[env.old_pid].push.state == "ok"
         assert sup.state.push_failures == 0

@@ -15,8 +15,7 @@ from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import SlotTable
 from supervisor.settings import HAProxySettings, Settings
-from supervisor.steering.lines import map_entries, phase_lines
-from supervisor.steering.mapdiff import Phase
+from supervisor.steering.mapdiff import Phase, map_entries, phase_lines
 
 pytestmark = pytest.mark.haproxy
 

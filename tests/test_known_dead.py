@@ -9,8 +9,8 @@ import pytest
 
 from rigs.wholes import known_dead_servers, steer_entries, steered_servers, summarize_states
 from supervisor.steering.dead import Sections, dead_groups, live_view
+from supervisor.steering.live import LiveStates
 from supervisor.steering.plan import Planner
-from supervisor.steering.states import LiveStates
 from tests.support.steering_cases import NEW, OLD, digest, live_of, model, random_config, state
 
 # ---------------------------------------------------------------- known-dead rules

@@ -9,8 +9,7 @@ import pytest
 
 from rigs.wholes import diff_map, map_commands
 from supervisor.haproxy.guard import backend_of_key
-from supervisor.steering.lines import phase_lines
-from supervisor.steering.mapdiff import ROUTING_PHASES, Phase, diff_phases
+from supervisor.steering.mapdiff import ROUTING_PHASES, Phase, diff_phases, phase_lines
 from tests.support.steering_cases import MAP
 
 # ---------------------------------------------------------------- map diff

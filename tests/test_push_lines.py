@@ -8,8 +8,15 @@ import random
 from rigs.wholes import diff_map
 from supervisor.haproxy.config import Config
 from supervisor.steering.dead import line_limit
-from supervisor.steering.lines import answer_problem, delta_lines, is_whole_answer, map_entries
-from supervisor.steering.mapdiff import ROUTING_PHASES, BackendDelta, backend_delta
+from supervisor.steering.mapdiff import (
+    ROUTING_PHASES,
+    BackendDelta,
+    answer_problem,
+    backend_delta,
+    delta_lines,
+    is_whole_answer,
+    map_entries,
+)
 from tests.support.steering_cases import MAP
 
 

@@ -1,7 +1,8 @@
 """The reloader's contract with the components plugged into it, in-process with the real HAProxy.
 
-prepare gets the next effective config while `haproxy -c` checks it (whatever the verdict),
-before_reload gets it again before the reload, after_reload the outcome;
+prepare gets the next effective config while `haproxy -c` checks it (whatever the verdict) and
+returns a plan; before_reload gets that plan before the reload, after_reload what before_reload
+returned and the outcome;
 a runtime_apply whose outcome is applied replaces the reload (no new worker, the same
 generation with what it now runs, `runtime_applied` recorded); reload_now() reloads unchanged
 content and returns its record.
@@ -51,21 +52,26 @@ backend app
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
+        self.handed: list[object] = []  # the plan each after_reload was handed
         self.checking: list[bool] = []  # per prepare: was a `haproxy -c` started and its verdict not taken
         self.pending_checks = 0
         self.collecting: list[bool] = []  # per prepare: was the garbage collector on
 
-    async def prepare(self, effective: Effective) -> None:
-        self.calls.append(("prepare", [s.key for s in effective.effective_model.servers()]))
+    async def prepare(self, effective: Effective) -> tuple[str, list[str]]:
+        servers = [s.key for s in effective.effective_model.servers()]
+        self.calls.append(("prepare", servers))
         # By the check's own life, not by looking for the process: a small config's `haproxy -c`
         # can be done (and reaped) in a few ms, before prepare runs, on a fast build such as 3.0.
         self.checking.append(self.pending_checks > 0)
         self.collecting.append(gc.isenabled())
+        return ("planned", servers)
 
-    async def before_reload(self, effective: Effective) -> None:
-        self.calls.append(("before", [s.key for s in effective.effective_model.servers()]))
+    async def before_reload(self, plan: tuple[str, list[str]]) -> tuple[str, list[str]]:
+        self.calls.append(("before", plan[1]))
+        return ("steered", plan[1])
 
-    async def after_reload(self, ok: bool) -> None:
+    async def after_reload(self, plan: tuple[str, list[str]] | None, ok: bool) -> None:
+        self.handed.append(plan)
         self.calls.append(("after", ok))
 
     async def refresh(self) -> None:
@@ -183,6 +189,7 @@ async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
         await wait_until(lambda: state.reloads.ok == 1)
         assert applied, "runtime_apply is asked first"
         assert hooks.calls == [("prepare", ["app/s2"]), ("before", ["app/s2"]), ("after", True)]
+        assert hooks.handed == [("steered", ["app/s2"])]  # what before_reload returned
         assert hooks.checking == [True]
         assert state.current is not None and state.current.number == 2
         assert [s.key for s in state.current.model.servers()] == ["app/s2"]

@@ -14,10 +14,9 @@ from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import State
 from supervisor.steering.dead import Sections, live_view
+from supervisor.steering.live import LiveStates
 from supervisor.steering.plan import Planner
-from supervisor.steering.record import WorkerRecord
-from supervisor.steering.rounds import PushRounds
-from supervisor.steering.states import LiveStates
+from supervisor.steering.rounds import PushRounds, WorkerRecord
 
 PID = 999_999_999  # no such process: the old worker's record has no start time
 RUNS = "defaults\n  mode http\nbackend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n"

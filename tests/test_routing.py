@@ -1,5 +1,5 @@
 """What the guard reproduces of HAProxy's choice (haproxy/routing.py), and the steer-map entries
-that keep a steered backend's weights and hash positions (steering/entries.py): pure logic,
+that keep a steered backend's weights and hash positions (steering/plan.py): pure logic,
 tables. tests/test_fidelity_e2e.py checks the same against real HAProxy."""
 
 from __future__ import annotations

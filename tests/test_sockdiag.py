@@ -19,7 +19,7 @@ from supervisor.master.sockdiag import (
     port_filter,
     tcp_sockets,
 )
-from supervisor.steering.stalled import idle, stall_of
+from supervisor.steering.detector import idle, stall_of
 
 
 def _pending_connect(port: int) -> socket.socket:

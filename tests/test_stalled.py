@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, DiagSocket
-from supervisor.steering.stalled import idle, left_in, stall_of, suspects, threshold_ms, to_abort
+from supervisor.steering.detector import idle, left_in, stall_of, suspects, threshold_ms, to_abort
 
 
 def sock(state: int = TCP_SYN_SENT, timer: int = 1, retrans: int = 0, expires: int = 0, wqueue: int = 0,

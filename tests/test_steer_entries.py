@@ -7,7 +7,7 @@ import random
 
 from rigs.wholes import known_dead_servers, steered_servers
 from supervisor.haproxy.config import Config
-from supervisor.steering.entries import FAIL_FAST
+from supervisor.steering.plan import FAIL_FAST
 from tests.support.steering_cases import NEW, OLD, home_entries, live_of, model, routes, steer_map_entries
 
 # ---------------------------------------------------------------- steer entries

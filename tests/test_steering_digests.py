@@ -11,8 +11,8 @@ import pytest
 from rigs.wholes import known_dead_servers, parse_live_states, summarize_states
 from supervisor.haproxy.answers import servers_state_parts
 from supervisor.steering.dead import ConfigDigest, Sections, live_view
+from supervisor.steering.live import LiveStates, LiveTally
 from supervisor.steering.plan import Planner
-from supervisor.steering.states import LiveStates, LiveTally
 from tests.support.steering_cases import NEW, OLD, dead_in, digest, model, random_config
 from tests.test_worker_answers import SERVERS_STATE
 
@@ -134,7 +134,7 @@ def test_a_worker_record_knows_every_backend_its_map_may_differ_in(seed):
     """Plans arrive one after another (drains, evidence, the servers the worker skips, the next
     config and the current one taking turns) while pushes succeed now and then: whatever the
     sequence, every backend where the map differs from the plan is one the record will push."""
-    from supervisor.steering.record import WorkerRecord
+    from supervisor.steering.rounds import WorkerRecord
 
     rng = random.Random(seed)
     cache = Sections()

@@ -65,7 +65,7 @@ def _steering(basis, source=("cfg", frozenset()), previous=None, changed=frozens
 
 def test_pending_after_a_new_plan():
     from supervisor.steering.dead import LiveView
-    from supervisor.steering.record import pending_after
+    from supervisor.steering.rounds import pending_after
 
     view, other = LiveView(), LiveView(down=frozenset({"b 10.0.0.1:80"}))
     one = _steering(("k1", view))
@@ -85,7 +85,7 @@ def test_pending_after_a_new_plan():
 
 def test_map_deltas_look_only_where_the_map_can_differ():
     from supervisor.steering.dead import LiveView
-    from supervisor.steering.record import map_deltas
+    from supervisor.steering.rounds import map_deltas
 
     a, b = (("a_n", "2"), ("a_0", "s2")), (("b_n", "0"),)
     wanted = _steering(("k", LiveView()), parts={"a": a, "b": b})
@@ -164,7 +164,7 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
     publishes its records in one call before its pushes and one after."""
     from rigs.harness import KeepAliveClient
     from supervisor.state import State
-    from supervisor.steering import record as record_module
+    from supervisor.steering import rounds as rounds_module
     from supervisor.steering.plan import Planner
     from supervisor.steering.workers import OldWorkers
     from tests.support.old_worker import old_worker, server_lines
@@ -182,7 +182,7 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
 
         worked_out: list[str] = []  # the hook that was running, per map_deltas
         hook = ["none"]
-        real_deltas = record_module.map_deltas
+        real_deltas = rounds_module.map_deltas
 
         def map_deltas(held, wanted, pending):
             worked_out.append(hook[0])
@@ -212,7 +212,7 @@ async def test_a_reload_plans_each_worker_once_and_works_each_push_out_once(rund
         assert (await held.get())[0] == 200
         with (
             mock.patch.object(Planner, "plan", plan),
-            mock.patch.object(record_module, "map_deltas", map_deltas),
+            mock.patch.object(rounds_module, "map_deltas", map_deltas),
             mock.patch.object(State, "publish_pushes", publish_pushes),
             mock.patch.object(OldWorkers, "prepare", marked("prepare")),
             mock.patch.object(OldWorkers, "before_reload", marked("before_reload")),
@@ -269,8 +269,7 @@ def test_diff_phases_table():
 
 
 def test_phase_lines_table():
-    from supervisor.steering.lines import phase_lines
-    from supervisor.steering.mapdiff import Phase
+    from supervisor.steering.mapdiff import Phase, phase_lines
 
     m = "/run/hs/steer.map"
     # (phase, limit, version) -> lines
@@ -289,7 +288,7 @@ def test_phase_lines_table():
 
 
 def test_answers_to_map_lines_table():
-    from supervisor.steering.lines import answer_problem, is_whole_answer, map_entries
+    from supervisor.steering.mapdiff import answer_problem, is_whole_answer, map_entries
 
     # (line, answer) -> the problem, or None
     table = [

@@ -21,7 +21,7 @@ from rigs.daemon import Daemon, http_get, one_backend
 from rigs.daemon import tagged_config as config
 from rigs.harness import KeepAliveClient, backends, free_port
 from supervisor.binary import resolve_binary
-from supervisor.steering.lines import map_entries
+from supervisor.steering.mapdiff import map_entries
 
 pytestmark = pytest.mark.haproxy
 

@@ -11,7 +11,8 @@ from supervisor.haproxy.answers import Proc, ProcList, parse_servers_state, show
 from supervisor.haproxy.config import Config
 from supervisor.state import Generation
 from supervisor.steering.dead import live_view
-from supervisor.steering.procs import stuck_sessions, worker_generations
+from supervisor.steering.push import stuck_sessions
+from supervisor.steering.workers import worker_generations
 from tests.support.steering_cases import NEW, OLD, dead_in, digest, live_of, model, steer_map_entries
 
 # ---------------------------------------------------------------- processes and parsers

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from ..effective import Effective, RenderedConfigError, load_effective, off_the_loop, start_effective_check
 from ..eventloop import collector_paused, settle_after_reload, wait_set
@@ -58,13 +58,15 @@ WRITER_POLL_S = 0.05  # how often a file being written is looked at again
 
 
 class ReloadHooks(Protocol):
-    """What the displaced-worker component needs around each change."""
+    """What the displaced-worker component needs around each change. prepare() returns its
+    plan for the reload, which the reloader hands to before_reload() as it is, and what
+    before_reload() returns to after_reload()."""
 
-    async def prepare(self, effective: Effective) -> None: ...
+    async def prepare(self, effective: Effective) -> Any: ...
 
-    async def before_reload(self, effective: Effective) -> None: ...
+    async def before_reload(self, plan: Any) -> Any: ...
 
-    async def after_reload(self, ok: bool) -> None: ...
+    async def after_reload(self, plan: Any, ok: bool) -> object: ...
 
     async def refresh(self) -> None: ...
 
@@ -198,12 +200,14 @@ async def load_whole(settings: Settings) -> Effective:
         return effective
 
 
-async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> None:
+async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> Any:
+    """The hook's answer; None if it raised."""
     # A component's failure must not stop a reload that protects the fleet from stale configs.
     try:
-        await getattr(hooks, name)(*args)
+        return await getattr(hooks, name)(*args)
     except Exception:
         log.exception("hook %s raised", name)
+        return None
 
 
 class Reloader:
@@ -496,8 +500,9 @@ class Reloader:
         # `haproxy -c` takes a core of its own for a while (a quarter of a second at 10,000
         # servers): work out the steering the next config needs meanwhile, so that only its
         # pushes are left once the check passes. Nothing is pushed before the verdict.
+        plan = None
         try:
-            await call_hook(self.hooks, "prepare", effective)
+            plan = await call_hook(self.hooks, "prepare", effective)
         finally:
             ok, message = await check.verdict()  # reaps `haproxy -c` whatever happened
         if not ok:
@@ -519,7 +524,7 @@ class Reloader:
                     # refused): the worker runs them, plus removed ones left in maint. Its
                     # generation says so, for its steering once it is old and for a daemon restart.
                     self.book.applied_at_runtime(current, outcome.runs, effective, whole=False)
-        return await self._reload(effective, model, inputs, reason, started)
+        return await self._reload(effective, model, inputs, reason, started, plan)
 
     async def _settle_first(self, started: float) -> Attempt | None:
         """A second reload must not be sent while HAProxy may still be loading the first: settle
@@ -576,7 +581,9 @@ class Reloader:
         except Exception:  # a missing state file costs states, not the reload
             log.exception("saving server state failed; the new worker starts from the config")
 
-    async def _reload(self, effective: Effective, model: Config, inputs: str, reason: str, started: float) -> Attempt:
+    async def _reload(
+        self, effective: Effective, model: Config, inputs: str, reason: str, started: float, plan: object
+    ) -> Attempt:
         deadline = started + self.settings.reload.timeout_s
         try:
             before = await self.confirmation.show_proc_until(deadline)
@@ -584,7 +591,7 @@ class Reloader:
             self._cli_failed = True
             log.error("reload failed: %s", exc)
             return Attempt(self._record("failed", started, str(exc)))
-        await call_hook(self.hooks, "before_reload", effective)
+        plan = await call_hook(self.hooks, "before_reload", plan)
         confirmed = Confirmed("pending", None)
         try:
             await self._save_server_state(model)
@@ -625,7 +632,7 @@ class Reloader:
             else:
                 attempt = self._reload_failed(before, confirmed, started)
         finally:
-            await call_hook(self.hooks, "after_reload", confirmed.verdict == "ok")
+            await call_hook(self.hooks, "after_reload", plan, confirmed.verdict == "ok")
         self.notifier.ready(summary_line(self.state, self.book.old_count()))
         if confirmed.verdict == "ok":
             settle_after_reload()  # after the old workers are steered, never before
@@ -710,7 +717,7 @@ class Reloader:
             generation = self._worker_runs(held.effective, held.inputs, procs)
             log.info("reload settled ok generation=%d worker=%s: confirmed %.1fs after it was sent",
                      generation.number, generation.worker_pid, waited)
-            await call_hook(self.hooks, "after_reload", True)
+            await call_hook(self.hooks, "after_reload", None, True)
             return
         error = f"HAProxy could not load the new config (show proc: failed={procs.master_failed})"
         log.error("reload settled failed: %s", error)

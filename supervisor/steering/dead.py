@@ -15,8 +15,7 @@ Three rules make a server of a generation dead:
 A server its own config disables is never routed to by that worker, so it is left out.
 
 `Digests` holds every config in use, digested once: what each generation runs (by its number
-and its effective config's sha256), the config prepare() planned for, and an index of their
-servers.
+and its effective config's sha256) and an index of their servers.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
 from ..haproxy.resolution import Server, is_ip, section_servers
 from ..haproxy.routing import routing_of
 from ..state import Generation
-from .states import At, LiveStates
+from .live import At, LiveStates
 
 DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
 
@@ -129,10 +128,8 @@ class Sections:
         return len(self._by_key)
 
     def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
-        """The config's digest. `sha256`: the digest of its effective text (Effective and
-        Generation carry it), by which a config seen lately is found without resolving its
-        sections again (prepare, then before_reload); None: a model with no such digest, whose
-        sections are still found by content."""
+        """The config's digest; `sha256` (of its effective text, if known) finds one seen lately
+        without resolving its sections again."""
         return finished(self.digesting(model, sha256))
 
     def digesting(self, model: Config, sha256: str | None = None) -> Generator[None, None, ConfigDigest]:
@@ -349,7 +346,6 @@ class Digests:
     def __init__(self) -> None:
         self.sections = Sections()
         self.servers = ServerIndex()  # the servers of every generation's config
-        self.prepared: ConfigDigest | None = None  # the config prepare() planned for, until after_reload
         self._of_generation: dict[tuple[int, str], ConfigDigest] = {}
 
     async def of_effective(self, effective: Effective) -> ConfigDigest:
@@ -373,13 +369,13 @@ class Digests:
         return key in self.servers
 
     def keep_only(self, generations: Iterable[Generation], latest: ConfigDigest) -> list[ConfigDigest]:
-        """Forget every config but these (and the prepared one); the digests kept. The sections
+        """Forget every config but these and `latest`; the digests kept. The sections
         no config holds any more are let go only when a generation went."""
         keep = {(g.number, g.effective_sha256) for g in generations}
         gone = [k for k in self._of_generation if k not in keep]
         for key in gone:
             self.servers.remove(self._of_generation.pop(key))
-        kept = [latest, *self._of_generation.values(), *([self.prepared] if self.prepared is not None else [])]
+        kept = [latest, *self._of_generation.values()]
         if gone:
             self.sections.keep_only(kept)
         return kept

@@ -1,4 +1,5 @@
-"""One round's plan: what every worker's steer map must hold, memoised by content.
+"""One round's plan: what every worker's steer map must hold (each backend's entries, given
+its dead servers), memoised by content.
 
 A worker's wanted map depends on four things only: the config it runs, the latest config,
 the live view (the current worker's and the operator's evidence) and the servers the worker
@@ -7,21 +8,54 @@ new one is worked out from the last one for the same worker content, backend by 
 where something can have changed: the backends whose section differs between the two
 latest configs, and those whose evidence changed. A drain touches a hundred backends of a
 thousand in each of fifty generations; an idle round touches none.
+
+Map layout (one steer map for all backends, read by the guard that haproxy/guard.py puts in
+every backend, next to its config's slot table): `<backend>_n` = how many slots the
+backend's requests pick from (`0`: answer 503 / close at once), `<backend>_<i>` = the server
+for slot i instead of the slot table's, and for i at or past the table's end a draw that
+weights call for. A backend whose guard reproduces a map-based hash also gets `<backend>_t`
+(the worker's total weight) and `<backend>_h<i>` for the hash positions of dead servers.
+A drain that kills one primary of ten equal ones costs two entries per backend, not ten.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
-from ..haproxy.routing import ID_TIMES_4096, NodeKeys
-from .dead import ConfigDigest, DeadGroups, LiveView, by_backend_of, changed_backends, dead_group, dead_groups
-from .entries import Entries, NoBackup, section_entries
+from ..haproxy.guard import HASH_PREFIX, TOTAL_SUFFIX, count_key, slot_key
+from ..haproxy.resolution import Server
+from ..haproxy.routing import (
+    BUCKET_BITS,
+    ID_TIMES_4096,
+    NodeKeys,
+    consistent_buckets,
+    effective_weight,
+    ring,
+    server_ids,
+    server_map,
+)
+from .dead import (
+    ConfigDigest,
+    DeadGroups,
+    LiveView,
+    SectionDigest,
+    by_backend_of,
+    changed_backends,
+    dead_group,
+    dead_groups,
+)
 
 _changed_backends = functools.lru_cache(maxsize=16)(changed_backends)
 
 Basis = tuple[str, LiveView]  # (latest config's key, live view): what a plan was made under
+NoBackup = Literal["fail-fast", "keep"]
+FAIL_FAST = "0"  # the value of `<backend>_n` that makes the guard refuse the request
+Entries = tuple[tuple[str, str], ...]  # one backend's entries, sorted by key: compared by content
 
 
 @dataclass(frozen=True)
@@ -152,3 +186,126 @@ class Planner:
         return Steering(
             basis, (digest.key, unusable), digest, latest, groups, parts, last.basis, frozenset(candidates)
         )
+
+
+def section_entries(
+    section: SectionDigest,
+    dead: frozenset[str],
+    no_backup: NoBackup,
+    unusable: frozenset[str],
+    node_keys: NodeKeys = ID_TIMES_4096,
+) -> Entries:
+    """One backend's entries. `dead` and `unusable` may hold other backends' keys too.
+
+    Only a backend with the guard and a dead primary it could still route to gets entries.
+    While some primary is usable, the count is the number of slots, and each slot whose
+    server is not usable is overridden with a usable primary chosen by rendezvous hashing:
+    the one that ranks first for that slot, a rank no other server's fate changes. So a
+    drain costs one entry per dead primary, and a second drain adds entries without
+    changing those there, unless it kills an override's target. With no usable primary the
+    requests go to the first usable backup (every one, with `option allbackups`), each
+    overriding one slot; with no backup either, `fail-fast` makes the guard answer at once
+    and `keep` leaves routing alone. `unusable`: servers the worker itself sees DOWN or in
+    maintenance, which a `use-server` rule would skip: no use as targets, nothing to steer from.
+    """
+    if not section.guarded:
+        return ()
+    backend = section.name
+
+    def usable(s: Server) -> bool:
+        return not s.disabled and s.weight != 0 and s.key not in unusable and s.key not in dead
+
+    if not any(s.key in dead and not s.disabled and s.weight != 0 and s.key not in unusable for s in section.slots):
+        return ()
+    live = [s for s in section.slots if usable(s)]
+    primaries = [s.name for s in live]
+    if primaries:
+        weights = {s.name: effective_weight(s) for s in live}
+        overrides = tuple(
+            (slot_key(backend, i), min(primaries, key=lambda name, i=i: _weighted_rank(backend, i, name, weights)))
+            for i, s in enumerate(section.slots)
+            if not usable(s)
+        )
+        draws = weighted_draws(live, len(section.slots))
+        extra = tuple((slot_key(backend, len(section.slots) + j), name) for j, name in enumerate(draws))
+        hashed = hash_entries(section, dead, unusable, live, node_keys) if section.hashing else ()
+        count = (count_key(backend), str(len(section.slots) + len(draws)))
+        return tuple(sorted((*overrides, *extra, *hashed, count)))
+    backups = [s.name for s in section.servers if s.backup and usable(s)]
+    targets = backups if section.all_backups else backups[:1]
+    if not targets:
+        return ((count_key(backend), FAIL_FAST),) if no_backup == "fail-fast" else ()
+    slots = ((slot_key(backend, i), name) for i, name in enumerate(targets))
+    return tuple(sorted((*slots, (count_key(backend), str(len(targets))))))
+
+
+# The most of a draw's slots that may be overridden: the guard draws three times, so at most
+# this cubed of the requests take an override (a fallback spread by weighted rendezvous),
+# which keeps every share within 3 points of its weight's.
+MAX_OVERRIDDEN = 1 / 3
+
+
+def weighted_draws(live: list[Server], slots: int) -> list[str]:
+    """The slots past the table's end (`slots` long) that make a draw pick each live primary
+    in proportion to its weight: with weights over their gcd w_i, server i has its own slot
+    and k * w_i - 1 more, k the least (from 1) that leaves at most MAX_OVERRIDDEN of all
+    slots overridden. None while the weights are equal and few slots are overridden (a
+    drain of one primary of ten costs no draw slot), nor for one live primary."""
+    if len(live) < 2:
+        return []
+    weights = [effective_weight(s) for s in live]
+    divisor = 0
+    for w in weights:
+        divisor = math.gcd(divisor, w)
+    units = [w // max(divisor, 1) for w in weights]
+    overridden = slots - len(live)
+    k = 1
+    while overridden > MAX_OVERRIDDEN * (slots + k * sum(units) - len(live)):
+        k += 1
+    return [s.name for s, u in zip(live, units, strict=True) for _ in range(k * u - 1)]
+
+
+def hash_entries(
+    section: SectionDigest, dead: frozenset[str], unusable: frozenset[str], live: list[Server], node_keys: NodeKeys
+) -> Entries:
+    """`<be>_t` and the `<be>_h<i>` overrides of a hash the guard reproduces, over the servers
+    the worker sees usable (dead ones among them: it cannot tell). Map-based: the positions
+    of the map whose server is dead, each to a live primary by weighted rendezvous hashing.
+    Consistent: the buckets a dead server's arcs touch (routing.consistent_buckets)."""
+    backend = section.name
+    seen_up = [s.name for s in section.servers if not s.disabled and s.key not in unusable]
+    dead_names = {s.name for s in section.servers if s.key in dead}
+    if section.hashing == "consistent":
+        ids = server_ids([(s.name, s.params) for s in section.servers])
+        buckets = consistent_buckets(ring(section.servers, seen_up, ids, node_keys), dead_names)
+        if not buckets:
+            return ()
+        entries = [(f"{backend}_{HASH_PREFIX}{b}", name) for b, name in buckets.items()]
+        return tuple((*entries, (f"{backend}_{TOTAL_SUFFIX}", str(1 << BUCKET_BITS))))
+    table = server_map(section.servers, seen_up)
+    if not table:
+        return ()
+    weights = {s.name: effective_weight(s) for s in live}
+
+    def score(position: int, name: str) -> float:
+        draw = (_rank(backend, -1 - position, name) + 1) / 2**32
+        return -math.log(draw) / weights[name]
+
+    entries = [
+        (f"{backend}_{HASH_PREFIX}{i}", min(weights, key=lambda name, i=i: score(i, name)))
+        for i, name in enumerate(table)
+        if name in dead_names
+    ]
+    return tuple((*entries, (f"{backend}_{TOTAL_SUFFIX}", str(len(table)))))
+
+
+def _weighted_rank(backend: str, slot: int, server: str, weights: Mapping[str, int]) -> float:
+    """Weighted rendezvous hashing: a server wins a slot with a chance in proportion to its
+    weight; with equal weights the order is _rank's."""
+    return -math.log(1 - _rank(backend, slot, server) / 2**32) / weights[server]
+
+
+def _rank(backend: str, slot: int, server: str) -> int:
+    """Where `server` ranks for taking over `slot` (lowest first). The same in every process
+    and after a restart, unlike hash(); spread like a random draw."""
+    return zlib.crc32(f"{backend}_{slot} {server}".encode())

@@ -16,13 +16,21 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..haproxy.answers import parse_prepare_map
+from ..haproxy.answers import parse_prepare_map, parse_show_sess
 from ..haproxy.api import CLIError, MasterCLI, on_process
-from .entries import Entries
-from .lines import answer_problem, delta_lines, is_whole_answer, map_entries, phase_lines
-from .mapdiff import PHASES, ROUTING_PHASES, BackendDelta, Phase, valid_entry
-from .plan import Steering
-from .procs import stuck_sessions
+from .mapdiff import (
+    PHASES,
+    ROUTING_PHASES,
+    BackendDelta,
+    Phase,
+    answer_problem,
+    delta_lines,
+    is_whole_answer,
+    map_entries,
+    phase_lines,
+    valid_entry,
+)
+from .plan import Entries, Steering
 
 # Above this many `set map`/`del map` commands for one worker the whole map is replaced
 # (prepare/commit): each such command is a CLI round of its own, while a replacement ships
@@ -177,6 +185,17 @@ async def read_map(cli: MasterCLI, map_path: str, pid: int) -> dict[str, str]:
     if not is_whole_answer(answer):
         raise PushError(f"worker {pid}: show map: answer cut off after {len(answer)} bytes")
     return map_entries(answer)
+
+
+# Back stream-connector states (enum sc_state in 2.6; names in some later versions) in
+# which a stream is still trying to reach its server: REQ, QUE, TAR, ASS, CON, CER.
+_STUCK_STATES = {"1", "2", "3", "4", "5", "6", "REQ", "QUE", "TAR", "ASS", "CON", "CER"}
+
+
+def stuck_sessions(show_sess_answer: str, dead: frozenset[str]) -> list[str]:
+    """Streams connecting to, or queued on, a dead server: the ids `shutdown session` takes.
+    The back side's state says whether a stream got through."""
+    return [s.id for s in parse_show_sess(show_sess_answer) if s.server in dead and s.back_state in _STUCK_STATES]
 
 
 async def end_stuck_streams(cli: MasterCLI, pid: int, dead: frozenset[str]) -> int:

@@ -1,6 +1,7 @@
 """The push rounds and their bookkeeping: every map that differs from its plan pushed at
 once, maps read back to verify a push and to repair drift, failures backed off, and each old
-worker's push record kept for the status API.
+worker's push record kept for the status API. What is kept per worker is a WorkerRecord;
+only PushRounds changes one.
 
 A worker whose push failed, or whose map read back differs from what was pushed, is tried
 again after an exponential backoff (up to MAX_BACKOFF_S); until then its map counts as
@@ -15,15 +16,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..haproxy.api import CLIError, MasterCLI
 from ..settings import Settings
 from ..state import PushNews, PushStateName, State
-from .entries import Entries
 from .live import LiveRead
-from .mapdiff import BackendDelta
-from .plan import Steering
+from .mapdiff import BackendDelta, backend_delta
+from .plan import Entries, Steering
 from .push import (
     GONE,
     Outgoing,
@@ -37,9 +37,76 @@ from .push import (
     steer,
     tidy,
 )
-from .record import WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
+
+
+@dataclass
+class WorkerRecord:
+    """One worker: what its map holds and needs, and how its pushes went."""
+
+    pid: int
+    generation: int | None
+    current: bool = False
+    held: Mapping[str, Entries] | None = None  # its map per backend, as pushed or read; None: read it
+    wanted: Steering | None = None  # what it needs; None: leave its map alone
+    pending: set[str] | None = None  # backends where held may differ from wanted; None: any
+    unusable: frozenset[str] | None = None  # servers it sees down itself; None: ask it
+    unusable_at: float = 0.0  # monotonic, when it was last asked
+    pushes: int = 0  # moves at the start and the end of a push: a read-back overlapping one proves nothing
+    verify: bool = True  # read its map back (after a push, or for a reconcile)
+    verified_at: float = 0.0  # monotonic
+    unread: int = 0  # read-backs in a row without a whole answer
+    failures: int = 0
+    retry_at: float = 0.0  # monotonic
+    swept: frozenset[str] = field(default_factory=frozenset)  # dead set whose stuck streams were ended
+
+    def want(self, steering: Steering | None) -> None:
+        """Take a new plan; note which backends can now differ from what its map holds."""
+        self.pending = pending_after(self.wanted, steering, self.pending)
+        self.wanted = steering
+
+    def deltas(self) -> list[BackendDelta] | None:
+        """The changes its map needs, per backend (None: its map is unknown)."""
+        return map_deltas(self.held, self.wanted, self.pending)
+
+    def deltas_to(self, steering: Steering) -> list[BackendDelta] | None:
+        """The changes its map would need once it takes `steering` (None: its map is unknown)."""
+        return map_deltas(self.held, steering, pending_after(self.wanted, steering, self.pending))
+
+    def in_sync(self) -> bool:
+        return self.wanted is not None and self.deltas() == []
+
+
+def pending_after(before: Steering | None, after: Steering | None, pending: set[str] | None) -> set[str] | None:
+    """The backends where a worker's map may differ from its plan once it takes `after`
+    instead of `before` (None: any)."""
+    if after is None or before is None or pending is None:
+        return None
+    if after.source != before.source:
+        return None  # another config, or other servers it skips: compare every backend
+    if after.previous == before.basis:
+        return pending | after.changed
+    if after.basis != before.basis:
+        return None
+    return pending
+
+
+def map_deltas(
+    held: Mapping[str, Entries] | None, wanted: Steering | None, pending: Collection[str] | None
+) -> list[BackendDelta] | None:
+    """The changes a map holding `held` needs to be `wanted`, per backend, looking only at
+    `pending` (None: at every backend). None: the map is unknown, or nothing is wanted."""
+    if held is None or wanted is None:
+        return None
+    parts = wanted.parts
+    backends = pending if pending is not None else held.keys() | parts.keys()
+    # Plans share the entries of the backends they did not change, so most compare by identity.
+    return [
+        backend_delta(h or (), p or ())
+        for b in backends
+        if (h := held.get(b)) is not (p := parts.get(b)) and h != p
+    ]
 
 
 @dataclass(frozen=True)
@@ -73,7 +140,6 @@ class PushRounds:
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
         self._news: dict[int, PushNews] = {}  # push records not published yet
         self._failures = 0  # failures not published yet
-        self._ahead: dict[int, Ahead] = {}  # pushes worked out before they were due, by pid
 
     # ------------------------------------------------------------ what the shell learns
 
@@ -117,9 +183,10 @@ class PushRounds:
 
     # ------------------------------------------------------------ pushes and read-backs
 
-    async def push_all(self, workers: Collection[WorkerRecord]) -> None:
+    async def push_all(self, workers: Collection[WorkerRecord], ahead: Mapping[int, Ahead] | None = None) -> None:
         """Push to every worker whose map differs from its plan (and is not backing off), all at
-        once: every worker steered first, then every map tidied."""
+        once: every worker steered first, then every map tidied. `ahead`: pushes work_ahead()
+        worked out, taken where they still hold."""
         started = time.monotonic()
         due: list[tuple[WorkerRecord, asyncio.Task[Steered]]] = []
         try:
@@ -128,7 +195,7 @@ class PushRounds:
                 if wanted is None:
                     continue
                 try:
-                    deltas, going = self._worked_out(worker, wanted)
+                    deltas, going = self._worked_out(worker, wanted, (ahead or {}).get(worker.pid))
                 except ValueError as exc:  # an entry or a map path that no CLI line can carry
                     self.failed(worker, str(exc))
                     continue
@@ -173,11 +240,13 @@ class PushRounds:
             }
         self.publish()
 
-    async def work_ahead(self, workers: Mapping[int, WorkerRecord], plans: Mapping[int, Steering]) -> None:
-        """Work out each worker's push to its next plan now (while `haproxy -c` checks the next
-        config), for push_all to find if neither changed meanwhile: a reload's make-before-break
-        push then only sends lines."""
-        self._ahead = {}
+    async def work_ahead(
+        self, workers: Mapping[int, WorkerRecord], plans: Mapping[int, Steering]
+    ) -> dict[int, Ahead]:
+        """Each worker's push to its next plan, worked out now (while `haproxy -c` checks the
+        next config), by PID: push_all takes it if neither changed meanwhile, so a reload's
+        make-before-break push only sends lines."""
+        found: dict[int, Ahead] = {}
         for pid, plan in plans.items():
             worker = workers.get(pid)
             if worker is None or worker.held is None or not plan.digest.guarded:
@@ -186,13 +255,15 @@ class PushRounds:
                 deltas = worker.deltas_to(plan)
                 if deltas is not None:
                     going = outgoing(pid, self.map_path, plan, deltas) if deltas else None
-                    self._ahead[pid] = Ahead(worker.held, plan, deltas, going)
+                    found[pid] = Ahead(worker.held, plan, deltas, going)
             await asyncio.sleep(0)  # the operator API and the pushes under way get the loop in between
+        return found
 
-    def _worked_out(self, worker: WorkerRecord, wanted: Steering) -> tuple[list[BackendDelta] | None, Outgoing | None]:
+    def _worked_out(
+        self, worker: WorkerRecord, wanted: Steering, ahead: Ahead | None
+    ) -> tuple[list[BackendDelta] | None, Outgoing | None]:
         """The changes a worker's map needs, and the push that carries them (None: none, or its
         map is unknown): as worked out ahead if that still holds."""
-        ahead = self._ahead.pop(worker.pid, None)
         if ahead is not None and ahead.held is worker.held and ahead.wanted is wanted:
             return ahead.deltas, ahead.going
         deltas = worker.deltas()

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from ..binary import chash_node_keys
@@ -27,21 +28,37 @@ from ..haproxy.stderr import ServerEvent
 from ..logs import RecurringCondition
 from ..master.processes import WorkerExits, process_started_at
 from ..settings import Settings
-from ..state import State
+from ..state import Generation, State
 from .dead import ConfigDigest, Digests, LiveView, live_view
-from .live import LiveRead, live_read_interval, read_states, read_unusable, update_stats
+from .live import LiveRead, LiveStates, live_read_interval, read_states, read_unusable, update_stats
 from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
-from .procs import worker_generations
-from .record import WorkerRecord
-from .rounds import PushRounds
-from .states import LiveStates
+from .rounds import Ahead, PushRounds, WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
 R = TypeVar("R")
 
 
+def worker_generations(procs: ProcList, generations: Mapping[int, Generation]) -> dict[int, int | None]:
+    """Every worker PID of `show proc` (current and old) -> the generation it runs, or None."""
+    by_pid = {g.worker_pid: n for n, g in generations.items() if g.worker_pid is not None}
+    return {p.pid: by_pid.get(p.pid) for p in (*procs.workers, *procs.old_workers)}
+
+
 class _Interrupted(Exception):
     """A poll's read was called off for a reload."""
+
+
+@dataclass(frozen=True)
+class ReloadPlan:
+    """One reload's steering round as a value: prepare() makes it, before_reload() steers by
+    it and returns it with what it did, after_reload() ends it."""
+
+    next: ConfigDigest  # the config the reload sends
+    leaving_pid: int | None  # the worker about to become old
+    basis: Basis | None = None  # what `plans` were made under
+    plans: Mapping[int, Steering] = field(default_factory=dict)  # by PID, worked out in prepare
+    ahead: Mapping[int, Ahead] = field(default_factory=dict)  # their pushes, by PID
+    steered: bool = False  # before_reload's make-before-break round went through
 
 
 class OldWorkers:
@@ -67,8 +84,9 @@ class OldWorkers:
         self._live: LiveRead | None = None
         self._live_stale = False  # HAProxy wrote that a server of the current worker changed
         self._down: frozenset[str] = frozenset()  # the last view's down endpoints
-        self._next: ConfigDigest | None = None  # set between before_reload and after_reload
-        self._leaving_pid: int | None = None  # the worker about to become old
+        # The reload under way, from before_reload to after_reload: a poll's round in between
+        # steers by it too, or it would undo the make-before-break.
+        self._reloading: ReloadPlan | None = None
         self._dead_key: object = None  # what state.dead_servers was last made from
         self._rounds: dict[Basis, dict[int, Steering]] = {}  # the last rounds' plans by PID, per basis
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
@@ -98,7 +116,8 @@ class OldWorkers:
                     await self.sync(fresh=self._live_due())
                 if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
                     self._wake.set()
-                views = await self._interruptible(read_unusable(self.cli, self._workers.values()))
+                unasked = [w.pid for w in self._workers.values() if w.unusable is None and not w.current]
+                views = await self._interruptible(read_unusable(self.cli, unasked))
                 if views:
                     self.state.publish_state_reads(len(views))
                     self.rounds.own_views(self._workers, views)
@@ -125,42 +144,53 @@ class OldWorkers:
             woken = self._wake.is_set()
             self._wake.clear()
 
-    async def prepare(self, effective: Effective) -> None:
-        """Work out the next config's plans while `haproxy -c` checks it: before_reload then
-        finds them by content. Nothing is pushed: a config that fails the check steers nothing."""
+    async def prepare(self, effective: Effective) -> ReloadPlan:
+        """The next config's plan, worked out while `haproxy -c` checks it, and each worker's
+        push to it (rounds.work_ahead). Nothing is pushed: a config that fails the check
+        steers nothing."""
         async with self._lock:
-            latest = self._digests.prepared = await self._digests.of_effective(effective)
+            latest = await self._digests.of_effective(effective)
             current = self.state.current
             leaving = current.worker_pid if current is not None else None
             judged = self._judged(leaving)
             if judged:
                 with contextlib.suppress(CLIError):
                     view = await self._live_view(latest, leaving, reuse=True)
-                    await self.rounds.work_ahead(self._workers, await self._plan(latest, view, judged))
+                    plans = await self._plan(latest, view, judged, remember=False)
+                    ahead = await self.rounds.work_ahead(self._workers, plans)
+                    return ReloadPlan(latest, leaving, (latest.key, view), plans, ahead)
+            return ReloadPlan(latest, leaving)
 
-    async def before_reload(self, effective: Effective) -> None:
+    async def before_reload(self, plan: ReloadPlan | None) -> ReloadPlan | None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
-        the servers the next config drops, before the reload is sent."""
+        the servers the next config drops, before the reload is sent. None (prepare failed):
+        a round as at rest."""
         current = self.state.current
-        self._next = await self._digests.of_effective(effective)
-        self._leaving_pid = current.worker_pid if current is not None else None
+        if plan is not None:
+            plan = self._reloading = replace(plan, leaving_pid=current.worker_pid if current is not None else None)
         for task in self._reads:  # the master relays one answer at a time: the pushes come first
             task.cancel()
         try:
             await self.sync()
         except CLIError as exc:
             log.warning("make-before-break steering failed: %s", exc)  # after_reload pushes again
+            return plan
+        return replace(plan, steered=True) if plan is not None else None
 
-    async def after_reload(self, ok: bool) -> None:
+    async def after_reload(self, plan: ReloadPlan | None, ok: bool) -> bool:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
-        the make-before-break steering of the worker that stays current."""
-        self._next, self._leaving_pid, self._digests.prepared = None, None, None
+        the make-before-break steering of the worker that stays current. `plan`: as
+        before_reload returned it (None for a reload settled late). Whether the round went
+        through."""
+        self._reloading = None
         try:
             # The states read before the reload still hold: the new worker reports every server
             # UP until its checks have run, and the next poll reads it anyway.
             await self.sync(reuse=True)
         except CLIError as exc:
             log.warning("steering after %s reload failed: %s", "the" if ok else "a failed", exc)
+            return False
+        return True
 
     async def refresh(self) -> None:
         """Recompute and push now: a runtime change altered the current config in place."""
@@ -192,14 +222,8 @@ class OldWorkers:
         self.state.publish_operator_dead(ServerKey.parse(key), False)
         self._wake.set()
 
-    @property
-    def last_push(self) -> dict[str, float]:
-        """Figures of the last push round, for benchmarks."""
-        return self.rounds.last_push
-
     def has_server(self, key: str) -> bool:
-        """Whether the current config or one an old worker runs has this server: one lookup in
-        an index kept as generations come and go."""
+        """Whether the current config or one an old worker runs has this server."""
         return self._digests.has_server(key, list(self.state.generations.values()))
 
     # ------------------------------------------------------------ one round
@@ -209,7 +233,7 @@ class OldWorkers:
         worker's server states first (outside the lock: a reload does not wait on it);
         `reuse`: go by the last read, whatever its age."""
         current = self.state.current
-        if fresh and self._next is None and current is not None and current.worker_pid is not None:
+        if fresh and self._reloading is None and current is not None and current.worker_pid is not None:
             await self._interruptible(self._fetch_live(current.worker_pid))
         async with self._lock:
             procs = await self.cli.show_proc()
@@ -232,10 +256,13 @@ class OldWorkers:
         and the servers they skip themselves."""
         judged = {}
         for worker in self._workers.values():
-            generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
+            generation = self._generation_of(worker)
             if generation is not None and (not worker.current or worker.pid == leaving):
                 judged[worker.pid] = (self._digests.of(generation), worker.unusable or frozenset())
         return judged
+
+    def _generation_of(self, worker: WorkerRecord) -> Generation | None:
+        return self.state.generations.get(worker.generation) if worker.generation is not None else None
 
     def _track(self, procs: ProcList) -> None:
         generations = worker_generations(procs, self.state.generations)
@@ -250,14 +277,15 @@ class OldWorkers:
 
     async def _steer(self, procs: ProcList, reuse: bool) -> None:
         current = self.state.current
-        latest = self._next if self._next is not None else (self._digests.of(current) if current is not None else None)
+        reloading = self._reloading
+        latest = reloading.next if reloading is not None else self._digests.of(current) if current is not None else None
         if latest is None:
             self.state.publish_dead_servers(())
             return
-        leaving = self._leaving_pid if self._next is not None else None
+        leaving = reloading.leaving_pid if reloading is not None else None
         judged = self._judged(leaving)
         for worker in self._workers.values():
-            generation = self.state.generations.get(worker.generation) if worker.generation is not None else None
+            generation = self._generation_of(worker)
             if generation is None:
                 self.rounds.want(worker, None, "the config this worker runs is unknown: it cannot be steered")
             elif worker.pid not in judged:
@@ -276,7 +304,7 @@ class OldWorkers:
                     self.rounds.want(worker, steering)
                 else:
                     self.rounds.want(worker, None, "its config has no guard: it cannot be steered")
-        await self.rounds.push_all(self._workers.values())
+        await self.rounds.push_all(self._workers.values(), reloading.ahead if reloading is not None else None)
         # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:
@@ -287,22 +315,29 @@ class OldWorkers:
             await self.rounds.sweep(self._workers.values())
 
     async def _plan(
-        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
+        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]],
+        remember: bool = True,
     ) -> dict[int, Steering]:
         """The planner's plans, one worker at a time: the operator API and the pushes under way
-        get the event loop in between. A plan made in a recent round under the same basis, for
-        the same worker content, is taken as it is: a reload plans each worker in prepare, and
-        before_reload and after_reload find them."""
+        get the event loop in between. A plan made under the same basis for the same worker
+        content, in a recent round or in the reload's prepare, is taken as it is: a reload plans
+        each worker once. `remember`: keep these among the recent rounds' (prepare's travel in
+        its ReloadPlan instead)."""
         basis: Basis = (latest.key, view)
-        last = self._rounds.pop(basis, {})
+        last = self._rounds.get(basis, {})
+        reloading = self._reloading
+        if reloading is not None and reloading.basis == basis:
+            last = {**reloading.plans, **last}
         plans = reused_plans(last, judged)
         for pid, worker in judged.items():
             if pid not in plans:
                 plans.update(self._planner.plan(latest, view, {pid: worker}))
                 await asyncio.sleep(0)
-        self._rounds[basis] = plans  # most recent last
-        while len(self._rounds) > self.RECENT_ROUNDS:
-            del self._rounds[next(iter(self._rounds))]
+        if remember:
+            self._rounds.pop(basis, None)
+            self._rounds[basis] = plans  # most recent last
+            while len(self._rounds) > self.RECENT_ROUNDS:
+                del self._rounds[next(iter(self._rounds))]
         return plans
 
     # ------------------------------------------------------------ the current worker's evidence
@@ -310,7 +345,8 @@ class OldWorkers:
     async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
         # Around a reload the last answer will do, whatever its age: the steering must not wait
         # on a 10,000-line answer, and a new worker reports every server UP until it checked them.
-        if current_pid is not None and (self._live is None or (not reuse and self._next is None and self._live_due())):
+        stale = not reuse and self._reloading is None and self._live_due()
+        if current_pid is not None and (self._live is None or stale):
             await self._fetch_live(current_pid)
         states = self._live.states if self._live is not None else LiveStates()
         suspect_at = [f"{key.partition('/')[0]} {s.endpoint}" for key, s in self.state.suspect_servers.items()]
