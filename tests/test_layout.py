@@ -10,6 +10,8 @@ import ast
 from collections import Counter
 from pathlib import Path
 
+from tests.support.call_path import module_imports
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 1200
 
@@ -29,41 +31,6 @@ def names_used(root: Path) -> Counter[str]:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
                 used[node.value] += 1
     return used
-
-
-def module_imports(root: Path) -> dict[str, set[str]]:
-    """{module: the modules of `root`'s package it imports}, every import counted: inside a
-    function or under TYPE_CHECKING too, since either still ties the two modules together."""
-    package = root.name
-    modules: dict[str, tuple[ast.Module, tuple[str, ...]]] = {}
-    for path in root.rglob("*.py"):
-        parts = (package, *path.relative_to(root).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-            inside = parts
-        else:
-            inside = parts[:-1]
-        modules[".".join(parts)] = (ast.parse(path.read_text()), inside)
-    graph: dict[str, set[str]] = {}
-    for name, (tree, inside) in modules.items():
-        found: set[str] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = ".".join(inside[: len(inside) - node.level + 1]) if node.level else ""
-                module = ".".join(p for p in (base, node.module or "") if p)
-                targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
-                           for alias in node.names]
-            else:
-                continue
-            for target in targets:
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    found.add(target)
-        graph[name] = found
-    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
