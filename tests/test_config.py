@@ -169,11 +169,10 @@ def test_a_parse_that_reuses_earlier_parses_is_the_straightforward_parse():
 
 
 def test_tokenizer_agrees_with_the_straightforward_one_on_random_lines():
-    """Lines as Config.parse cuts them: \r and \n only at the end. Characters HAProxy does not
-    take for blanks but Python's str.split() does (\xa0, \x1f) are left out: parse_line's fast
-    path (no quote, no backslash) splits at them and its quoting path does not."""
+    """Lines as Config.parse cuts them: \r and \n only at the end. With the blanks HAProxy
+    takes and does not (\v and \f; \xa0 and \x1f, which Python's str.split() takes)."""
     rng = random.Random(4)
-    alphabet = [" ", " ", "\t", "#", '"', "'", "\\", "a", "b", "server", ":", "80"]
+    alphabet = [" ", " ", "\t", "\v", "\f", "\xa0", "\x1f", "#", '"', "'", "\\", "a", "b", "server", ":", "80"]
     for _ in range(5000):
         raw = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 14)))
         raw += rng.choice(["", "\n", "\r\n", "\r"])

@@ -40,17 +40,25 @@ class Line:
         return (parse or parse_line)(raw)
 
 
+# What HAProxy's parser takes for blanks between words (isspace(), but \r and \n end a line):
+# seen on 2.6.12, 2.8.25 and 3.0.11, which split at \v and \f, and not at \xa0 or \x1f.
+BLANKS = " \t\v\f"
+
+
 def parse_line(raw: str) -> Line:
     """Split a line into words the way HAProxy's parser does.
 
-    Whitespace separates words; `#` outside quotes starts a comment; a backslash
+    BLANKS separate words; `#` outside quotes starts a comment; a backslash
     escapes the next character (not inside single quotes); quotes group words
     and are removed. Environment variables are left unexpanded.
     """
     body = raw.rstrip("\r\n")
-    if "\\" not in body and '"' not in body and "'" not in body:
+    # str.split() splits an ASCII line at exactly BLANKS but for \r and \x1c-\x1f: a line with
+    # one of those, a quote or an escape takes the walk below.
+    if (body.isascii() and "\\" not in body and '"' not in body and "'" not in body and "\r" not in body
+            and "\x1c" not in body and "\x1d" not in body and "\x1e" not in body and "\x1f" not in body):
         code = body.split("#", 1)[0]
-        stripped = code.rstrip(" \t")
+        stripped = code.rstrip(BLANKS)
         return Line(raw, tuple(stripped.split()), len(stripped))
     words: list[str] = []
     current: list[str] = []
@@ -72,7 +80,7 @@ def parse_line(raw: str) -> Line:
             i += 1
             code_end = i
             continue
-        if c in " \t":
+        if c in BLANKS:
             if in_word:
                 words.append("".join(current))
                 current = []
@@ -98,7 +106,7 @@ def parse_line(raw: str) -> Line:
 
 def quote_word(word: str) -> str:
     """Quote a word for a config line, if it needs it."""
-    if word and not any(c in word for c in " \t#\"'\\"):
+    if word and not any(c in word for c in BLANKS + "#\"'\\"):
         return word
     return "'" + word.replace("'", "'\\''") + "'"
 

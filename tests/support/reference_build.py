@@ -56,8 +56,8 @@ def parse_line(raw: str) -> Line:
         last_code = token.end()
     if word is not None:
         words.append(word)
-    # The code ends before trailing spaces and tabs, unless an escape or a quote holds them.
-    return Line(raw, tuple(words), max(last_code, len(body[:code].rstrip(" \t"))))
+    # The code ends before trailing blanks, unless an escape or a quote holds them.
+    return Line(raw, tuple(words), max(last_code, len(body[:code].rstrip(" \t\v\f"))))
 
 
 def parse(text: str) -> Config:
