@@ -150,7 +150,7 @@ class LogSocket(threading.Thread):
 
 class Aborter(threading.Thread):
     """The detector's abort alone, in the old worker once it is steered off the dead servers:
-    every detector poll, the sockets toward the servers' ports, judged by stalled.to_abort()
+    every detector poll, the sockets toward the servers' ports, judged by steering.detector.to_abort()
     with the dead servers known dead and steered off (no suspect), destroyed (SOCK_DESTROY)."""
 
     def __init__(

@@ -121,7 +121,7 @@ def test_the_tcp_counters_are_read_again_through_the_file_kept_open():
 
 
 def _opened_then_answered() -> tuple[bool, bool]:
-    """Whether stalled.idle() takes a connection for a pooled idle one: just opened, and once
+    """Whether detector.idle() takes a connection for a pooled idle one: just opened, and once
     it has carried a request and its answer."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -582,7 +582,7 @@ class StalledDetector:
     ) -> None:
         """Destroy the stalled sockets to_abort() names, and every worker's idle pooled
         connections to suspects."""
-        # A suspect left in is still routed (stalled.left_in): its connections are the backend's only way.
+        # A suspect left in is still routed (detector.left_in): its connections are the backend's only way.
         held_at = {s.endpoint for key, (s, _) in self._held.items() if key not in self._left_in}
         targets: list[tuple[DiagSocket, str]] = [
             (stall.socket, "aborted" if why == "suspect" else "aborted (known dead)")
