@@ -1,16 +1,12 @@
 """The status page served at `/`: one self-contained HTML document, no scripts, no external assets.
 
-Built from the /status document (`status.document.status_document`), plus two things the
-document does not carry: how many servers each backend has in the configs HAProxy runs (so a
-drain reads "b42: 3 of 10 dead"), and the bounded history behind the charts (State keeps it).
-Every value is escaped. At fleet size (10,000 servers, 1,000 dead, 50 old workers) the dead
-and steered servers are shown per backend, worst first, so every affected backend is on the
-page; the server names are in each backend's tooltip and in /status.
+Built from the /status document plus what it does not carry: each backend's size in the configs
+HAProxy runs (so a drain reads "b42: 3 of 10 dead") and the charts' history (State keeps it).
+Dead servers are shown per backend, worst first, so at fleet size every affected backend is on
+the page; the server names are in each backend's tooltip and in /status.
 
-In order: the escaping and the small HTML pieces the rest shares; dead servers grouped by
-backend, worst first, with the backends' sizes (pure); the inline SVG charts of reloads,
-pushes and old workers over time (pure); the page itself (`render_page`, and `page_of` for
-the daemon).
+In order: escaping and shared HTML pieces; dead servers by backend (pure); the inline SVG
+charts (pure); the page itself (`render_page`, and `page_of` for the daemon).
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import itertools
 import math
 import re
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -78,10 +75,7 @@ def backend_sizes(model: Config) -> dict[str, int]:
 
 class BackendSizes:
     """backend_sizes() of the configs HAProxy runs, merged: a backend's largest size among them.
-
-    Kept per config by its effective sha256 (content, not identity), and only for the configs
-    still running: a 10,000-server config is counted once, not on every refresh of the page.
-    """
+    Kept by effective sha256 while a config runs: a big config is counted once, not per refresh."""
 
     def __init__(self) -> None:
         self._by_sha: dict[str, dict[str, int]] = {}
@@ -96,8 +90,7 @@ class BackendSizes:
             if sizes is None:
                 sizes = self._by_sha[sha] = backend_sizes(generation.model)
             for backend, size in sizes.items():
-                if size > merged.get(backend, 0):
-                    merged[backend] = size
+                merged[backend] = max(size, merged.get(backend, 0))
         return merged
 
 
@@ -109,8 +102,7 @@ def running_generations(state: State) -> list[Generation]:
 
 @functools.lru_cache(maxsize=128)
 def backends_of(steered: tuple[str, ...]) -> frozenset[str]:
-    """The backends of `backend/server` keys. Kept by content: an old worker's 1,000 steered
-    servers seldom change between two refreshes of the page, and there are up to 50 of them."""
+    """The backends of `backend/server` keys, kept by content: steered sets seldom change."""
     return frozenset(key.partition("/")[0] for key in steered)
 
 
@@ -154,17 +146,10 @@ def damage_by_backend(
     for key in dead_servers:
         backend, _, server = key.partition("/")
         dead.setdefault(backend, []).append(server)
-    by_operator: dict[str, int] = {}
-    for key in operator_dead:
-        backend = key.partition("/")[0]
-        by_operator[backend] = by_operator.get(backend, 0) + 1
-    steered_in: dict[str, int] = {}
-    for worker in old_workers:
-        for backend in backends_of(tuple(worker["steered"])):
-            steered_in[backend] = steered_in.get(backend, 0) + 1
+    by_operator = Counter(key.partition("/")[0] for key in operator_dead)
+    steered_in = Counter(backend for worker in old_workers for backend in backends_of(tuple(worker["steered"])))
     damage = [
-        BackendDamage(backend, tuple(sorted(servers)), sizes.get(backend), by_operator.get(backend, 0),
-                      steered_in.get(backend, 0))
+        BackendDamage(backend, tuple(sorted(servers)), sizes.get(backend), by_operator[backend], steered_in[backend])
         for backend, servers in dead.items()
     ]
     damage.sort(key=lambda d: (-d.share, -len(d.dead), d.size or 0, natural_key(d.backend)))
@@ -411,18 +396,18 @@ def _convergence_html(convergence: dict[str, Any], now: datetime) -> str:
 
 
 def _summary_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
-    dead = len(doc["dead_servers"])
     cells = [
-        ("dead servers", dead, dead > 0),
-        ("backends hit", len(damage), bool(damage)),
-        ("with no live server", sum(d.tone == "all" for d in damage), any(d.tone == "all" for d in damage)),
-        ("old workers", len(doc["old_workers"]), False),
-        ("pushes failing", sum(w["push"]["state"] == "failed" for w in doc["old_workers"]),
-         any(w["push"]["state"] == "failed" for w in doc["old_workers"])),
+        ("dead servers", len(doc["dead_servers"])),
+        ("backends hit", len(damage)),
+        ("with no live server", sum(d.tone == "all" for d in damage)),
+        ("old workers", len(doc["old_workers"])),
+        ("pushes failing", sum(w["push"]["state"] == "failed" for w in doc["old_workers"])),
     ]
+    # Any count but the old workers' is trouble when it is not zero.
     return '<div class="counters">' + "".join(
-        f'<div class="{"bad" if alarming else ""}"><b>{value:,}</b><span>{esc(name)}</span></div>'
-        for name, value, alarming in cells
+        f'<div class="{"bad" if value and name != "old workers" else ""}"><b>{value:,}</b>'
+        f"<span>{esc(name)}</span></div>"
+        for name, value in cells
     ) + "</div>"
 
 
@@ -438,8 +423,8 @@ def _backend_chip(d: BackendDamage, old_workers: int) -> str:
 
 
 def _damage_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
-    """One line per count ("3 of 10 dead"), worst first, naming every backend with that count:
-    at 700 backends hit this stays a few hundred pixels high."""
+    """One line per count ("3 of 10 dead"), worst first, naming every backend with that count,
+    so that hundreds of backends hit stay a few lines high."""
     if not damage:
         return '<p class="muted">No dead servers.</p>'
     old_workers = len(doc["old_workers"])
@@ -540,8 +525,7 @@ def _suspects_html(suspects: list[dict[str, Any]], now: datetime) -> str:
 def render_page(
     doc: dict[str, Any], now: datetime, sizes: Mapping[str, int] | None = None, history: History | None = None,
 ) -> str:
-    """The self-contained HTML page for GET /, from the /status document, the servers per
-    backend of the running configs, and the charts' history. Every value is escaped."""
+    """The page for GET /, every value escaped."""
     sup, hap = doc["supervisor"], doc["haproxy"]
     master = badge("master up", "good") if hap["up"] else badge("master down", "bad")
     ready = badge("ready", "good") if sup["ready"] else badge("not ready", "bad")
@@ -581,6 +565,5 @@ def render_page(
 
 
 def page_of(state: State, doc: dict[str, Any], now: datetime, sizes: BackendSizes) -> str:
-    """render_page() for the daemon: `doc` is status_document(state, ...) at `now`; `sizes`
-    lives as long as the app serving the page."""
+    """render_page() for the daemon; `sizes` lives as long as the app serving the page."""
     return render_page(doc, now, sizes.of(running_generations(state)), History.of(state))

@@ -1,35 +1,14 @@
 """haproxy-supervisor-ray-bridge: what Ray Serve runs as its HAProxy (RAY_SERVE_HAPROXY_BINARY_PATH).
 
-Toward Ray it is the HAProxy process Ray thinks it started; the node's haproxy-supervisor
-daemon runs HAProxy. The bridge hands Ray's config to the daemon (an atomic write of the
-file the daemon watches: file permissions decide who may), waits until the daemon's current
-worker runs it, then answers on Ray's admin socket. Soft-stopped by Ray
-(SIGUSR1), it lives on while an old worker still serves its config. It never runs HAProxy.
-See docs/ray-serve.md.
+Toward Ray it is the HAProxy process Ray thinks it started; the node's daemon runs HAProxy.
+The bridge hands Ray's config to the daemon (an atomic write of the file it watches), waits
+until the daemon's current worker runs it, then answers on Ray's admin socket (`stats socket`)
+as that HAProxy would: every command relayed to the current worker's stats socket, `show info`
+with the bridge's PID on its `Pid:` line. Soft-stopped by Ray (SIGUSR1), it lives on while an
+old worker still serves its config. It never runs HAProxy. See docs/ray-serve.md.
 
-In order: the command lines Ray runs its HAProxy binary with, read the way HAProxy reads
-them. Ray (ray/serve/_private/haproxy.py, HAProxyApi._start_and_wait_for_haproxy) runs
-`<bin> -db -f <cfg> -dR` to start and `<bin> -db -f <cfg> [-dR] -sf <pid>... [-x <admin.sock>]`
-to reload. Under the bridge the node's daemon owns HAProxy and does the reloading: `-sf`, `-x`,
-`-dR` and `-db` are instructions to a process that no longer exists, kept only to tell a start
-from a reload. A version query or a check (`-v`, `-vv`, `-c`) starts nothing: the daemon's own
-binary answers it. Then the bridge's decisions, pure functions of Ray's config and the
-daemon's /status document; then the process: hand over, wait, answer, soft-stop.
-
-The admin socket is Ray's `stats socket` (admin.sock), bound by the bridge and answered as
-HAProxy would.
-
-Ray finds out which HAProxy runs by sending `show info` there and reading the `Pid:` line,
-then saves `show servers state` and reads `show stat` (ray/serve/_private/haproxy.py,
-HAProxyApi._send_socket_command: one command per connection, read until HAProxy closes).
-Every command goes to the daemon's current worker, whose stats socket the daemon moved to
-<runtime_dir>/stats.sock (haproxy.move_stats_socket); the answer comes back as the worker
-gave it, except that `show info` carries the bridge's PID on its `Pid:` line: to Ray the
-bridge is the HAProxy process it started.
-
-The socket is bound under a temporary name and renamed over Ray's path, as HAProxy replaces
-a unix socket: until the rename the path reaches the previous bridge, which keeps answering
-with its own PID, and Ray keeps waiting.
+In order: the admin socket's relay; Ray's command lines, read the way HAProxy reads them; the
+bridge's decisions, pure functions of Ray's config and the daemon's /status document; the process.
 """
 
 from __future__ import annotations
@@ -60,8 +39,6 @@ from .haproxy.global_policy import first_stats_socket
 from .settings import Settings, SettingsError, decode_text, load_settings
 from .statusclient import StatusFetchError, fetch_status, status_target, url_from_listen
 
-log = logging.getLogger(__name__)
-
 # HAProxy's default `stats timeout` (Ray's template says 30s too): an idle client is let go.
 IDLE_TIMEOUT_S = 30.0
 # The longest command line read (tune.bufsize caps HAProxy's own at 16 KiB by default).
@@ -80,8 +57,7 @@ def with_pid(answer: bytes, pid: int) -> bytes:
 
 
 def socket_mode(words: tuple[str, ...] | list[str]) -> int:
-    """The file mode a `stats socket` line asks for (`mode 666`); HAProxy's default is 0600
-    under the usual umask."""
+    """The file mode a `stats socket` line asks for (`mode 666`); else HAProxy's usual 0600."""
     for i, word in enumerate(words[:-1]):
         if word == "mode":
             with contextlib.suppress(ValueError):
@@ -124,10 +100,8 @@ class AdminRelay:
             self._server = None
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # Nothing read until the worker is reached: when nothing serves (HAProxy down), the
-        # client's command is still unread in the socket, so closing resets the connection and
-        # its read fails, as a connect to a dead HAProxy's socket would (Ray's health check:
-        # not running), instead of reading an empty answer.
+        # Nothing read until the worker is reached: with HAProxy down, the command left unread
+        # makes the close a reset, which Ray's health check takes for a dead HAProxy's socket.
         writer.transport.pause_reading()
         worker = await self._open_worker()
         if worker is None:
@@ -292,15 +266,10 @@ def _parse_time(value: Any) -> datetime | None:
 
 
 def handover_verdict(doc: dict[str, Any], rendered_sha256: str, written_at: datetime | None) -> Verdict:
-    """Does the daemon run the rendered config whose sha256 is given?
-
-    Running: the current worker runs the effective config built from exactly this text
-    (worker.rendered_sha256, set by a reload or a runtime apply), the daemon has read nothing
-    newer (config.rendered_sha256) and it is converged. Refused: this text is what the daemon
-    read last, and its verdict on it - a record after `written_at`, when the bridge wrote it -
-    was `invalid` (haproxy -c) or `failed` with the config to blame (convergence.transient
-    false): HAProxy keeps serving the last good config, and nothing retries it.
-    """
+    """Running: the current worker runs this rendered text, the daemon has read nothing newer,
+    and it is converged. Refused: this text is what the daemon read last, and a record after
+    `written_at` (the bridge's write) says `invalid` or `failed` with the config to blame
+    (convergence.transient false): nothing retries it."""
     worker = doc.get("worker") or {}
     config = doc.get("config") or {}
     convergence = doc.get("convergence") or {}
@@ -345,14 +314,9 @@ def primary_server_count(config: Config) -> int:
 
 
 def hold_back_reason(replaces: bool, mine: Config, in_place: Config | None) -> str | None:
-    """Why Ray's config must not be handed over, or None to hand it over.
-
-    A manager that just started (no `-sf`: it has run no HAProxy yet) first renders a config
-    without replicas; the daemon may be serving a config with servers, from before the
-    manager's restart. Handing the empty one over would answer 404/503 until the manager
-    renders its replicas. A config without servers from a manager that replaces its HAProxy
-    (`-sf`) is meant (an app deleted, serve.shutdown) and goes through.
-    """
+    """Why Ray's config must not be handed over, or None to hand it over: a manager that just
+    started (no `-sf`) first renders no replicas, and handing that over would answer 404/503
+    where the daemon serves servers from before the restart. With `-sf` an empty config is meant."""
     if replaces or in_place is None:
         return None
     mine_servers = primary_server_count(mine)
@@ -390,28 +354,18 @@ class BridgeError(Exception):
     """Why the bridge cannot stand in for HAProxy. One line."""
 
 
-def real_binary(settings: Settings) -> str:
-    """The daemon's HAProxy binary; BridgeError if it resolves to the bridge itself."""
-    binary = resolve_binary(settings.haproxy.binary)
-    if names_the_bridge(binary):
-        raise BridgeError(f"haproxy.binary {settings.haproxy.binary!r} resolves to the bridge itself ({binary})")
-    return binary
-
-
 def exec_real_binary(settings: Settings, args: tuple[str, ...]) -> None:
     """A query that starts nothing (`-v`, `-vv`, `-c` ...): become the daemon's HAProxy binary,
     so that its answer and exit code are HAProxy's."""
-    binary = real_binary(settings)
+    binary = resolve_binary(settings.haproxy.binary)
+    if names_the_bridge(binary):
+        raise BridgeError(f"haproxy.binary {settings.haproxy.binary!r} resolves to the bridge itself ({binary})")
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         os.execv(binary, [binary, *args])
     except OSError as exc:
         raise BridgeError(f"cannot run {binary}: {exc.strerror or exc}") from None
-
-
-def settings_path(environ: Mapping[str, str]) -> Path:
-    return Path(environ.get(SETTINGS_ENV) or DEFAULT_SETTINGS)
 
 
 def hard_stop_after_s(config: Config) -> float | None:
@@ -488,8 +442,7 @@ class Bridge:
 
     async def _nobody_listens(self) -> str | None:
         """Why no daemon can be listening on the status address (refused, no socket file), or
-        None when something accepts connections there: a daemon that is slow to answer (a
-        big reload, a stopped process) is waited for, not taken for none."""
+        None when something accepts connections: a daemon slow to answer is waited for."""
         _, path = status_target(self.url)
         try:
             if path is not None:
@@ -622,33 +575,25 @@ class Signals:
     then kill the bridge instead of letting it exit 0."""
 
     def __init__(self) -> None:
-        self.soft_stop_seen = False
-        self.stop_seen = False
+        self.seen: set[int] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.soft_stop: asyncio.Event | None = None
-        self.stop: asyncio.Event | None = None
-        signal.signal(signal.SIGUSR1, self._on_soft_stop)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_stop)
+        self._events: dict[int, asyncio.Event] = {}
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
 
     def attach(self) -> tuple[asyncio.Event, asyncio.Event]:
+        """(stop, soft_stop) on the running loop, set already for a signal seen before."""
         self._loop = asyncio.get_running_loop()
-        self.stop, self.soft_stop = asyncio.Event(), asyncio.Event()
-        if self.soft_stop_seen:
-            self.soft_stop.set()
-        if self.stop_seen:
-            self.stop.set()
-        return self.stop, self.soft_stop
+        stop, soft_stop = asyncio.Event(), asyncio.Event()
+        self._events = {signal.SIGUSR1: soft_stop, signal.SIGTERM: stop, signal.SIGINT: stop}
+        for sig in self.seen:
+            self._events[sig].set()
+        return stop, soft_stop
 
-    def _on_soft_stop(self, signum: int, frame: object) -> None:
-        self.soft_stop_seen = True
-        if self._loop is not None and self.soft_stop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.soft_stop.set)
-
-    def _on_stop(self, signum: int, frame: object) -> None:
-        self.stop_seen = True
-        if self._loop is not None and self.stop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.stop.set)
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.seen.add(signum)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._events[signum].set)
 
 
 async def _run(settings: Settings, run: Run, signals: Signals) -> int:
@@ -663,7 +608,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     args = sys.argv[1:] if argv is None else argv
     try:
         invocation = parse_argv(args)
-        settings = load_settings(settings_path(environ), environ)
+        settings = load_settings(Path(environ.get(SETTINGS_ENV) or DEFAULT_SETTINGS), environ)
         if isinstance(invocation, PassThrough):
             exec_real_binary(settings, invocation.args)  # does not return
         assert isinstance(invocation, Run)
