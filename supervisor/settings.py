@@ -1,7 +1,8 @@
 """Settings: a YAML file plus environment gates, validated into frozen dataclasses.
 
-Every problem becomes one SettingsError line naming the file, the key and what
-is wrong, so `run`, `check` and `render` can exit 2 without a traceback.
+What each key means: config.example.yaml (the controller's: docs/controller.md). Every
+problem becomes one SettingsError line naming the file, the key and what is wrong, so `run`,
+`check` and `render` can exit 2 without a traceback.
 """
 
 from __future__ import annotations
@@ -33,11 +34,7 @@ class HAProxySettings:
     runtime_dir: Path = Path("/run/haproxy-supervisor")
     master_socket: Path | None = None
     stop_timeout_s: float = 30
-    # The rendered config (and each watched file) is refused above this size.
     max_config_bytes: int = DEFAULT_MAX_READ_BYTES
-    # The rendered config's first global `stats socket` is bound at <runtime_dir>/stats.sock
-    # instead, so that the Ray bridge (haproxy-supervisor-ray-bridge) can bind the rendered
-    # path itself and answer there as the HAProxy process Ray thinks it started.
     move_stats_socket: bool = False
 
     @property
@@ -74,29 +71,15 @@ class HAProxySettings:
 @dataclass(frozen=True)
 class ReloadSettings:
     debounce_ms: int = 200
-    # A burst of changes is applied at the latest this long after its first write, however
-    # often the writes come (closer together than debounce_ms they would put it off for ever).
     max_delay_ms: int = 1000
     min_interval_ms: int = 1000
     timeout_s: float = 30
     runtime_apply: bool = True
-    # A server removed at runtime: how long its sessions may take to end before they are shut
-    # down (`shutdown sessions server`) and it is deleted.
     remove_wait_s: float = 10
-    # A removed server whose `del server` HAProxy refuses (connections attached) once it is in
-    # maint at the placeholder: deleted in the background (true), or a reload after
-    # remove_wait_s (false).
     remove_in_background: bool = True
-    # A render that only takes lines out and empties a backend (Ray Serve rebuilding an app)
-    # waits this long for the next render before it is reloaded; 0 (the default): never waits,
-    # since for any other writer such a render is what the operator meant.
-    transient_hold_ms: int = 0
-    # Save `show servers state` before each reload and make the new worker load it.
+    transient_hold_ms: int = 0  # for any writer but Ray Serve, such a render is what was meant
     preserve_server_state: bool = True
-    # While the current worker does not run the rendered config, try again after 0.5 s, 1 s,
-    # 2 s ... up to this many seconds between attempts.
     retry_max_s: float = 30
-    # /readyz says 503 once the node has not run the rendered config for this long.
     converge_grace_s: float = 60
 
 
@@ -107,22 +90,15 @@ class OldWorkerSettings:
     guard: bool = True
     no_backup: Literal["fail-fast", "keep"] = "fail-fast"
     shutdown_stuck_sessions: bool = False
-    # While HAProxy's stderr lines are heard, the current worker's full server-state read is
-    # only a safety net, this often (without them: every 15 s, or every poll with checks).
     state_read_interval_s: float = 60
 
 
 @dataclass(frozen=True)
 class DetectorSettings:
-    """The stalled-connection detector (docs/steering.md, "Stalled connections")."""
-
     enabled: bool = True
     poll_interval_ms: int = 100
-    # A stall counts once it lasts this long, or 8 round trips toward the server if longer.
     threshold_floor_ms: int = 200
-    # Destroy the stalled sockets to a suspect once it is steered off (needs CAP_NET_ADMIN).
     abort: bool = True
-    # A suspect stays one this long after its last stalled socket.
     hold_s: float = 5
 
 
@@ -136,13 +112,9 @@ class ObserveSettings:
 class StatusSettings:
     listen: str = "127.0.0.1:9180"
     token_file: Path | None = None
-    # A client gets this long to send a request's headers (also the keep-alive idle time),
-    # then this long for its body; at most this many connections are open at once.
     header_timeout_s: float = 10
     body_timeout_s: float = 10
     max_connections: int = 100
-    # Host header values the TCP listener answers besides loopback names, IP addresses and
-    # its own listen host (a DNS name operators use for the node).
     allowed_hosts: tuple[str, ...] = ()
 
 
@@ -154,19 +126,10 @@ class LoggingSettings:
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    """An ingress controller in the same pod talks to the daemon's sockets as to HAProxy's
-    (docs/controller.md). Both off by default."""
-
-    # Where the controller dials its runtime API (haproxytech's: /var/run/haproxy-runtime-api.sock):
-    # relayed to the workers' stats socket, server changes sent in a safe order.
     runtime_socket: Path | None = None
-    # Where it reloads (/var/run/haproxy-master.sock): `reload` runs the daemon's cycle.
     master_socket: Path | None = None
-    # Both sockets (docs/controller.md): an idle connection closed (HAProxy's `stats timeout`);
-    # the wait for HAProxy's socket before a line is answered `[3]:` (the controller waits 30 s);
-    # owner "uid:gid" (numbers or names; unset: the daemon's) and octal mode.
     idle_timeout_s: float = 10
-    queue_timeout_s: float = 20
+    queue_timeout_s: float = 20  # answered before the controller's own 30 s wait ends
     socket_owner: str | None = None
     socket_mode: str = "0660"
 
@@ -184,29 +147,12 @@ class Settings:
     source: Path | None = None  # the settings file these came from
 
 
-# Keys whose value must be > 0 (a zero or negative value is a mistake, not "off").
-_POSITIVE = {
-    "haproxy.stop_timeout_s",
-    "reload.debounce_ms",
-    "reload.max_delay_ms",
-    "reload.timeout_s",
-    "reload.retry_max_s",
-    "old_workers.max",
-    "old_workers.poll_interval_ms",
-    "old_workers.state_read_interval_s",
-    "detector.poll_interval_ms",
-    "detector.threshold_floor_ms",
-    "observe.error_limit",
-    "haproxy.max_config_bytes",
-    "status.header_timeout_s",
-    "status.body_timeout_s",
-    "status.max_connections",
-    "controller.idle_timeout_s",
-    "controller.queue_timeout_s",
-}
-# Keys that may be zero but not negative.
-_NON_NEGATIVE = {
-    "detector.hold_s", "reload.min_interval_ms", "reload.transient_hold_ms", "reload.converge_grace_s",
+# Numbers must be > 0 (a zero or negative value is a mistake, not "off"), but these may be zero.
+_ZERO_ALLOWED = {
+    "detector.hold_s",
+    "reload.min_interval_ms",
+    "reload.transient_hold_ms",
+    "reload.converge_grace_s",
     "reload.remove_wait_s",
 }
 # Strings read by a function of files.py, which says what is wrong with a bad one.
@@ -235,18 +181,12 @@ MAX_SETTINGS_BYTES = 1024 * 1024
 OBSERVE_GATE_ENV = ("RAY_SERVE_HAPROXY_OBSERVE_MARK_DOWN_ENABLED", "HAPROXY_SUPERVISOR_OBSERVE_MARK_DOWN_ENABLED")
 OBSERVE_LIMIT_ENV = ("RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT", "HAPROXY_SUPERVISOR_OBSERVE_ERROR_LIMIT")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+_BOOLEANS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 
 
 def parse_bool(text: str) -> bool | None:
     """1/0, true/false, yes/no, on/off in any case; None for anything else."""
-    lowered = text.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    return None
+    return _BOOLEANS.get(text.strip().lower())
 
 
 def decode_text(raw: bytes) -> str:
@@ -274,9 +214,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: the constructor below says so
                 continue
             if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -323,9 +261,7 @@ def apply_environment(settings: Settings, environ: Mapping[str, str], file: Path
         if name in environ:
             value = parse_bool(environ[name])
             if value is None:
-                raise SettingsError(
-                    f"{name}={environ[name]!r}: not a boolean (use 1/0, true/false, yes/no, on/off)"
-                )
+                raise SettingsError(f"{name}={environ[name]!r}: not a boolean (use 1/0, true/false, yes/no, on/off)")
             observe = dataclasses.replace(observe, enabled=value)
             break
     for name in OBSERVE_LIMIT_ENV:
@@ -401,10 +337,10 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
             fail(f"must be a finite number, got {value!r}")
         if value > _maximum(key):
             fail(f"must be at most {_maximum(key)}, got {value:.3g}")
-        if key in _POSITIVE and value <= 0:
-            fail(f"must be positive, got {value!r}")
-        if key in _NON_NEGATIVE and value < 0:
+        if key in _ZERO_ALLOWED and value < 0:
             fail(f"must not be negative, got {value!r}")
+        if key not in _ZERO_ALLOWED and value <= 0:
+            fail(f"must be positive, got {value!r}")
         return hint(value)
     if hint is Path:
         if not isinstance(value, str) or not value:
