@@ -1,33 +1,23 @@
 """Reading and writing the files the daemon trusts, safely.
 
-Reads: only regular files, up to a size limit. A FIFO would block the reader until
-someone writes into it, a device may never end, a directory is a mistake: each is
-refused with one line before a byte is read.
+Reads: only regular files, up to a size limit: a FIFO would block the reader, a device may
+never end, a directory is a mistake; each is refused with one line before a byte is read.
 
-Writes: runtime_dir is the daemon's own. It must belong to the daemon's user and be
-writable by nobody else; files are created with explicit modes (never the umask) and
-never through a symlink (a new file in the same directory, renamed over the old name).
-And it is one daemon's: an exclusive `flock` on `runtime_dir/daemon.lock` is held for the
-daemon's whole life (`RuntimeDirLock`). Two daemons on one runtime_dir would start two
-HAProxy masters whose workers share the frontend ports (SO_REUSEPORT), each daemon talking
-to the other's workers, and each removing the other's files. The second one stops before it
-touches anything. The lock goes with the process: a daemon killed with -9 leaves a file that
-the next one locks at once. The descriptor is close-on-exec, so HAProxy (which outlives a
-detached daemon) never holds it.
+Writes: runtime_dir is the daemon's own, owned by its user and writable by nobody else; files
+get explicit modes (never the umask) and are never written through a symlink (a new file,
+renamed over the old name). And it is one daemon's: `RuntimeDirLock` holds an exclusive
+`flock` on `runtime_dir/daemon.lock` for the daemon's life. Two daemons on one runtime_dir
+would run two masters whose workers share the frontend ports, each removing the other's
+files. The lock goes with the process (a kill -9 leaves a file the next one locks at once);
+close-on-exec, so HAProxy never holds it.
 
-Reading a file only once its writer is done with it: a controller that rewrites the rendered
-config in place, in chunks, leaves partial configs on disk between them, and a chunk that ends
-with a section leaves a valid one. The file is read only when no other process:
-- holds an exclusive `flock` on `<file>.lock` beside it (Ray Serve's convention) or on the file;
-- holds a POSIX write lock (`fcntl`/`lockf`) on either;
-- has the file open for writing. The kernel says so without a scan of /proc: a read lease
-  (F_SETLEASE F_RDLCK) is refused while any process has it open for writing. The lease is
-  dropped at once: it is a question, not a hold (holding one would make a writer's open wait,
-  and bring SIGIO to this process).
-The shared flocks are held while the bytes are read, so a writer that locks cannot start
-meanwhile; the lease and the POSIX locks are asked again after the read, and the file's stat
-must not have changed in between. A lease needs the file's owner or CAP_LEASE: without them
-that one question is skipped, and only completed writes (inotify) and locks protect the read.
+Reads once the writer is done (`read_whole`; the writer's side: docs/inputs.md): a file
+rewritten in place in chunks is valid between them more often than not. It is read only
+while no other process holds an exclusive `flock` or a POSIX write lock on it or on
+`<file>.lock`, or has it open for writing: a read lease (F_SETLEASE F_RDLCK) is refused then,
+and dropped at once when granted (held, it would make a writer's open wait). The shared
+flocks are held during the read; the rest is asked again after it, and the file's stat must
+not have changed. Without the file's ownership or CAP_LEASE the lease question is skipped.
 """
 
 from __future__ import annotations
@@ -68,11 +58,8 @@ def _kind(mode: int) -> str:
 
 
 def read_regular(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
-    """The bytes of a regular file no larger than `limit`; UnreadableFile otherwise.
-
-    Opened non-blocking so that a FIFO swapped in after the stat cannot block the open,
-    then checked again on the open descriptor: what is read is what was checked.
-    """
+    """The bytes of a regular file no larger than `limit`; UnreadableFile otherwise. Opened
+    non-blocking (a FIFO swapped in after the stat cannot block) and checked again once open."""
     try:
         before = os.stat(path)
     except OSError as exc:
@@ -101,15 +88,10 @@ def read_regular(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
 def ensure_private_dir(path: Path, mode: int = DIR_MODE) -> None:
     """Create `path` (and its parents) with `mode`, or check that an existing one is safe:
     a directory owned by this user and writable by no one else. UnsafeDirectory otherwise."""
-    try:
-        os.mkdir(path, mode)
-        os.chmod(path, mode)  # mkdir's mode went through the umask
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
+    with contextlib.suppress(FileExistsError):
         path.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(path, mode)
-        os.chmod(path, mode)
+        os.chmod(path, mode)  # mkdir's mode went through the umask
     check_private_dir(path)
 
 
@@ -170,11 +152,8 @@ def write_atomically(path: Path, text: str, mode: int = FILE_MODE) -> None:
 
 
 def bind_unix_private(path: Path, mode: int) -> socket.socket:
-    """A unix stream socket bound at `path` whose file never has a wider mode than `mode`.
-
-    bind() creates the file as 0777 & ~umask: narrowing the umask around it leaves no moment
-    when another user could connect (nothing else runs in this process meanwhile).
-    """
+    """A unix stream socket bound at `path` whose file never has a wider mode than `mode`:
+    bind() creates it as 0777 & ~umask, so the umask is narrowed around it."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         previous = os.umask(0o777 & ~mode)
@@ -256,10 +235,6 @@ def open_for_writing(fd: int) -> bool | None:
     return False
 
 
-def _who(pid: int | None) -> str:
-    return "another process" if pid is None or pid < 0 else f"PID {pid}"
-
-
 @contextlib.contextmanager
 def _shared_flock(path: Path, required: bool) -> Iterator[int | None]:
     """A shared flock on `path` for the block; WriterBusy while someone holds it exclusively.
@@ -292,7 +267,7 @@ def _writer_of(path: Path, fd: int, lock_fd: int | None) -> str | None:
     """Why the file is not whole now, or None."""
     for which, descriptor in ((lock_file(path), lock_fd), (path, fd)):
         if descriptor is not None and (pid := _posix_write_lock(descriptor)) is not None:
-            return f"{which} is locked by its writer ({_who(pid)}, fcntl)"
+            return f"{which} is locked by its writer ({'another process' if pid < 0 else f'PID {pid}'}, fcntl)"
     if open_for_writing(fd):
         return f"{path} is open for writing by another process"
     return None

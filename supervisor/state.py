@@ -1,11 +1,9 @@
-"""What the daemon knows, in one place: a read model that each owner publishes into, and
-status only reads.
+"""What the daemon knows, in one place: a read model that each owner publishes into.
 
 A field is written only by a `publish_*` method here, each called by the one component that
-owns that fact (the master process, the reloader's generations book, ...); status, the page
-and /metrics read the fields. A `Generation` is a value: a change to what a worker runs is a
-new value published in its place. Touched only from the event loop, so no locks; nothing
-here does I/O.
+owns that fact; status, the page and /metrics only read. A `Generation` is a value: a change
+to what a worker runs is a new value published in its place. Touched only from the event
+loop, so no locks; nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -152,12 +150,8 @@ class DurationHistogram:
 
 @dataclass
 class Convergence:
-    """Whether the current worker runs what the rendered config asks for, and since when not.
-
-    The goal is the effective config built from the rendered config (and the digest of the
-    watched files); the truth is what `show proc` says the current worker runs. While the two
-    differ the reloader keeps trying, with backoff (docs/operating.md, "What happens when").
-    """
+    """Whether the current worker (per `show proc`) runs the effective config of the rendered
+    one and the watched files, and since when not; the reloader retries meanwhile."""
 
     unconverged_since: datetime | None = field(default_factory=utcnow)  # None while converged
     reason: str | None = "starting"
@@ -194,11 +188,10 @@ class Convergence:
 
 @dataclass(frozen=True)
 class PendingRemoval:
-    """A server the rendered config no longer has that the current worker still holds, because
-    `del server` is refused while connections are attached to it. It is in maint at the
-    placeholder address, so it routes nothing; `del server` is retried in the background
-    (haproxy/runtime/hook.py) for as long as that worker is the current one. After a reload
-    it stays pending in that old worker for as long as it holds connections to `endpoint`."""
+    """A server the rendered config no longer has that a worker still holds: `del server` is
+    refused while connections are attached. In maint at the placeholder address, it routes
+    nothing; retried while that worker is current (haproxy/runtime/hook.py), then pending in
+    it as an old worker while it holds connections to `endpoint`."""
 
     key: str  # backend/server
     worker_pid: int
@@ -275,89 +268,62 @@ class State:
                 return
         self.old_worker_counts.append((now, count))
 
-    # ------------------------------------------------------------ publish (one owner each)
-
-    def publish_pending_removals(self, removals: Mapping[str, PendingRemoval]) -> None:
-        """The runtime applier's pending removals: what they are now, a copy."""
-        self.pending_removals = dict(removals)
-
+    # ------------------------------------------------------------ publish, by owner
+    # The reloader's.
     def publish_paths(self, rendered: str, effective: str) -> None:
-        """The reloader: the rendered and effective config paths it works with."""
         self.rendered_path, self.effective_path = rendered, effective
 
     def publish_rendered(self, sha256: str) -> None:
-        """The reloader: the digest of the rendered config it last read."""
+        """The digest of the rendered config it last read."""
         self.rendered_sha256 = sha256
 
     def publish_reload(self, result: ReloadResult, duration_ms: float, error: str | None = None) -> ReloadRecord:
-        """The reloader: one cycle's outcome, counted and kept in the history."""
         return self.reloads.record(result, duration_ms, error)
 
+    def publish_converged(self) -> None:
+        self.convergence.reached()
+
+    def publish_unconverged(self, reason: str, transient: bool) -> None:
+        self.convergence.missed(reason, transient)
+
+    def publish_next_attempt(self, at: datetime | None, attempts: int | None = None) -> None:
+        """When it tries again to converge (None: not by itself), and how many attempts that makes."""
+        self.convergence.next_attempt_at = at
+        if attempts is not None:
+            self.convergence.attempts = attempts
+
+    def publish_master_socket(self, ok: bool) -> None:
+        """Whether the master's socket is in runtime_dir."""
+        self.master_socket_ok = ok
+
+    # The generations book's.
     def publish_generation(self, generation: Generation, *, current: bool = False) -> None:
-        """The generations book: a generation, new or a new value of one; `current` makes it the
-        current one and its config the last good one."""
+        """A generation, new or a new value of one; `current` makes it the current one and its
+        config the last good one."""
         self.generations[generation.number] = generation
         if current:
             self.current_generation = generation.number
             self.last_good_sha256 = generation.effective_sha256
 
     def publish_pruned(self, numbers: Iterable[int]) -> list[Generation]:
-        """The generations book: generations whose worker is gone; those that were known."""
+        """Generations whose worker is gone; those that were known."""
         return [g for n in numbers if (g := self.generations.pop(n, None)) is not None]
 
-    def publish_converged(self) -> None:
-        """The reloader: the current worker runs the rendered config."""
-        self.convergence.reached()
-
-    def publish_unconverged(self, reason: str, transient: bool) -> None:
-        """The reloader: the current worker does not run the rendered config, and why."""
-        self.convergence.missed(reason, transient)
-
-    def publish_next_attempt(self, at: datetime | None, attempts: int | None = None) -> None:
-        """The reloader: when it tries again to converge (None: not by itself), and how many
-        attempts that makes."""
-        self.convergence.next_attempt_at = at
-        if attempts is not None:
-            self.convergence.attempts = attempts
-
-    def publish_master_socket(self, ok: bool) -> None:
-        """The reloader: whether the master's socket is in runtime_dir."""
-        self.master_socket_ok = ok
-
-    def publish_write(self, what: str, error: str | None) -> None:
-        """The owner of a best-effort file: its write failed (`error`), or worked (None)."""
-        if error is None:
-            self.write_failing.pop(what, None)
-        else:
-            self.write_failing[what] = error
-            self.write_failures += 1
-
-    def publish_status_listener(self, down: str | None) -> None:
-        """The status server: why its listener cannot serve, or None once it serves."""
-        self.status_listener_down = down
-
+    # The master process's.
     def publish_master(self, pid: int | None, server_events: bool = False) -> None:
-        """The master process: up with `pid` (and whether its stderr feeds the daemon), or down (None)."""
+        """Up with `pid` (and whether its stderr feeds the daemon), or down (None)."""
         self.master_pid, self.master_up, self.server_events = pid, pid is not None, server_events
 
     def publish_master_restart(self) -> int:
-        """The master process: one more restart; the count."""
         self.master_restarts += 1
         return self.master_restarts
 
-    def publish_haproxy_version(self, version: str | None) -> None:
-        """The daemon: what `haproxy -v` says."""
-        self.haproxy_version = version
-
-    def publish_event_loop_lag(self, lag_s: float) -> None:
-        """The loop-lag monitor: the worst delay of the event loop lately."""
-        self.event_loop_lag_s = lag_s
-
+    # The steering's.
     def publish_old_workers(
         self, generations: Mapping[int, int | None], started: Mapping[int, datetime | None]
     ) -> None:
-        """The steering: the old workers `show proc` lists, with the generation each runs;
-        `started`: when those not listed yet started (the others keep theirs)."""
+        """The old workers `show proc` lists, with the generation each runs; `started`: when
+        those not listed yet started (the others keep theirs)."""
         for pid in [pid for pid in self.old_workers if pid not in generations]:
             del self.old_workers[pid]
         for pid, generation in generations.items():
@@ -369,8 +335,8 @@ class State:
         self.note_old_workers()
 
     def publish_pushes(self, pushes: Mapping[int, PushNews], failures: int = 0) -> None:
-        """The steering: how each old worker's last push went (a worker not listed as old yet
-        is left out), and how many pushes failed meanwhile."""
+        """How each old worker's last push went (a worker not listed as old yet is left out),
+        and how many pushes failed meanwhile."""
         self.push_failures += failures
         for pid, news in pushes.items():
             record = self.old_workers.get(pid)
@@ -383,12 +349,11 @@ class State:
             record.push = PushState(news.result, utcnow() if news.result != "pending" else record.push.at, news.error)
 
     def publish_push_round(self, duration_s: float) -> None:
-        """The steering: a round's pushes took this long, until the last one was answered."""
+        """A round's pushes took this long, until the last one was answered."""
         self.push_duration.observe(duration_s)
 
     def publish_old_worker_stats(self, stats: Mapping[int, tuple[int | None, int | None]]) -> None:
-        """The steering: old workers' current connections and resident bytes (None: unknown,
-        the last value stays)."""
+        """Old workers' current connections and resident bytes (None: unknown, the last value stays)."""
         for pid, (connections, rss_bytes) in stats.items():
             record = self.old_workers.get(pid)
             if record is not None:
@@ -396,27 +361,49 @@ class State:
                 record.rss_bytes = rss_bytes if rss_bytes is not None else record.rss_bytes
 
     def publish_dead_servers(self, keys: Iterable[str]) -> None:
-        """The steering: every known-dead "backend/server", any reason."""
+        """Every known-dead "backend/server", any reason."""
         self.dead_servers = set(keys)
 
-    def publish_suspects(self, suspects: Mapping[str, SuspectServer]) -> None:
-        """The stalled-connection detector: the servers it suspects now, a copy."""
-        self.suspect_servers = dict(suspects)
-
-    def publish_socket_aborts(self, aborted: int, idle_closed: int) -> None:
-        """The stalled-connection detector: sockets it destroyed so far, stalled and idle."""
-        self.stalled_aborted, self.idle_closed = aborted, idle_closed
-
     def publish_operator_dead(self, key: str, dead: bool) -> None:
-        """The steering, for the operator API: a "backend/server" marked dead, or unmarked."""
+        """For the operator API: a "backend/server" marked dead, or unmarked."""
         if dead:
             self.operator_dead.add(key)
         else:
             self.operator_dead.discard(key)
 
     def publish_state_reads(self, count: int) -> None:
-        """The steering: full `show servers state` reads it made."""
         self.server_state_reads += count
+
+    # The stalled-connection detector's.
+    def publish_suspects(self, suspects: Mapping[str, SuspectServer]) -> None:
+        self.suspect_servers = dict(suspects)
+
+    def publish_socket_aborts(self, aborted: int, idle_closed: int) -> None:
+        """Sockets it destroyed so far, stalled and idle."""
+        self.stalled_aborted, self.idle_closed = aborted, idle_closed
+
+    # One owner each: the runtime applier, a best-effort file's writer, the status server,
+    # the daemon (`haproxy -v`), the loop-lag monitor.
+    def publish_pending_removals(self, removals: Mapping[str, PendingRemoval]) -> None:
+        self.pending_removals = dict(removals)
+
+    def publish_write(self, what: str, error: str | None) -> None:
+        """The file's write failed (`error`), or worked (None)."""
+        if error is None:
+            self.write_failing.pop(what, None)
+        else:
+            self.write_failing[what] = error
+            self.write_failures += 1
+
+    def publish_status_listener(self, down: str | None) -> None:
+        """Why its listener cannot serve, or None once it serves."""
+        self.status_listener_down = down
+
+    def publish_haproxy_version(self, version: str | None) -> None:
+        self.haproxy_version = version
+
+    def publish_event_loop_lag(self, lag_s: float) -> None:
+        self.event_loop_lag_s = lag_s
 
     @property
     def uptime_s(self) -> float:
