@@ -43,10 +43,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: str) -> Settings:
-    return with_resolved_binary(load_settings(path))
-
-
 def cmd_render(settings: Settings) -> int:
     effective = load_effective(settings)
     sys.stdout.write(effective.text)
@@ -82,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return cmd_status(args.url, args.config, args.json, args.timeout)
     try:
-        settings = _load(args.config)
+        settings = with_resolved_binary(load_settings(args.config))
         if args.command in ("run", "check"):
             require_executable(settings)
         if args.command == "render":

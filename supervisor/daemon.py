@@ -288,10 +288,8 @@ async def haproxy_version(binary: str) -> str | None:
 
 
 def watch_children_without_threads() -> None:
-    """Python 3.11 waits for each asyncio child process (`haproxy -c`, on every change) in a
-    thread started with it: ~3 ms more before the check even runs, on the way to steering
-    the old workers. A pidfd lets the event loop wait instead (Linux 5.3+); 3.12 does this
-    by itself."""
+    """Python 3.11 waits for each asyncio child (`haproxy -c`, on every change) in a thread
+    started with it, a delay on the way to steering; a pidfd lets the loop wait (3.12 does)."""
     if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
         return
     try:

@@ -35,6 +35,7 @@ from .haproxy.global_policy import RefusedGlobal, move_stats_socket, supervised_
 from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
 from .haproxy.lexer import ConfigCache
 from .haproxy.server_state import inject_server_state
+from .master.processes import is_alive
 from .settings import Settings, SettingsError, decode_text
 
 log = logging.getLogger(__name__)
@@ -142,11 +143,9 @@ T = TypeVar("T")
 
 
 async def off_the_loop(work: Callable[[], T]) -> T:
-    """Run `work` in the default executor's thread. Only for reading and parsing the rendered
-    config: a 100,000-backend config takes seconds to parse, and a read can block (NFS, a
-    stalled disk); on the loop, /healthz and the old workers' steering would wait that long.
-    The work builds new objects from frozen settings and its own input; the parse caches it
-    shares with the loop hold immutable values keyed by content, so a race costs a miss."""
+    """Run `work` in the default executor's thread: reading and parsing a big rendered config
+    takes seconds, which the loop's other work must not wait. The parse caches it shares with
+    the loop hold immutable values keyed by content, so a race costs a miss."""
     return await asyncio.get_running_loop().run_in_executor(None, work)
 
 
@@ -240,42 +239,39 @@ def name_rendered_lines(message: str, checked: str, rendered: Path, lines: list[
     return named.replace(checked, str(rendered))
 
 
+@dataclass
 class ConfigCheck:
     """`haproxy -c` under way: HAProxy checks on a core of its own while the caller works on
     (the displaced-worker component works out the next config's steering meanwhile).
     `source`: the rendered config's path and text, which the messages then name instead of
     the copy checked (None: `<effective config>`)."""
 
-    def __init__(
-        self, tmp: Path | None, proc: asyncio.subprocess.Process | None, error: str | None, stdin: bytes | None = None,
-        text: str = "", source: tuple[Path, str] | None = None,
-    ) -> None:
-        self._tmp = tmp
-        self._proc = proc
-        self._error = error
-        self._stdin = stdin  # the config, when it is checked through a pipe (no room for a copy)
-        self._text = text
-        self._source = source
+    tmp: Path | None  # the copy checked; None: through a pipe, `stdin` (no room for a copy)
+    proc: asyncio.subprocess.Process | None
+    error: str | None
+    stdin: bytes | None = None
+    text: str = ""
+    source: tuple[Path, str] | None = None
 
     async def verdict(self) -> tuple[bool, str]:
         """(valid, HAProxy's own message); removes the copy it checked."""
         try:
-            if self._proc is None:
-                return False, self._error or "haproxy -c did not start"
-            out, _ = await self._proc.communicate(self._stdin)
-            checked = STDIN_PATH if self._tmp is None else str(self._tmp)
+            if self.proc is None:
+                return False, self.error or "haproxy -c did not start"
+            out, _ = await self.proc.communicate(self.stdin)
+            checked = STDIN_PATH if self.tmp is None else str(self.tmp)
             message = out.decode(errors="replace").strip()
-            if self._source is not None and checked in message:
-                path, rendered_text = self._source
+            if self.source is not None and checked in message:
+                path, rendered_text = self.source
                 message = await off_the_loop(
-                    lambda: name_rendered_lines(message, checked, path, source_lines(rendered_text, self._text)))
+                    lambda: name_rendered_lines(message, checked, path, source_lines(rendered_text, self.text)))
             else:
                 message = message.replace(checked, "<effective config>")
             # Go by the exit code: 2.6 prints ALERTs for some configs it still accepts.
-            return self._proc.returncode == 0, message
+            return self.proc.returncode == 0, message
         finally:
-            if self._tmp is not None:
-                self._tmp.unlink(missing_ok=True)
+            if self.tmp is not None:
+                self.tmp.unlink(missing_ok=True)
 
 
 async def start_effective_check(
@@ -301,15 +297,13 @@ def check_owner(path: Path) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def remove_stale_checks(directory: Path, alive: Callable[[int], bool] | None = None) -> list[Path]:
+def remove_stale_checks(directory: Path) -> list[Path]:
     """Delete the copies `haproxy -c` was checking when the process that made it was killed.
-    A copy whose maker still runs is left alone: a `check` (or, before the runtime_dir lock, a
-    second daemon) may be validating it right now."""
-    alive = alive or _process_alive
+    A copy whose maker still runs is left alone: a `check` may be validating it right now."""
     removed = []
     for path in directory.glob(f"{CHECK_PREFIX}*{CHECK_SUFFIX}"):
         owner = check_owner(path)
-        if owner is not None and owner != os.getpid() and alive(owner):
+        if owner is not None and owner != os.getpid() and is_alive(owner):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -317,40 +311,28 @@ def remove_stale_checks(directory: Path, alive: Callable[[int], bool] | None = N
     return removed
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def start_check(binary: str, text: str, directory: Path, source: tuple[Path, str] | None = None) -> ConfigCheck:
     """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
     must ask for the verdict: that reaps the process and removes the copy. The copy is
     best-effort: on a full or read-only runtime_dir, HAProxy reads the config from a pipe."""
-    try:
-        # Named by its maker: remove_stale_checks leaves a living process's copy alone.
-        fd, name = tempfile.mkstemp(dir=directory, prefix=f"{CHECK_PREFIX}{os.getpid()}.", suffix=CHECK_SUFFIX)
-    except OSError as exc:
-        if exc.errno not in NO_ROOM_ERRNOS:
-            raise
-        return await _start_check_through_a_pipe(binary, text, source)
-    tmp = Path(name)
+    tmp: Path | None = None
     try:
         try:
+            # Named by its maker: remove_stale_checks leaves a living process's copy alone.
+            fd, name = tempfile.mkstemp(dir=directory, prefix=f"{CHECK_PREFIX}{os.getpid()}.", suffix=CHECK_SUFFIX)
+            tmp = Path(name)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
         except OSError as exc:
             if exc.errno not in NO_ROOM_ERRNOS:
                 raise
-            tmp.unlink(missing_ok=True)
-            return await _start_check_through_a_pipe(binary, text, source)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+                tmp = None
         try:
             proc = await asyncio.create_subprocess_exec(
-                binary, "-c", "-f", name,
+                binary, "-c", "-f", STDIN_PATH if tmp is None else str(tmp),
+                stdin=asyncio.subprocess.PIPE if tmp is None else None,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )
         except OSError as exc:
@@ -358,19 +340,7 @@ async def start_check(binary: str, text: str, directory: Path, source: tuple[Pat
                 raise  # out of descriptors: a passing failure for the reloader to retry, not a verdict
             return ConfigCheck(tmp, None, f"cannot run {binary}: {exc.strerror or exc}")
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
-    return ConfigCheck(tmp, proc, None, None, text, source)
-
-
-async def _start_check_through_a_pipe(binary: str, text: str, source: tuple[Path, str] | None = None) -> ConfigCheck:
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            binary, "-c", "-f", STDIN_PATH,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )
-    except OSError as exc:
-        if exc.errno in SHORTAGE_ERRNOS:
-            raise
-        return ConfigCheck(None, None, f"cannot run {binary}: {exc.strerror or exc}")
-    return ConfigCheck(None, proc, None, text.encode(), text, source)
+    return ConfigCheck(tmp, proc, None, text.encode() if tmp is None else None, text, source)

@@ -1,33 +1,19 @@
-"""Living on the daemon's one event loop: every task (pushes to old workers, the operator API,
-the watcher) waits while some callback holds it, so what holds it, and for how long, is one
-subject.
+"""Living on the daemon's one event loop: every task waits while some callback holds it, so
+what holds it, and for how long, is one subject.
 
-- Bounded waits that never swallow a cancellation. On Python 3.11, `asyncio.wait_for`
-  returns normally when the awaited thing completes in the same loop iteration as the
-  waiting task is cancelled: the cancel is lost. A loop that waits on its wake-up event that
-  way can then never be stopped (the daemon hangs on SIGTERM, a test on its teardown).
-  `asyncio.timeout` keeps the cancel, so every bounded wait goes through it (`wait_set`).
-- Periodic timers on one shared grid of the loop's clock. A timer that sleeps its interval
-  from whenever its last turn ended drifts against every other one, so each wakes the
-  process on its own. Timers whose turns fall on whole multiples of their interval, counted
-  in milliseconds of the loop's clock, fall due at the very same instant as any other timer
-  on the grid whose interval divides theirs: the loop runs them in one wake (`tick`).
-- The lag gauge: how late the loop runs a timer, the worst recent delay any task may have
-  suffered (`LoopLag`).
-- Work in slices: a generator that yields between slices, run with the loop let in between
-  (`sliced`) or at once (`finished`).
-- When Python's cyclic garbage collector may run: not in the middle of a reload. The daemon
-  keeps one parsed config per live generation: with 50 old workers of a 10,000-server config
-  that is millions of objects, all long-lived. A full collection walks every one of them
-  (hundreds of milliseconds), and it starts whenever enough new objects have survived,
-  which is during a reload, the moment the next config is parsed. Freezing what is alive
-  after each reload moves it out of the collector's rounds for good. Young collections
-  still come every few hundred new containers, and building the next config, working out
-  its steering and pushing it make hundreds of thousands, on the way to steering the old
-  workers. So the collector is paused for the reload cycle (`collector_paused`), and
-  settle_after_reload() collects after it. Nothing leaks by it: the config models, their
-  digests and the per-worker state are acyclic (tests/test_gcpolicy.py), so reference
-  counting frees a generation's objects the moment the daemon forgets it, frozen or not.
+- Bounded waits that keep a cancel (`wait_set`): on Python 3.11 `asyncio.wait_for` loses a
+  cancel that arrives as the awaited thing completes, and a loop waiting that way on its
+  wake-up event can never be stopped; `asyncio.timeout` keeps it.
+- Periodic timers on one grid of the loop's clock (`tick`): a turn on a whole multiple of the
+  interval falls due with every timer whose interval divides it, so the loop runs them in one
+  wake instead of each drifting into its own.
+- The lag gauge (`LoopLag`): how late the loop runs a timer lately.
+- Work in slices: a generator yielding between slices, run with the loop let in (`sliced`) or
+  at once (`finished`).
+- The cyclic collector kept out of reloads (docs/architecture.md): a full collection walks
+  every live generation's models, so what is alive is frozen after each reload
+  (`settle_after_reload`), and the collector is paused during the cycle (`collector_paused`).
+  The models are acyclic (tests/test_gcpolicy.py): reference counting still frees them.
 """
 
 from __future__ import annotations
@@ -60,10 +46,9 @@ def _wake(future: asyncio.Future[None]) -> None:
 
 
 def next_tick(now: float, interval_ms: int) -> float:
-    """The first grid instant after `now` (loop time, seconds) for a timer of `interval_ms`:
-    the same float for every timer whose grid has it (an integer count of milliseconds / 1000).
-    Called at a grid instant (a timer's turn), `now * 1000` can come out a hair under the whole
-    millisecond it is: a microsecond of slack keeps it from answering that instant again."""
+    """The first grid instant after `now` (loop time, seconds) for a timer of `interval_ms`: the
+    same float for every timer whose grid has it. At a grid instant `now * 1000` can come out a
+    hair under its whole millisecond: a microsecond of slack keeps that instant from coming again."""
     return ((int(now * 1000 + 1e-3)) // interval_ms + 1) * interval_ms / 1000
 
 

@@ -36,10 +36,7 @@ def notify_address(value: str) -> str | bytes | None:
 
 def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
     """Seconds between WATCHDOG=1 pings: half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises.
-
-    None when no watchdog is armed, or when WATCHDOG_PID names another process (the
-    variables were inherited from a parent that systemd watches, not us).
-    """
+    None when no watchdog is armed, or WATCHDOG_PID names another process (inherited variables)."""
     raw = environ.get("WATCHDOG_USEC", "").strip()
     if not raw.isdigit() or int(raw) == 0:
         return None
@@ -51,11 +48,7 @@ def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
 
 def format_message(**fields: str | int) -> bytes:
     """`READY=1\\nSTATUS=...`; values are flattened to one line each (a newline would start a new field)."""
-    lines = []
-    for key, value in fields.items():
-        text = " ".join(str(value).split("\n"))
-        lines.append(f"{key}={text}")
-    return "\n".join(lines).encode()
+    return "\n".join(f"{key}=" + str(value).replace("\n", " ") for key, value in fields.items()).encode()
 
 
 def monotonic_usec() -> int:
@@ -95,10 +88,6 @@ class Notifier:
         self._socket: socket.socket | None = None
         self._warned = False
         self.ready_sent = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.address is not None
 
     def send(self, **fields: str | int) -> bool:
         if self.address is None:
