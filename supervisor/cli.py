@@ -43,12 +43,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_render(settings: Settings) -> int:
-    effective = load_effective(settings)
-    sys.stdout.write(effective.text)
-    return EXIT_OK
-
-
 def cmd_check(settings: Settings) -> int:
     effective = load_effective(settings)
     try:
@@ -82,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("run", "check"):
             require_executable(settings)
         if args.command == "render":
-            return cmd_render(settings)
+            sys.stdout.write(load_effective(settings).text)
+            return EXIT_OK
         if args.command == "check":
             return cmd_check(settings)
         if args.command == "run":

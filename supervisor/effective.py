@@ -115,9 +115,8 @@ RENDERED_CONFIGS = ConfigCache()
 
 
 def build_effective(settings: Settings, rendered_text: str, cache: ConfigCache = RENDERED_CONFIGS) -> Effective:
-    """The effective config: the rendered one without the global keywords that conflict with
-    being supervised (each drop logged; RenderedConfigError for a refused one), plus injections.
-    `cache`: what the builds of earlier rendered configs kept, a generation of which this one starts."""
+    """The rendered config without the global keywords that conflict with being supervised (each
+    drop logged; RenderedConfigError for a refused one), plus injections; `cache` spans builds."""
     cache.new_generation()
     model = Config.parse(rendered_text, cache)
     try:
@@ -162,9 +161,8 @@ class NamesSlotTable(Protocol):
 
 
 def write_effective(path: Path, effective: NamesSlotTable) -> None:
-    """Write an effective config, after the slot table it names: a config on disk never names a
-    file that is not there. A config just checked needs only `write_atomically`: the check
-    wrote its table."""
+    """Write an effective config after the slot table it names: a config on disk never names a
+    file that is not there (a config just checked has its table: `write_atomically` will do)."""
     write_slot_table(effective.slot_table)
     write_atomically(path, effective.text)
 
@@ -174,11 +172,8 @@ SLOT_TABLE_GRACE_S = 60.0
 
 
 def remove_stale_slot_tables(directory: Path, keep: SlotTable | None, now: float | None = None) -> list[Path]:
-    """Delete the slot tables no config on disk needs any more.
-
-    Only the running config's table is read again (by a master restarted on it, or a
-    reload that falls back to it); old workers loaded theirs when they started.
-    """
+    """Delete the slot tables no config on disk needs any more: only the running config's is
+    read again (a master restarted on it); old workers loaded theirs when they started."""
     now = time.time() if now is None else now
     removed: list[Path] = []
     for path in directory.glob(f"{SLOT_TABLE_PREFIX}*.map"):
@@ -195,10 +190,8 @@ def remove_stale_slot_tables(directory: Path, keep: SlotTable | None, now: float
 
 
 def prepare_runtime_dir(settings: Settings) -> None:
-    """The runtime dir and the files the effective config refers to must exist before `haproxy -c`.
-
-    OSError (files.UnsafeDirectory) when runtime_dir is not the daemon's own: another user
-    could plant symlinks in it, or change what the workers load."""
+    """The runtime dir and the files the effective config refers to must exist before `haproxy -c`;
+    files.UnsafeDirectory when runtime_dir is not the daemon's own."""
     ensure_private_dir(settings.haproxy.runtime_dir)
     # Empty on disk on purpose: a worker starts with no steering; only old ones get entries.
     create_if_missing(settings.haproxy.steer_map, b"")
@@ -241,10 +234,9 @@ def name_rendered_lines(message: str, checked: str, rendered: Path, lines: list[
 
 @dataclass
 class ConfigCheck:
-    """`haproxy -c` under way: HAProxy checks on a core of its own while the caller works on
-    (the displaced-worker component works out the next config's steering meanwhile).
-    `source`: the rendered config's path and text, which the messages then name instead of
-    the copy checked (None: `<effective config>`)."""
+    """`haproxy -c` under way on a core of its own while the caller works on (the next config's
+    steering). `source`: the rendered config's path and text, which the messages then name
+    instead of the copy checked (None: `<effective config>`)."""
 
     tmp: Path | None  # the copy checked; None: through a pipe, `stdin` (no room for a copy)
     proc: asyncio.subprocess.Process | None

@@ -279,9 +279,8 @@ def _stat_key(fd: int) -> tuple[int, ...]:
 
 
 def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
-    """The file's bytes as its writer finished them: WriterBusy while a writer holds a lock or
-    the file open for writing (see the module's docstring); UnreadableFile / OSError as
-    `read_regular`."""
+    """The file's bytes as its writer finished them (the module's docstring): WriterBusy while a
+    writer holds a lock or the file open for writing; UnreadableFile / OSError as `read_regular`."""
     with _shared_flock(lock_file(path), required=False) as lock_fd:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
