@@ -83,7 +83,6 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reloader_built = asyncio.Event()
         self._detach = False
-        self._group: asyncio.TaskGroup | None = None
         self._signal_tasks: set[asyncio.Task[Any]] = set()
         self.runtime_lock = RuntimeDirLock(settings.haproxy.runtime_dir)
 
@@ -236,7 +235,6 @@ class Daemon:
             self.notifier.ready(summary_line(self.state, len(adopted.old_workers)))
 
         async with asyncio.TaskGroup() as group:
-            self._group = group
             tasks = [
                 group.create_task(self.master.run(), name="master"),
                 group.create_task(self.reloader.run(), name="reloader"),

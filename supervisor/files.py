@@ -238,39 +238,34 @@ def open_for_writing(fd: int) -> bool | None:
 @contextlib.contextmanager
 def _shared_flock(path: Path, required: bool) -> Iterator[int | None]:
     """A shared flock on `path` for the block; WriterBusy while someone holds it exclusively.
-    A missing lock file is no lock (unless `required`: then the caller's read fails itself)."""
+    A missing file is no lock, unless `required`: then UnreadableFile."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
         if required:
-            raise
+            raise UnreadableFile(exc.errno, exc.strerror) from None
         yield None
         return
     try:
-        _share_flock(fd, path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WriterBusy(f"{path} is locked by its writer (flock)") from None
+        except OSError:
+            pass  # a filesystem without flock: nothing to honour there
         yield fd
     finally:
         os.close(fd)
 
 
-def _share_flock(fd: int, path: Path) -> None:
-    """A shared flock on `fd`; WriterBusy while a writer holds it exclusively."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise WriterBusy(f"{path} is locked by its writer (flock)") from None
-    except OSError:
-        pass  # a filesystem without flock: nothing to honour there
-
-
-def _writer_of(path: Path, fd: int, lock_fd: int | None) -> str | None:
-    """Why the file is not whole now, or None."""
+def _refuse_while_written(path: Path, fd: int, lock_fd: int | None) -> None:
+    """WriterBusy saying why the file is not whole now."""
     for which, descriptor in ((lock_file(path), lock_fd), (path, fd)):
         if descriptor is not None and (pid := _posix_write_lock(descriptor)) is not None:
-            return f"{which} is locked by its writer ({'another process' if pid < 0 else f'PID {pid}'}, fcntl)"
+            who = "another process" if pid < 0 else f"PID {pid}"
+            raise WriterBusy(f"{which} is locked by its writer ({who}, fcntl)")
     if open_for_writing(fd):
-        return f"{path} is open for writing by another process"
-    return None
+        raise WriterBusy(f"{path} is open for writing by another process")
 
 
 def _stat_key(fd: int) -> tuple[int, ...]:
@@ -281,24 +276,15 @@ def _stat_key(fd: int) -> tuple[int, ...]:
 def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
     """The file's bytes as its writer finished them (the module's docstring): WriterBusy while a
     writer holds a lock or the file open for writing; UnreadableFile / OSError as `read_regular`."""
-    with _shared_flock(lock_file(path), required=False) as lock_fd:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise UnreadableFile(exc.errno, exc.strerror) from None
-        try:
-            _share_flock(fd, path)
-            if (why := _writer_of(path, fd, lock_fd)) is not None:
-                raise WriterBusy(why)
-            before = _stat_key(fd)
-            data = read_regular(path, limit)
-            if (why := _writer_of(path, fd, lock_fd)) is not None:
-                raise WriterBusy(why)
-            if _stat_key(fd) != before or os.stat(path).st_ino != before[0]:
-                raise WriterBusy(f"{path} changed while it was read")
-            return data
-        finally:
-            os.close(fd)
+    with _shared_flock(lock_file(path), required=False) as lock_fd, _shared_flock(path, required=True) as fd:
+        assert fd is not None
+        _refuse_while_written(path, fd, lock_fd)
+        before = _stat_key(fd)
+        data = read_regular(path, limit)
+        _refuse_while_written(path, fd, lock_fd)
+        if _stat_key(fd) != before or os.stat(path).st_ino != before[0]:
+            raise WriterBusy(f"{path} changed while it was read")
+        return data
 
 
 LOCK_NAME = "daemon.lock"
