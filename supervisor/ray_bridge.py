@@ -317,10 +317,7 @@ def hold_back_reason(replaces: bool, mine: Config, in_place: Config | None) -> s
     """Why Ray's config must not be handed over, or None to hand it over: a manager that just
     started (no `-sf`) first renders no replicas, and handing that over would answer 404/503
     where the daemon serves servers from before the restart. With `-sf` an empty config is meant."""
-    if replaces or in_place is None:
-        return None
-    mine_servers = primary_server_count(mine)
-    if mine_servers:
+    if replaces or in_place is None or primary_server_count(mine):
         return None
     serving = primary_server_count(in_place)
     if not serving:
