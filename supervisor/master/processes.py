@@ -38,8 +38,17 @@ def socket_inodes(pid: int) -> set[int]:
 def is_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+    except psutil.ZombieProcess:
         return False
+    except psutil.Error:
+        # Hidden from us (another user's, under hidepid): the kernel still says if it exists.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def process_started_at(pid: int) -> datetime | None:
