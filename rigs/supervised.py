@@ -1,12 +1,12 @@
 """HAProxy under the daemon's own parts, run in the test's process so that a test reaches
-the steering they drive: the MasterProcess, and the Reloader with OldWorkers as its hooks,
-wired as supervisor/daemon.py wires them. `reload()` writes the rendered config and asks the
-Reloader for a forced reload (the road of SIGHUP): the product's cycle builds, checks, steers,
-reloads, confirms and records it.
+the steering they drive: the MasterProcess, the Reloader with OldWorkers as its hooks, and
+HAProxy's stderr relay feeding OldWorkers its server events, wired as supervisor/daemon.py
+wires them. `reload()` writes the rendered config and asks the Reloader for a forced reload
+(the road of SIGHUP): the product's cycle builds, checks, steers, reloads, confirms and
+records it. HAProxy's own lines go to <runtime_dir>/haproxy.log.
 
 Left out of the daemon's wiring, so that every `reload()` makes a new worker that starts from
-its config: the runtime apply and the server-state hand-over (RuntimeApplier), HAProxy's
-stderr relay (server states are polled, as for a daemon whose FIFO cannot be opened) and the
+its config: the runtime apply and the server-state hand-over (RuntimeApplier), and the
 stalled-connection detector. rigs/daemon.py runs the daemon itself.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from rigs.daemon import write_atomic
 from rigs.harness import HAProxyMaster, haproxy_binary
 from supervisor.effective import prepare_runtime_dir
 from supervisor.haproxy.api import MasterCLI
+from supervisor.haproxy.stderr import StderrRelay
 from supervisor.master.process import MasterProcess
 from supervisor.reloader import Reloader
 from supervisor.settings import HAProxySettings, Settings
@@ -51,19 +53,29 @@ class DaemonParts:
     master: MasterProcess
     reloader: Reloader
     displaced: OldWorkers
+    relay: StderrRelay
 
     @classmethod
     def wired(
-        cls, settings: Settings, state: State, steering_cli: MasterCLI, reconcile_interval_s: float | None = None
+        cls,
+        settings: Settings,
+        state: State,
+        steering_cli: MasterCLI,
+        log_fd: int,
+        reconcile_interval_s: float | None = None,
     ) -> DaemonParts:
+        """Built and wired, the relay open; nothing runs yet."""
         # The master and the reloader have a master CLI of their own, so that one a test swaps
         # in for the steering (counting what it asks) counts the steering's questions only.
         cli = MasterCLI(settings.haproxy.master_socket_path)
-        master = MasterProcess(settings, state, cli)
+        relay = StderrRelay(settings.haproxy.stderr_fifo, forward_fd=log_fd)
+        relay.open()
+        master = MasterProcess(settings, state, cli, stderr=relay)
         displaced = OldWorkers(settings, state, steering_cli, reconcile_interval_s)
+        relay.subscribe(displaced.on_server_event)
         reloader = Reloader(settings, state, cli, master, displaced)
         master.on_started = reloader.on_master_started
-        return cls(master, reloader, displaced)
+        return cls(master, reloader, displaced, relay)
 
 
 @dataclass
@@ -73,6 +85,7 @@ class Supervised:
     master: HAProxyMaster  # its blocking master-CLI helpers only: `parts.master` owns HAProxy
     cli: MasterCLI  # the steering's
     parts: DaemonParts
+    log_fd: int  # HAProxy's lines, forwarded by the relay
     task: asyncio.Task | None = None  # the steering's
     daemon_tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -105,6 +118,7 @@ class Supervised:
             task.cancel()
         await asyncio.gather(*self.daemon_tasks, return_exceptions=True)
         self.daemon_tasks = []
+        self.parts.relay.close()  # HAProxy's lines are lost until the next relay opens the FIFO
 
     async def restart(self, reconcile_interval_s: float | None = None) -> None:
         """A daemon restart: HAProxy goes on running; a new State, master, reloader and steering
@@ -112,7 +126,7 @@ class Supervised:
         the old workers' maps from HAProxy."""
         await self.stop_daemon()
         self.state = State(haproxy_binary=self.settings.haproxy.binary)
-        self.parts = DaemonParts.wired(self.settings, self.state, self.cli, reconcile_interval_s)
+        self.parts = DaemonParts.wired(self.settings, self.state, self.cli, self.log_fd, reconcile_interval_s)
         adopted = await self.parts.master.adopt()
         assert adopted is not None, "no master to adopt"
         self.reloader.rebuild(adopted)
@@ -186,16 +200,22 @@ async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervi
     state = State(haproxy_binary=settings.haproxy.binary)
     cli = MasterCLI(settings.haproxy.master_socket_path)
     helpers = HAProxyMaster(settings.haproxy.effective_config, Path(settings.haproxy.runtime_dir))
-    sup = Supervised(settings, state, helpers, cli, DaemonParts.wired(settings, state, cli))
-    sup.start_daemon()
+    log_fd = os.open(settings.haproxy.runtime_dir / "haproxy.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        # The daemon's first cycle: checked and written, the master is started on it, and its
-        # first worker recorded as generation 1 (no record: none went wrong).
-        check_record(await sup.reloader.reload_now(reason="startup"), "startup", ok=(None,))
-        await sup.until(
-            lambda: sup.state.current is not None, timeout=settings.reload.timeout_s, what="the first worker recorded"
-        )
-        yield sup
+        sup = Supervised(settings, state, helpers, cli, DaemonParts.wired(settings, state, cli, log_fd), log_fd)
+        sup.start_daemon()
+        try:
+            # The daemon's first cycle: checked and written, the master is started on it, and
+            # its first worker recorded as generation 1 (no record: none went wrong).
+            check_record(await sup.reloader.reload_now(reason="startup"), "startup", ok=(None,))
+            await sup.until(
+                lambda: sup.state.current is not None, timeout=settings.reload.timeout_s, what="the first worker"
+            )
+            yield sup
+        finally:
+            try:
+                await sup.parts.master.stop()
+            finally:
+                await sup.stop_daemon()
     finally:
-        await sup.stop_daemon()
-        await sup.parts.master.stop()
+        os.close(log_fd)
