@@ -112,13 +112,27 @@ class Supervised:
         self.start_displaced()
 
     async def stop_daemon(self) -> None:
-        """Every task stopped, HAProxy left running, as SIGQUIT leaves it."""
+        """Every task stopped, HAProxy left running, as SIGQUIT leaves it. A task that had
+        crashed raises here: it would have crashed the daemon."""
         await self.stop_displaced()
         for task in self.daemon_tasks:
             task.cancel()
-        await asyncio.gather(*self.daemon_tasks, return_exceptions=True)
+        ended = await asyncio.gather(*self.daemon_tasks, return_exceptions=True)
         self.daemon_tasks = []
         self.parts.relay.close()  # HAProxy's lines are lost until the next relay opens the FIFO
+        for outcome in ended:
+            if isinstance(outcome, Exception):  # not a CancelledError, a BaseException
+                raise outcome
+
+    async def reload_now(self, reason: str) -> ReloadRecord | None:
+        """The Reloader's answer to a forced reload; a daemon task that ends first raises."""
+        asked = asyncio.ensure_future(self.reloader.reload_now(reason=reason))
+        await asyncio.wait({asked, *self.daemon_tasks}, return_when=asyncio.FIRST_COMPLETED)
+        if not asked.done():
+            asked.cancel()
+            await self.stop_daemon()
+            raise RuntimeError("a daemon task ended")
+        return asked.result()
 
     async def restart(self, reconcile_interval_s: float | None = None) -> None:
         """A daemon restart: HAProxy goes on running; a new State, master, reloader and steering
@@ -144,7 +158,7 @@ class Supervised:
     async def reload(self, rendered: str) -> int:
         """`rendered` written and reloaded by the Reloader's cycle; returns the new worker's PID."""
         write_atomic(self.settings.haproxy.config, rendered)
-        record = await self.reloader.reload_now(reason="rigs.supervised")
+        record = await self.reload_now("rigs.supervised")
         check_record(record, "reload")
         return self.current_pid
 
@@ -207,7 +221,7 @@ async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervi
         try:
             # The daemon's first cycle: checked and written, the master is started on it, and
             # its first worker recorded as generation 1 (no record: none went wrong).
-            check_record(await sup.reloader.reload_now(reason="startup"), "startup", ok=(None,))
+            check_record(await sup.reload_now("startup"), "startup", ok=(None,))
             await sup.until(
                 lambda: sup.state.current is not None, timeout=settings.reload.timeout_s, what="the first worker"
             )
