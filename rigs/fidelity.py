@@ -6,7 +6,7 @@ connections in the old worker. Each backend is one way HAProxy picks a server: c
 persistence in every mode, stick tables, weights, map-based and consistent hashing, and the
 stateful algorithms. Before the reload the clients learn where the (then current) worker sends
 each key; after it, `measure` sends the same requests on the held connections and reports what
-was kept. Who reloads is `supervised` (the supervisor's component, rigs/supervised.py)
+was kept. Who reloads is `supervised` (the daemon's reloader and steering, rigs/supervised.py)
 with the guard on or off: off, it is HAProxy alone, reloaded by hand.
 
 Everything listens on 127.0.0.1; every process is stopped by PID on the way out.

@@ -6,7 +6,7 @@ backup. Clients hold keep-alive connections to the worker of each generation; th
 move, HAProxy reloads, and the drained node vanishes (connects hang). Whoever uses
 `staged_drain` then sends requests on the connections the old workers hold.
 
-Who reloads is a parameter (`supervise`): the supervisor's component in this process
+Who reloads is a parameter (`supervise`): the daemon's reloader and steering in this process
 (rigs/supervised.py), the real daemon (`daemon_supervised`), or plain HAProxy with
 or without the observe directive (`plain_haproxy`). Everything listens on 127.0.0.1; every
 process is stopped by PID on the way out.

@@ -1,41 +1,101 @@
-"""HAProxy under the displaced-worker component, with the daemon's part played by the test.
+"""HAProxy under the daemon's own parts, run in the test's process so that a test reaches
+the steering they drive: the MasterProcess, the Reloader with OldWorkers as its hooks, and
+HAProxy's stderr relay feeding OldWorkers its server events, wired as supervisor/daemon.py
+wires them. `reload()` writes the rendered config and asks the Reloader for a forced reload
+(the road of SIGHUP): the product's cycle builds, checks, steers, reloads, confirms and
+records it. HAProxy's own lines go to <runtime_dir>/haproxy.log.
 
-The reloader and daemon live elsewhere; this fixture does what architecture.md says
-they do around a reload (build the effective config, `haproxy -c` with prepare while it
-runs, before_reload, write, `reload` on the master CLI, confirm with `show proc`, register
-the generation, after_reload) so the end-to-end tests exercise OldWorkers exactly
-through its contract. rigs/daemon.py runs the real daemon instead.
+Left out of the daemon's wiring, so that every `reload()` makes a new worker that starts from
+its config: the runtime apply and the server-state hand-over (RuntimeApplier), and the
+stalled-connection detector. rigs/daemon.py runs the daemon itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rigs.harness import HAProxyMaster
-from supervisor.effective import build_effective, prepare_runtime_dir, start_effective_check, write_effective
-from supervisor.haproxy.api import CLIError, MasterCLI
-from supervisor.haproxy.config import Config
-from supervisor.master.process import bind_ports, worker_ready
-from supervisor.settings import Settings
-from supervisor.state import Generation, State, utcnow
+from rigs.daemon import write_atomic
+from rigs.harness import HAProxyMaster, haproxy_binary
+from supervisor.effective import prepare_runtime_dir
+from supervisor.haproxy.api import MasterCLI
+from supervisor.haproxy.stderr import StderrRelay
+from supervisor.master.process import MasterProcess
+from supervisor.reloader import Reloader
+from supervisor.settings import HAProxySettings, Settings
+from supervisor.state import ReloadRecord, State
 from supervisor.steering.mapdiff import map_entries
 from supervisor.steering.workers import OldWorkers
+
+
+def rig_settings(settings: Settings) -> Settings:
+    """The caller's settings, with what the rig needs: a rendered config of its own beside the
+    runtime files, the suite's HAProxy, reloads as soon as asked, and a short stop."""
+    h = settings.haproxy
+    binary = haproxy_binary() if h.binary == HAProxySettings.binary else h.binary
+    rendered = h.runtime_dir / "rendered" / "haproxy.cfg"
+    return replace(
+        settings,
+        haproxy=replace(h, binary=binary, config=rendered, stop_timeout_s=min(h.stop_timeout_s, 2)),
+        reload=replace(settings.reload, min_interval_ms=0),
+    )
+
+
+@dataclass
+class DaemonParts:
+    """One daemon's life of them: a restart builds them again."""
+
+    master: MasterProcess
+    reloader: Reloader
+    displaced: OldWorkers
+    relay: StderrRelay
+
+    @classmethod
+    def wired(
+        cls,
+        settings: Settings,
+        state: State,
+        steering_cli: MasterCLI,
+        log_fd: int,
+        reconcile_interval_s: float | None = None,
+    ) -> DaemonParts:
+        """Built and wired, the relay open; nothing runs yet."""
+        # The master and the reloader have a master CLI of their own, so that one a test swaps
+        # in for the steering (counting what it asks) counts the steering's questions only.
+        cli = MasterCLI(settings.haproxy.master_socket_path)
+        relay = StderrRelay(settings.haproxy.stderr_fifo, forward_fd=log_fd)
+        relay.open()
+        master = MasterProcess(settings, state, cli, stderr=relay)
+        displaced = OldWorkers(settings, state, steering_cli, reconcile_interval_s)
+        relay.subscribe(displaced.on_server_event)
+        reloader = Reloader(settings, state, cli, master, displaced)
+        master.on_started = reloader.on_master_started
+        return cls(master, reloader, displaced, relay)
 
 
 @dataclass
 class Supervised:
     settings: Settings
     state: State
-    master: HAProxyMaster
-    cli: MasterCLI
-    displaced: OldWorkers
-    task: asyncio.Task | None = None
-    reload_seconds: list[float] = field(default_factory=list)
+    master: HAProxyMaster  # its blocking master-CLI helpers only: `parts.master` owns HAProxy
+    cli: MasterCLI  # the steering's
+    parts: DaemonParts
+    log_fd: int  # HAProxy's lines, forwarded by the relay
+    task: asyncio.Task | None = None  # the steering's
+    daemon_tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def displaced(self) -> OldWorkers:
+        return self.parts.displaced
+
+    @property
+    def reloader(self) -> Reloader:
+        return self.parts.reloader
 
     def start_displaced(self) -> None:
         self.task = asyncio.create_task(self.displaced.run())
@@ -47,18 +107,44 @@ class Supervised:
                 await self.task
             self.task = None
 
-    async def restart_displaced(self, reconcile_interval_s: float | None = None) -> None:
-        """What a daemon restart leaves: the generations (recovered from runtime_dir), nothing
-        else; a new OldWorkers that must learn the old workers' maps from HAProxy."""
-        await self.stop_displaced()
-        self.state = State(
-            generations=self.state.generations,
-            current_generation=self.state.current_generation,
-            last_good_sha256=self.state.last_good_sha256,
-            master_up=True,
-        )
-        self.displaced = OldWorkers(self.settings, self.state, self.cli, reconcile_interval_s)
+    def start_daemon(self) -> None:
+        self.daemon_tasks = [asyncio.create_task(self.parts.master.run()), asyncio.create_task(self.reloader.run())]
         self.start_displaced()
+
+    async def stop_daemon(self) -> None:
+        """Every task stopped, HAProxy left running, as SIGQUIT leaves it. A task that had
+        crashed raises here: it would have crashed the daemon."""
+        await self.stop_displaced()
+        for task in self.daemon_tasks:
+            task.cancel()
+        ended = await asyncio.gather(*self.daemon_tasks, return_exceptions=True)
+        self.daemon_tasks = []
+        self.parts.relay.close()  # HAProxy's lines are lost until the next relay opens the FIFO
+        for outcome in ended:
+            if isinstance(outcome, Exception):  # not a CancelledError, a BaseException
+                raise outcome
+
+    async def reload_now(self, reason: str) -> ReloadRecord | None:
+        """The Reloader's answer to a forced reload; a daemon task that ends first raises."""
+        asked = asyncio.ensure_future(self.reloader.reload_now(reason=reason))
+        await asyncio.wait({asked, *self.daemon_tasks}, return_when=asyncio.FIRST_COMPLETED)
+        if not asked.done():
+            asked.cancel()
+            await self.stop_daemon()
+            raise RuntimeError("a daemon task ended")
+        return asked.result()
+
+    async def restart(self, reconcile_interval_s: float | None = None) -> None:
+        """A daemon restart: HAProxy goes on running; a new State, master, reloader and steering
+        adopt the master, recover the generations from runtime_dir, and the steering must learn
+        the old workers' maps from HAProxy."""
+        await self.stop_daemon()
+        self.state = State(haproxy_binary=self.settings.haproxy.binary)
+        self.parts = DaemonParts.wired(self.settings, self.state, self.cli, self.log_fd, reconcile_interval_s)
+        adopted = await self.parts.master.adopt()
+        assert adopted is not None, "no master to adopt"
+        self.reloader.rebuild(adopted)
+        self.start_daemon()
 
     async def map_of(self, pid: int) -> dict[str, str]:
         return map_entries(await self.cli.on(pid, f"show map {self.settings.haproxy.steer_map}"))
@@ -69,53 +155,12 @@ class Supervised:
         assert current is not None and current.worker_pid is not None
         return current.worker_pid
 
-    def register(self, model: Config, rendered_sha: str, effective_sha: str, pid: int) -> Generation:
-        number = (self.state.current_generation or 0) + 1
-        generation = Generation(number, model, effective_sha, rendered_sha, utcnow(), pid)
-        self.state.generations[number] = generation
-        self.state.current_generation = number
-        self.state.last_good_sha256 = effective_sha
-        return generation
-
-    async def reload(self, rendered: str, confirm_timeout: float = 15.0) -> int:
-        """The reload sequence of architecture.md; returns the new worker's PID."""
-        effective = build_effective(self.settings, rendered)
-        next_model = Config.parse(effective.text)
-        before = self.current_pid
-        check = await start_effective_check(self.settings.haproxy.binary, effective, self.settings.haproxy.runtime_dir)
-        plan = None
-        try:
-            plan = await self.displaced.prepare(effective)
-        finally:
-            valid, message = await check.verdict()
-        if not valid:
-            raise ValueError(f"haproxy -c refused the config: {message}")
-        plan = await self.displaced.before_reload(plan)
-        write_effective(self.settings.haproxy.effective_config, effective)
-        started = time.monotonic()
-        with contextlib.suppress(CLIError):  # 2.6 may drop the connection as the master re-executes
-            await self.cli.reload()
-        deadline = time.monotonic() + confirm_timeout
-        ports = bind_ports(next_model)
-        new_pid = None
-        while new_pid is None:
-            if time.monotonic() > deadline:
-                await self.displaced.after_reload(plan, False)
-                raise TimeoutError("no new worker after reload")
-            with contextlib.suppress(CLIError):
-                procs = await self.cli.show_proc()
-                current = procs.current_worker
-                # Ready, not only listed: from 3.1 on the master lists the new worker before it has
-                # loaded its config, while the reload is still under way.
-                if current is not None and current.pid != before and await worker_ready(self.cli, current.pid, ports):
-                    new_pid = current.pid
-            if new_pid is None:
-                await asyncio.sleep(0.01)
-        self.reload_seconds.append(time.monotonic() - started)
-        # The same effective config before_reload saw: its digest is found by its sha256.
-        self.register(next_model, effective.rendered_sha256, effective.sha256, new_pid)
-        await self.displaced.after_reload(plan, True)
-        return new_pid
+    async def reload(self, rendered: str) -> int:
+        """`rendered` written and reloaded by the Reloader's cycle; returns the new worker's PID."""
+        write_atomic(self.settings.haproxy.config, rendered)
+        record = await self.reload_now("rigs.supervised")
+        check_record(record, "reload")
+        return self.current_pid
 
     async def refresh_state(self) -> State:
         """The state checks read (the daemon-backed twin fetches it over HTTP)."""
@@ -147,28 +192,44 @@ class Supervised:
             await asyncio.sleep(0.02)
 
 
+def check_record(record: ReloadRecord | None, what: str, ok: tuple[str | None, ...] = ("ok",)) -> None:
+    """Raise unless the cycle's record is one of `ok`: ValueError for a config `haproxy -c`
+    refused, RuntimeError for any other outcome."""
+    result = record.result if record else None
+    if result in ok:
+        return
+    error = record.error if record else None
+    if result == "invalid":
+        raise ValueError(f"{what}: haproxy -c refused the config: {error}")
+    raise RuntimeError(f"{what}: {result}: {error}")
+
+
 @contextlib.asynccontextmanager
 async def supervised(settings: Settings, rendered: str) -> AsyncIterator[Supervised]:
-    """Start HAProxy on `rendered` (plus injections) and run OldWorkers beside it."""
+    """Start HAProxy on `rendered` (plus injections) the way the daemon does, its steering beside it."""
+    settings = rig_settings(settings)
     prepare_runtime_dir(settings)
-    effective = build_effective(settings, rendered)
-    write_effective(settings.haproxy.effective_config, effective)
-    runtime = settings.haproxy.runtime_dir
-    master = HAProxyMaster(settings.haproxy.effective_config, Path(runtime)).start()
+    settings.haproxy.config.parent.mkdir(exist_ok=True)
+    write_atomic(settings.haproxy.config, rendered)
+    state = State(haproxy_binary=settings.haproxy.binary)
+    cli = MasterCLI(settings.haproxy.master_socket_path)
+    helpers = HAProxyMaster(settings.haproxy.effective_config, Path(settings.haproxy.runtime_dir))
+    log_fd = os.open(settings.haproxy.runtime_dir / "haproxy.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        cli = MasterCLI(master.socket)
-        state = State()
-        displaced = OldWorkers(settings, state, cli)
-        sup = Supervised(settings, state, master, cli, displaced)
-        pid, _ = master.worker_pids()
-        assert pid is not None
-        state.master_pid = master.proc.pid if master.proc else None
-        state.master_up = True
-        sup.register(Config.parse(effective.text), effective.rendered_sha256, effective.sha256, pid)
-        sup.start_displaced()
+        sup = Supervised(settings, state, helpers, cli, DaemonParts.wired(settings, state, cli, log_fd), log_fd)
+        sup.start_daemon()
         try:
+            # The daemon's first cycle: checked and written, the master is started on it, and
+            # its first worker recorded as generation 1 (no record: none went wrong).
+            check_record(await sup.reload_now("startup"), "startup", ok=(None,))
+            await sup.until(
+                lambda: sup.state.current is not None, timeout=settings.reload.timeout_s, what="the first worker"
+            )
             yield sup
         finally:
-            await sup.stop_displaced()
+            try:
+                await sup.parts.master.stop()
+            finally:
+                await sup.stop_daemon()
     finally:
-        master.stop()
+        os.close(log_fd)

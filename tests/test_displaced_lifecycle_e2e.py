@@ -78,7 +78,7 @@ async def test_daemon_restart_rebuilds_from_the_maps_and_reconcile_repairs_drift
         await sup.wait_steered([env.old_pid])
         steered = await sup.map_of(env.old_pid)
         assert steered == {"app_0": "r2", "app_n": "2"}
-        await sup.restart_displaced(reconcile_interval_s=0.3)
+        await sup.restart(reconcile_interval_s=0.3)
         await sup.wait_steered([env.old_pid])
         # It learnt the map from the old worker and found nothing to change.
         assert sup.displaced.rounds.last_push == {} and sup.state.push_duration.count == 0
@@ -156,7 +156,7 @@ async def test_at_rest_show_proc_is_asked_now_and_then_and_an_exit_is_noticed_at
             old_pid = sup.current_pid
             await sup.reload(text.replace("backend app\n", "backend app\n    # generation 2\n"))
             counting = sup.cli = CountingCLI(sup.cli.path)
-            await sup.restart_displaced()
+            await sup.restart()
             await sup.until(lambda: old_pid in sup.state.old_workers, what="old worker listed")
             await asyncio.sleep(0.5)  # the new component's first rounds: maps read, states read
             before = counting.show_procs
