@@ -323,6 +323,11 @@ class ServerChange:
     def weight_changed(self) -> bool:
         return self.from_weight != self.to_weight
 
+    @property
+    def takes_out(self) -> bool:
+        """A disable: the server leaves service."""
+        return self.was_enabled and not self.enabled
+
 
 def ordered_commands(change: ServerChange) -> list[str]:
     """The CLI commands for one change, in the only order that never routes wrongly (module doc)."""
@@ -330,13 +335,12 @@ def ordered_commands(change: ServerChange) -> list[str]:
     weight = [f"set server {target} weight {change.to_weight}"] if change.weight_changed else []
     port = f" port {change.to_port}" if change.to_port is not None else ""
     addr = f"set server {target} addr {change.to_address}{port}"
-    disabling = change.was_enabled and not change.enabled
-    if not change.address_changed and not disabling:
+    if not change.address_changed and not change.takes_out:
         if change.enabled and not change.was_enabled:
             # Still in maint from the config's `disabled`: weight first, ready last.
             return [*weight, f"set server {target} state ready"]
         return weight
-    if not disabling and change.was_enabled:
+    if not change.takes_out and change.was_enabled:
         return [addr, *weight]  # a live server's new address: swapped in place (module doc)
     # An enable whose address changes starts with `state maint` too: if the address is then
     # refused, the server is known to be in maint, never ready at an address it should not have.
