@@ -154,8 +154,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
     pairs: list[Pair] = []
     adds: list[ServerAdd] = []
     removes: list[ServerRemove] = []
-    old_backends = running.backends_with_settings()
-    new_backends = new.backends_with_settings()
+    old_backends, new_backends = running.each_backend_with_settings(), new.each_backend_with_settings()
     for (old_section, old_settings), (new_section, new_settings) in zip(old_backends, new_backends, strict=True):
         old_lines, new_lines = _server_lines(old_section), _server_lines(new_section)
         if isinstance(old_lines, str):
