@@ -9,8 +9,6 @@ import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-# ---------------------------------------------------------------- names
-
 # Names that reach the CLI must not be able to smuggle a second command or argument.
 _SAFE_NAME = re.compile(r"\A[A-Za-z0-9_.:\-]+\Z")  # \Z: "$" would let a trailing newline through
 
@@ -51,9 +49,6 @@ class ServerKey(str):
     @property
     def server(self) -> str:
         return self.partition("/")[2]
-
-
-# ---------------------------------------------------------------- show proc
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +115,6 @@ def parse_show_proc(text: str) -> ProcList:
     return ProcList(master, failed, tuple(workers), tuple(old))
 
 
-# ---------------------------------------------------------------- reload
-
-
 @dataclass(frozen=True, slots=True)
 class ReloadAnswer:
     success: bool | None  # None: 2.6 says nothing, confirm with show proc
@@ -139,9 +131,6 @@ def parse_reload(text: str) -> ReloadAnswer:
     if not m:
         return ReloadAnswer(None, stripped)
     return ReloadAnswer(m[1] == "1", log.lstrip("-\n"))
-
-
-# ---------------------------------------------------------------- show info
 
 
 def show_info_by_pid(text: str) -> dict[int, dict[str, str]]:
@@ -168,8 +157,6 @@ def show_info_by_pid(text: str) -> dict[int, dict[str, str]]:
         close()
     return result
 
-
-# ---------------------------------------------------------------- show servers state
 
 # An answer (format version 1): a version line, then per process a `# be_id ...` header
 # naming the columns, then one row per server.
@@ -291,9 +278,6 @@ def parse_servers_state(text: str) -> list[ServerState]:
     return states
 
 
-# ---------------------------------------------------------------- show map
-
-
 def parse_show_map(text: str) -> list[tuple[str, str]]:
     """`show map <file>` lines are `<ref> <key> <value>`; the answer is (key, value) pairs."""
     entries: list[tuple[str, str]] = []
@@ -319,9 +303,6 @@ def parse_prepare_map(text: str) -> int | None:
     return int(m[1]) if m else None
 
 
-# ---------------------------------------------------------------- show sess
-
-
 @dataclass(frozen=True, slots=True)
 class Stream:
     """A stream of `show sess`: its id (for `shutdown session`), its server, and its back side's
@@ -339,8 +320,6 @@ def parse_show_sess(text: str) -> list[Stream]:
     """`show sess` (2.6): a line per stream, `... be=<backend> srv=<server> ... scb=[<state>,...`."""
     return [Stream(m[1], ServerKey.of(m[2], m[3]), m[4]) for m in _SESS_LINE.finditer(text)]
 
-
-# ---------------------------------------------------------------- answers of a `;` line
 
 # What a command prints, as the master CLI relays it (tests/captured/answers_*.txt):
 # - SILENT: nothing when it took, else one line; then an empty line (`set server ... state`,

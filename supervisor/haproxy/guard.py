@@ -276,9 +276,6 @@ def _has_marker(body: list[Line]) -> bool:
     return any(not line.words and line.raw.strip() == GUARD_MARKER for line in body)
 
 
-# ---------------------------------------------------------------- the slot table
-
-
 def slot_table(config: Config) -> list[tuple[str, list[str]]]:
     """Each backend and listen with primary servers, with their names in config order: slot i
     is the i-th. Disabled, weight 0 and down primaries have theirs too: the table depends only
@@ -331,9 +328,6 @@ class SlotTable:
         text = "".join([plan.slot_lines for _, _, plan in plans]) + slot_table_text([], _rows_of(plans))
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return cls(directory / f"{SLOT_TABLE_PREFIX}{digest}.map", text)
-
-
-# ---------------------------------------------------------------- the steer map's keys
 
 
 def count_key(backend: str) -> str:

@@ -130,9 +130,6 @@ def _hash_of(settings: ProxySettings) -> dict[str, str | None]:
     return none
 
 
-# ---------------------------------------------------------------- servers as HAProxy numbers them
-
-
 def server_ids(servers: Iterable[tuple[str, Sequence[str]]]) -> dict[str, int]:
     """name -> the id HAProxy gives each of (name, its line's parameters): its `id`, else the
     lowest id not taken, in config order, from 1 (backups included)."""
@@ -190,8 +187,6 @@ def server_map(servers: Sequence[Server], up: Iterable[str]) -> list[str]:
         score[best] -= total
     return table
 
-
-# ---------------------------------------------------------------- consistent hashing
 
 _M32 = 0xFFFFFFFF
 

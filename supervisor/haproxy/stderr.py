@@ -77,10 +77,6 @@ def parse_server_event(line: str) -> ServerEvent | None:
     return ServerEvent(int(pid), backend, server, change)
 
 
-def same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 class StderrRelay:
     """The FIFO that is the master's stderr: made, read, forwarded, and turned into events."""
 
@@ -121,7 +117,10 @@ class StderrRelay:
     def feeds(self, pid: int) -> bool:
         """Whether process `pid` writes its stderr into this FIFO (not a master started by hand)."""
         try:
-            return self._fd is not None and same_file(os.stat(f"/proc/{pid}/fd/2"), os.fstat(self._fd))
+            if self._fd is None:
+                return False
+            theirs, ours = os.stat(f"/proc/{pid}/fd/2"), os.fstat(self._fd)
+            return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
         except OSError:
             return False
 
