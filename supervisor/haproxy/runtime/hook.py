@@ -243,7 +243,7 @@ class _Generation(Protocol):
 
 
 class _Effective(Protocol):
-    text: str
+    effective_model: Config
 
 
 @dataclass(frozen=True)
