@@ -136,26 +136,15 @@ def parse_reload(text: str) -> ReloadAnswer:
 def show_info_by_pid(text: str) -> dict[int, dict[str, str]]:
     """One or several `show info` answers (of several workers on one line) by their `Pid`; an
     answer without one (`Can't find the target PID ...`) is left out."""
-    result: dict[int, dict[str, str]] = {}
-    block: dict[str, str] = {}
-
-    def close() -> None:
-        pid = block.get("Pid", "")
-        if pid.isdigit():
-            result[int(pid)] = dict(block)
-
+    blocks: list[dict[str, str]] = []
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip()
-        if key == "Name" and block:
-            close()
-            block = {}
-        block[key] = value.strip()
-    if block:
-        close()
-    return result
+        if sep:
+            key = key.strip()
+            if not blocks or (key == "Name" and blocks[-1]):
+                blocks.append({})
+            blocks[-1][key] = value.strip()
+    return {int(block["Pid"]): block for block in blocks if block.get("Pid", "").isdigit()}
 
 
 # An answer (format version 1): a version line, then per process a `# be_id ...` header

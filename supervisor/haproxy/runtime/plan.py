@@ -183,7 +183,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
         for server in new_servers:
             if server.template or server.name in old_lines:
                 continue
-            added = _add_of(new_section, server, new_settings.server_default_words)
+            added = _add_of(new_section, server, new_settings.server_default_words, new_lines[server.name].context)
             if isinstance(added, str):
                 return added
             adds.append(added)
@@ -191,13 +191,11 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
     return pairs, adds, removes
 
 
-def _add_of(section: Section, server: Server, inherited: tuple[str, ...]) -> ServerAdd | str:
+def _add_of(section: Section, server: Server, inherited: Words, context: tuple[Words, ...]) -> ServerAdd | str:
+    """The add of `server`, its line after the `default-server` lines of its defaults
+    (`inherited`) and of its backend before it (`context`)."""
     words = section.body[server.line_index].words
-    own_defaults: list[str] = []
-    for line in section.body[: server.line_index]:
-        if line.words[:1] == ("default-server",):
-            own_defaults.extend(line.words[1:])
-    params = resolved_params([*inherited, *own_defaults, *words[3:]])
+    params = resolved_params([*inherited, *(w for line in context for w in line[1:]), *words[3:]])
     if server.port is None or not is_ip(server.address):
         return f"{server.key}: address {words[2]} cannot be added at runtime (an IP literal and a port can)"
     try:
