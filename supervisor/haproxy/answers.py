@@ -169,9 +169,8 @@ class StateRows:
 
 
 def servers_state_rows(text: str, wanted: Collection[str]) -> Iterator[StateRows]:
-    """The rows of a `show servers state` answer (or of a servers_state_parts() part), header by
-    header: one regex pass (in C) over each block, so that a 10,000-server answer costs little
-    more than its reader's loop over the rows."""
+    """The rows of a `show servers state` answer (or part), header by header: one regex pass (in
+    C) over each block, so a 10,000-server answer costs little more than its reader's loop."""
     start = text.find(_STATE_HEADER)
     while start != -1:
         end = text.find("\n", start)
@@ -362,9 +361,8 @@ def _readings(shape: str, lines: list[str], at: int) -> list[tuple[int, str]]:
 
 
 def split_answers(text: str, commands: Sequence[str]) -> list[str] | None:
-    """One answer per command of a `;` line, read by what each command prints; None when the
-    text cannot be read as their answers (a master-level error ends the line early), or can be
-    read two ways."""
+    """One answer per command of a `;` line, by what each command prints; None when the text
+    cannot be read as their answers (a master-level error ends a line early), or two ways."""
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -204,9 +204,8 @@ def _template_numbers(count: str) -> range:
 
 
 def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, Line, ServerFlags]]:
-    """Each `server` and `server-template` line of a backend's body that has its address: its
-    index, the line, and the flags in force before its own words (`flags`, then the backend's
-    own `default-server` lines)."""
+    """Each `server` and `server-template` line of a backend's body that has its address, with
+    its index and the flags before its own words (`flags`, then the `default-server` lines)."""
     for index, line in enumerate(body):
         words = line.words
         if not words:

@@ -156,9 +156,8 @@ def effective_weight(server: Server) -> int:
 
 
 def server_map(servers: Sequence[Server], up: Iterable[str]) -> list[str]:
-    """The map-based server map a worker that sees `up` usable builds (lb_map.c: weights over
-    their gcd, then recalc_server_map): index `hash % len(map)` is the server a hash picks.
-    Primaries only (the backups' map is not reproduced: empty)."""
+    """The map-based server map of a worker that sees `up` usable (lb_map.c), primaries only:
+    index `hash % len(map)` is the server a hash picks."""
     usable = set(up)
     weights = [effective_weight(s) for s in servers]
     divisor = 0

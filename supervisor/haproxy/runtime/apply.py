@@ -54,9 +54,8 @@ def refusal(command: str, answer: str | None) -> str | None:
 
 
 def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
-    """Did `del server` take? `No such server.` to a server this apply already asked to delete
-    is a deletion too: the earlier answer was lost (a timeout, a line that could not be read),
-    not the deletion."""
+    """Did `del server` take? `No such server.` to a server already asked to delete is a deletion
+    too: the earlier answer was lost (a timeout, a line that could not be read), not the deletion."""
     if refusal(command, answer) is None:
         return True
     return asked_before and answer is not None and answer.strip() == "No such server."

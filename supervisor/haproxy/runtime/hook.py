@@ -57,9 +57,8 @@ def _at_placeholder(state: ServerState) -> bool:
 
 
 def left_pending(held: Iterable[ServerState], running: Config) -> list[str]:
-    """Servers the worker holds that `running` (its generation's config) does not have, at the
-    placeholder: removals a daemon before this one left pending. Any other server out of the
-    config is left to the next change (plan.py: completed_plan)."""
+    """Servers the worker holds at the placeholder that `running` (its generation's config) lacks:
+    removals an earlier daemon left pending. Others are left to the next change (completed_plan)."""
     wanted = running.server_map()
     return [s.key for s in held if s.key not in wanted and _at_placeholder(s)]
 

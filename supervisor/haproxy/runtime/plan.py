@@ -96,9 +96,8 @@ class ServerRemove:
 
 
 def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
-    """Server words as HAProxy applies them in order, folded into one line for `add server`:
-    each keyword once, at its last value; `no-X` cancels an earlier X; `enabled`/`disabled`
-    left out (the applier readies a server or not)."""
+    """Server words as HAProxy applies them, folded into one line for `add server`: each keyword
+    once at its last value, `no-X` cancels an earlier X, `enabled`/`disabled` left out."""
     items: dict[str, tuple[str, ...]] = {}
     seq = list(words)
     i = 0
@@ -441,9 +440,8 @@ def config_skeleton(config: Config, frame: bool = False) -> list[Words]:
 
 @dataclass(frozen=True, slots=True)
 class RuntimePlan:
-    """The runtime changes that turn one config into another, or (changes None) why only a
-    reload can: one line, for the log. `adds` and `removes`: servers added and removed by
-    name (membership()), around the in-place `changes` of the servers present in both."""
+    """The runtime changes that turn one config into another, or (changes None) why only a reload
+    can, in one line. `adds` and `removes` by name go around the in-place `changes`."""
 
     changes: list[ServerChange] | None
     why_reload: str = ""
