@@ -203,7 +203,7 @@ def test_random_chains_agree_with_the_straightforward_rule():
     for _ in range(3000):
         text = _random_config(rng)
         config = Config.parse(text)
-        for section, settings in config.backends_with_settings():
+        for section, settings in config.each_backend_with_settings():
             assert settings.mode == reference.mode_of(config, section), text
             expected = [(f.check, f.backup) for _, f in reference.servers(config, section)]
             assert [(s.check, s.backup) for s in config.servers(section)] == expected, text

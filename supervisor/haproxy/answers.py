@@ -1,11 +1,6 @@
-"""The CLI's language: names checked before they go on a line, `ServerKey` (a server as the
-CLI names it, `<backend>/<server>`, the key of every server map and set), and parsers of what
-the master CLI answers, one per answer: pure functions over its text, unit-tested on captured
-answers of every supported binary (tests/captured/).
-
-A `;` line's text is first cut into one answer per command (`split_answers`): the master CLI
-relays each command's answer after the last, with nothing between them but what each command
-prints, so the answers are cut by what each command prints, each then read by its parser.
+"""The CLI's language: names checked before they go on a line, `ServerKey`, and one parser per
+answer of the master CLI, unit-tested on captured answers of every supported binary
+(tests/captured/). A `;` line's text is first cut into one answer per command (`split_answers`).
 """
 
 from __future__ import annotations
@@ -13,8 +8,6 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-
-# ---------------------------------------------------------------- names
 
 # Names that reach the CLI must not be able to smuggle a second command or argument.
 _SAFE_NAME = re.compile(r"\A[A-Za-z0-9_.:\-]+\Z")  # \Z: "$" would let a trailing newline through
@@ -28,10 +21,9 @@ def validate_name(kind: str, name: str) -> str:
 
 
 class ServerKey(str):
-    """A server as the CLI names it, `<backend>/<server>`: the key of every server map and set.
-    A str (its text form), so it is a dict key and compares equal to that text. of() takes
-    names HAProxy already holds (a parsed config or answer); checked() and parse() take
-    names that are to reach the CLI, and raise ValueError for one that could not."""
+    """A server as the CLI names it, `<backend>/<server>`: the key of every server map and set,
+    equal to its text. of() takes names HAProxy already holds; checked() and parse() take names
+    that are to reach the CLI, and raise ValueError for one that could not."""
 
     __slots__ = ()
 
@@ -45,7 +37,6 @@ class ServerKey(str):
 
     @classmethod
     def parse(cls, text: str) -> ServerKey:
-        """`<backend>/<server>`, both names checked."""
         backend, sep, server = text.partition("/")
         if not sep:
             raise ValueError(f"invalid server key {text!r}: expected backend/server")
@@ -58,9 +49,6 @@ class ServerKey(str):
     @property
     def server(self) -> str:
         return self.partition("/")[2]
-
-
-# ---------------------------------------------------------------- show proc
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +115,6 @@ def parse_show_proc(text: str) -> ProcList:
     return ProcList(master, failed, tuple(workers), tuple(old))
 
 
-# ---------------------------------------------------------------- reload
-
-
 @dataclass(frozen=True, slots=True)
 class ReloadAnswer:
     success: bool | None  # None: 2.6 says nothing, confirm with show proc
@@ -148,39 +133,22 @@ def parse_reload(text: str) -> ReloadAnswer:
     return ReloadAnswer(m[1] == "1", log.lstrip("-\n"))
 
 
-# ---------------------------------------------------------------- show info
-
-
 def show_info_by_pid(text: str) -> dict[int, dict[str, str]]:
-    """One or several `show info` answers (`@!<pid> show info` of several workers on one
-    line), keyed by each answer's `Pid`. An answer without a `Pid` line (`Can't find the
-    target PID ...`) is in none."""
-    result: dict[int, dict[str, str]] = {}
-    block: dict[str, str] = {}
-
-    def close() -> None:
-        pid = block.get("Pid", "")
-        if pid.isdigit():
-            result[int(pid)] = dict(block)
-
+    """One or several `show info` answers (of several workers on one line) by their `Pid`; an
+    answer without one (`Can't find the target PID ...`) is left out."""
+    blocks: list[dict[str, str]] = []
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip()
-        if key == "Name" and block:
-            close()
-            block = {}
-        block[key] = value.strip()
-    if block:
-        close()
-    return result
+        if sep:
+            key = key.strip()
+            if not blocks or (key == "Name" and blocks[-1]):
+                blocks.append({})
+            blocks[-1][key] = value.strip()
+    return {int(block["Pid"]): block for block in blocks if block.get("Pid", "").isdigit()}
 
 
-# ---------------------------------------------------------------- show servers state
-
-# An answer (format version 1) is a version line, then per process that answers a
-# `# be_id ...` header naming the columns, then one row per server.
+# An answer (format version 1): a version line, then per process a `# be_id ...` header
+# naming the columns, then one row per server.
 _STATE_HEADER = "# be_id"
 ROW_TEXT = "row text"  # a column name for servers_state_rows(): the row as HAProxy wrote it
 
@@ -193,8 +161,7 @@ def is_servers_state(text: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class StateRows:
-    """The rows under one `# be_id` header: each a tuple of the wanted columns this header
-    has, `at` saying where each is in it."""
+    """The rows under one `# be_id` header: the wanted columns it has, `at` saying where each is."""
 
     header: str  # the header line, as written
     at: dict[str, int]
@@ -202,10 +169,8 @@ class StateRows:
 
 
 def servers_state_rows(text: str, wanted: Collection[str]) -> Iterator[StateRows]:
-    """The rows of a `show servers state` answer (or of a part of one, servers_state_parts()),
-    header by header. A row is a line with one value per column of its header: one regex
-    pass (in C) over each block, so that a 10,000-server answer costs little more than the
-    loop its reader runs over the rows."""
+    """The rows of a `show servers state` answer (or part), header by header: one regex pass (in
+    C) over each block, so a 10,000-server answer costs little more than its reader's loop."""
     start = text.find(_STATE_HEADER)
     while start != -1:
         end = text.find("\n", start)
@@ -227,8 +192,8 @@ def servers_state_rows(text: str, wanted: Collection[str]) -> Iterator[StateRows
 
 
 def servers_state_parts(text: str, rows: int) -> Iterator[str]:
-    """`show servers state` cut into parts of at most `rows` rows, each under its header, so
-    that a big answer can be read with the event loop running in between."""
+    """`show servers state` in parts of at most `rows` rows, each under its header: a big answer
+    is read with the event loop running in between."""
     start = text.find(_STATE_HEADER)
     while start != -1:
         end = text.find("\n", start)
@@ -242,11 +207,9 @@ def servers_state_parts(text: str, rows: int) -> Iterator[str]:
         start = following
 
 
-# srv_op_state: 0 = stopped (DOWN), 1 = starting, 2 = running, 3 = stopping.
-# srv_admin_state is a bit field: 0x01 forced maint, 0x02 inherited maint, 0x04 "config said
-# `disabled`", 0x08 forced drain, 0x10 inherited drain, 0x20 maint from DNS resolution.
-# 0x04 alone is not maint: a `disabled` server starts at 0x05 and `set server ... state
-# ready` leaves 0x04 on a server that serves (seen on 2.6.12), so it stays out of the mask.
+# srv_op_state 0 is DOWN. srv_admin_state bits: 0x01 forced maint, 0x02 inherited maint, 0x04
+# config `disabled`, 0x08/0x10 drain, 0x20 maint from DNS. 0x04 alone is not maint: `state
+# ready` leaves it on a `disabled` server that serves (seen on 2.6.12).
 ADMIN_MAINT_MASK = 0x01 | 0x02 | 0x20
 
 
@@ -303,9 +266,6 @@ def parse_servers_state(text: str) -> list[ServerState]:
     return states
 
 
-# ---------------------------------------------------------------- show map
-
-
 def parse_show_map(text: str) -> list[tuple[str, str]]:
     """`show map <file>` lines are `<ref> <key> <value>`; the answer is (key, value) pairs."""
     entries: list[tuple[str, str]] = []
@@ -331,13 +291,10 @@ def parse_prepare_map(text: str) -> int | None:
     return int(m[1]) if m else None
 
 
-# ---------------------------------------------------------------- show sess
-
-
 @dataclass(frozen=True, slots=True)
 class Stream:
-    """One stream of `show sess`: its id (what `shutdown session` takes), the server its back
-    side is for, and that side's state (enum sc_state in 2.6, a name in some later versions)."""
+    """A stream of `show sess`: its id (for `shutdown session`), its server, and its back side's
+    state (enum sc_state in 2.6, a name in some later versions)."""
 
     id: str
     server: ServerKey
@@ -348,29 +305,23 @@ _SESS_LINE = re.compile(r"^(0x[0-9a-fA-F]+):.*?\sbe=(\S+)\s+srv=(\S+)\s.*?\sscb=
 
 
 def parse_show_sess(text: str) -> list[Stream]:
-    """`show sess` (2.6) prints one line per stream, `... be=<backend> srv=<server> ...
-    scb=[<state>,<flags>,fd=<n>] ...`."""
+    """`show sess` (2.6): a line per stream, `... be=<backend> srv=<server> ... scb=[<state>,...`."""
     return [Stream(m[1], ServerKey.of(m[2], m[3]), m[4]) for m in _SESS_LINE.finditer(text)]
 
 
-# ---------------------------------------------------------------- answers of a `;` line
-
-# What a command prints, as the master CLI relays it (tests/captured/answers_*.txt, from each
-# supported binary):
-# - SILENT: nothing when it took, else one line; then an empty line, on every version
-#   (`set server ... state|weight`, `enable health|agent`, `shutdown sessions server`,
-#   `add|set|del map`).
-# - ONE_LINE: always one line, then an empty line or not: 2.6 ends no `del server` answer and
-#   no `add server` refusal with one, 2.8 and later end every answer with one (`add server`,
+# What a command prints, as the master CLI relays it (tests/captured/answers_*.txt):
+# - SILENT: nothing when it took, else one line; then an empty line (`set server ... state`,
+#   `weight`, `enable health|agent`, `shutdown sessions server`, `add|set|del map`).
+# - ONE_LINE: one line, then an empty line on 2.8 and later, not always on 2.6 (`add server`,
 #   `del server`, `set server ... addr`).
 # - LISTING: lines up to an empty one (`show ...`).
-# - MASTER_MODE: the master's own mode commands print nothing at all (`experimental-mode on`).
+# - MASTER_MODE: nothing at all (`experimental-mode on`).
 SILENT, ONE_LINE, LISTING, MASTER_MODE = "silent", "one line", "listing", "master mode"
 _MASTER_MODES = ("experimental-mode", "expert-mode", "mcli-debug-mode")
 
 
 def answer_shape(command: str) -> str:
-    """What `command` (as it goes on the line, `@!<pid>` prefix or not) prints (see above)."""
+    """What `command` (`@!<pid>` prefix or not) prints (see above)."""
     words = command.split()
     if words and words[0].startswith("@"):
         words = words[1:]
@@ -410,12 +361,8 @@ def _readings(shape: str, lines: list[str], at: int) -> list[tuple[int, str]]:
 
 
 def split_answers(text: str, commands: Sequence[str]) -> list[str] | None:
-    """One answer per command of a `;` line, read by what each command prints; None when
-    the text cannot be read as their answers, or can be read two ways.
-
-    A master-level error (`Can't find the target PID`) ends the line early, so the text no
-    longer reads as the commands' answers.
-    """
+    """One answer per command of a `;` line, by what each command prints; None when the text
+    cannot be read as their answers (a master-level error ends a line early), or two ways."""
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -1,9 +1,6 @@
-"""Async client for HAProxy's master CLI (its answers' parsers are in answers.py).
-
-The master CLI answers one command line per connection: we write the line,
-half-close, and read until HAProxy closes. A line may carry several commands
-separated by `;`, each with its own `@!<pid>` prefix to reach a worker (old
-ones included).
+"""Async client for HAProxy's master CLI: one command line per connection, written, the
+connection half-closed, the answer read until HAProxy closes. A line may carry several commands
+separated by `;`, each with its own `@!<pid>` prefix to reach a worker, old ones included.
 """
 
 from __future__ import annotations

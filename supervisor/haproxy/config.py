@@ -1,13 +1,9 @@
 """The rendered-config model: parse an HAProxy config, edit it, render it back.
 
-The model keeps every line's raw text, so an unmodified parse renders back
-byte-identical. Edits (injections) replace or insert whole lines; nothing else
-is ever reformatted, which keeps the effective config diffable against the
-rendered one. Lines come from lexer.py; what applies to each proxy and server
-from resolution.py. One edit lives here, the observe injection (`observe layer4 ...
-on-error mark-down` on every server line that wants it, so that a worker marks a server
-down by its own traffic, between health checks): switched off, the effective config is
-the rendered one.
+Every line keeps its raw text, so an unmodified parse renders back byte-identical, and edits
+(injections) replace or insert whole lines: the effective config stays diffable against the
+rendered one. One edit lives here, the observe injection (`observe layer4 ... on-error
+mark-down`), so that a worker marks a server down by its own traffic, between health checks.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ from .resolution import (
     server_line_flags,
 )
 
-# Section keywords known to HAProxy 2.6 - 3.x. Anything inside a section we do not
-# model (peers, resolvers, ...) is kept as opaque lines.
+# Section keywords of HAProxy 2.6 - 3.x; the lines of sections not modelled are kept opaque.
 SECTION_KEYWORDS = frozenset(
     {
         "global",
@@ -55,7 +50,7 @@ SECTION_KEYWORDS = frozenset(
 
 class Config:
     """A parsed HAProxy config: the preamble, then one Section per section header. `cache`:
-    what its parse and build keep for the next config's (its own if none was given)."""
+    what its parse and build keep for the next config's."""
 
     def __init__(self, sections: list[Section], cache: ConfigCache | None = None) -> None:
         self.sections = sections
@@ -63,7 +58,6 @@ class Config:
 
     @classmethod
     def parse(cls, text: str, cache: ConfigCache | None = None) -> Config:
-        """The model of `text`, its sections and lines taken from `cache` where it holds them."""
         cache = cache if cache is not None else ConfigCache()
         # Whole runs of lines at once: a drain changes a hundred backends of a thousand, and a
         # run seen in the last two parses is one lookup instead of a lookup per line. Any line
@@ -106,23 +100,18 @@ class Config:
         return next((s for s in self.backends() if s.name == name), None)
 
     def resolved(self) -> Iterator[tuple[Section, ProxySettings]]:
-        """Every defaults, frontend, backend and listen section with its ProxySettings
-        (resolution.resolve())."""
+        """Every proxy and defaults section with its ProxySettings (resolution.resolve())."""
         return resolve(self.sections)
 
     def settings_of(self, proxy: Section) -> ProxySettings:
-        """What applies to one section (resolved() for a whole config: this walks from the top)."""
+        """What applies to one section (this walks from the top)."""
         for section, settings in self.resolved():
             if section is proxy:
                 return settings
         return BUILT_IN
 
-    def backends_with_settings(self) -> list[tuple[Section, ProxySettings]]:
-        """Each backend/listen section with its ProxySettings, in one pass."""
-        return list(self.each_backend_with_settings())
-
     def each_backend_with_settings(self) -> Iterator[tuple[Section, ProxySettings]]:
-        """backends_with_settings(), each resolved as the walk reaches it."""
+        """Each backend/listen section with its ProxySettings, resolved as the walk reaches it."""
         return ((s, settings) for s, settings in self.resolved() if s.kind in BACKEND_KINDS)
 
     def servers(self, backend: Section | None = None) -> list[Server]:
@@ -134,19 +123,17 @@ class Config:
     def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
         """Each backend/listen section with its servers, resolving defaults in one pass."""
         cache = self.cache
-        return [(s, section_servers(s, settings, cache)) for s, settings in self.backends_with_settings()]
+        return [(s, section_servers(s, settings, cache)) for s, settings in self.each_backend_with_settings()]
 
     def server_map(self) -> dict[str, Server]:
-        """Servers keyed by "backend/name"."""
         return {s.key: s for s in self.servers()}
 
     def server_flags_by_backend(self) -> list[tuple[Section, list[tuple[int, ServerFlags]]]]:
-        """Each backend/listen section with, for each line that declares servers, the line's
-        index in the body and the flags all its servers get: what servers_by_backend() tells
-        about flags, without making a Server for each of 10,000 servers."""
+        """Each backend/listen section with (index in the body, flags of its servers) for each
+        line that declares servers: without making a Server for each of 10,000 servers."""
         result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
         kept = self.cache.kept(SERVER_FLAGS)
-        for section, settings in self.backends_with_settings():
+        for section, settings in self.each_backend_with_settings():
             flags = settings.server_defaults
             # Nothing else goes into the flags: an edited line or `default-server` gives
             # another key, never a stale entry.
@@ -172,9 +159,9 @@ def observe_directive(error_limit: int) -> str:
 
 
 def wants_observe(server: Server | ServerFlags) -> bool:
-    """Primary servers with health checks, not already observed: `observe` without `check`
-    silently does nothing, and on a `track` server `check` is a fatal config error; backups are
-    the fallback the mark-down exists to reach, so they never get marked down."""
+    """Primary servers with health checks, not already observed: `observe` without `check` does
+    nothing, on a `track` server `check` is a fatal error, and backups are what a mark-down is
+    meant to reach."""
     return server.check and not server.backup and server.track is None and not server.observe
 
 
@@ -204,8 +191,8 @@ SERVER_FLAGS: Slot[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = Slo
 
 
 def _parse_chunk(text: str, cache: ConfigCache) -> Chunk:
-    """A run of whole lines: the lines before its first section header (they belong to the
-    section before the run), then each header with its body."""
+    """A run of whole lines: those before its first section header (of the section before the
+    run), then each header with its body."""
     # cache.line, inlined: this loop runs once per line of a 15,000-line config.
     current, previous = cache.lines.current, cache.lines.previous
     lead: list[Line] = []

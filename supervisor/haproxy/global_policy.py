@@ -13,19 +13,15 @@ class RefusedGlobal(ValueError):
     """The rendered config's global section holds a keyword the daemon cannot supervise. One line."""
 
 
-# Global keywords that conflict with being supervised, and why. The daemon starts HAProxy as
-# its own child, `haproxy -W -S <master.sock> -f <effective> -p <pid file>`, in the foreground.
-# Dropped: the keyword only fights the daemon for the master; without it HAProxy runs as the
-# rendered config means it to. Each drop is logged at every build.
+# Global keywords that conflict with being supervised (HAProxy runs as the daemon's child,
+# `haproxy -W -S <master.sock> -f <effective> -p <pid file>`), and why. Dropped: the keyword
+# only fights the daemon for the master. Each drop is logged at every build.
 DROPPED_GLOBALS = {
     "daemon": "the supervisor runs the HAProxy master in the foreground as its own child; "
     "with `daemon` the master would fork away and run unsupervised",
     "pidfile": "the supervisor passes its own pid file with -p, which overrides this one (HAProxy "
     "never writes it); a controller must not signal HAProxy itself",
 }
-# `master-worker` alone only says what -W already says, and 3.3+ deprecates it (a warning at
-# every check; 3.5 removes it); with `no-exit-on-failure` it would decide what a crashed
-# worker does, which is the supervisor's decision.
 MASTER_WORKER_WHY = (
     "the supervisor starts HAProxy with -W, which says the same; HAProxy 3.3 deprecates the keyword "
     "and 3.5 removes it"
@@ -44,10 +40,7 @@ REFUSED_GLOBALS = {
 
 def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list[str]]:
     """The rendered config without the global lines that conflict with being supervised, and a
-    line saying so for each one dropped; RefusedGlobal for a line that cannot be supervised.
-
-    Lines are named by their line number in the rendered config.
-    """
+    line naming each one dropped by its line number; RefusedGlobal for one that cannot be."""
     number = 0
     dropped: list[tuple[int, Line]] = []  # (index of the section, the line)
     notes: list[str] = []
@@ -63,7 +56,7 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
             keyword = words[0] if words else ""
             if keyword in REFUSED_GLOBALS:
                 raise RefusedGlobal(f"line {number}: global `{keyword}` refused: {REFUSED_GLOBALS[keyword]}")
-            if keyword == "stats" and words[1:2] == ("socket",) and len(words) > 2:
+            if _is_stats_socket(line):
                 path = words[2].removeprefix("unix@")
                 if Path(path) == master_socket:
                     raise RefusedGlobal(
@@ -84,14 +77,23 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
     return result, notes
 
 
-def first_stats_socket(config: Config) -> tuple[str, ...] | None:
-    """The words of the first global `stats socket` line that names an address."""
-    for section in config.sections:
+def _is_stats_socket(line: Line) -> bool:
+    return line.keyword == "stats" and line.words[1:2] == ("socket",) and len(line.words) > 2
+
+
+def _first_stats_socket(config: Config) -> tuple[int, int, Line] | None:
+    """(section index, body index, line) of the first global `stats socket` that names an address."""
+    for index, section in enumerate(config.sections):
         if section.kind == "global":
-            for line in section.body:
-                if line.keyword == "stats" and line.words[1:2] == ("socket",) and len(line.words) > 2:
-                    return line.words
+            for position, line in enumerate(section.body):
+                if _is_stats_socket(line):
+                    return index, position, line
     return None
+
+
+def first_stats_socket(config: Config) -> tuple[str, ...] | None:
+    found = _first_stats_socket(config)
+    return found[2].words if found is not None else None
 
 
 def move_stats_socket(config: Config, path: Path) -> tuple[Config, str | None]:
@@ -99,16 +101,12 @@ def move_stats_socket(config: Config, path: Path) -> tuple[Config, str | None]:
     kept (mode, level, expose-fd ...), and the address it had (None: no stats socket, the config
     is returned as it is). A bridge that stands in for HAProxy (haproxy-supervisor-ray-bridge)
     binds the old address itself and relays to `path`."""
-    for index, section in enumerate(config.sections):
-        if section.kind != "global":
-            continue
-        for position, line in enumerate(section.body):
-            words = line.words
-            if line.keyword == "stats" and words[1:2] == ("socket",) and len(words) > 2:
-                moved = " ".join(["stats", "socket", quote_word(str(path)), *map(quote_word, words[3:])])
-                result = config.copy()
-                body = result.sections[index].body
-                # What follows the last word (a comment, the line ending) stays as it was.
-                body[position] = parse_line(f"{line.indent}{moved}{line.raw[line.code_end :]}")
-                return result, words[2]
-    return config, None
+    found = _first_stats_socket(config)
+    if found is None:
+        return config, None
+    index, position, line = found
+    moved = " ".join(["stats", "socket", quote_word(str(path)), *map(quote_word, line.words[3:])])
+    result = config.copy()
+    # What follows the last word (a comment, the line ending) stays as it was.
+    result.sections[index].body[position] = parse_line(f"{line.indent}{moved}{line.raw[line.code_end :]}")
+    return result, line.words[2]

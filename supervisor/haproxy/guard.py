@@ -1,8 +1,6 @@
 """The displaced-worker guard: the rules injected into every backend with primary servers,
-the slot table they read, and the format of the steer map's keys.
-
-The steering (steering/) decides what the steer map holds; this module says what its keys
-look like and what HAProxy does with them.
+the slot table they read, and the format of the steer map's keys (docs/steering.md). The
+steering (steering/) decides what the steer map holds.
 """
 
 from __future__ import annotations
@@ -18,27 +16,17 @@ from .resolution import ProxySettings, ServerFlags, server_line_flags, template_
 from .routing import BUCKET_BITS, PLAIN, Routing, routing_of, server_ids
 
 GUARD_MARKER = "# haproxy-supervisor guard"
-# Two maps drive the guard. The slot table (a file per config, written by the supervisor,
-# never changed at runtime) holds `<backend>_<i>` -> the backend's i-th primary server, in
-# config order. The steer map (empty on disk, filled in old workers only) holds
-# `<backend>_n`: how many slots a steered backend's requests pick from (0: fail fast), and
-# `<backend>_<i>` overrides for the slots whose table server must not be used. A backend
-# name cannot end in `_<digits>` or `_n` and also be another backend's key, because a key
-# splits uniquely at its last `_`: the suffix is `n` or digits and never contains `_`.
-# While a push is under way the steer map may also hold `<backend>/<server>` hops: the
-# server a slot resolves to is replaced once more, by the hop's. A hop is added (in a
-# payload, with the new entries) when a drain kills a server that overrides point to, so
-# requests leave it before those overrides are changed one `set map` command at a time;
-# the same push removes it. `/` is in no backend or server name.
+# The slot table (a file per config) holds `<backend>_<i>` -> the backend's i-th primary; the
+# steer map (empty on disk, filled in old workers only) `<backend>_n`, how many slots a steered
+# backend draws from (0: fail fast), and `<backend>_<i>` overrides. A key splits uniquely at
+# its last `_`, whose suffix is `n` or digits. During a push it may hold `<backend>/<server>`
+# hops, which replace the server a slot resolves to once more (`/` is in no name).
 COUNT_SUFFIX = "n"
 HOP_SEPARATOR = "/"
 SLOT_TABLE_PREFIX = "slots-"
-# What the guard reproduces of HAProxy's own choice (routing.py) reads two more kinds of keys.
-# In the slot table: `<backend>/c<cookie value>` and `<backend>/s<server id>` -> the home slot
-# (its index) of the primary a cookie or a stick-table entry names. In the steer map:
-# `<backend>_t` = the total weight a map-based hash is taken modulo in that worker (for a
-# consistent hash, the number of buckets), and `<backend>_h<i>` = the server for the hash
-# positions (buckets) i whose server is dead.
+# For what routing.py reproduces: in the slot table `<backend>/c<cookie>` and `<backend>/s<id>`
+# -> a primary's home slot; in the steer map `<backend>_t`, the total a map-based hash is taken
+# modulo (a consistent hash: the buckets), and `<backend>_h<i>`, the server for position i.
 COOKIE_ROW = "/c"
 STICK_ROW = "/s"
 TOTAL_SUFFIX = "t"
@@ -51,21 +39,10 @@ _SAFE_MAP_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
 
 
 def guard_rules(mode: str, map_path: str, slot_table_path: str, routing: Routing = PLAIN) -> list[str]:
-    """The request rules (without indentation) that let a map steer one backend.
-
-    With the steer map empty the backend routes as its config says. With `<be>_n` = N > 0 the
-    request goes where HAProxy would send it, unless that server is not to be used (the
-    steer map overrides its home slot): first a cookie naming a primary, then each stick
-    rule's stored server, then a map-based hash's position (`<be>_h<i>` for a dead server's
-    position; none: HAProxy's own hashing routes it). Otherwise a random slot below N is
-    drawn, up to twice more while the steer map overrides a slot of the table (a slot of a
-    server not to be used: the overrides are the fallback only), and the steer map's entry for it, else
-    the slot table's, names the server the `use-server` rule sends it to, ahead of the
-    backend's own `use-server` rules and its balancing. With N = 0 the request is answered
-    with a 503 (HTTP) or its connection closed (TCP) at once. A `<be>/<server>` entry for
-    the server so chosen replaces it (a hop, see above). Every variable is unset first: a
-    `listen` section that switches to another guarded backend would otherwise carry them over.
-    """
+    """The request rules (without indentation) that let a map steer one backend, as
+    docs/steering.md tells them: with the steer map empty it routes as its config says. Every
+    variable is unset first: a `listen` section that switches to another guarded backend would
+    otherwise carry them over."""
     for path in (map_path, slot_table_path):
         if not _SAFE_MAP_PATH.match(path):
             raise ValueError(f"map path {path!r}: only letters, digits and _ . / - can go into a map() argument")
@@ -127,16 +104,14 @@ def guard_rules(mode: str, map_path: str, slot_table_path: str, routing: Routing
     ]
 
 
-# A steered old worker's retry is not routed by the guard (no request rule runs at a retry):
-# HAProxy balances it again only as `option redispatch <n>` says, and a `use-server` request
-# otherwise stays on its dead target until the last retry (docs/steering.md, "A retry in an
-# old worker"). With 1, every retry leaves the server it failed on.
+# No request rule runs at a retry: a `use-server` request stays on its dead target unless
+# `option redispatch` says otherwise; with 1, every retry leaves the server it failed on
+# (docs/steering.md, "A retry in an old worker").
 GUARD_REDISPATCH = "option redispatch 1"
 
 
 def guard_redispatch(settings: ProxySettings) -> tuple[str, ...]:
-    """The line the guard adds for a backend's retries: `option redispatch 1`, unless the
-    backend or its defaults say how retries are redispatched (kept as written)."""
+    """`option redispatch 1`, unless the backend or its defaults say how retries are redispatched."""
     return () if settings.redispatch_said else (GUARD_REDISPATCH,)
 
 
@@ -144,9 +119,8 @@ def guard_use_server() -> str:
     return f"use-server %[var({_VARS[2]})] if {{ var({_VARS[2]}) -m found }}"
 
 
-# The order HAProxy evaluates a proxy's request rules in. It warns about a rule written
-# after one of a later rank ("will still be processed before"), so the guard's lines go
-# where they are both first of their rank and free of that warning.
+# The order HAProxy evaluates a proxy's request rules in: it warns about a rule written after
+# one of a later rank, so the guard's lines go first of their rank, free of that warning.
 _RULE_RANK = {"tcp-request": 0, "http-request": 1, "redirect": 2, "use_backend": 3, "use-server": 4}
 
 
@@ -158,10 +132,8 @@ def _rank(line: Line) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class GuardPlan:
-    """What the guard needs from one backend body: its slot-table row, and where the block
-    goes. It depends on the body's text, its mode and its defaults' `default-server` flags
-    only, so it is worked out once and reused by the next builds: a drain changes a few
-    backends of a thousand."""
+    """What the guard needs from one backend body: its slot-table row, and where the block goes;
+    worked out once per body and settings and reused by the next builds."""
 
     names: tuple[str, ...]  # the primaries, in slot order
     rows: tuple[tuple[str, str], ...]  # the slot table's persistence rows: (key suffix, home slot)
@@ -236,16 +208,15 @@ def _persistence_rows(
 
 
 def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
-    """Put the guard's rules first among the request rules of every backend and listen that
-    has primary servers, and its `use-server` first among the `use-server` rules; the rules
-    name the slot table SlotTable.of(config, directory), returned with the config: the
-    servers are looked at once for both (10,000 of them, on every reload)."""
+    """Put the guard's rules first among the request rules of every backend and listen with
+    primary servers, and its `use-server` first among the `use-server` rules; returned with
+    the slot table they name, worked out from the same look at the servers."""
     result = config.copy()
     plans = _plans(result)
     table = SlotTable.of_plans(plans, directory)
     map_text, table_text = str(map_path), str(table.path)
-    # The guard's lines differ only by mode, routing, indentation and line ending: parse them
-    # once for the 1,000 backends that share those (Lines are immutable, so they can be shared).
+    # The guard's lines differ only by mode, routing, indentation and line ending: parsed once
+    # for all the backends that share those.
     blocks: dict[tuple[str, Routing, str, str, tuple[str, ...]], tuple[list[Line], list[Line], list[Line]]] = {}
     for section, mode, plan in plans:
         at = plan.at
@@ -279,7 +250,7 @@ def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
     # gives another key, never a stale plan.
     kept = config.cache.kept(GUARD_PLANS)
     plans: list[tuple[Section, str, GuardPlan]] = []
-    for section, settings in config.backends_with_settings():
+    for section, settings in config.each_backend_with_settings():
         key = (settings, section.name, "".join([line.raw for line in section.body]))
         plan = kept.get(key)
         if plan is None:
@@ -302,33 +273,20 @@ def is_guarded(section: Section) -> bool:
 
 def _has_marker(body: list[Line]) -> bool:
     # The marker is a comment: a line with words cannot be it, and words are cheaper to look at.
-    return any(not line.words and _is_marker(line) for line in body)
-
-
-def _is_marker(line: Line) -> bool:
-    return line.raw.strip() == GUARD_MARKER
-
-
-# ---------------------------------------------------------------- the slot table
+    return any(not line.words and line.raw.strip() == GUARD_MARKER for line in body)
 
 
 def slot_table(config: Config) -> list[tuple[str, list[str]]]:
-    """Each backend and listen with primary servers (the ones the guard goes into), with the
-    names of its primaries in config order: slot i of the backend is the i-th name.
-
-    Every primary has its slot, disabled, weight 0 and down ones included: the table then
-    depends only on which servers exist, so a runtime apply of in-place changes leaves a
-    worker's table equal to the one its new config names; one that adds or removes servers
-    brings the worker's loaded table to the new rows with map commands (runtime/apply.py). The
-    steer map overrides the slots that must not be used.
-    """
+    """Each backend and listen with primary servers, with their names in config order: slot i
+    is the i-th. Disabled, weight 0 and down primaries have theirs too: the table depends only
+    on which servers exist, so in-place runtime changes leave it as the new config names it."""
     rows = [(section.name, primary_names(section.body, lines)) for section, lines in config.server_flags_by_backend()]
     return [(name, names) for name, names in rows if names]
 
 
 def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]]) -> list[str]:
-    """The names of a backend's primary servers in config order, templates expanded: slot i
-    is the i-th. `server_lines`: Config.server_flags_by_backend()'s list for this body."""
+    """The names of a backend's primaries in config order, templates expanded, from
+    Config.server_flags_by_backend()'s list for this body."""
     names: list[str] = []
     for index, flags in server_lines:
         if not flags.backup:
@@ -338,8 +296,8 @@ def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]])
 
 
 def slot_table_text(table: list[tuple[str, list[str]]], rows: list[tuple[str, str]] | None = None) -> str:
-    """The slot table as an HAProxy map file: `<backend>_<i> <server>` per line, then the
-    persistence rows (`<backend>/c<cookie>`, `<backend>/s<id>` -> home slot)."""
+    """The slot table as an HAProxy map file: `<backend>_<i> <server>` lines, then the
+    persistence rows."""
     slots = "".join(f"{backend}_{i} {name}\n" for backend, names in table for i, name in enumerate(names))
     return slots + "".join(f"{key} {value}\n" for key, value in rows or [])
 
@@ -355,8 +313,7 @@ def _rows_of(plans: list[tuple[Section, str, GuardPlan]]) -> list[tuple[str, str
 
 @dataclass(frozen=True)
 class SlotTable:
-    """A slot table file: content-addressed, so a config never names a table that another
-    config rewrote (a reload that failed, a master restarted on an older config)."""
+    """A slot table file, content-addressed: a config never names a table another rewrote."""
 
     path: Path
     text: str
@@ -369,15 +326,8 @@ class SlotTable:
     def of_plans(cls, plans: list[tuple[Section, str, GuardPlan]], directory: Path) -> SlotTable:
         # slot_table_text() of the plans' rows, from the text each plan keeps of its own.
         text = "".join([plan.slot_lines for _, _, plan in plans]) + slot_table_text([], _rows_of(plans))
-        return cls.of_text(text, directory)
-
-    @classmethod
-    def of_text(cls, text: str, directory: Path) -> SlotTable:
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return cls(directory / f"{SLOT_TABLE_PREFIX}{digest}.map", text)
-
-
-# ---------------------------------------------------------------- the steer map's keys
 
 
 def count_key(backend: str) -> str:
@@ -401,7 +351,6 @@ def is_hop_key(key: str) -> bool:
 
 
 def backend_of_key(key: str) -> str:
-    """The backend a map key belongs to: a hop's is before its `/`; other keys split
-    uniquely at their last `_`."""
+    """The backend a map key belongs to: before a hop's `/`, else before the last `_`."""
     backend, hop, _ = key.partition(HOP_SEPARATOR)
     return backend if hop else key.rpartition("_")[0]

@@ -1,13 +1,9 @@
 """The lexer of HAProxy configs: one physical line into its words, as HAProxy splits them, a
 section as its header line and body, and `ConfigCache`, what consecutive configs share.
 
-Consecutive rendered configs share almost all their lines and sections, so a line's words,
-a backend's servers and the guard's plan for a backend body are kept from one config to the
-next. Every value is immutable and keyed by all it depends on (the text it comes from, what
-the section inherits), so a hit is never stale, and a build in a thread that races the
-event loop costs a miss at worst. Each layer names what it keeps with a Slot of its own
-(config.py's chunks, resolution.py's servers, guard.py's plans): this, the lowest layer,
-knows none of their types.
+Every cached value is immutable and keyed by all it depends on, so a hit is never stale, and a
+build in a thread that races the event loop costs a miss at worst. Each layer names what it
+keeps with a Slot of its own: this, the lowest layer, knows none of their types.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ class Line:
         return self.raw[: len(self.raw) - len(self.raw.lstrip(" \t"))]
 
     def with_appended(self, text: str, parse: Callable[[str], Line] | None = None) -> Line:
-        """The same line with `text` added after its last word, before any comment. `parse`:
-        what makes the new line (a ConfigCache's `line`, to share it), parse_line if None."""
+        """The same line with `text` after its last word, before any comment, made by `parse`."""
         raw = self.raw[: self.code_end] + text + self.raw[self.code_end :]
         return (parse or parse_line)(raw)
 
@@ -46,12 +41,9 @@ BLANKS = " \t\v\f"
 
 
 def parse_line(raw: str) -> Line:
-    """Split a line into words the way HAProxy's parser does.
-
-    BLANKS separate words; `#` outside quotes starts a comment; a backslash
-    escapes the next character (not inside single quotes); quotes group words
-    and are removed. Environment variables are left unexpanded.
-    """
+    """Split a line into words the way HAProxy's parser does: BLANKS separate words, `#` outside
+    quotes starts a comment, a backslash escapes the next character (not inside single quotes),
+    quotes group words and are removed. Environment variables are left unexpanded."""
     body = raw.rstrip("\r\n")
     # str.split() splits an ASCII line at exactly BLANKS but for \r and \x1c-\x1f: a line with
     # one of those, a quote or an escape takes the walk below.
@@ -146,9 +138,6 @@ class Section:
             yield self.header
         yield from self.body
 
-    def render(self) -> str:
-        return "".join(line.raw for line in self.lines())
-
     def copy(self) -> Section:
         return Section(self.header, list(self.body))
 
@@ -158,8 +147,7 @@ _V = TypeVar("_V")
 
 
 class RecentlyUsed(Generic[_K, _V]):
-    """A dict of what the last two generations used: what the last two did not use is dropped
-    at each new generation, so it holds about two configs' worth."""
+    """A dict of what the last two generations used: about two configs' worth."""
 
     __slots__ = ("current", "previous")
 
@@ -183,8 +171,7 @@ class RecentlyUsed(Generic[_K, _V]):
 
 
 class Slot(Generic[_K, _V]):
-    """The name of one RecentlyUsed in every ConfigCache: a module-level constant of the layer
-    that keeps it, typed with what it keeps."""
+    """The name of one RecentlyUsed in every ConfigCache, typed with what it keeps."""
 
     __slots__ = ("name",)
 
@@ -193,9 +180,8 @@ class Slot(Generic[_K, _V]):
 
 
 class ConfigCache:
-    """The results a config's parse and build keep for the next config's. A Config holds the
-    cache it was parsed with (its copies too); one parsed without one gets its own, shared
-    with nothing. The owner calls new_generation() before it parses the next rendered config."""
+    """What a config's parse and build keep for the next config's, held by each Config parsed
+    with it. Its owner calls new_generation() before it parses the next rendered config."""
 
     __slots__ = ("_kept", "lines")
 
@@ -206,14 +192,13 @@ class ConfigCache:
         self._kept: dict[Slot[Any, Any], RecentlyUsed[Any, Any]] = {}
 
     def kept(self, slot: Slot[_K, _V]) -> RecentlyUsed[_K, _V]:
-        """What `slot` keeps: made on first use (a racing thread's first use costs a miss)."""
+        """What `slot` keeps, made on first use."""
         found = self._kept.get(slot)
         if found is None:
             found = self._kept.setdefault(slot, RecentlyUsed())
         return found
 
     def new_generation(self) -> None:
-        """A new rendered config is about to be parsed: keep what the last two used."""
         self.lines.new_generation()
         for kept in list(self._kept.values()):
             kept.new_generation()

@@ -1,8 +1,6 @@
-"""Resolution: what applies to each proxy and server, the way HAProxy resolves it.
-
-`from` chains and defaults order give each proxy its ProxySettings (resolve()); a backend's
-`default-server` lines and its servers' own words give each server its flags (ServerFlags)
-and its Server view. Pure functions over the lexer's Lines.
+"""Resolution: what applies to each proxy and server, the way HAProxy resolves it: `from`
+chains and defaults order give each proxy its ProxySettings (resolve()), `default-server` lines
+and a server's own words its ServerFlags and its Server view.
 """
 
 from __future__ import annotations
@@ -105,9 +103,8 @@ def is_ip(address: str) -> bool:
 
 
 def _kept_hash(value: ServerFlags | ProxySettings) -> int:
-    # The hash of what its __eq__ compares, kept once made: these are keys of the parse
-    # caches, looked up for each of a thousand backends at every build, and a dataclass's own
-    # __hash__ hashes every field again at each lookup.
+    # The hash of what its __eq__ compares, kept once made: these key the parse caches, looked
+    # up for each of a thousand backends at every build.
     kept = value._hash
     if kept is None:
         kept = hash(value.compared())
@@ -193,9 +190,7 @@ def _leading_int(text: str) -> int:
 
 def template_names(prefix: str, count: str) -> list[str]:
     """Names a `server-template` line declares: `srv 3` -> srv1..srv3, `srv 2-4` -> srv2..srv4.
-
-    HAProxy accepts junk counts (`x-y` reads as 0-0); they declare no server we can name.
-    """
+    HAProxy accepts junk counts (`x-y` reads as 0-0); they declare no server we can name."""
     return [f"{prefix}{i}" for i in _template_numbers(count)]
 
 
@@ -209,9 +204,8 @@ def _template_numbers(count: str) -> range:
 
 
 def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, Line, ServerFlags]]:
-    """Each `server` and `server-template` line of a backend's body that has its address: its
-    index, the line, and the flags in force before its own parameters, starting from `flags`
-    (its defaults') and applying the backend's own `default-server` lines."""
+    """Each `server` and `server-template` line of a backend's body that has its address, with
+    its index and the flags before its own words (`flags`, then the `default-server` lines)."""
     for index, line in enumerate(body):
         words = line.words
         if not words:
@@ -240,19 +234,14 @@ _NO_FLAGS = ServerFlags()
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
-    """What applies to a proxy, resolved the way HAProxy resolves it (cfgparse-listen.c):
+    """What applies to a proxy, resolved the way HAProxy resolves it (cfgparse-listen.c): a proxy
+    starts as a copy of the defaults it names with `from`, else of the last `defaults` before
+    it; a `defaults` section as a copy of the one it names, else of the built-in defaults (NOT
+    of the `defaults` before it); then its own lines apply in order, the last one winning.
 
-    - a proxy starts as a copy of its defaults section: the one it names with `from`, else
-      the last `defaults` section before it;
-    - a `defaults` section starts as a copy of the one it names with `from`, else from
-      HAProxy's built-in defaults: it does NOT inherit from the `defaults` before it;
-    - then the section's own lines apply in order, the last one of a keyword winning.
-
-    For a proxy, `server_defaults` holds the `default-server` flags its defaults pass on,
-    which its own server lines start from (its own `default-server` lines apply to the
-    server lines after them only); for a defaults section, the flags it passes on.
-    `server_default_words` are the words of those `default-server` lines, in order: what
-    a dynamic server (`add server`) must be given, since it gets none of them.
+    `server_defaults`: the `default-server` flags its defaults pass on (a proxy's own apply to
+    the server lines after them only); `server_default_words`: their words, in order, what a
+    dynamic server (`add server`) must be given, since it gets none of them.
     """
 
     mode: str = "tcp"
@@ -354,9 +343,8 @@ SECTION_SERVERS: Slot[tuple[str, ProxySettings, str], tuple[Server, ...]] = Slot
 
 
 def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache | None = None) -> list[Server]:
-    """The servers of a backend/listen section that `settings` (resolve()'s) apply to. With
-    `cache`, consecutive configs share the servers of every section they share (nothing else
-    goes into them, and a Server is immutable) instead of making 10,000 again at each reload."""
+    """The servers of a backend/listen section that `settings` apply to; with `cache`, shared
+    by consecutive configs that share the section, instead of made again at each reload."""
     if cache is None:
         return list(_section_servers(section.name, section.body, settings))
     key = (section.name, settings, "".join([line.raw for line in section.body]))

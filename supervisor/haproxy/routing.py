@@ -1,31 +1,12 @@
 """How HAProxy picks a server, as far as the guard can reproduce it before HAProxy does.
 
 The guard (guard.py) overrides a steered old worker's routing only for the requests HAProxy
-would send to a dead server. For that it must know, per request, which server HAProxy is
-about to pick, with HAProxy's own sample fetches and converters:
-
-- cookie persistence: the request's cookie value names a server (`cookie` on its line or
-  from `default-server`); `prefix` mode puts the value before a `~`, `maxidle`/`maxlife`
-  add `|` dates after it;
-- stick tables: `stick match` / `stick on` rules read the server id a key stored
-  (`table_server_id`); servers are numbered as HAProxy numbers them (`id`, else the lowest
-  free id in config order);
-- `hash-type map-based` hashing (`uri`, `source`, `hdr()`, `url_param`, `rdp-cookie`,
-  `hash <expr>`): the key hashed by the backend's hash function, modulo the total weight of
-  the servers the worker sees up, indexes the server map HAProxy builds (server_map below,
-  from lb_map.c's recalc_server_map);
-- `hash-type consistent`: the same key and hash (with `avalanche`, HAProxy's default there)
-  falls on a ring of 16 points per unit of weight per server (lb_chash.c), each point
-  owning the hashes closest to it. Where a point's key comes from differs: 2.6.12 and
-  2.8.25 hash the server id times 4096 plus the point's index, 3.0.11 the hash of the id
-  plus the index; chash_node_keys() in binary.py asks the binary which (`hash-key`, which
-  came with the second, is refused by the first). The guard reads the hash's top 12 bits
-  (a bucket); a bucket a dead server's points touch is overridden (consistent_buckets).
-
-What cannot be reproduced exactly (`uri len/depth`, `hdr(...) use_domain_only`,
-`url_param ... check_post`, IPv6 `source`, `source` with consistent hashing, `hash-key`
-other than `id`, `hash-balance-factor`, dynamic cookies, conditional stick rules,
-leastconn and roundrobin's state) is left to the weighted draw of guard.py.
+would send to a dead server, so it must know which server HAProxy is about to pick, with
+HAProxy's own sample fetches and converters: the server a cookie names, the id a stick rule
+stored (servers numbered as HAProxy numbers them), the position of a map-based hash in the
+server map (lb_map.c), the bucket of a consistent hash on the ring (lb_chash.c; where a
+point's key comes from differs by version: binary.py's chash_node_keys() asks). What is kept,
+and what is left to the weighted draw: docs/steering.md, "What is kept".
 """
 
 from __future__ import annotations
@@ -48,8 +29,7 @@ _HASH_FUNCTIONS = ("sdbm", "djb2", "wt6", "crc32")
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """What the guard of one backend reproduces of HAProxy's choice. Every field is a sample
-    expression (or None: not reproduced)."""
+    """What the guard of one backend reproduces of HAProxy's choice, as sample expressions."""
 
     cookie: str | None = None  # the request's server cookie value
     sticks: tuple[str, ...] = ()  # per stick rule that matches, in order: the server id it stored
@@ -66,7 +46,6 @@ PLAIN = Routing()
 
 
 def routing_of(settings: ProxySettings, body: Sequence[Line], backend: str) -> Routing:
-    """The backend's Routing, from its resolved settings and its own lines."""
     hashing = _hash_of(settings)
     if settings.hash_type[:1] == ("consistent",) and hashing:
         balance_factor = any(line.words[:1] == ("hash-balance-factor",) for line in body)
@@ -151,12 +130,9 @@ def _hash_of(settings: ProxySettings) -> dict[str, str | None]:
     return none
 
 
-# ---------------------------------------------------------------- servers as HAProxy numbers them
-
-
 def server_ids(servers: Iterable[tuple[str, Sequence[str]]]) -> dict[str, int]:
     """name -> the id HAProxy gives each of (name, its line's parameters): its `id`, else the
-    lowest id not taken, in config order, counting from 1 (every server, backups included)."""
+    lowest id not taken, in config order, from 1 (backups included)."""
     listed = list(servers)
     ids: dict[str, int] = {}
     for name, params in listed:
@@ -180,10 +156,8 @@ def effective_weight(server: Server) -> int:
 
 
 def server_map(servers: Sequence[Server], up: Iterable[str]) -> list[str]:
-    """The map-based server map a worker builds (lb_map.c: init_server_map's weights over their
-    gcd, then recalc_server_map), given the names of the servers it sees usable: index
-    `hash % len(map)` is the server a hash picks. Primaries while one is usable, else the
-    backups (the first one alone without `option allbackups`: not reproduced, empty)."""
+    """The map-based server map of a worker that sees `up` usable (lb_map.c), primaries only:
+    index `hash % len(map)` is the server a hash picks."""
     usable = set(up)
     weights = [effective_weight(s) for s in servers]
     divisor = 0
@@ -212,8 +186,6 @@ def server_map(servers: Sequence[Server], up: Iterable[str]) -> list[str]:
         score[best] -= total
     return table
 
-
-# ---------------------------------------------------------------- consistent hashing
 
 _M32 = 0xFFFFFFFF
 
@@ -244,9 +216,8 @@ BUCKET_BITS = 12  # the guard reads a hash's top 12 bits: 4,096 buckets
 def ring(
     servers: Sequence[Server], up: Iterable[str], ids: dict[str, int], node_keys: NodeKeys
 ) -> list[tuple[int, str]]:
-    """The consistent-hash ring of a worker that sees `up` usable: (point key, server)
-    sorted, 16 points per unit of weight per primary (backups: a ring of their own, not
-    reproduced)."""
+    """The consistent-hash ring of a worker that sees `up` usable: (point key, server) sorted,
+    16 points per unit of weight per primary (the backups' ring is not reproduced)."""
     usable = set(up)
     points: list[tuple[int, str]] = []
     for s in servers:
@@ -279,9 +250,8 @@ def _arcs(points: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
 
 
 def consistent_buckets(points: list[tuple[int, str]], dead: set[str]) -> dict[int, str]:
-    """bucket -> the server for every bucket that some dead server's arc touches: the live
-    server owning most of the bucket, else the one the ring without the dead servers gives
-    the bucket's middle (where HAProxy sends those keys once they are DOWN)."""
+    """bucket -> the server for every bucket a dead server's arc touches: the live server
+    owning most of it, else the one the ring without the dead gives the bucket's middle."""
     shift = 32 - BUCKET_BITS
     live_points = [(k, name) for k, name in points if name not in dead]
     if not live_points or not any(name in dead for _, name in points):

@@ -1,28 +1,13 @@
-"""Server state across reloads: what the current worker knows, handed to the next one.
+"""Server state across reloads: the current worker's `show servers state`, saved before a
+reload to the `server-state-file` the new worker loads, so a server in maint or DOWN does not
+start UP in it.
 
-Before a reload the current worker's `show servers state` is saved to the file the
-effective config names in `server-state-file`; the new worker loads it at start-up
-(`load-server-state-from-file global`), so a server in maint, or DOWN by its health
-checks, does not start UP in the new worker.
-
-HAProxy 2.6 applies that file with rules that do not fit a config that changes
-(checked with the real binary, see tests/test_runtime_across_reloads_e2e.py):
-
-- `srv_port` from the file always overrides the port in the new config, so a server
-  moved to another port would keep the old one. (The address of a server written as an
-  IP literal comes from the config.)
-- The admin state is restored whenever the config's `disabled` did not flip between the
-  old worker's config and the new one. The old worker's config is not what we last set:
-  a slot disabled at runtime by this daemon (forced maint) and enabled again in the next
-  config would stay in maint, and a slot enabled at runtime and disabled again would
-  come back ready.
-
-So the saved file is filtered: a server's line is kept only when the server exists in
-both the running effective config and the new one with the same address, port,
-`disabled` and weight, and the file's address and port are the ones the new config
-gives it. Everything else starts from the new config. What carries over is exactly the
-state no config expresses: health (DOWN), a maint or drain set by an operator, an
-operator's weight.
+HAProxy 2.6 applies that file by rules that do not fit a changing config (the saved port
+overrides the new config's; a runtime maint is kept unless the config's `disabled` flipped;
+tests/test_runtime_across_reloads_e2e.py), so it is filtered: a server's line is kept only when
+its address, port, `disabled` and weight are the same in the running and the new config, and
+the saved address and port are the new config's. What carries over is what no config says:
+health, an operator's maint, drain or weight (docs/runtime-changes.md).
 """
 
 from __future__ import annotations
@@ -40,6 +25,7 @@ from .api import CLIError, MasterCLI
 from .config import Config, Section
 from .lexer import Line, parse_line, quote_word
 from .resolution import PROXY_KINDS, Server, is_ip
+from .routing import effective_weight
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +44,7 @@ def _same_ip(a: str, b: str) -> bool:
 
 
 def _config_identity(server: Server) -> tuple[str, int | None, bool, int]:
-    return server.address, server.port, server.disabled, 1 if server.weight is None else server.weight
+    return server.address, server.port, server.disabled, effective_weight(server)
 
 
 def _carries_over(
@@ -79,9 +65,8 @@ def _carries_over(
 def server_state_parts(
     text: str, running: Config, new: Config, forget: Collection[str] = (), rows_per_part: int = 2000
 ) -> Iterator[str]:
-    """filter_server_state() in parts of `rows_per_part` rows (their concatenation is its
-    answer; the first two are empty, after each config's servers are listed): a caller on
-    the event loop lets it run between parts."""
+    """The filtered state file (module doc) in parts of `rows_per_part` rows, the first two
+    empty (after each config's servers are listed): the event loop runs between parts."""
     if not is_servers_state(text):
         yield EMPTY_STATE
         return
@@ -139,13 +124,9 @@ def _loads_server_state(config: Config) -> bool:
 
 
 def inject_server_state(config: Config, path: Path) -> Config:
-    """Make the worker load the server state saved before a reload, unless the config already does.
-
-    `server-state-file <path>` goes into global, `load-server-state-from-file global`
-    into every defaults section (and into backends that have no defaults to inherit
-    from). Each is left out when the rendered config already uses that keyword:
-    then it manages server state itself.
-    """
+    """Make the worker load the server state saved before a reload: `server-state-file` in
+    global, `load-server-state-from-file global` in every defaults section (and backends with
+    none to inherit from); each left out when the rendered config uses that keyword itself."""
     result = config.copy()
     if result.global_setting("server-state-file") is None:
         global_section = next((s for s in result.sections if s.kind == "global"), None)
@@ -168,9 +149,8 @@ def inject_server_state(config: Config, path: Path) -> Config:
 
 def clear_server_state(path: Path) -> str | None:
     """No state to hand over: a master started afresh must not load a previous run's file.
-    Best-effort: when there is no room for the new file an atomic write makes (a full disk),
-    the old one is emptied in place (its truncated block holds the few bytes), else removed
-    (HAProxy starts without it, with a warning). Returns what failed, or None."""
+    Best-effort: on a full disk the old file is emptied in place (its block holds the few
+    bytes), else removed (HAProxy warns). Returns what failed, or None."""
     try:
         write_atomically(path, EMPTY_STATE)
         return None
@@ -201,23 +181,15 @@ async def save_server_state(
     new: Config,
     forget: Collection[str] = (),
 ) -> bool:
-    """Save the worker's server state for the reload to `new`; False (and no state) on failure.
-
-    On failure the file is emptied rather than left alone: a state file from an earlier
-    reload would hand the new worker states that are no longer true.
-    """
+    """Save the worker's server state for the reload to `new`; False on failure, when the file
+    is emptied: an earlier reload's state would hand the new worker states no longer true."""
     try:
         answer = await cli.on(worker_pid, "show servers state")
+        why = None if is_servers_state(answer) else f"unexpected answer {answer.strip()[:120]!r}"
     except CLIError as exc:
-        log.warning("cannot save server state of worker %d: %s; the new worker starts from its config", worker_pid, exc)
-        write_atomically(path, EMPTY_STATE)
-        return False
-    if not is_servers_state(answer):
-        log.warning(
-            "cannot save server state of worker %d: unexpected answer %r; the new worker starts from its config",
-            worker_pid,
-            answer.strip()[:120],
-        )
+        why = str(exc)
+    if why is not None:
+        log.warning("cannot save server state of worker %d: %s; the new worker starts from its config", worker_pid, why)
         write_atomically(path, EMPTY_STATE)
         return False
     parts = []

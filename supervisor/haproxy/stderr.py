@@ -1,21 +1,12 @@
 """HAProxy's own messages as an event source: the master's stderr is a FIFO the daemon reads.
 
-Every HAProxy process of a master-worker tree writes its messages to the stderr it inherited
-from the master (unless the global section says `quiet`), and each server state change is one
-of them: `[WARNING]  (4612) : Server be/s1 is DOWN, reason: ...`, `... is UP ...`,
-`... is going DOWN for maintenance ...`, from the worker (current or old) in whose view it
-changed. So a line names the process whose server states are worth reading again; nothing
-else needs reading while no line comes.
-
-The stderr is a named FIFO in runtime_dir, not an anonymous pipe, so that a daemon restarted
-next to a running master (which it adopts) opens it again by its path and hears it again. Its
-ends are opened so that neither side can hurt the other:
-- the master gets a write end opened O_NONBLOCK: a daemon that stops reading can never stall
-  a worker, a full pipe drops a line instead (the slow full read is the safety net); with no
-  reader at all (no daemon) a write fails with EPIPE, and HAProxy ignores SIGPIPE;
-- the daemon opens its end read-write, so it never sees an end of file, whether the master
-  re-executes on a reload or dies and is started again.
-Every line read is written unchanged to the daemon's own stderr (the journal under systemd).
+Every process of the master-worker tree writes each server state change it sees to the stderr
+it inherited (`[WARNING]  (4612) : Server be/s1 is DOWN, ...`), so a line names the process
+whose server states are worth reading again. A named FIFO in runtime_dir, so that a daemon
+restarted next to a running master opens it again by its path (docs/operating.md). The master's
+write end is O_NONBLOCK, so a daemon that stops reading never stalls a worker (a full pipe
+drops a line); the daemon's end is read-write, so it never sees an end of file. Every line is
+written unchanged to the daemon's own stderr.
 """
 
 from __future__ import annotations
@@ -86,10 +77,6 @@ def parse_server_event(line: str) -> ServerEvent | None:
     return ServerEvent(int(pid), backend, server, change)
 
 
-def same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 class StderrRelay:
     """The FIFO that is the master's stderr: made, read, forwarded, and turned into events."""
 
@@ -128,10 +115,12 @@ class StderrRelay:
         return os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
 
     def feeds(self, pid: int) -> bool:
-        """Whether process `pid` writes its stderr into this FIFO (a master started by this
-        daemon or by a previous one; not one started by hand or before this feature)."""
+        """Whether process `pid` writes its stderr into this FIFO (not a master started by hand)."""
         try:
-            return self._fd is not None and same_file(os.stat(f"/proc/{pid}/fd/2"), os.fstat(self._fd))
+            if self._fd is None:
+                return False
+            theirs, ours = os.stat(f"/proc/{pid}/fd/2"), os.fstat(self._fd)
+            return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
         except OSError:
             return False
 

@@ -1,22 +1,12 @@
-"""Sending changes to one worker's live servers, checking every answer.
+"""Sending changes to one worker's live servers, checking every answer (docs/runtime-changes.md).
 
-Make before break: the changes go out in two phases. First every change after which the
-server is in service (enables, new addresses and weights of live servers), then the
-disables. Within each backend the enables are complete (`state ready` accepted) before
-any disable begins, so a backend never has fewer usable servers during a change than at
-its start or at its end: a slot handing over to another in one write never leaves the
-backend with no server (`backend 'be' has no server available!`, 503s). When a first-phase
-command is refused in a backend, that backend's disables are not sent (the reload that
-follows does them): nothing is broken that was not made.
-
-Within a phase, commands are batched across servers, one step at a time: the first
-command of every server's sequence on one master-CLI line (`@!<pid> cmd;@!<pid> cmd;...`),
-every answer checked, then the second command of the servers whose first was accepted,
-and so on. One `;` line runs all its commands whatever each answers, so the commands of
-ONE server never share a line: a refusal can only stop what has not been sent yet.
-
-Servers are added (`add server`) and removed (`del server`) here too, by name, the current
-worker's slot table kept in step; the changes to servers that stay are applied in between.
+Make before break: every change that leaves a server in service goes out, `state ready`
+accepted, before any disable, so a backend never has fewer usable servers during a change
+than at its start or its end; a backend whose enable was refused keeps its disables for the
+reload. Commands are batched across servers one step at a time: a `;` line runs all its
+commands whatever each answers, so the commands of one server never share a line, and a
+refusal can only stop what has not been sent yet. Servers are added and removed by name here
+too, the worker's slot table kept in step.
 """
 
 from __future__ import annotations
@@ -47,13 +37,8 @@ _ADDR_ACCEPTED = re.compile(
 
 
 def refusal(command: str, answer: str | None) -> str | None:
-    """None when HAProxy accepted `command`, else why not (its own words when it gave any).
-
-    `state`, `weight`, `enable health|agent`, `shutdown sessions` and the map commands print
-    nothing when they succeed; `addr` prints what it changed; `add server` and `del server`
-    say they did it. Anything else, including an answer this code does not know, counts as
-    refused: the safe reading, since the sequence then stops with the server out of rotation.
-    """
+    """None when HAProxy accepted `command`, else why not (its own words when it gave any). An
+    answer this code does not know counts as refused: the sequence then stops out of rotation."""
     if answer is None:
         return "no answer"
     text = answer.strip()
@@ -69,9 +54,8 @@ def refusal(command: str, answer: str | None) -> str | None:
 
 
 def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
-    """Did `del server` take? `No such server.` to a server this apply already asked to delete
-    is a deletion too: the earlier answer was lost (a timeout, a line that could not be read),
-    not the deletion."""
+    """Did `del server` take? `No such server.` to a server already asked to delete is a deletion
+    too: the earlier answer was lost (a timeout, a line that could not be read), not the deletion."""
     if refusal(command, answer) is None:
         return True
     return asked_before and answer is not None and answer.strip() == "No such server."
@@ -125,27 +109,9 @@ async def send_step(
 ) -> tuple[list[str | None], int]:
     """Send one step's commands (one per server) as few `;` lines as fit; answers in order."""
     lines = batch_lines([on_process(worker_pid, c) for c in commands], line_limit)
-    tasks: list[asyncio.Task[list[str | None]]] = []
     async with asyncio.TaskGroup() as group:
-        for line in lines:
-            tasks.append(group.create_task(send_line(cli, line)))
-    answers: list[str | None] = []
-    for task in tasks:
-        answers.extend(task.result())
-    return answers, len(lines)
-
-
-def takes_out(change: ServerChange) -> bool:
-    """Does the change take a server out of service (a disable)?"""
-    return change.was_enabled and not change.enabled
-
-
-def make_before_break(changes: Iterable[ServerChange]) -> list[list[ServerChange]]:
-    """The phases of a change (module doc): what leaves servers in service, then the disables."""
-    changes = list(changes)
-    making = [c for c in changes if not takes_out(c)]
-    breaking = [c for c in changes if takes_out(c)]
-    return [phase for phase in (making, breaking) if phase]
+        tasks = [group.create_task(send_line(cli, line)) for line in lines]
+    return [answer for task in tasks for answer in task.result()], len(lines)
 
 
 async def apply_changes(
@@ -157,17 +123,14 @@ async def apply_changes(
     line_limit: int = DEFAULT_LINE_LIMIT,
     phased: bool = True,
 ) -> ApplyResult:
-    """Apply changes to one worker, make before break, step by step across servers, checking
-    every answer.
-
-    `order` and `phased=False` (every change in one phase) exist so a test can drive the
-    wrong order and show the window it opens.
-    """
+    """Apply changes to one worker, make before break (module doc). `order` and `phased=False`
+    (every change in one phase) exist so a test can drive the wrong order and show its window."""
     worker_pid = int(worker_pid)
     result = ApplyResult()
     changes = list(changes)
     unmade: set[str] = set()  # backends where a first-phase command was refused
-    for phase in make_before_break(changes) if phased else [changes]:
+    making = [c for c in changes if not c.takes_out]
+    for phase in [making, [c for c in changes if c.takes_out]] if phased else [changes]:
         skipped = [c for c in phase if c.backend in unmade]
         if skipped:
             result.skipped.extend(skipped)
@@ -243,14 +206,23 @@ def _needs_experimental_mode(answer: str | None) -> bool:
     return answer is not None and "experimental" in answer.lower()
 
 
+async def send_commands(
+    cli: MasterCLI, pid: int, commands: Sequence[str], line_limit: int, prefix: Sequence[str] = ()
+) -> list[str | None]:
+    """One answer per command to worker `pid`. The master session's mode (`prefix`, such as
+    `experimental-mode on`) rides with each command on a line of its own."""
+    if not prefix:
+        answers, _ = await send_step(cli, pid, commands, line_limit)
+        return answers
+    return [(await send_line(cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
+
+
 @dataclass
 class MembershipResult:
-    """What apply_membership() did. Not ok: `why` (one line) is the reason for the reload
-    that follows. `made`: added servers are in service in the worker (the removes failed),
-    so it runs the new config's servers, plus removed ones left in maint. `pending`: removed
-    servers in maint at the placeholder whose `del server` is still refused (key -> the
-    answer), for the background (hook.py); `mode`: what each of this worker's lines
-    began with (`experimental-mode on`, when it asked for it)."""
+    """What apply_membership() did. Not ok: `why` is the reason for the reload that follows.
+    `made`: the added servers are in service (the removes failed). `pending`: removed servers
+    in maint at the placeholder whose `del server` is still refused (key -> the answer), for
+    hook.py; `mode`: what this worker's lines began with (`experimental-mode on`, if asked)."""
 
     ok: bool = True
     why: str = ""
@@ -273,17 +245,8 @@ class _Sender:
         self.prefix: list[str] = []  # `experimental-mode on`, once a worker asked for it
 
     async def send(self, commands: Sequence[str]) -> list[str | None]:
-        if not commands:
-            return []
         self.result.commands_sent += len(commands)
-        if not self.prefix:
-            answers, _ = await send_step(self.cli, self.pid, commands, self.line_limit)
-            return answers
-        answers: list[str | None] = []
-        for command in commands:  # the master session's mode rides with the command on one line
-            line = ";".join([*self.prefix, on_process(self.pid, command)])
-            answers.append((await send_line(self.cli, line))[-1])
-        return answers
+        return await send_commands(self.cli, self.pid, commands, self.line_limit, self.prefix)
 
 
 async def apply_membership(
@@ -296,12 +259,8 @@ async def apply_membership(
     line_limit: int = DEFAULT_LINE_LIMIT,
     background: bool = True,
 ) -> MembershipResult:
-    """Add and remove servers in one worker, make before break (module doc of plan.py):
-    add in maint, enable checks, ready; the in-place changes; the worker's slot table; only
-    then the removed servers to maint and `del server`. A removal refused while connections
-    are attached gets the placeholder address and one more `del server`; then, `background`,
-    it is left pending (`result.pending`), else its sessions are waited for (`remove_wait_s`,
-    then `shutdown sessions server`) and a removal still refused is a failure."""
+    """Add and remove servers in one worker, make before break: the adds readied, the in-place
+    changes, the worker's slot table, only then the removes (`_remove`; docs/removals.md)."""
     pid = int(worker_pid)
     result = MembershipResult()
     sender = _Sender(cli, pid, line_limit, result)
@@ -363,8 +322,8 @@ async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: 
 async def _add(
     sender: _Sender, adds: Sequence[ServerAdd], result: MembershipResult, present: Sequence[ServerAdd] = ()
 ) -> str:
-    """Add every server in maint, then step by step its checks and `state ready` (also for the
-    `present` ones, which the worker holds already); the first refusal, or ''."""
+    """Add every server in maint, then step by step its checks and `state ready` (also those
+    `present` in the worker already); the first refusal, or ''."""
     result.added.extend(add.key for add in present)
     answers = await sender.send([a.add_command for a in adds])
     if any(_needs_experimental_mode(a) for a in answers):
@@ -398,8 +357,7 @@ async def _add(
 
 
 async def _take_back(sender: _Sender, keys: list[str], wait_s: float, background: bool) -> None:
-    """Undo adds after a refusal: the servers out of service and deleted (best effort; what is
-    still refused is pending, like any removal)."""
+    """Undo adds after a refusal, best effort: what is still refused is pending, like any removal."""
     if keys:
         undone = MembershipResult()
         leftover = await _remove(sender, list(keys), wait_s, undone, background)
@@ -409,10 +367,10 @@ async def _take_back(sender: _Sender, keys: list[str], wait_s: float, background
 
 
 async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: MembershipResult, background: bool) -> str:
-    """Servers to maint, then `del server`: while connections are attached HAProxy refuses it.
-    The refused get the placeholder address and one more try; then, `background`, they are
-    pending (`result.pending`); else it is tried until `wait_s`, their sessions shut down and
-    it is tried a little longer. What is still refused then, or ''."""
+    """Servers to maint, then `del server`, which HAProxy refuses while connections are attached:
+    the refused get the placeholder address and one more try; then, `background`, they are
+    pending, else it is tried until `wait_s`, their sessions shut down, and a little longer.
+    What is still refused then, or ''."""
     if not keys:
         return ""
     answers = await sender.send([f"set server {key} state maint" for key in keys])

@@ -1,17 +1,11 @@
 """`RuntimeApplier`: what the reloader calls to apply a change without a reload, and to save
 the current worker's server state before one.
 
-It owns the pending removals: servers the rendered config no longer has that the current worker still
-holds, because HAProxy refuses `del server` while connections are attached to one.
-
-Such a server is in maint at the placeholder address before it gets here: it routes nothing,
-so the change is live and the node runs what the rendered config says. What is left is
-bookkeeping, done in the background without the master lock: `del server` again after
-RETRY_FIRST_S, the wait doubling up to RETRY_MAX_S, `shutdown sessions server` once the
-server has waited `remove_wait_s`, for as long as that worker is the current one. After a
-reload the new worker never had the server, and an old one refuses every server command: the
-removal stays pending in the old worker for as long as it holds connections to the server's
-address (counted through sock_diag every OLD_CHECK_S), and ends when it holds none or exits.
+It owns the pending removals (docs/removals.md): servers the config no longer has whose
+`del server` HAProxy refuses while connections are attached. In maint at the placeholder they
+route nothing, so the change is live; what is left is retried in the background, without the
+master lock. An old worker refuses every server command: there a removal only ends when the
+worker holds no connection to the server's address any more, or exits.
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ from .apply import (
     apply_changes,
     apply_membership,
     deleted,
-    send_line,
-    send_step,
+    send_commands,
 )
 from .plan import RuntimePlan, completed_plan, runtime_plan
 
@@ -58,14 +51,16 @@ OLD_CHECK_S = 1.0  # how often an old worker's held connections to a removed ser
 LEFT_BY_EARLIER_DAEMON = "left pending by an earlier daemon"
 
 
+def _at_placeholder(state: ServerState) -> bool:
+    """In maint at the placeholder: a removal whose `del server` was refused."""
+    return state.in_maint and (state.address, state.port) == (PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT)
+
+
 def left_pending(held: Iterable[ServerState], running: Config) -> list[str]:
-    """Servers the worker holds (`show servers state`) that `running` (its generation's config)
-    does not have, in maint at the placeholder: removals a daemon before this one left
-    pending. A server out of the config elsewhere, or not in maint, is no removal of this
-    daemon's making: it is left to the next change (plan.py: completed_plan)."""
+    """Servers the worker holds at the placeholder that `running` (its generation's config) lacks:
+    removals an earlier daemon left pending. Others are left to the next change (completed_plan)."""
     wanted = running.server_map()
-    return [s.key for s in held if s.key not in wanted and s.in_maint
-            and (s.address, s.port) == (PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT)]
+    return [s.key for s in held if s.key not in wanted and _at_placeholder(s)]
 
 
 def retry_delay(tries: int) -> float:
@@ -74,9 +69,9 @@ def retry_delay(tries: int) -> float:
 
 
 def why_ended(removal: PendingRemoval, current_pid: int | None, alive: bool, held: int | None) -> str | None:
-    """Why `removal` ends now, or None while it stays pending. In the current worker it ends
-    by its `del server` alone. In an old one (after a reload) it ends when that worker exits,
-    or holds no connection to the server's address any more (`held`, None when uncounted)."""
+    """Why `removal` ends now, or None while it stays pending: in an old worker, once it exits or
+    holds no connection to the server's address (`held`, None when uncounted); in the current
+    worker only by its `del server`."""
     if current_pid is None or removal.worker_pid == current_pid:
         return None
     if not alive:
@@ -89,8 +84,8 @@ def why_ended(removal: PendingRemoval, current_pid: int | None, alive: bool, hel
 
 
 def held_connections(pid: int, endpoint: tuple[str, int]) -> int | None:
-    """How many connections process `pid` holds to `endpoint` (connecting or established, by
-    sock_diag); None when the kernel cannot be asked."""
+    """How many connections process `pid` holds to `endpoint`, connecting or established; None
+    when the kernel cannot be asked."""
     address, port = endpoint
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     address = socket.inet_ntop(family, socket.inet_pton(family, address))  # as the kernel spells it
@@ -107,8 +102,8 @@ Publish = Callable[[Mapping[str, PendingRemoval]], None]
 
 
 class PendingRemovals:
-    """The pending removals, the current worker's and old workers' (`removals`, a read-only view; each change is
-    handed to `publish`, for /status and /metrics) and the task that retries them (`run()`)."""
+    """The pending removals of every worker (`removals`, read-only; each change is handed to
+    `publish`, for /status and /metrics) and the task that retries them (`run()`)."""
 
     def __init__(
         self,
@@ -135,7 +130,7 @@ class PendingRemovals:
         endpoints: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
         """Servers of `worker_pid` whose `del server` was refused (key -> its last answer), and
-        where they were (key -> address, port) before they were moved to the placeholder."""
+        where they were before the placeholder (key -> address, port)."""
         now, wall = time.monotonic(), datetime.now(UTC)
         for key, answer in answers.items():
             self._removals[key] = PendingRemoval(
@@ -180,8 +175,8 @@ class PendingRemovals:
                     await self._wake.wait()
 
     async def _end_replaced(self) -> set[str]:
-        """End the removals pending in old workers that why_ended() says are over; the keys of
-        those still pending in old workers (no `del server` is sent to those)."""
+        """End the old workers' removals that why_ended() says are over; the keys of those still
+        pending there (no `del server` is sent to an old worker)."""
         if self.current_pid is None:
             return set()
         current = self.current_pid()
@@ -211,12 +206,13 @@ class PendingRemovals:
             if shut:
                 log.info("worker %d: sessions still on %d removed servers after %gs: shutting them down",
                          pid, len(shut), self.remove_wait_s)
-                await self._send(pid, [f"shutdown sessions server {r.key}" for r in shut])
+                shutdown = [f"shutdown sessions server {r.key}" for r in shut]
+                await send_commands(self.cli, pid, shutdown, self.line_limit, self.prefix.get(pid, ()))
                 for removal in shut:
                     if removal.key in self._removals:
                         self._removals[removal.key] = replace(self._removals[removal.key], sessions_shut_down=True)
             commands = [f"del server {r.key}" for r in removals]
-            answers = await self._send(pid, commands)
+            answers = await send_commands(self.cli, pid, commands, self.line_limit, self.prefix.get(pid, ()))
             after = time.monotonic()
             for removal, command, answer in zip(removals, commands, answers, strict=True):
                 if removal.key not in self._removals:
@@ -233,13 +229,6 @@ class PendingRemovals:
                 )
             self._changed()
 
-    async def _send(self, pid: int, commands: list[str]) -> list[str | None]:
-        prefix = self.prefix.get(pid)
-        if not prefix:
-            answers, _ = await send_step(self.cli, pid, commands, self.line_limit)
-            return answers
-        return [(await send_line(self.cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
-
 
 log = logging.getLogger(__package__)
 
@@ -253,33 +242,23 @@ class _Generation(Protocol):
 
 
 class _Effective(Protocol):
-    text: str
+    effective_model: Config
 
 
 @dataclass(frozen=True)
 class RuntimeOutcome:
-    """What a runtime apply left the current worker running.
-
-    `applied`: the whole change is live, no reload is needed. `runs`: the model the worker
-    now runs when the apply changed it: the new one when applied, or, when a reload must
-    finish the change, the new config's servers (removed ones left in maint) once the new
-    servers are in service there; None when its servers are as they were.
-    """
+    """What a runtime apply left the current worker running. `applied`: the whole change is
+    live. `runs`: the model the worker now runs, if the apply changed it: the new one, also
+    when a reload must finish the change but the new servers are in service already."""
 
     applied: bool
     runs: Config | None = None
 
 
 class RuntimeApplier:
-    """`runtime_apply(current, new_model, effective) -> RuntimeOutcome` for the reloader.
-
-    Applied: the change is live in the current worker and no reload is needed (the reloader
-    then writes the effective config and records the generation the worker now runs).
-    Not applied: a reload must do it; either the plan needs one, or a command was refused.
-    Servers whose sequence was refused are remembered in `forget`, so that the next
-    server-state save leaves them out and the reload starts them from the config rather
-    than keeping them in the maint this module left them in.
-    """
+    """`runtime_apply(current, new_model, effective) -> RuntimeOutcome` for the reloader. Servers
+    whose sequence was refused are remembered in `forget`: the next server-state save leaves
+    them out, so the reload starts them from the config, not in the maint left here."""
 
     def __init__(
         self,
@@ -307,8 +286,8 @@ class RuntimeApplier:
         await self.pending.run()
 
     async def resume_pending(self, current: _Generation | None) -> list[str]:
-        """After adopting a master: the removals a daemon before this one left pending in the
-        current worker (left_pending), held and retried like the applier's own; their keys."""
+        """After adopting a master: the removals an earlier daemon left pending in the current
+        worker (left_pending), held and retried like the applier's own; their keys."""
         if current is None or current.worker_pid is None:
             return []
         pid = current.worker_pid
@@ -416,11 +395,10 @@ class RuntimeApplier:
         # An add held in maint at the placeholder is a removal an earlier daemon left pending
         # (the name came back): delete it, and add it afresh.
         adding = {a.key for a in plan.adds}
-        stale = [s for s in held if s.key in adding and s.in_maint
-                 and (s.address, s.port) == (PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT)]
+        stale = [s for s in held if s.key in adding and _at_placeholder(s)]
         if stale:
             commands = [f"del server {s.key}" for s in stale]
-            answers, _ = await send_step(self.cli, pid, commands, self.line_limit)
+            answers = await send_commands(self.cli, pid, commands, self.line_limit)
             gone = {s.key for s, c, a in zip(stale, commands, answers, strict=True) if deleted(c, a, asked_before=True)}
             log.info("worker %d: %d of %d servers left at the placeholder by an earlier removal deleted before "
                      "they are added again", pid, len(gone), len(stale))

@@ -1,63 +1,32 @@
 """The plan: does the new config differ from the running one only in what the runtime API can
 change (server addresses, ports, weights, enabled state; servers added and removed by name)?
-Then the changes; else the one-line reason a reload is needed.
+Then the changes; else the one-line reason a reload is needed. What qualifies, and the order
+of each server's commands, are in docs/runtime-changes.md.
 
-Each change is to one live server, with the order of its commands.
+The order never leaves a server routable where it should not be (`ordered_commands`): a
+disable starts with `state maint`, an enable ends with `state ready`, and a live server's new
+address is swapped in place, never out of rotation (a maint/ready pair would empty a backend
+of one server). A refused command stops that server's sequence, so a server whose sequence
+began with `state maint` stays in maint, and the reloader reloads.
 
-Order of the commands for one server (`ordered_commands`):
-
-- disable: `state maint` first, then the address, then the weight. Once in maint the
-  server takes no new request, so what follows cannot route anything.
-- enable: the address and the weight while the server is still in maint, `state ready`
-  last, so it starts taking requests at the right address with the right weight. When
-  the address changes, an explicit `state maint` goes first even though a disabled
-  server should already be in maint: if the address is then refused the server is
-  known to be in maint, never ready at an address it should not have.
-- new address of an enabled server: the address, then the weight, and the server stays
-  ready throughout. Requests balanced to it before the command go to the old address,
-  after it to the new one (HAProxy closes its idle connections to the old address on
-  the change); at no time is it routable at a placeholder, and it never leaves rotation,
-  which a maint/ready pair would do and which empties a backend of one server.
-- weight alone, address and enabled state unchanged: one `weight` command. Weight only
-  shifts the proportion of requests between servers that are all at the right address,
-  so no order of it can route wrongly. `weight 0` before a disable buys nothing
-  either: `state maint` stops new requests just as well and is what a disable means.
-
-A refused command stops the sequence for that server: what was accepted stays, the
-rest is not sent. As `state ready` is always last, a server whose sequence began with
-`state maint` stays in maint. The reloader then reloads (the hook answers False).
-
-Servers added and removed by name (`membership`):
-
-A replica that moves gets a new server name (Ray Serve names each server after its replica),
-so a rolling deployment adds and removes `server` lines and changes nothing else. HAProxy
-2.6 and later can do that at runtime (`add server`, `del server`), so such a change needs no
-reload and leaves no old worker. It qualifies when, section by section, everything but the
-`server` lines of backends is unchanged (comments, spacing and the name of the slot table the
-guard reads aside), and every server present in both has the same line apart from what the
-Runtime API sets in place (address, weight, enabled) and the same `default-server` lines
-before it.
-
-A dynamic server gets none of the `default-server` settings (checked on 2.6.12: a backend's
-`default-server weight 7` came out as weight 1), so its `add server` line carries what the
-config resolves for it: the `default-server` words of its defaults section (through `from`
-chains), then those of its backend before its line, then its own, each keyword once with its
-last value. `add server` refuses some keywords (`cookie`, `init-addr`, `no-check`, ...) and
-some backends (`balance static-rr`): the applier judges by HAProxy's answer and reloads.
+A dynamic server gets none of the `default-server` settings (checked on 2.6.12), so its
+`add server` line carries what the config resolves for it (`resolved_params`). What
+`add server` refuses (`cookie`, `init-addr`, `no-check`, `balance static-rr`, ...) the
+applier judges by HAProxy's answer, and reloads.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from ..answers import ServerKey, ServerState, parse_map_list, validate_name
 from ..config import Config, Section
 from ..guard import COOKIE_ROW, SLOT_TABLE_PREFIX, STICK_ROW, persistence_rows, slot_table
 from ..resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, is_ip, section_servers
+from ..routing import effective_weight
 
 # Flags a fresh dynamic server starts without: `no-<flag>` after nothing that set it says
 # nothing, and `add server` refuses some of these negations (`no-check`).
@@ -68,8 +37,8 @@ _SLOT_TABLE_NAME = re.compile(re.escape(SLOT_TABLE_PREFIX) + r"[0-9a-f]+\.map")
 _ANY_SLOT_TABLE = f"{SLOT_TABLE_PREFIX}*.map"
 
 Words = tuple[str, ...]
-Skeleton = Callable[[Words], Words]  # a server line without what the Runtime API sets in place
-Difference = Callable[[list[Words], list[Words]], str]  # where two skeletons differ, for the log
+# A server present in both configs: (its old section, old server, new section, new server).
+Pair = tuple[Section, Server, Section, Server]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +96,8 @@ class ServerRemove:
 
 
 def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
-    """Server words as HAProxy applies them in order, folded into one line for `add server`:
-    each keyword once, at its last value; `no-X` cancels an earlier X; `enabled`/`disabled`
-    left out (the applier readies a server or not)."""
+    """Server words as HAProxy applies them, folded into one line for `add server`: each keyword
+    once at its last value, `no-X` cancels an earlier X, `enabled`/`disabled` left out."""
     items: dict[str, tuple[str, ...]] = {}
     seq = list(words)
     i = 0
@@ -156,32 +124,13 @@ def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
 @dataclass(frozen=True, slots=True)
 class _ServerLine:
     name: str
-    skeleton: tuple[str, ...]  # the line without what the Runtime API sets in place
-    context: tuple[tuple[str, ...], ...]  # the backend's default-server lines before it
+    skeleton: Words  # the line without what the Runtime API sets in place
+    context: tuple[Words, ...]  # the backend's default-server lines before it
 
 
-def _frame(config: Config, skeleton_of: Skeleton) -> list[Words]:
-    """Every line's words but backends' `server` lines, the slot table's name made generic."""
-    frame: list[tuple[str, ...]] = []
-    for section in config.sections:
-        if section.header is not None:
-            frame.append(("<section>", *section.header.words))
-        for line in section.body:
-            words = line.words
-            if not words:
-                continue
-            if section.kind in BACKEND_KINDS:
-                if words[0] == "server" and len(words) >= 3:
-                    continue
-                if words[0] == "server-template" and len(words) >= 4:
-                    words = skeleton_of(words)
-            frame.append(tuple(_SLOT_TABLE_NAME.sub(_ANY_SLOT_TABLE, w) for w in words))
-    return frame
-
-
-def _server_lines(section: Section, skeleton_of: Skeleton) -> dict[str, _ServerLine] | str:
+def _server_lines(section: Section) -> dict[str, _ServerLine] | str:
     lines: dict[str, _ServerLine] = {}
-    context: list[tuple[str, ...]] = []
+    context: list[Words] = []
     for line in section.body:
         words = line.words
         if words[:1] == ("default-server",):
@@ -189,36 +138,24 @@ def _server_lines(section: Section, skeleton_of: Skeleton) -> dict[str, _ServerL
         elif words[:1] == ("server",) and len(words) >= 3:
             if words[1] in lines:
                 return f"{section.kind} {section.name}: two servers named {words[1]}"
-            lines[words[1]] = _ServerLine(words[1], skeleton_of(words), tuple(context))
+            lines[words[1]] = _ServerLine(words[1], _without_runtime_fields(words), tuple(context))
     return lines
 
 
-@dataclass(frozen=True, slots=True)
-class Membership:
-    """What a change adds and removes, and the backends whose servers change (in-place
-    changes of the servers present in both are planned by runtime/plan.py, as before)."""
-
-    adds: tuple[ServerAdd, ...]
-    removes: tuple[ServerRemove, ...]
-    common: tuple[tuple[Section, Section, list[tuple[Server, Server]]], ...]
-
-    @property
-    def backends(self) -> set[str]:
-        return {c.backend for c in self.adds} | {c.backend for c in self.removes}
-
-
-def membership(running: Config, new: Config, skeleton_of: Skeleton, first_difference: Difference) -> Membership | str:
-    """The servers added and removed between two configs, or why the change is more than that."""
-    old_frame, new_frame = _frame(running, skeleton_of), _frame(new, skeleton_of)
+def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd], list[ServerRemove]] | str:
+    """The servers present in both configs, those added and those removed, or why the change
+    is more than that: section by section, everything but the backends' `server` lines is the
+    same (the slot table's name aside), and every server present in both has the same line but
+    for what the Runtime API sets, and the same `default-server` lines before it."""
+    old_frame, new_frame = config_skeleton(running, frame=True), config_skeleton(new, frame=True)
     if old_frame != new_frame:
-        return first_difference(old_frame, new_frame)
+        return _first_difference(old_frame, new_frame)
+    pairs: list[Pair] = []
     adds: list[ServerAdd] = []
     removes: list[ServerRemove] = []
-    common: list[tuple[Section, Section, list[tuple[Server, Server]]]] = []
-    old_backends = running.backends_with_settings()
-    new_backends = new.backends_with_settings()
+    old_backends, new_backends = running.each_backend_with_settings(), new.each_backend_with_settings()
     for (old_section, old_settings), (new_section, new_settings) in zip(old_backends, new_backends, strict=True):
-        old_lines, new_lines = _server_lines(old_section, skeleton_of), _server_lines(new_section, skeleton_of)
+        old_lines, new_lines = _server_lines(old_section), _server_lines(new_section)
         if isinstance(old_lines, str):
             return old_lines
         if isinstance(new_lines, str):
@@ -232,32 +169,32 @@ def membership(running: Config, new: Config, skeleton_of: Skeleton, first_differ
             if before.context != after.context:
                 return f"{where}: the default-server lines before `server {name}` differ"
             if before.skeleton != after.skeleton:
-                return f"{where}: {first_difference([before.skeleton], [after.skeleton])}"
-        old_servers = {s.name: s for s in section_servers(old_section, old_settings, running.cache) if not s.template}
+                return f"{where}: {_first_difference([before.skeleton], [after.skeleton])}"
+        old_servers = section_servers(old_section, old_settings, running.cache)
         new_servers = section_servers(new_section, new_settings, new.cache)
-        pairs = [(old_servers[s.name], s) for s in new_servers if not s.template and s.name in old_lines]
-        templates = [(o, n) for o, n in zip(
-            [s for s in section_servers(old_section, old_settings, running.cache) if s.template],
-            [s for s in new_servers if s.template], strict=True)]
-        common.append((old_section, new_section, templates + pairs))
+        old_templates = [s for s in old_servers if s.template]
+        new_templates = [s for s in new_servers if s.template]
+        pairs += [(old_section, o, new_section, n) for o, n in zip(old_templates, new_templates, strict=True)]
+        by_name = {s.name: s for s in old_servers if not s.template}
+        pairs += [
+            (old_section, by_name[s.name], new_section, s) for s in new_servers if not s.template and s.name in by_name
+        ]
         for server in new_servers:
             if server.template or server.name in old_lines:
                 continue
-            added = _add_of(new_section, server, new_settings.server_default_words)
+            added = _add_of(new_section, server, new_settings.server_default_words, new_lines[server.name].context)
             if isinstance(added, str):
                 return added
             adds.append(added)
         removes.extend(ServerRemove(old_section.name, name) for name in old_lines if name not in new_lines)
-    return Membership(tuple(adds), tuple(removes), tuple(common))
+    return pairs, adds, removes
 
 
-def _add_of(section: Section, server: Server, inherited: tuple[str, ...]) -> ServerAdd | str:
+def _add_of(section: Section, server: Server, inherited: Words, context: tuple[Words, ...]) -> ServerAdd | str:
+    """The add of `server`, its line after the `default-server` lines of its defaults
+    (`inherited`) and of its backend before it (`context`)."""
     words = section.body[server.line_index].words
-    own_defaults: list[str] = []
-    for line in section.body[: server.line_index]:
-        if line.words[:1] == ("default-server",):
-            own_defaults.extend(line.words[1:])
-    params = resolved_params([*inherited, *own_defaults, *words[3:]])
+    params = resolved_params([*inherited, *(w for line in context for w in line[1:]), *words[3:]])
     if server.port is None or not is_ip(server.address):
         return f"{server.key}: address {words[2]} cannot be added at runtime (an IP literal and a port can)"
     try:
@@ -330,18 +267,9 @@ def validate_address(address: str) -> str:
     return address
 
 
-def validate_port(port: int | None) -> int | None:
-    if port is None:
-        return None
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"invalid server port {port!r}: must be an integer from 1 to 65535")
-    return port
-
-
-def validate_weight(weight: int) -> int:
-    if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
-        raise ValueError(f"invalid server weight {weight!r}: must be an integer from 0 to {MAX_WEIGHT}")
-    return weight
+def _validate_int(kind: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"invalid server {kind} {value!r}: must be an integer from {low} to {high}")
 
 
 def _same_host(a: str, b: str) -> bool:
@@ -371,10 +299,11 @@ class ServerChange:
         validate_name("server", self.server)
         validate_address(self.from_address)
         validate_address(self.to_address)
-        validate_port(self.from_port)
-        validate_port(self.to_port)
-        validate_weight(self.from_weight)
-        validate_weight(self.to_weight)
+        for port in (self.from_port, self.to_port):
+            if port is not None:
+                _validate_int("port", port, 1, 65535)
+        _validate_int("weight", self.from_weight, 0, MAX_WEIGHT)
+        _validate_int("weight", self.to_weight, 0, MAX_WEIGHT)
         if self.address_changed and self.to_port is None and self.from_port is not None:
             raise ValueError(f"{self.key}: cannot drop the port of a server at runtime")
 
@@ -390,41 +319,39 @@ class ServerChange:
     def weight_changed(self) -> bool:
         return self.from_weight != self.to_weight
 
+    @property
+    def takes_out(self) -> bool:
+        """A disable: the server leaves service."""
+        return self.was_enabled and not self.enabled
+
 
 def ordered_commands(change: ServerChange) -> list[str]:
     """The CLI commands for one change, in the only order that never routes wrongly (module doc)."""
     target = change.key
     weight = [f"set server {target} weight {change.to_weight}"] if change.weight_changed else []
-    disabling = change.was_enabled and not change.enabled
-    if not change.address_changed and not disabling:
+    port = f" port {change.to_port}" if change.to_port is not None else ""
+    addr = f"set server {target} addr {change.to_address}{port}"
+    if not change.address_changed and not change.takes_out:
         if change.enabled and not change.was_enabled:
             # Still in maint from the config's `disabled`: weight first, ready last.
             return [*weight, f"set server {target} state ready"]
         return weight
-    if not disabling and change.was_enabled:
-        # A live server's new address: swapped in place, never out of rotation (module doc).
-        port = f" port {change.to_port}" if change.to_port is not None else ""
-        return [f"set server {target} addr {change.to_address}{port}", *weight]
+    if not change.takes_out and change.was_enabled:
+        return [addr, *weight]  # a live server's new address: swapped in place (module doc)
+    # An enable whose address changes starts with `state maint` too: if the address is then
+    # refused, the server is known to be in maint, never ready at an address it should not have.
     commands = [f"set server {target} state maint"]
     if change.address_changed:
-        port = f" port {change.to_port}" if change.to_port is not None else ""
-        commands.append(f"set server {target} addr {change.to_address}{port}")
+        commands.append(addr)
     commands += weight
     if change.enabled:
         commands.append(f"set server {target} state ready")
     return commands
 
 
-log = logging.getLogger(__package__)
-
-
 def _runtime_endpoint(word: str) -> tuple[str, int | None] | None:
-    """(host, port) of a config address that `set server ... addr` can express, else None.
-
-    Only IP literals: `set server addr` does no DNS resolution, and a host name, a port
-    range or offset (`+1000`), a unix socket or a family prefix other than ipv4@/ipv6@
-    means the change is for a reload to make.
-    """
+    """(host, port) of a config address that `set server ... addr` can express, else None:
+    only IP literals (it does no DNS resolution), optionally after ipv4@ or ipv6@."""
     family = ""
     if word.startswith(("ipv4@", "ipv6@")):
         family, word = word[:4], word[5:]
@@ -456,11 +383,11 @@ def _runtime_endpoint(word: str) -> tuple[str, int | None] | None:
     return str(ip), int(port_text)
 
 
-def _address_index(line_words: tuple[str, ...]) -> int:
+def _address_index(line_words: Words) -> int:
     return 3 if line_words[0] == "server-template" else 2
 
 
-def _without_runtime_fields(words: tuple[str, ...]) -> tuple[str, ...]:
+def _without_runtime_fields(words: Words) -> Words:
     """A server line's words with the address, `disabled`/`enabled` and `weight N` taken out."""
     at = _address_index(words)
     kept = [*words[:at], "<address>"]
@@ -482,38 +409,39 @@ def _without_runtime_fields(words: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(kept)
 
 
-def _is_server_line(section: Section, words: tuple[str, ...]) -> bool:
+def _is_server_line(section: Section, words: Words) -> bool:
     if section.kind not in BACKEND_KINDS or not words:
         return False
     return (words[0] == "server" and len(words) >= 3) or (words[0] == "server-template" and len(words) >= 4)
 
 
-def config_skeleton(config: Config) -> list[tuple[str, ...]]:
-    """Every line's words, blank and comment lines left out, server runtime fields taken out.
-
-    Two configs with the same skeleton differ only in what the Runtime API can set on
-    servers that exist in both, or in comments and spacing, which HAProxy never sees.
-    """
-    skeleton: list[tuple[str, ...]] = []
+def config_skeleton(config: Config, frame: bool = False) -> list[Words]:
+    """Every line's words, blank and comment lines left out, server runtime fields taken out:
+    two configs with the same skeleton differ only in what the Runtime API can set on servers
+    of both, or in comments and spacing. `frame`: backends' `server` lines left out too, and
+    the slot table's name made generic (membership())."""
+    skeleton: list[Words] = []
     for section in config.sections:
         if section.header is not None:
             skeleton.append(("<section>", *section.header.words))
         for line in section.body:
-            if not line.words:
+            words = line.words
+            if not words:
                 continue
-            skeleton.append(_without_runtime_fields(line.words) if _is_server_line(section, line.words) else line.words)
+            if _is_server_line(section, words):
+                if frame and words[0] == "server":
+                    continue
+                words = _without_runtime_fields(words)
+            if frame:
+                words = tuple(_SLOT_TABLE_NAME.sub(_ANY_SLOT_TABLE, w) for w in words)
+            skeleton.append(words)
     return skeleton
-
-
-def _weight(server: Server) -> int:
-    return DEFAULT_WEIGHT if server.weight is None else server.weight
 
 
 @dataclass(frozen=True, slots=True)
 class RuntimePlan:
-    """The runtime changes that turn one config into another, or (changes None) why only a
-    reload can: one line, for the log. `adds` and `removes`: servers added and removed by
-    name (membership()), around the in-place `changes` of the servers present in both."""
+    """The runtime changes that turn one config into another, or (changes None) why only a reload
+    can, in one line. `adds` and `removes` by name go around the in-place `changes`."""
 
     changes: list[ServerChange] | None
     why_reload: str = ""
@@ -541,12 +469,10 @@ def _endpoint(address: str) -> tuple[str, int | None]:
 
 def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> RuntimePlan | str:
     """The plan against what the worker holds (`show servers state` of the plan's backends),
-    rather than what its generation's model says: the part of the change that a daemon killed
-    in the middle of it made is not made twice. An add the worker holds at the same address is
-    `present` (only readied); one it holds elsewhere means a reload; a removal it no longer
-    holds is done; a server it holds in those backends that neither the running model (the
-    removes) nor `new` has is removed too (a removal left pending by that daemon). Why not, as
-    a string."""
+    for a change a daemon killed in the middle of it left half made (docs/removals.md): an add
+    held at the same address is `present` (only readied), one held elsewhere means a reload (why,
+    as a string), a removal no longer held is done, and a server of those backends that neither
+    the running model (the removes) nor `new` has is removed too."""
     holds = {s.key: s for s in held}
     adds: list[ServerAdd] = []
     present: list[ServerAdd] = list(plan.present)
@@ -566,13 +492,13 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
 
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:
     """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
-    old_skeleton, new_skeleton = config_skeleton(running), config_skeleton(new)
-    if old_skeleton != new_skeleton:
-        found = membership(running, new, _without_runtime_fields, _first_difference)
+    adds: list[ServerAdd] = []
+    removes: list[ServerRemove] = []
+    if config_skeleton(running) != config_skeleton(new):
+        found = membership(running, new)
         if isinstance(found, str):
             return RuntimePlan(None, found)
-        pairs = [(o, old, n, fresh) for o, n, servers in found.common for old, fresh in servers]
-        adds, removes = found.adds, found.removes
+        pairs, adds, removes = found
     else:
         pairs = []
         for (old_section, old_servers), (new_section, new_servers) in zip(
@@ -582,7 +508,6 @@ def runtime_plan(running: Config, new: Config) -> RuntimePlan:
                 # The same skeleton cannot give other names; refuse rather than guess.
                 return RuntimePlan(None, f"{new_section.kind} {new_section.name}: its servers differ")
             pairs += [(old_section, o, new_section, n) for o, n in zip(old_servers, new_servers, strict=True)]
-        adds, removes = (), ()
     changes: list[ServerChange] = []
     for old_section, old, new_section, fresh in pairs:
         change = _server_change(old_section, old, new_section, fresh)
@@ -590,10 +515,10 @@ def runtime_plan(running: Config, new: Config) -> RuntimePlan:
             return RuntimePlan(None, change)
         if change is not None:
             changes.append(change)
-    return RuntimePlan(changes, "", adds, removes)
+    return RuntimePlan(changes, "", tuple(adds), tuple(removes))
 
 
-def _first_difference(old: list[tuple[str, ...]], new: list[tuple[str, ...]]) -> str:
+def _first_difference(old: list[Words], new: list[Words]) -> str:
     """Where two skeletons first differ: the line the new config lacks, the line it adds, or
     its line that differs, told apart by whether the lines after it line up again."""
     index = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
@@ -625,11 +550,7 @@ def _server_change(old_section: Section, old: Server, new_section: Section, new:
         if (parsed_old[1] is None) != (parsed_new[1] is None):
             return f"{new.key}: a port cannot be added to or dropped from a server at runtime"
         old_endpoint, new_endpoint = parsed_old, parsed_new
-    if (
-        old_word == new_word
-        and old.disabled == new.disabled
-        and _weight(old) == _weight(new)
-    ):
+    if old_word == new_word and old.disabled == new.disabled and effective_weight(old) == effective_weight(new):
         return None
     try:
         change = ServerChange(
@@ -639,8 +560,8 @@ def _server_change(old_section: Section, old: Server, new_section: Section, new:
             from_port=old_endpoint[1],
             to_address=new_endpoint[0],
             to_port=new_endpoint[1],
-            from_weight=_weight(old),
-            to_weight=_weight(new),
+            from_weight=effective_weight(old),
+            to_weight=effective_weight(new),
             was_enabled=not old.disabled,
             enabled=not new.disabled,
         )
@@ -651,7 +572,7 @@ def _server_change(old_section: Section, old: Server, new_section: Section, new:
     return change
 
 
-def _is_subsequence(short: list[tuple[str, ...]], long: list[tuple[str, ...]]) -> bool:
+def _is_subsequence(short: list[Words], long: list[Words]) -> bool:
     rest = iter(long)
     return all(any(line == other for other in rest) for line in short)
 
@@ -659,10 +580,9 @@ def _is_subsequence(short: list[tuple[str, ...]], long: list[tuple[str, ...]]) -
 def transient_render(running: Config, new: Config) -> str | None:
     """Why `new` looks like a render caught in the middle of a rebuild, which its next render
     soon undoes (None when it does not): a reload would be needed, every line of `new` is in
-    `running` in the same order (lines were only taken out), and a backend that has servers in
-    `running` has none left in `new` but its backups. Ray Serve renders a redeployed app that way while it
-    builds it again: its backend emptied and its frontend's metrics variable taken out, both
-    back in the next render. A backend taken out with its routes (an app deleted) is not one."""
+    `running` in the same order, and a backend that has servers in `running` has none left in
+    `new` but its backups. Ray Serve renders a redeployed app that way while it builds it again.
+    A backend taken out with its routes (an app deleted) is not one."""
     primaries = {section.name: [s for s in servers if not s.backup] for section, servers in new.servers_by_backend()}
     emptied = [section.name for section, servers in running.servers_by_backend()
                if any(not s.backup for s in servers) and primaries.get(section.name) == []]
