@@ -89,9 +89,10 @@ async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_delet
     task = asyncio.get_running_loop().create_task(applier.run())
     try:
         # The sessions are shut down once the removal has waited remove_wait_s, then deleted.
-        while "shutdown sessions server app1/app1_r1" not in cli.sent:
+        # The flag is set once the command's answer is back: wait for it, not for the send.
+        while not removals["app1/app1_r1"].sessions_shut_down:
             await asyncio.sleep(0.01)
-        assert removals["app1/app1_r1"].sessions_shut_down
+        assert "shutdown sessions server app1/app1_r1" in cli.sent
         cli.answers["del server"] = "Server deleted."
         while removals:
             await asyncio.sleep(0.01)
