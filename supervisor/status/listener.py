@@ -66,13 +66,9 @@ def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
 
 
 class ConnectionGuard:
-    """The status listener's limits on clients: at most `limit` connections, and each gets
-    `header_timeout_s` to send a request's headers. A slowloris flood (connections that
-    trickle or send nothing) would otherwise hold every file descriptor the daemon has.
-
-    At the limit, a new connection closes the oldest one that has not sent a request yet (a
-    real client sends its request at once, so it is rarely the oldest); if every connection
-    is busy with a request, the new one is refused."""
+    """The status listener's limits on clients, against a slowloris flood: at most `limit`
+    connections, each given `header_timeout_s` to send a request's headers. At the limit, a
+    new connection closes the oldest one that has not sent a request yet, else is refused."""
 
     def __init__(self, limit: int, header_timeout_s: float) -> None:
         self.limit = limit
@@ -123,8 +119,7 @@ class ConnectionGuard:
 
 class _GuardedHandler(RequestHandler):
     """aiohttp's connection handler under a ConnectionGuard, answering the requests aiohttp's
-    own parser refuses (a header over 8 KiB, an unknown method, a negative Content-Length)
-    with `{"error": ...}` like every other refusal, and without a traceback."""
+    own parser refuses (a header over 8 KiB, for one) with `{"error": ...}`, no traceback."""
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         super().__init__(manager, **options)
@@ -159,8 +154,7 @@ class _GuardedHandler(RequestHandler):
 
 
 def _descriptor_budget(limit: int) -> int:
-    """The connection limit, kept to a quarter of the file descriptors this process may open:
-    the rest are for HAProxy's sockets, `haproxy -c` and the files the daemon writes."""
+    """The connection limit, kept to a quarter of the file descriptors this process may open."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or limit <= soft // 4:
         return limit
@@ -170,23 +164,19 @@ def _descriptor_budget(limit: int) -> int:
     return budget
 
 
-def _listening_sockets(server: asyncio.Server | None) -> list[Any]:
-    return list(server.sockets) if server is not None and server.sockets else []
-
-
-def _accepting(sock: Any) -> bool:
-    """Whether a listening socket still listens: `ss -K` (or a conntrack flush) destroys one
+def _accepting(server: asyncio.Server | None) -> bool:
+    """Whether every listening socket still listens: `ss -K` (or a conntrack flush) destroys one
     under us, and from then on it is readable for ever and every accept() fails with EINVAL."""
+    sockets = server.sockets if server is not None and server.sockets else ()
     try:
-        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        return all(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for sock in sockets)
     except OSError:
         return False
 
 
 class StatusListener:
     """The listening socket of the status app, and the runner serving it: bound by `open()`,
-    bound again by `rebind()` once it is `dead` (set by the event loop's exception handler
-    the moment an accept() fails, or by `probe()`)."""
+    bound again by `rebind()` once it is `dead` (an accept() failed, or `probe()` said so)."""
 
     def __init__(self, app: web.Application, listen: str, limits: StatusSettings) -> None:
         self.app = app
@@ -219,7 +209,6 @@ class StatusListener:
         log.info("status: listening on %s", self.listen)
 
     async def _bind(self) -> None:
-        """StatusServerError when it cannot."""
         loop = asyncio.get_running_loop()
         server, guard = self.runner.server, self._guard
         assert server is not None and guard is not None
@@ -259,17 +248,16 @@ class StatusListener:
         """Whether every listening socket still listens; marks the listener dead when not."""
         if self.dead.is_set():
             return False
-        if all(_accepting(sock) for sock in _listening_sockets(self.server)):
+        if _accepting(self.server):
             return True
         self._mark_dead("the listening socket was destroyed (it no longer accepts connections)")
         return False
 
     def _accept_failed(self, exc: BaseException) -> bool:
-        """The loop's exception handler: an exception in a callback. True when it was our
-        listener failing (dealt with: it stops being served at once, no spinning)."""
+        """The loop's exception handler: True when it was our listener failing (dealt with)."""
         if not isinstance(exc, OSError) or self.server is None:
             return False
-        if all(_accepting(sock) for sock in _listening_sockets(self.server)):
+        if _accepting(self.server):
             return False
         self._mark_dead(f"accept() fails: {exc.strerror or exc}")
         return True
@@ -308,8 +296,7 @@ def quiet_loop_errors(
 ) -> Callable[[], None]:
     """The event loop's exception handler, so that no error repeating in a callback makes a
     traceback each time: the first one of a kind is logged as asyncio logs it, the repeats at
-    most once a minute with a count. asyncio's accept() retries for lack of file descriptors
-    are one line per minute. `claimed(exc)` is asked first; True: it was dealt with.
+    most once a minute with a count. `claimed(exc)` is asked first; True: it was dealt with.
     Returns the function that puts the previous handler back."""
     previous = loop.get_exception_handler()
     out_of_resources = RecurringCondition(
@@ -351,11 +338,9 @@ async def open_status_server(
 
 
 class StatusServer:
-    """The status app as a daemon component: `start()` binds (StatusServerError when it cannot:
-    the daemon stops before it says READY=1), `run()` serves until cancelled. A listening
-    socket destroyed under it is noticed (at its first failed accept(), or within
-    `PROBE_S`), logged once and bound again with a backoff; meanwhile State says the status
-    API is down, and the daemon stops feeding systemd's watchdog."""
+    """The status app as a daemon component: `start()` binds (StatusServerError when it cannot),
+    `run()` serves until cancelled. A listening socket destroyed under it is noticed, logged
+    once and bound again with a backoff; meanwhile State says the status API is down."""
 
     PROBE_S = 1.0
     REBIND_FIRST_S = 0.1

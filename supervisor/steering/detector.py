@@ -454,7 +454,8 @@ class StalledDetector:
         # when the backend is left with one active server, and not while the suspect still
         # counts; a redispatched retry avoids the server it failed on either way.
         if self.can_abort and (self._held or stalls):
-            steered = self._steered(stalls, owners)
+            stalled_pids = {owners.get(s.socket.inode) for s in stalls}
+            steered = {pid: frozenset(r.steered) for pid, r in self.state.old_workers.items() if pid in stalled_pids}
             own = await self._own_indexes(stalls, owners, current.worker_pid, steered, index, now_index)
             self._abort(listed, stalls, owners, current.worker_pid, index, steered, own)
         if current.worker_pid is not None:
@@ -495,11 +496,6 @@ class StalledDetector:
         unchecked = [k for k in keys if k not in index.checked and k in index.keys]
         if unchecked:
             await self._set_health(pid, unchecked, "up")
-
-    def _steered(self, stalls: list[Stall], owners: dict[int, int]) -> dict[int, frozenset[str]]:
-        """The servers each old worker with a stalled socket is steered off."""
-        pids = {owners.get(s.socket.inode) for s in stalls}
-        return {pid: frozenset(r.steered) for pid, r in self.state.old_workers.items() if pid in pids}
 
     async def _own_indexes(
         self, stalls: list[Stall], owners: dict[int, int], current_pid: int | None,

@@ -167,16 +167,12 @@ class Planner:
         groups = dict(last.groups)
         parts = dict(last.parts)
         for backend in candidates:
-            dead = dead_group(digest, latest, view, backend)
-            entries = entries_of(backend, dead) if dead else ()
-            if dead:
+            groups.pop(backend, None)
+            parts.pop(backend, None)
+            if dead := dead_group(digest, latest, view, backend):
                 groups[backend] = dead
-            else:
-                groups.pop(backend, None)
-            if entries:
-                parts[backend] = entries
-            else:
-                parts.pop(backend, None)
+                if entries := entries_of(backend, dead):
+                    parts[backend] = entries
         return Steering(
             basis, (digest.key, unusable), digest, latest, groups, parts, last.basis, frozenset(candidates)
         )

@@ -65,10 +65,6 @@ class WorkerRecord:
         """The changes its map needs, per backend (None: its map is unknown)."""
         return map_deltas(self.held, self.wanted, self.pending)
 
-    def deltas_to(self, steering: Steering) -> list[BackendDelta] | None:
-        """deltas() once it takes `steering`."""
-        return map_deltas(self.held, steering, pending_after(self.wanted, steering, self.pending))
-
     def in_sync(self) -> bool:
         return self.wanted is not None and self.deltas() == []
 
@@ -240,7 +236,7 @@ class PushRounds:
             if worker is None or worker.held is None or not plan.digest.guarded:
                 continue
             with contextlib.suppress(ValueError):  # push_all reports it
-                deltas = worker.deltas_to(plan)
+                deltas = map_deltas(worker.held, plan, pending_after(worker.wanted, plan, worker.pending))
                 if deltas is not None:
                     going = outgoing(pid, self.map_path, plan, deltas) if deltas else None
                     found[pid] = Ahead(worker.held, plan, deltas, going)
