@@ -90,7 +90,7 @@ class ConnectionGuard:
             if not self.waiting:
                 return False
             oldest = next(iter(self.waiting))
-            self._stop_waiting(oldest)
+            self.stop_timer(oldest)
             oldest.force_close()
         elif len(self.open) < self.limit // 2:
             self.at_limit.over("status: %d connections open, under the limit again", len(self.open))
@@ -99,14 +99,12 @@ class ConnectionGuard:
         self.waiting[handler] = loop.call_later(self.header_timeout_s, self._header_timeout, handler)
         return True
 
-    def request_started(self, handler: RequestHandler) -> None:
-        self._stop_waiting(handler)
-
     def closed(self, handler: RequestHandler) -> None:
         self.open.discard(handler)
-        self._stop_waiting(handler)
+        self.stop_timer(handler)
 
-    def _stop_waiting(self, handler: RequestHandler) -> None:
+    def stop_timer(self, handler: RequestHandler) -> None:
+        """Its request's headers are in (or it is gone): its header timer stops."""
         timer = self.waiting.pop(handler, None)
         if timer is not None:
             timer.cancel()
@@ -135,12 +133,12 @@ class _GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def request_started(self) -> None:
-        self.guard.request_started(self)
+        self.guard.stop_timer(self)
 
     def handle_error(
         self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
-        self.guard.request_started(self)
+        self.guard.stop_timer(self)
         if request.writer.output_size > 0:  # an answer is already on its way: the connection is done
             raise ConnectionError("the response was already started")
         problem = " ".join(str(message or exc or "").split()) or HTTPStatus(status).phrase
@@ -194,6 +192,7 @@ class StatusListener:
         self._restore_exception_handler: Callable[[], None] = lambda: None
 
     async def open(self) -> None:
+        """Serve the app on `host:port` or `unix:/path`; StatusServerError when it cannot bind."""
         if isinstance(self.address, str):
             self.app.on_cleanup.append(self._remove_socket_file)
         self.app.on_shutdown.append(self._stop_listening)
@@ -328,15 +327,6 @@ def quiet_loop_errors(
     return lambda: loop.set_exception_handler(previous)
 
 
-async def open_status_server(
-    app: web.Application, listen: str, limits: StatusSettings | None = None
-) -> StatusListener:
-    """Serve `app` on `host:port` or `unix:/path`; StatusServerError when it cannot bind."""
-    listener = StatusListener(app, listen, limits or StatusSettings())
-    await listener.open()
-    return listener
-
-
 class StatusServer:
     """The status app as a daemon component: `start()` binds (StatusServerError when it cannot),
     `run()` serves until cancelled. A listening socket destroyed under it is noticed, logged
@@ -353,8 +343,10 @@ class StatusServer:
         self._listener: StatusListener | None = None
 
     async def start(self) -> None:
-        app = build_app(self.state, self.settings, self.actions)
-        self._listener = await open_status_server(app, self.settings.status.listen, self.settings.status)
+        listener = StatusListener(build_app(self.state, self.settings, self.actions), self.settings.status.listen,
+                                  self.settings.status)
+        await listener.open()
+        self._listener = listener
 
     async def run(self) -> None:
         if self._listener is None:

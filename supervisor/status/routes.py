@@ -220,8 +220,6 @@ class _Endpoints:
         self.registry = metrics_registry(state, clock, settings.reload.converge_grace_s, settings.old_workers.max)
         self.backend_sizes = BackendSizes()
 
-    # -- reads
-
     async def status(self, request: web.Request) -> web.Response:
         # Compact: a big drain (many old workers, each steered from thousands of servers) makes
         # a document of megabytes built on this event loop; indenting would double its size and
@@ -256,8 +254,6 @@ class _Endpoints:
                 "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'",
             },
         )
-
-    # -- actions
 
     def authorize(self, request: web.Request) -> None:
         if _on_unix_socket(request):

@@ -187,8 +187,6 @@ def line_limit(model: Config | None) -> int:
     return DEFAULT_LINE_LIMIT
 
 
-# ---------------------------------------------------------------- the current worker's evidence
-
 
 @dataclass(frozen=True)
 class LiveView:
@@ -232,8 +230,6 @@ def live_view(
     operator_at = frozenset(at(s.backend, s.endpoint) for k in operator if (s := latest.server(k)) is not None)
     return LiveView(frozenset(down), operator, operator_at)
 
-
-# ---------------------------------------------------------------- the rules
 
 
 def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:

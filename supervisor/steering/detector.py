@@ -344,8 +344,6 @@ class StalledDetector:
         activity = self._tcp.read()
         return activity is not None and activity == self._activity
 
-    # ------------------------------------------------------------ one poll
-
     async def watched_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         """The current config's servers (the ones `health` commands reach), and those of every
         config a worker runs, so an old worker's socket to a server since dropped is found too.
