@@ -230,9 +230,7 @@ class StatusListener:
             else:
                 host, port = self.address
                 listener = await loop.create_server(connection, host, port, reuse_address=True)
-        except (OSError, StatusServerError) as exc:
-            if isinstance(exc, StatusServerError):
-                raise
+        except OSError as exc:
             raise StatusServerError(f"status.listen {self.listen}: {exc.strerror or exc}") from None
         self.server = listener
         self.dead.clear()

@@ -36,6 +36,7 @@ from ..master.sockdiag import (
 )
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
+from .dead import by_backend_of
 
 Endpoint = tuple[str, int]  # (address, port) of a server as its sockets name it
 
@@ -115,13 +116,9 @@ def left_in(suspect_keys: Iterable[str], backends: Mapping[str, tuple[str, ...]]
     stalls connects as a vanished one does: taking a backend's last one out would turn a slow
     answer into a sure 503 (Envoy's panic mode)."""
     suspect = set(suspect_keys)
-    by_backend: dict[str, list[str]] = {}
-    for key in suspect:
-        by_backend.setdefault(key.partition("/")[0], []).append(key)
     kept: set[str] = set()
-    for backend, keys in by_backend.items():
-        servers = backends.get(backend, ())
-        if not any(s not in suspect and s not in dead for s in servers):
+    for backend, keys in by_backend_of(suspect).items():
+        if not any(s not in suspect and s not in dead for s in backends.get(backend, ())):
             kept.update(keys)
     return kept
 

@@ -122,9 +122,6 @@ class LiveRead:
     cost_s: float  # asking and parsing
     unusable: frozenset[str]  # its servers that are DOWN or in maintenance
 
-    def due(self, pid: int | None, interval_s: float, now: float) -> bool:
-        return pid != self.pid or now - self.at >= interval_s
-
 
 async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     """One worker's `show servers state`, asked for and parsed."""

@@ -94,49 +94,46 @@ class OldWorkers:
 
     async def run(self) -> None:
         """Poll, steer, verify and reconcile until cancelled."""
-        try:
-            await self._poll()
-        finally:
-            self._exits.close()
-
-    async def _poll(self) -> None:
         failing_since: float | None = None
         # Polled every poll_interval_ms: a lasting failure (descriptors run out) is one line, not four a second.
         failing = RecurringCondition(log, logging.WARNING, "old workers: the master CLI keeps failing: %s")
         woken = True
-        while True:
-            try:
-                if woken or self._round_due():
-                    await self.sync(fresh=self._live_due())
-                if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
-                    self._wake.set()
-                unasked = [w.pid for w in self._workers.values() if w.unusable is None and not w.current]
-                views = await self._interruptible(read_unusable(self.cli, unasked))
-                if views:
-                    self.state.publish_state_reads(len(views))
-                    self.rounds.own_views(self._workers, views)
-                    self._wake.set()
-                if time.monotonic() >= self._stats_at:
-                    self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
-                    await self._interruptible(update_stats(self.cli, self.state))
-                failing_since = None
-                failing.over("old workers: the master CLI answers again")
-            except _Interrupted:
-                log.debug("old workers: poll interrupted by a reload")
-            except CLIError as exc:
-                # The master socket resets connections while the master re-executes on a
-                # reload (seconds with a big config): only a lasting failure is worth a warning.
-                now = time.monotonic()
-                failing_since = failing_since or now
-                self._listed_at = 0.0  # list again at the next poll, not after LIST_INTERVAL_S
-                log.debug("old workers: %s", exc)
-                if now - failing_since > self.WARN_AFTER_S:
-                    failing.happened(exc)
-            except Exception:
-                log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
-            await wait_set(self._wake, self.poll_s)
-            woken = self._wake.is_set()
-            self._wake.clear()
+        try:
+            while True:
+                try:
+                    if woken or self._round_due():
+                        await self.sync(fresh=self._live_due())
+                    if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
+                        self._wake.set()
+                    unasked = [w.pid for w in self._workers.values() if w.unusable is None and not w.current]
+                    views = await self._interruptible(read_unusable(self.cli, unasked))
+                    if views:
+                        self.state.publish_state_reads(len(views))
+                        self.rounds.own_views(self._workers, views)
+                        self._wake.set()
+                    if time.monotonic() >= self._stats_at:
+                        self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
+                        await self._interruptible(update_stats(self.cli, self.state))
+                    failing_since = None
+                    failing.over("old workers: the master CLI answers again")
+                except _Interrupted:
+                    log.debug("old workers: poll interrupted by a reload")
+                except CLIError as exc:
+                    # The master socket resets connections while the master re-executes on a
+                    # reload (seconds with a big config): only a lasting failure is worth a warning.
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    self._listed_at = 0.0  # list again at the next poll, not after LIST_INTERVAL_S
+                    log.debug("old workers: %s", exc)
+                    if now - failing_since > self.WARN_AFTER_S:
+                        failing.happened(exc)
+                except Exception:
+                    log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
+                await wait_set(self._wake, self.poll_s)
+                woken = self._wake.is_set()
+                self._wake.clear()
+        finally:
+            self._exits.close()
 
     async def prepare(self, effective: Effective) -> ReloadPlan:
         """The next config's plan and each worker's push to it, worked out while `haproxy -c`
@@ -344,7 +341,7 @@ class OldWorkers:
             live.cost_s, self.poll_s, self.safety_net_s, changes_alone=digest.changes_alone,
             heard=self.state.server_events and not digest.quiet, unchecked=bool(live.states.pending),
         )
-        return live.due(current.worker_pid, interval, time.monotonic())
+        return current.worker_pid != live.pid or time.monotonic() - live.at >= interval
 
     async def _fetch_live(self, pid: int) -> None:
         self._live_stale = False  # a line written while the read is under way calls for another
