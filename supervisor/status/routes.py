@@ -57,7 +57,6 @@ class StatusActions(Protocol):
         ...
 
 
-
 @runtime_checkable
 class HeaderTimed(Protocol):
     """A connection whose header timer stops once a request's headers are in (the listener's)."""

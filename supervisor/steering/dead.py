@@ -109,9 +109,6 @@ class Sections:
         self._by_key: dict[str, SectionDigest] = {}
         self._by_sha256: dict[str, ConfigDigest] = {}
 
-    def __len__(self) -> int:
-        return len(self._by_key)
-
     def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
         """The config's digest; `sha256` (of its effective text) finds one seen lately."""
         return finished(self.digesting(model, sha256))
@@ -187,7 +184,6 @@ def line_limit(model: Config | None) -> int:
     return DEFAULT_LINE_LIMIT
 
 
-
 @dataclass(frozen=True)
 class LiveView:
     """What the latest config, the current worker and the operator say, per (backend, endpoint);
@@ -229,7 +225,6 @@ def live_view(
             down.discard(at(s.backend, s.endpoint))
     operator_at = frozenset(at(s.backend, s.endpoint) for k in operator if (s := latest.server(k)) is not None)
     return LiveView(frozenset(down), operator, operator_at)
-
 
 
 def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:

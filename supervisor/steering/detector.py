@@ -10,6 +10,7 @@ unacknowledged. Both show in sock_diag long before a `timeout connect` or a chec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import operator
 import socket
@@ -180,13 +181,10 @@ CAP_NET_ADMIN = 12
 
 def has_net_admin() -> bool:
     """Does this process hold CAP_NET_ADMIN (effective): may it destroy others' sockets?"""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
     return False
 
 
@@ -514,12 +512,9 @@ class StalledDetector:
         own: dict[int, dict[Endpoint, tuple[str, ...]]] = {}
         for pid, generation in wanted.items():
             sha = generation.effective_sha256
-            if sha == now_index.sha256:
-                own[pid] = now_index.by_endpoint
-                continue
-            if sha not in self._by_sha:
+            if sha != now_index.sha256 and sha not in self._by_sha:
                 self._by_sha[sha] = await sliced(ServerIndex.building(generation))
-            own[pid] = self._by_sha[sha].by_endpoint
+            own[pid] = (now_index if sha == now_index.sha256 else self._by_sha[sha]).by_endpoint
         return own
 
     def _abort(
