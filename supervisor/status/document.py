@@ -156,8 +156,7 @@ SOCKET_MISSING = "the HAProxy master's socket is missing from runtime_dir: the d
 def not_ready_reason(state: State, grace_s: float = float("inf"), now: datetime | None = None) -> str | None:
     """Why /readyz says 503, or None when ready. Not converged for longer than `grace_s` is a
     reason only when what stands in the way passes (convergence.transient): a controller that
-    rendered a bad config everywhere would otherwise empty the whole fleet.
-    """
+    rendered a bad config everywhere would otherwise empty the whole fleet."""
     if not state.master_socket_ok:
         return SOCKET_MISSING
     if not state.ready:

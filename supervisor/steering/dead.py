@@ -186,8 +186,7 @@ def line_limit(model: Config | None) -> int:
 
 @dataclass(frozen=True)
 class LiveView:
-    """What the latest config, the current worker and the operator say, per (backend, endpoint);
-    compared by content."""
+    """What the latest config, the current worker and the operator say, per (backend, endpoint)."""
 
     down: frozenset[At] = frozenset()  # where the current worker has servers and none is alive
     operator: frozenset[str] = frozenset()  # "backend/server" marked dead by an operator

@@ -313,9 +313,8 @@ class StalledDetector:
                 self._look.cancel()
 
     def _look_at_next_tick(self, loop: asyncio.AbstractEventLoop, work: asyncio.Event, interval_ms: int = 0) -> None:
-        """At the next instant of the shared grid of timers, look whether a poll has anything
-        to do; at rest, look again later, as a plain callback: the task is woken only for work.
-        At rest the looks are two polls apart, never past the stall threshold's floor."""
+        """At the next instant of the shared grid of timers, look whether a poll has anything to
+        do; at rest, look again two polls later (within the threshold's floor), the task asleep."""
         poll = self.settings.poll_interval_ms
         at_rest = poll * max(1, min(self.settings.threshold_floor_ms, 2 * poll) // poll)
 
@@ -329,8 +328,7 @@ class StalledDetector:
         self._look = loop.call_at(next_tick(loop.time(), interval_ms or poll), look)
 
     def _at_rest(self) -> bool:
-        """Nothing for a poll to do: the running configs are those last indexed, nothing is
-        stalled or suspect, and the TCP counters have not moved since the last poll looked."""
+        """Nothing for a poll to do: the configs last indexed, nothing stalled or suspect, TCP counters still."""
         if self._first_seen or self._held or not self._indexes_unchanged():
             return False
         answer = self._seen_answer
@@ -341,9 +339,8 @@ class StalledDetector:
 
     async def watched_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         """The current config's servers (the ones `health` commands reach), and those of every
-        config a worker runs, so an old worker's socket to a server since dropped is found too.
-        Only a config that starts running is indexed and merged in; one that stops stays
-        merged until the index has grown to twice the current config's."""
+        config a worker runs. Only a config that starts running is indexed and merged in; one
+        that stops stays merged until the index has grown to twice the current config's."""
         state = self.state
         if self._indexes_unchanged() and self._seen_answer is not None:
             return self._seen_answer
@@ -354,8 +351,7 @@ class StalledDetector:
         return answer
 
     def _indexes_unchanged(self) -> bool:
-        """The current generation, every generation and the old workers are the ones last
-        indexed (generations are values, replaced when they change)."""
+        """The generations and old workers are those last indexed (a generation changed is replaced)."""
         state = self.state
         return (
             state.current is self._seen_current

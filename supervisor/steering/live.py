@@ -105,10 +105,9 @@ STATE_ROWS_PER_PART = 2000  # parsed between two turns of the event loop
 def live_read_interval(
     cost_s: float, poll_s: float, safety_net_s: float, *, changes_alone: bool, heard: bool, unchecked: bool = False
 ) -> float:
-    """How long one read of the current worker's server states stays good.
-    `changes_alone`: some server is checked or observed; `heard`: HAProxy's stderr lines reach
-    the daemon; `unchecked`: some check has not concluded yet (a first check that finds a
-    server UP writes no line)."""
+    """How long one read of the current worker's server states stays good. `changes_alone`: some
+    server is checked or observed; `heard`: HAProxy's stderr lines reach the daemon; `unchecked`:
+    some check has not concluded yet (a first check that finds a server UP writes no line)."""
     if changes_alone and (not heard or unchecked):
         return max(poll_s, COST_SHARE * cost_s)
     return max(poll_s, safety_net_s if heard else min(safety_net_s, UNHEARD_SAFETY_NET_S))
@@ -140,8 +139,7 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
 
 async def read_unusable(cli: MasterCLI, unasked: Iterable[int], budget: int = 4) -> dict[int, LiveRead]:
     """Ask a few old workers not asked yet which servers they skip themselves (DOWN or MAINT in
-    their own view): no use as targets. Off the critical path: a worker is steered with what
-    is known first. The answers, by PID."""
+    their own view), by PID. Off the critical path: a worker is steered with what is known."""
 
     async def one(pid: int) -> LiveRead | None:
         with contextlib.suppress(CLIError):

@@ -35,16 +35,13 @@ _valid = functools.lru_cache(maxsize=1 << 16)(validate_name)
 
 
 def diff_phases(current: Mapping[str, str], desired: Mapping[str, str]) -> tuple[Phase, Phase, Phase, Phase, Phase]:
-    """The five phases, in order, that turn `current` into `desired` (some may be empty).
-
-    The first ROUTING_PHASES route every request as `desired` does, or to a server that
-    `desired` also routes to: once they are answered the worker is steered. The later ones
-    tidy up, one `set map` or `del map` command at a time.
+    """The five phases, in order, that turn `current` into `desired` (some may be empty). Once
+    the first ROUTING_PHASES are answered every request is routed as `desired` does, or to a
+    server it also routes to: the worker is steered. The later ones tidy up.
 
     0. New entries, in payloads: a newly steered backend's slots then its count, and a hop
-       for each server that overrides stop pointing to (see haproxy/guard.py), to a server
-       they point to now. Those overrides can then wait for phase 3: a drain that kills an
-       override's target costs a payload entry here instead of a command.
+       for each server that overrides stop pointing to (haproxy/guard.py), to a server they
+       point to now: those overrides, each a command, can then wait for phase 3.
     1. Counts (a count promises the slots below it, so it comes after them), and hops left
        over from an interrupted push.
     2. Slots no longer wanted whose server could get no hop (after the counts that stop
@@ -313,8 +310,7 @@ def answer_problem(line: str, answer: str) -> str | None:
 
 
 def is_whole_answer(show_map_answer: str) -> bool:
-    """A `show map` answer ends with a blank line ("\n" alone for an empty map); a connection
-    dropped mid-answer ends otherwise."""
+    """A `show map` answer ends with a blank line ("\n" alone for an empty map); a cut one does not."""
     return show_map_answer == "\n" or show_map_answer.endswith("\n\n")
 
 

@@ -82,8 +82,7 @@ class Steering:
 def reused_plans(
     last: Mapping[int, Steering], workers: Mapping[int, tuple[ConfigDigest, frozenset[str]]]
 ) -> dict[int, Steering]:
-    """The plans of a round under the same basis that still hold: for the workers that run the
-    same config and skip the same servers."""
+    """The plans of a round under the same basis that still hold: same config, same servers skipped."""
     return {
         pid: steering
         for pid, (digest, unusable) in workers.items()
@@ -228,9 +227,8 @@ MAX_OVERRIDDEN = 1 / 3
 
 def weighted_draws(live: list[Server], slots: int) -> list[str]:
     """The slots past the table's end (`slots` long) that make a draw pick each live primary
-    in proportion to its weight: with weights over their gcd w_i, server i has its own slot
-    and k * w_i - 1 more, k the least that leaves at most MAX_OVERRIDDEN of all slots
-    overridden."""
+    in proportion to its weight: with weights over their gcd w_i, server i has its own slot and
+    k * w_i - 1 more, k the least that leaves at most MAX_OVERRIDDEN of all slots overridden."""
     if len(live) < 2:
         return []
     weights = [effective_weight(s) for s in live]
@@ -284,6 +282,5 @@ def _weighted_rank(backend: str, slot: int, server: str, weights: Mapping[str, i
 
 
 def _rank(backend: str, slot: int, server: str) -> int:
-    """Where `server` ranks for taking over `slot` (lowest first); unlike hash(), the same in
-    every process and after a restart."""
+    """Where `server` ranks for `slot` (lowest first); unlike hash(), the same in every process."""
     return zlib.crc32(f"{backend}_{slot} {server}".encode())

@@ -51,8 +51,7 @@ class PushOutcome:
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One worker's push as it goes on the wire: its routing and tidy-up lines, rank after
-    rank, or its whole map replaced."""
+    """One worker's push on the wire: routing and tidy-up lines, rank after rank, or the map replaced."""
 
     sent: int  # changes
     replace: bool = False
@@ -135,8 +134,7 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
 
 @dataclass(frozen=True)
 class ReadBack:
-    """One worker's map read back, beside what was known of it when the read was decided on
-    (a push meanwhile makes the read prove nothing)."""
+    """One worker's map read back, beside what was known of it when the read was decided on."""
 
     pid: int
     pushes: int  # its record's push count then

@@ -70,8 +70,7 @@ class WorkerRecord:
 
 
 def pending_after(before: Steering | None, after: Steering | None, pending: set[str] | None) -> set[str] | None:
-    """The backends where a worker's map may differ from its plan once it takes `after`
-    instead of `before` (None: any)."""
+    """The backends where a worker's map may differ from its plan once it takes `after` (None: any)."""
     if after is None or before is None or pending is None:
         return None
     if after.source != before.source:
@@ -111,8 +110,7 @@ class Ahead:
 
 
 class PushRounds:
-    """The one shell that changes WorkerRecords (the caller's, by PID); their push records
-    reach State in one publish per step."""
+    """The one shell that changes WorkerRecords; their push records reach State once per step."""
 
     RECONCILE_INTERVAL_S = 5.0
     MAX_BACKOFF_S = 5.0
@@ -138,8 +136,7 @@ class PushRounds:
         current_pid: int | None,
         live: LiveRead | None,
     ) -> None:
-        """The workers `show proc` lists, each with the generation it runs: records of the
-        others dropped, new ones made."""
+        """The workers `show proc` lists, with the generations they run; others' records dropped."""
         for pid in [pid for pid in workers if pid not in generations]:
             del workers[pid]
         for pid, generation in generations.items():
@@ -246,8 +243,7 @@ class PushRounds:
     def _worked_out(
         self, worker: WorkerRecord, wanted: Steering, ahead: Ahead | None
     ) -> tuple[list[BackendDelta] | None, Outgoing | None]:
-        """The changes a worker's map needs, and the push that carries them: as worked out
-        ahead if that still holds."""
+        """The changes a worker's map needs and the push that carries them, as worked out ahead if it holds."""
         if ahead is not None and ahead.held is worker.held and ahead.wanted is wanted:
             return ahead.deltas, ahead.going
         deltas = worker.deltas()

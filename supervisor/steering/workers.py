@@ -46,8 +46,7 @@ class _Interrupted(Exception):
 
 @dataclass(frozen=True)
 class ReloadPlan:
-    """One reload's steering round as a value: prepare() makes it, before_reload() steers by
-    it, after_reload() ends it."""
+    """One reload's steering round as a value, from prepare() to after_reload()."""
 
     next: ConfigDigest  # the config the reload sends
     leaving_pid: int | None  # the worker about to become old
@@ -136,8 +135,7 @@ class OldWorkers:
             self._exits.close()
 
     async def prepare(self, effective: Effective) -> ReloadPlan:
-        """The next config's plan and each worker's push to it, worked out while `haproxy -c`
-        checks it; nothing is pushed."""
+        """The next config's plans and pushes, worked out while `haproxy -c` checks it; nothing is pushed."""
         async with self._lock:
             latest = await self._digests.of_effective(effective)
             current = self.state.current
@@ -236,8 +234,7 @@ class OldWorkers:
         return any(w.wanted is not None and not w.in_sync() for w in self._workers.values())
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
-        """The workers that get a plan (old ones and the one about to become old): their config
-        and the servers they skip themselves."""
+        """The workers that get a plan (old ones, the one about to become old): (digest, servers it skips)."""
         judged = {}
         for worker in self._workers.values():
             generation = self._generation_of(worker)
