@@ -53,7 +53,6 @@ class ReloadPlan:
     basis: Basis | None = None  # what `plans` were made under
     plans: Mapping[int, Steering] = field(default_factory=dict)  # by PID, worked out in prepare
     ahead: Mapping[int, Ahead] = field(default_factory=dict)  # their pushes, by PID
-    steered: bool = False  # before_reload's make-before-break round went through
 
 
 class OldWorkers:
@@ -161,8 +160,7 @@ class OldWorkers:
             await self.sync()
         except CLIError as exc:
             log.warning("make-before-break steering failed: %s", exc)  # after_reload pushes again
-            return plan
-        return replace(plan, steered=True) if plan is not None else None
+        return plan
 
     async def after_reload(self, plan: ReloadPlan | None, ok: bool) -> bool:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
