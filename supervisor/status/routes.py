@@ -46,7 +46,6 @@ class StatusActions(Protocol):
 
     async def reload_now(self) -> ReloadRecord | None:
         """Reload (forced, even if unchanged). The record of what happened, or None if only queued."""
-        ...
 
     async def mark_dead(self, backend: str, server: str) -> None: ...
 
@@ -54,7 +53,6 @@ class StatusActions(Protocol):
 
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in a config an old worker runs."""
-        ...
 
 
 @runtime_checkable

@@ -4,12 +4,8 @@ its dead servers; docs/steering.md#what-an-old-worker-is-told), memoised by cont
 A worker's wanted map depends only on the config it runs, the latest config, the live view
 and the servers the worker itself sees down, each with a content key. A new plan is worked
 out from the last one for the same worker content, looking only at the backends whose
-section differs between the two latest configs or whose evidence changed.
-
-Map layout (the guard of haproxy/guard.py reads it): `<backend>_n` = how many slots the
-backend's requests pick from (`0`: answer 503 / close at once), `<backend>_<i>` = the server
-for slot i instead of the slot table's, and past the table's end a draw that weights call
-for; with a hash the guard reproduces, `<backend>_t` and `<backend>_h<i>`.
+section differs between the two latest configs or whose evidence changed. The map's layout
+is the guard's (haproxy/guard.py).
 """
 
 from __future__ import annotations
