@@ -256,7 +256,7 @@ class StalledDetector:
     """Finds the servers the workers' sockets say are unreachable, and acts on them."""
 
     def __init__(
-        self, settings: DetectorSettings, state: State, cli: MasterCLI, wake_steering: Callable[[], None] | None = None
+        self, settings: DetectorSettings, state: State, cli: MasterCLI, wake_steering: Callable[[], None] = lambda: None
     ) -> None:
         self.settings = settings
         self.state = state
@@ -477,8 +477,7 @@ class StalledDetector:
         """`health down`: a server with a check comes back after `rise` passes."""
         await self._set_health(pid, keys, "down")
         self._health_down.update(keys)
-        if self.wake_steering is not None:
-            self.wake_steering()
+        self.wake_steering()
 
     async def _bring_back(self, pid: int, keys: list[str], index: ServerIndex) -> None:
         """The suspects with no check whose hold ended: nothing else would set them up again."""
@@ -557,5 +556,4 @@ class StalledDetector:
             )
             for key, (s, _) in self._held.items()
         })
-        if self.wake_steering is not None:
-            self.wake_steering()
+        self.wake_steering()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class LiveStates:
     # configured by host name (their live address differs from the configured one).
     alive_by_key: dict[str, bool | None] = field(default_factory=dict)
 
+    @functools.cached_property
     def unusable(self) -> frozenset[str]:
         """Its servers that are DOWN or in maintenance: a `use-server` rule skips them."""
         return frozenset(k for k, verdict in self.alive_by_key.items() if verdict is False)
@@ -119,7 +121,6 @@ class LiveRead:
     at: float  # monotonic
     states: LiveStates
     cost_s: float  # asking and parsing
-    unusable: frozenset[str]  # its servers that are DOWN or in maintenance
 
 
 async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
@@ -134,7 +135,7 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
         await asyncio.sleep(0)  # a 10,000-row answer would hold the operator API up
     states = tally.result()
     now = time.monotonic()
-    return LiveRead(pid, now, states, now - started, states.unusable())
+    return LiveRead(pid, now, states, now - started)
 
 
 async def read_unusable(cli: MasterCLI, unasked: Iterable[int], budget: int = 4) -> dict[int, LiveRead]:

@@ -147,7 +147,7 @@ class PushRounds:
             if live is not None and live.pid == pid and (worker.current or worker.unusable is None):
                 # An old worker starts from its view as last seen while it was current: health
                 # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
-                worker.unusable = live.unusable
+                worker.unusable = live.states.unusable
 
     def want(self, worker: WorkerRecord, steering: Steering | None, refused: str | None = None) -> None:
         """A worker's plan (None: leave its map alone); `refused`: why it cannot be steered."""
@@ -160,7 +160,7 @@ class PushRounds:
         for pid, read in reads.items():
             worker = workers.get(pid)
             if worker is not None:
-                worker.unusable, worker.unusable_at = read.unusable, read.at
+                worker.unusable, worker.unusable_at = read.states.unusable, read.at
 
     def server_changed(self, worker: WorkerRecord) -> None:
         """HAProxy wrote that one of an old worker's servers changed: ask its view again."""
