@@ -91,11 +91,6 @@ def nothing_steered(digest: ConfigDigest, latest: ConfigDigest, basis: Basis) ->
     return Steering(basis, ("nothing steered", frozenset()), digest, latest, {}, {})
 
 
-@functools.lru_cache(maxsize=1 << 17)
-def _entries(section_entries_args: tuple) -> Entries:
-    return section_entries(*section_entries_args)
-
-
 class Planner:
     """Plans by content: (the worker's config, what it sees down itself) -> its recent plans."""
 
@@ -145,7 +140,7 @@ class Planner:
 
         def entries_of(backend: str, dead: frozenset[str]) -> Entries:
             args = (digest.sections[backend], dead, self.no_backup, skipped.get(backend, nothing), self.node_keys)
-            return _entries(args)
+            return section_entries(*args)
 
         if last is None:
             groups = dead_groups(digest, latest, view)
@@ -173,6 +168,7 @@ class Planner:
         )
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def section_entries(
     section: SectionDigest,
     dead: frozenset[str],
