@@ -8,6 +8,7 @@ downstream is keyed by that content. `Digests` holds every config in use, digest
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import Counter
@@ -191,16 +192,15 @@ class LiveView:
     down: frozenset[At] = frozenset()  # where the current worker has servers and none is alive
     operator: frozenset[str] = frozenset()  # "backend/server" marked dead by an operator
     operator_at: frozenset[At] = frozenset()  # where those servers live in the latest config
-    # per backend: its endpoints in `down` or `operator_at`, and its keys in `operator`
-    by_backend: dict[str, tuple[frozenset[At], frozenset[str]]] = field(compare=False, default_factory=dict)
 
-    def __post_init__(self) -> None:
+    @functools.cached_property
+    def by_backend(self) -> dict[str, tuple[frozenset[At], frozenset[str]]]:
+        """Per backend: its endpoints in `down` or `operator_at`, and its keys in `operator`."""
         wheres: dict[str, set[At]] = {}
         for where in self.down | self.operator_at:
             wheres.setdefault(where.partition(" ")[0], set()).add(where)
         keys = by_backend_of(self.operator)
-        index = {b: (frozenset(wheres.get(b, ())), keys.get(b, frozenset())) for b in wheres.keys() | keys.keys()}
-        object.__setattr__(self, "by_backend", index)
+        return {b: (frozenset(wheres.get(b, ())), keys.get(b, frozenset())) for b in wheres.keys() | keys.keys()}
 
 
 def live_view(
