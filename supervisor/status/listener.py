@@ -341,8 +341,8 @@ class StatusServer:
         self._listener: StatusListener | None = None
 
     async def start(self) -> None:
-        listener = StatusListener(build_app(self.state, self.settings, self.actions), self.settings.status.listen,
-                                  self.settings.status)
+        app = build_app(self.state, self.settings, self.actions)
+        listener = StatusListener(app, self.settings.status.listen, self.settings.status)
         await listener.open()
         self._listener = listener
 
