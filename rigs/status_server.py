@@ -18,7 +18,7 @@ from rigs.harness import free_port
 from rigs.status_state import RecordingActions, running_state
 from supervisor.settings import Settings, StatusSettings
 from supervisor.state import State
-from supervisor.status.listener import open_status_server
+from supervisor.status.listener import StatusListener
 from supervisor.status.routes import build_app
 
 TOKEN = "t0ken-for-tests"
@@ -26,7 +26,9 @@ TOKEN = "t0ken-for-tests"
 
 async def start_status_server(app: web.Application, listen: str, limits: StatusSettings | None = None) -> web.AppRunner:
     """Serve `app` on `host:port` or `unix:/path` as the daemon does. Stop it with `await runner.cleanup()`."""
-    return (await open_status_server(app, listen, limits)).runner
+    listener = StatusListener(app, listen, limits or StatusSettings())
+    await listener.open()
+    return listener.runner
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -10,11 +10,12 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from rigs.netns import needs_netns, run_in_netns
+from supervisor.eventloop import finished
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import DetectorSettings
 from supervisor.state import Generation, State
-from supervisor.steering.detector import ServerIndex, StalledDetector, merged
+from supervisor.steering.detector import ServerIndex, StalledDetector, merging
 
 OLD = """\
 backend app
@@ -37,7 +38,7 @@ def generation(number: int, text: str) -> Generation:
 
 
 def test_servers_by_endpoint_as_their_sockets_name_them():
-    index = ServerIndex.of(generation(1, OLD))
+    index = finished(ServerIndex.building(generation(1, OLD)))
     assert index.by_endpoint == {
         ("10.0.0.1", 8001): ("app/r1", "other/r1"), ("10.0.0.2", 8001): ("app/r2",),
     }  # a host name and a disabled server are left out
@@ -45,8 +46,8 @@ def test_servers_by_endpoint_as_their_sockets_name_them():
 
 
 def test_every_running_config_is_watched():
-    old, new = ServerIndex.of(generation(1, OLD)), ServerIndex.of(generation(2, NEW))
-    both = merged([old, new])
+    old, new = finished(ServerIndex.building(generation(1, OLD))), finished(ServerIndex.building(generation(2, NEW)))
+    both = finished(merging([old, new]))
     assert both.by_endpoint[("10.0.0.2", 8001)] == ("app/r2",)  # only the old worker routes there
     assert both.by_endpoint[("::1", 9000)] == ("app/r3",)
     assert both.by_endpoint[("10.0.0.1", 8001)] == ("app/r1", "other/r1")

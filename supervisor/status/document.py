@@ -3,7 +3,7 @@ and the Prometheus collector that reads State at each scrape."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -58,10 +58,6 @@ def _old_worker_json(worker: OldWorker, now: datetime, generations: dict[int, Ge
     }
 
 
-def _oldest_first(workers: Iterable[OldWorker], now: datetime) -> list[OldWorker]:
-    return sorted(workers, key=lambda w: (-(w.age_s(now) or 0.0), w.pid))
-
-
 def status_document(state: State, settings: Settings, now: datetime) -> dict[str, Any]:
     """The /status JSON. Its keys are exactly those documented in docs/status.md."""
     current = state.current
@@ -89,7 +85,8 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "started_at": rfc3339(current.started_at) if current else None,
         },
         "old_workers": [
-            _old_worker_json(w, now, state.generations) for w in _oldest_first(state.old_workers.values(), now)
+            _old_worker_json(w, now, state.generations)
+            for w in sorted(state.old_workers.values(), key=lambda w: (-(w.age_s(now) or 0.0), w.pid))
         ],
         "reloads": {
             **{result: getattr(reloads, result) for result in RELOAD_RESULTS},
@@ -157,13 +154,9 @@ SOCKET_MISSING = "the HAProxy master's socket is missing from runtime_dir: the d
 
 
 def not_ready_reason(state: State, grace_s: float = float("inf"), now: datetime | None = None) -> str | None:
-    """Why /readyz says 503, or None when ready.
-
-    Not converged for longer than `grace_s` (reload.converge_grace_s) is a reason when what stands
-    in the way passes (convergence.transient), not when the config itself is the problem (invalid,
-    or refused by HAProxy): HAProxy then serves the last good config, and a controller that
-    rendered a bad config everywhere would otherwise empty the whole fleet.
-    """
+    """Why /readyz says 503, or None when ready. Not converged for longer than `grace_s` is a
+    reason only when what stands in the way passes (convergence.transient): a controller that
+    rendered a bad config everywhere would otherwise empty the whole fleet."""
     if not state.master_socket_ok:
         return SOCKET_MISSING
     if not state.ready:

@@ -66,13 +66,9 @@ def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
 
 
 class ConnectionGuard:
-    """The status listener's limits on clients: at most `limit` connections, and each gets
-    `header_timeout_s` to send a request's headers. A slowloris flood (connections that
-    trickle or send nothing) would otherwise hold every file descriptor the daemon has.
-
-    At the limit, a new connection closes the oldest one that has not sent a request yet (a
-    real client sends its request at once, so it is rarely the oldest); if every connection
-    is busy with a request, the new one is refused."""
+    """The status listener's limits on clients, against a slowloris flood: at most `limit`
+    connections, each given `header_timeout_s` to send a request's headers. At the limit, a
+    new connection closes the oldest one that has not sent a request yet, else is refused."""
 
     def __init__(self, limit: int, header_timeout_s: float) -> None:
         self.limit = limit
@@ -94,7 +90,7 @@ class ConnectionGuard:
             if not self.waiting:
                 return False
             oldest = next(iter(self.waiting))
-            self._stop_waiting(oldest)
+            self.stop_timer(oldest)
             oldest.force_close()
         elif len(self.open) < self.limit // 2:
             self.at_limit.over("status: %d connections open, under the limit again", len(self.open))
@@ -103,14 +99,12 @@ class ConnectionGuard:
         self.waiting[handler] = loop.call_later(self.header_timeout_s, self._header_timeout, handler)
         return True
 
-    def request_started(self, handler: RequestHandler) -> None:
-        self._stop_waiting(handler)
-
     def closed(self, handler: RequestHandler) -> None:
         self.open.discard(handler)
-        self._stop_waiting(handler)
+        self.stop_timer(handler)
 
-    def _stop_waiting(self, handler: RequestHandler) -> None:
+    def stop_timer(self, handler: RequestHandler) -> None:
+        """Its request's headers are in (or it is gone): its header timer stops."""
         timer = self.waiting.pop(handler, None)
         if timer is not None:
             timer.cancel()
@@ -123,8 +117,7 @@ class ConnectionGuard:
 
 class _GuardedHandler(RequestHandler):
     """aiohttp's connection handler under a ConnectionGuard, answering the requests aiohttp's
-    own parser refuses (a header over 8 KiB, an unknown method, a negative Content-Length)
-    with `{"error": ...}` like every other refusal, and without a traceback."""
+    own parser refuses (a header over 8 KiB, for one) with `{"error": ...}`, no traceback."""
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         super().__init__(manager, **options)
@@ -140,12 +133,12 @@ class _GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def request_started(self) -> None:
-        self.guard.request_started(self)
+        self.guard.stop_timer(self)
 
     def handle_error(
         self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
-        self.guard.request_started(self)
+        self.guard.stop_timer(self)
         if request.writer.output_size > 0:  # an answer is already on its way: the connection is done
             raise ConnectionError("the response was already started")
         problem = " ".join(str(message or exc or "").split()) or HTTPStatus(status).phrase
@@ -159,8 +152,7 @@ class _GuardedHandler(RequestHandler):
 
 
 def _descriptor_budget(limit: int) -> int:
-    """The connection limit, kept to a quarter of the file descriptors this process may open:
-    the rest are for HAProxy's sockets, `haproxy -c` and the files the daemon writes."""
+    """The connection limit, kept to a quarter of the file descriptors this process may open."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or limit <= soft // 4:
         return limit
@@ -170,23 +162,19 @@ def _descriptor_budget(limit: int) -> int:
     return budget
 
 
-def _listening_sockets(server: asyncio.Server | None) -> list[Any]:
-    return list(server.sockets) if server is not None and server.sockets else []
-
-
-def _accepting(sock: Any) -> bool:
-    """Whether a listening socket still listens: `ss -K` (or a conntrack flush) destroys one
+def _accepting(server: asyncio.Server | None) -> bool:
+    """Whether every listening socket still listens: `ss -K` (or a conntrack flush) destroys one
     under us, and from then on it is readable for ever and every accept() fails with EINVAL."""
+    sockets = server.sockets if server is not None and server.sockets else ()
     try:
-        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        return all(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for sock in sockets)
     except OSError:
         return False
 
 
 class StatusListener:
     """The listening socket of the status app, and the runner serving it: bound by `open()`,
-    bound again by `rebind()` once it is `dead` (set by the event loop's exception handler
-    the moment an accept() fails, or by `probe()`)."""
+    bound again by `rebind()` once it is `dead` (an accept() failed, or `probe()` said so)."""
 
     def __init__(self, app: web.Application, listen: str, limits: StatusSettings) -> None:
         self.app = app
@@ -204,6 +192,7 @@ class StatusListener:
         self._restore_exception_handler: Callable[[], None] = lambda: None
 
     async def open(self) -> None:
+        """Serve the app on `host:port` or `unix:/path`; StatusServerError when it cannot bind."""
         if isinstance(self.address, str):
             self.app.on_cleanup.append(self._remove_socket_file)
         self.app.on_shutdown.append(self._stop_listening)
@@ -219,7 +208,6 @@ class StatusListener:
         log.info("status: listening on %s", self.listen)
 
     async def _bind(self) -> None:
-        """StatusServerError when it cannot."""
         loop = asyncio.get_running_loop()
         server, guard = self.runner.server, self._guard
         assert server is not None and guard is not None
@@ -242,9 +230,7 @@ class StatusListener:
             else:
                 host, port = self.address
                 listener = await loop.create_server(connection, host, port, reuse_address=True)
-        except (OSError, StatusServerError) as exc:
-            if isinstance(exc, StatusServerError):
-                raise
+        except OSError as exc:
             raise StatusServerError(f"status.listen {self.listen}: {exc.strerror or exc}") from None
         self.server = listener
         self.dead.clear()
@@ -259,17 +245,16 @@ class StatusListener:
         """Whether every listening socket still listens; marks the listener dead when not."""
         if self.dead.is_set():
             return False
-        if all(_accepting(sock) for sock in _listening_sockets(self.server)):
+        if _accepting(self.server):
             return True
         self._mark_dead("the listening socket was destroyed (it no longer accepts connections)")
         return False
 
     def _accept_failed(self, exc: BaseException) -> bool:
-        """The loop's exception handler: an exception in a callback. True when it was our
-        listener failing (dealt with: it stops being served at once, no spinning)."""
+        """The loop's exception handler: True when it was our listener failing (dealt with)."""
         if not isinstance(exc, OSError) or self.server is None:
             return False
-        if all(_accepting(sock) for sock in _listening_sockets(self.server)):
+        if _accepting(self.server):
             return False
         self._mark_dead(f"accept() fails: {exc.strerror or exc}")
         return True
@@ -308,8 +293,7 @@ def quiet_loop_errors(
 ) -> Callable[[], None]:
     """The event loop's exception handler, so that no error repeating in a callback makes a
     traceback each time: the first one of a kind is logged as asyncio logs it, the repeats at
-    most once a minute with a count. asyncio's accept() retries for lack of file descriptors
-    are one line per minute. `claimed(exc)` is asked first; True: it was dealt with.
+    most once a minute with a count. `claimed(exc)` is asked first; True: it was dealt with.
     Returns the function that puts the previous handler back."""
     previous = loop.get_exception_handler()
     out_of_resources = RecurringCondition(
@@ -341,21 +325,10 @@ def quiet_loop_errors(
     return lambda: loop.set_exception_handler(previous)
 
 
-async def open_status_server(
-    app: web.Application, listen: str, limits: StatusSettings | None = None
-) -> StatusListener:
-    """Serve `app` on `host:port` or `unix:/path`; StatusServerError when it cannot bind."""
-    listener = StatusListener(app, listen, limits or StatusSettings())
-    await listener.open()
-    return listener
-
-
 class StatusServer:
-    """The status app as a daemon component: `start()` binds (StatusServerError when it cannot:
-    the daemon stops before it says READY=1), `run()` serves until cancelled. A listening
-    socket destroyed under it is noticed (at its first failed accept(), or within
-    `PROBE_S`), logged once and bound again with a backoff; meanwhile State says the status
-    API is down, and the daemon stops feeding systemd's watchdog."""
+    """The status app as a daemon component: `start()` binds (StatusServerError when it cannot),
+    `run()` serves until cancelled. A listening socket destroyed under it is noticed, logged
+    once and bound again with a backoff; meanwhile State says the status API is down."""
 
     PROBE_S = 1.0
     REBIND_FIRST_S = 0.1
@@ -369,7 +342,9 @@ class StatusServer:
 
     async def start(self) -> None:
         app = build_app(self.state, self.settings, self.actions)
-        self._listener = await open_status_server(app, self.settings.status.listen, self.settings.status)
+        listener = StatusListener(app, self.settings.status.listen, self.settings.status)
+        await listener.open()
+        self._listener = listener
 
     async def run(self) -> None:
         if self._listener is None:

@@ -4,8 +4,8 @@ who may act, bounded request bodies, and every error as one JSON line."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
-import ipaddress
 import logging
 import socket
 import stat
@@ -19,6 +19,7 @@ from prometheus_client.exposition import generate_latest
 
 from ..files import read_regular
 from ..haproxy.answers import ServerKey
+from ..haproxy.resolution import is_ip
 from ..page import BackendSizes, page_of
 from ..settings import Settings, listen_address
 from ..state import ReloadRecord, State, utcnow
@@ -45,16 +46,13 @@ class StatusActions(Protocol):
 
     async def reload_now(self) -> ReloadRecord | None:
         """Reload (forced, even if unchanged). The record of what happened, or None if only queued."""
-        ...
 
     async def mark_dead(self, backend: str, server: str) -> None: ...
 
     async def unmark_dead(self, backend: str, server: str) -> None: ...
 
     def has_server(self, backend: str, server: str) -> bool:
-        """True if the server exists in the current config or in a config an old worker runs."""
-        ...
-
+        """In the current config or in a config an old worker runs."""
 
 
 @runtime_checkable
@@ -171,23 +169,14 @@ def host_of(header: str) -> str:
     return value
 
 
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def host_allowed(header: str, listen_host: str, allowed: Iterable[str]) -> bool:
     """Whether a request with this Host names this listener. A DNS name that is not ours is how
-    a web page reads the API through DNS rebinding (its name made to resolve to 127.0.0.1); an
-    IP address in Host is no such name, so any is accepted, as are loopback names, the listen
-    host and `status.allowed_hosts`."""
+    a web page reads the API through DNS rebinding; an IP address is no such name, so any is
+    accepted, as are loopback names, the listen host and `status.allowed_hosts`."""
     host = host_of(header)
     if not host or len(host) > 253:
         return False
-    if _is_ip(host) or host in LOOPBACK_NAMES or host.endswith(".localhost"):
+    if is_ip(host) or host in LOOPBACK_NAMES or host.endswith(".localhost"):
         return True
     return host == listen_host.lower() or host in {a.strip().lower() for a in allowed}
 
@@ -228,8 +217,6 @@ class _Endpoints:
         self.registry = metrics_registry(state, clock, settings.reload.converge_grace_s, settings.old_workers.max)
         self.backend_sizes = BackendSizes()
 
-    # -- reads
-
     async def status(self, request: web.Request) -> web.Response:
         # Compact: a big drain (many old workers, each steered from thousands of servers) makes
         # a document of megabytes built on this event loop; indenting would double its size and
@@ -265,8 +252,6 @@ class _Endpoints:
             },
         )
 
-    # -- actions
-
     def authorize(self, request: web.Request) -> None:
         if _on_unix_socket(request):
             return  # the socket file's mode already decided who could connect
@@ -300,24 +285,17 @@ class _Endpoints:
         return web.json_response({"error": f"reload {record.result}: {record.error or 'see the log'}", **body},
                                  status=500)
 
-    async def mark_dead(self, request: web.Request) -> web.Response:
-        self.authorize(request)
-        key = self.server_from(request)
-        if not self.actions.has_server(key.backend, key.server):
-            raise _Refused(404, f"no server {key} in any config HAProxy runs")
-        log.info("status: %s marked dead by an operator (%s)", key, _peer(request))
-        await self.actions.mark_dead(key.backend, key.server)
-        return web.json_response({"server": key, "operator_dead": True})
-
-    async def unmark_dead(self, request: web.Request) -> web.Response:
+    async def operator_dead(self, request: web.Request, dead: bool) -> web.Response:
+        """POST (`dead`) or DELETE /servers/{backend}/{server}/dead."""
         self.authorize(request)
         key = self.server_from(request)
         # A server that left every config may still be marked; it must stay possible to clear it.
-        if not self.actions.has_server(key.backend, key.server) and key not in self.state.operator_dead:
+        if not self.actions.has_server(key.backend, key.server) and (dead or key not in self.state.operator_dead):
             raise _Refused(404, f"no server {key} in any config HAProxy runs")
-        log.info("status: %s no longer marked dead by an operator (%s)", key, _peer(request))
-        await self.actions.unmark_dead(key.backend, key.server)
-        return web.json_response({"server": key, "operator_dead": False})
+        marked = "marked dead" if dead else "no longer marked dead"
+        log.info("status: %s %s by an operator (%s)", key, marked, _peer(request))
+        await (self.actions.mark_dead if dead else self.actions.unmark_dead)(key.backend, key.server)
+        return web.json_response({"server": key, "operator_dead": dead})
 
 
 def build_app(
@@ -339,6 +317,6 @@ def build_app(
     app.router.add_get("/healthz", endpoints.healthz)
     app.router.add_get("/readyz", endpoints.readyz)
     app.router.add_post("/reload", endpoints.reload)
-    app.router.add_post("/servers/{backend}/{server}/dead", endpoints.mark_dead)
-    app.router.add_delete("/servers/{backend}/{server}/dead", endpoints.unmark_dead)
+    app.router.add_post("/servers/{backend}/{server}/dead", functools.partial(endpoints.operator_dead, dead=True))
+    app.router.add_delete("/servers/{backend}/{server}/dead", functools.partial(endpoints.operator_dead, dead=False))
     return app

@@ -1,25 +1,14 @@
-"""Which servers are dead, per generation.
+"""Which servers are dead, per generation, by the three rules of
+docs/steering.md#known-dead-servers; servers matched by backend and address.
 
-A config is digested per backend section, and a section's digest is interned by its
-content (its text and its defaults' text): consecutive rendered configs differ in a few
+A section's digest is interned by its content: consecutive configs differ in a few
 backends, so fifty generations hold one copy of each distinct section, and every cache
-downstream is keyed by that content. Servers are matched by backend and address: a replica
-that moves gets a new address, and one re-added at the same address is the same process.
-
-Three rules make a server of a generation dead:
-(a) the latest config has nothing at its address and port in its backend any more;
-(b) the current worker reports every server at that backend and address DOWN or MAINT
-    (a server whose check has not concluded yet is evidence of nothing: "dead until checked"
-    keeps an endpoint dead across a reload until the new worker has checked it);
-(c) an operator marked it (or the latest config's server of that name) dead.
-A server its own config disables is never routed to by that worker, so it is left out.
-
-`Digests` holds every config in use, digested once: what each generation runs (by its number
-and its effective config's sha256) and an index of their servers.
+downstream is keyed by that content. `Digests` holds every config in use, digested once.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import Counter
@@ -49,8 +38,7 @@ def at(backend: str, address: str) -> At:
 
 @dataclass(frozen=True)
 class SectionDigest:
-    """One backend or listen section's servers, as the decisions need them. Equal (and hashed)
-    by `key` alone, its content: the rest is worked out from it."""
+    """One backend or listen section's servers, as the decisions need them; equal by `key`."""
 
     key: str  # the section's text and what applies to it from its defaults, minus the slot table's name
     fingerprint: bytes = field(compare=False)  # a hash of `key`, for the config's key
@@ -93,8 +81,7 @@ class SectionDigest:
 
 @dataclass(frozen=True)
 class ConfigDigest:
-    """What the decisions need from one config: its sections by name (interned), and a key
-    that names its content."""
+    """What the decisions need from one config: its sections by name, and a key of its content."""
 
     key: str  # a hash of its sections' keys, in order
     sections: dict[str, SectionDigest] = field(compare=False)
@@ -115,8 +102,7 @@ _SLOT_TABLE_NAME = re.compile(re.escape(SLOT_TABLE_PREFIX) + r"[0-9a-f]+\.map")
 
 
 class Sections:
-    """Section digests interned by content (the section's text, and what applies to it from
-    its defaults chain): a section identical in two configs is digested and stored once."""
+    """Section digests interned by content (its text, and what applies to it from its defaults)."""
 
     RECENT_CONFIGS = 3  # whole configs remembered by their sha256: the next one, the current one
 
@@ -124,17 +110,12 @@ class Sections:
         self._by_key: dict[str, SectionDigest] = {}
         self._by_sha256: dict[str, ConfigDigest] = {}
 
-    def __len__(self) -> int:
-        return len(self._by_key)
-
     def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
-        """The config's digest; `sha256` (of its effective text, if known) finds one seen lately
-        without resolving its sections again."""
+        """The config's digest; `sha256` (of its effective text) finds one seen lately."""
         return finished(self.digesting(model, sha256))
 
     def digesting(self, model: Config, sha256: str | None = None) -> Generator[None, None, ConfigDigest]:
-        """digest() in steps of SLICE sections, for a caller that lets the event loop run
-        in between (a new 10,000-server config takes tens of milliseconds); returns the digest."""
+        """digest(), yielding between slices of sections."""
         found = self._by_sha256.pop(sha256, None) if sha256 is not None else None
         if found is None:
             found = yield from self._digest(model)
@@ -204,36 +185,30 @@ def line_limit(model: Config | None) -> int:
     return DEFAULT_LINE_LIMIT
 
 
-# ---------------------------------------------------------------- the current worker's evidence
-
-
 @dataclass(frozen=True)
 class LiveView:
-    """What the latest config, the current worker and the operator say, per (backend, endpoint).
-    Compared by content: two rounds with the same view and configs have the same dead sets."""
+    """What the latest config, the current worker and the operator say, per (backend, endpoint)."""
 
     down: frozenset[At] = frozenset()  # where the current worker has servers and none is alive
     operator: frozenset[str] = frozenset()  # "backend/server" marked dead by an operator
     operator_at: frozenset[At] = frozenset()  # where those servers live in the latest config
-    # per backend: its endpoints in `down` or `operator_at`, and its keys in `operator`
-    by_backend: dict[str, tuple[frozenset[At], frozenset[str]]] = field(compare=False, default_factory=dict)
 
-    def __post_init__(self) -> None:
+    @functools.cached_property
+    def by_backend(self) -> dict[str, tuple[frozenset[At], frozenset[str]]]:
+        """Per backend: its endpoints in `down` or `operator_at`, and its keys in `operator`."""
         wheres: dict[str, set[At]] = {}
         for where in self.down | self.operator_at:
             wheres.setdefault(where.partition(" ")[0], set()).add(where)
         keys = by_backend_of(self.operator)
-        index = {b: (frozenset(wheres.get(b, ())), keys.get(b, frozenset())) for b in wheres.keys() | keys.keys()}
-        object.__setattr__(self, "by_backend", index)
+        return {b: (frozenset(wheres.get(b, ())), keys.get(b, frozenset())) for b in wheres.keys() | keys.keys()}
 
 
 def live_view(
     latest: ConfigDigest, live: LiveStates, operator_dead: Iterable[str], previous_down: frozenset[At] = frozenset(),
     suspect_at: Iterable[At] = (),
 ) -> LiveView:
-    """Combine the evidence. `previous_down`: the last view's `down`; an endpoint stays down
-    while the current worker has no verdict on it yet (right after a reload). `suspect_at`:
-    where the stalled-connection detector sees the workers' sockets stalled (detector.py)."""
+    """Combine the evidence. `previous_down`: the last view's `down`, kept while the current
+    worker has no verdict yet (right after a reload). `suspect_at`: the detector's suspects."""
     operator = frozenset(operator_dead)
     down = set(live.down) | (previous_down & live.pending) | set(suspect_at)
     for s in latest.named_hosts:
@@ -251,18 +226,14 @@ def live_view(
     return LiveView(frozenset(down), operator, operator_at)
 
 
-# ---------------------------------------------------------------- the rules
-
-
 def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:
-    """Rule (a) for one backend: servers of `section` with nothing left at their address in the
-    latest config's section of the same name (None: the latest config has no such backend)."""
+    """Rule (a) for one backend (`latest` None: the latest config has no such backend)."""
     present = latest.present if latest is not None else frozenset()
     return frozenset(key for where, keys in section.at_keys.items() if where not in present for key in keys)
 
 
 def changed_backends(old_latest: ConfigDigest, new_latest: ConfigDigest) -> frozenset[str]:
-    """Names of the backends whose section differs between two configs (or is in one only)."""
+    """The backends whose section differs between two configs (or is in one only)."""
     return frozenset(s.name for s in old_latest.section_set ^ new_latest.section_set)
 
 
@@ -294,8 +265,8 @@ def dead_group(digest: ConfigDigest, latest: ConfigDigest, view: LiveView, backe
 
 
 def dead_groups(digest: ConfigDigest, latest: ConfigDigest, view: LiveView) -> dict[str, frozenset[str]]:
-    """Every backend's dead servers, backends without any left out. Sections identical to the
-    latest config's route to the same endpoints: only the others can hold dropped servers."""
+    """Every backend's dead servers, backends without any left out. Only sections that differ
+    from the latest config's can hold dropped servers."""
     groups: dict[str, frozenset[str]] = {}
     for section in digest.section_set - latest.section_set:
         keys = dropped_in_section(section, latest.sections.get(section.name))
@@ -315,8 +286,8 @@ def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
 
 
 class ServerIndex:
-    """Which "backend/server" some config in use has, in one lookup. Counted per section in
-    use: a config added costs only its sections no other config holds."""
+    """Which "backend/server" some config in use has; counted per section, so a config added
+    costs only its sections no other config holds."""
 
     def __init__(self) -> None:
         self._sections: Counter[str] = Counter()
@@ -361,16 +332,14 @@ class Digests:
         return digest
 
     def has_server(self, key: str, generations: Collection[Generation]) -> bool:
-        """Whether some generation's config has this "backend/server": one index lookup (every
-        round digests each generation; one not seen yet is digested first)."""
+        """Whether some generation's config has this "backend/server" (one not digested yet is first)."""
         if len(generations) != len(self._of_generation):
             for generation in generations:
                 self.of(generation)
         return key in self.servers
 
     def keep_only(self, generations: Iterable[Generation], latest: ConfigDigest) -> list[ConfigDigest]:
-        """Forget every config but these and `latest`; the digests kept. The sections
-        no config holds any more are let go only when a generation went."""
+        """Forget every config but these and `latest`; the digests kept."""
         keep = {(g.number, g.effective_sha256) for g in generations}
         gone = [k for k in self._of_generation if k not in keep]
         for key in gone:

@@ -1,30 +1,16 @@
-"""The stalled-connection detector: which servers are suspect, from the kernel's view of the
-workers' sockets toward them (pure, judged), and StalledDetector, their owner.
+"""The stalled-connection detector (docs/steering.md#stalled-connections): which servers are
+suspect, from the kernel's view of the workers' sockets toward them (pure), and
+StalledDetector, their owner: it polls sock_diag, sets suspects `health down`, publishes
+them for the steering and destroys the sockets that would wait on them.
 
-A vanished node never answers: a connect to it stays in SYN-SENT, and data sent on an
-established connection to it stays unacknowledged while TCP retransmits it. Both show in
-sock_diag at once, long before a `timeout connect` or a health check concludes. A server with
-such a socket, stalled for longer than a threshold, is suspect. The threshold follows the
-round-trip times seen toward the server (a WAN server's connect takes longer), with a floor.
-
-Every poll StalledDetector asks the kernel for the TCP sockets toward the current config's
-server ports that are connecting or established (one sock_diag dump, filtered by state and
-port in the kernel), keeps those of the HAProxy workers, and judges them. A suspect server is
-- set `health down` in the current worker when it has a check: its checks bring it back
-  after `rise` passes, so a false alarm heals itself;
-- published into State, where the steering takes it as evidence that it is dead, and pushes
-  it to every old worker like any known-dead server;
-- rid of its idle pooled connections in every worker (SOCK_DESTROY), so no later request is
-  sent on one;
-- and, once steered off in a worker, that worker's stalled sockets to it are destroyed, so
-  HAProxy retries their requests on live servers at once (`abort`, needs CAP_NET_ADMIN).
-An old worker's connect toward a server the daemon knows dead (for any reason) and has
-steered that worker off is destroyed too, at first sight: its retry is redispatched at once.
+A vanished node never answers: a connect to it stays in SYN-SENT, data sent to it stays
+unacknowledged. Both show in sock_diag long before a `timeout connect` or a check concludes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import operator
 import socket
@@ -33,7 +19,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from ..eventloop import finished, next_tick, sliced
+from ..eventloop import next_tick, sliced
 from ..haproxy.answers import ServerKey, validate_name
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.resolution import is_ip, section_servers
@@ -51,6 +37,7 @@ from ..master.sockdiag import (
 )
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
+from .dead import by_backend_of
 
 Endpoint = tuple[str, int]  # (address, port) of a server as its sockets name it
 
@@ -96,10 +83,8 @@ def stall_of(sock: DiagSocket, first_seen_ago_ms: float = 0.0) -> Stall | None:
 
 
 def threshold_ms(rtts_ms: Iterable[float], floor_ms: float) -> float:
-    """How long a stall must last to count: RTT_FACTOR of the slowest round trip seen toward the
-    server, never under `floor_ms`."""
-    slowest = max(rtts_ms, default=0.0)
-    return max(floor_ms, RTT_FACTOR * slowest)
+    """How long a stall must last to count: a WAN server's connect takes longer."""
+    return max(floor_ms, RTT_FACTOR * max(rtts_ms, default=0.0))
 
 
 def suspects(
@@ -109,8 +94,7 @@ def suspects(
     floor_ms: float,
     now: float,
 ) -> dict[str, Suspect]:
-    """The servers whose endpoint has a stall older than its threshold, by "backend/server"
-    (every server of the current config at that endpoint), each with why and since when."""
+    """The servers at an endpoint with a stall older than its threshold, by "backend/server"."""
     found: dict[str, Suspect] = {}
     for stall in stalls:
         keys = servers.get(stall.endpoint)
@@ -129,27 +113,21 @@ def suspects(
 
 def left_in(suspect_keys: Iterable[str], backends: Mapping[str, tuple[str, ...]], dead: Set[str]) -> set[str]:
     """The suspects the current worker keeps routing to: those of a backend in which every
-    server it could route to (backups included) is suspect or known dead. A live server with a
-    full accept queue stalls connects exactly as a vanished one does; while a backend has
-    another server, taking the suspect out costs nothing, but taking out its last would turn a
-    slow answer into a sure 503. Such a backend is left as HAProxy has it (Envoy's panic mode)."""
+    server (backups included) is suspect or known dead. A live server with a full accept queue
+    stalls connects as a vanished one does: taking a backend's last one out would turn a slow
+    answer into a sure 503 (Envoy's panic mode)."""
     suspect = set(suspect_keys)
-    by_backend: dict[str, list[str]] = {}
-    for key in suspect:
-        by_backend.setdefault(key.partition("/")[0], []).append(key)
     kept: set[str] = set()
-    for backend, keys in by_backend.items():
-        servers = backends.get(backend, ())
-        if not any(s not in suspect and s not in dead for s in servers):
+    for backend, keys in by_backend_of(suspect).items():
+        if not any(s not in suspect and s not in dead for s in backends.get(backend, ())):
             kept.update(keys)
     return kept
 
 
 def idle(sock: DiagSocket) -> bool:
-    """An established connection with nothing in flight either way: a pooled idle one. Its
-    queues are empty and its last data came in after its last data went out; a request sent
-    and acknowledged whose answer is still being worked out has empty queues too, and so has
-    a connection just opened, that no answer has come in on yet: its request is on its way."""
+    """An established connection with nothing in flight either way: a pooled idle one. Empty
+    queues are not enough: a request acknowledged and not yet answered has them too, so its
+    last data must have come in after its last data went out."""
     if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue or sock.data_segs_in == 0:
         return False
     return sock.sent_ago_ms is None or sock.received_ago_ms is None or sock.received_ago_ms <= sock.sent_ago_ms
@@ -166,20 +144,13 @@ def to_abort(
     dead: Set[str],
     kept: Set[str] = frozenset(),
 ) -> list[tuple[Stall, str]]:
-    """The stalled sockets to destroy, each with why ("suspect" or "dead"), seen at once
-    (whatever their age): no threshold stands between a known-unreachable server and the
-    retry HAProxy makes once the connect fails.
-
-    - "suspect": toward a held suspect (`held`: its keys; `keys_at`: every running config's
-      servers per endpoint), in a worker that routes nothing more to a server at that
-      endpoint: the current worker (the suspect is set down there in the same poll), or an
-      old worker whose last push steered it off one (`steered`). Not the suspects the current
-      worker keeps (`kept`, left_in()): a server with a full accept queue may still take them
-      (its kernel drops the handshake's last ACK too, so even an established one retransmits).
-    - "dead": a connect (SYN-SENT) of an old worker toward an endpoint where every server of
-      that worker's own config (`own_keys_at`) is known dead (`dead`) and steered off in it:
-      its retry is redispatched to a live server. Another backend of the same config that
-      still routes to the endpoint keeps its connects.
+    """The stalled sockets to destroy, whatever their age, each with why:
+    - "suspect": toward a held suspect (`held`), in a worker that routes nothing more to it:
+      the current worker (it is set down in the same poll), or an old worker steered off it
+      (`steered`). Not those the current worker keeps (`kept`, left_in()): a server with a
+      full accept queue may still take them.
+    - "dead": an old worker's connect toward an endpoint where every server of its own config
+      (`own_keys_at`) is known dead and steered off in it: its retry is redispatched.
     `owners`: socket inode -> worker PID; a socket of no worker is left alone."""
     found: list[tuple[Stall, str]] = []
     for stall in stalls:
@@ -210,13 +181,10 @@ CAP_NET_ADMIN = 12
 
 def has_net_admin() -> bool:
     """Does this process hold CAP_NET_ADMIN (effective): may it destroy others' sockets?"""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
     return False
 
 
@@ -239,12 +207,8 @@ class ServerIndex:
     backends: dict[str, tuple[str, ...]]  # backend -> every server it can route to (left_in)
 
     @classmethod
-    def of(cls, generation: Generation) -> ServerIndex:
-        return finished(cls.building(generation))
-
-    @classmethod
     def building(cls, generation: Generation) -> Generator[None, None, ServerIndex]:
-        """of(), yielding between slices of backends."""
+        """The index, yielding between slices of backends."""
         by_endpoint: dict[Endpoint, list[str]] = {}
         checked: set[str] = set()
         families: set[int] = set()
@@ -271,13 +235,8 @@ class ServerIndex:
         )
 
 
-def merged(indexes: list[ServerIndex]) -> ServerIndex:
-    """Several configs' servers in one index: the configs every worker runs."""
-    return finished(merging(indexes))
-
-
 def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
-    """merged(), yielding between slices of endpoints."""
+    """Several configs' servers in one index, yielding between slices of endpoints."""
     if len(indexes) == 1:
         return indexes[0]
     by_endpoint: dict[Endpoint, dict[str, None]] = {}
@@ -297,7 +256,7 @@ class StalledDetector:
     """Finds the servers the workers' sockets say are unreachable, and acts on them."""
 
     def __init__(
-        self, settings: DetectorSettings, state: State, cli: MasterCLI, wake_steering: Callable[[], None] | None = None
+        self, settings: DetectorSettings, state: State, cli: MasterCLI, wake_steering: Callable[[], None] = lambda: None
     ) -> None:
         self.settings = settings
         self.state = state
@@ -354,12 +313,8 @@ class StalledDetector:
                 self._look.cancel()
 
     def _look_at_next_tick(self, loop: asyncio.AbstractEventLoop, work: asyncio.Event, interval_ms: int = 0) -> None:
-        """At the next instant of the shared grid of timers (the lag gauge wakes the loop then
-        too: eventloop.tick), look whether a poll has anything to do; at rest, look again later,
-        as a plain callback: the task is woken only for work. At rest the looks are two polls
-        apart, never past the stall threshold's floor: a stall's age is read from the kernel's
-        timer, so a connect first seen then is judged as soon as it would have been, and one
-        toward a known-dead server is aborted at most one poll later."""
+        """At the next instant of the shared grid of timers, look whether a poll has anything to
+        do; at rest, look again two polls later (within the threshold's floor), the task asleep."""
         poll = self.settings.poll_interval_ms
         at_rest = poll * max(1, min(self.settings.threshold_floor_ms, 2 * poll) // poll)
 
@@ -373,8 +328,7 @@ class StalledDetector:
         self._look = loop.call_at(next_tick(loop.time(), interval_ms or poll), look)
 
     def _at_rest(self) -> bool:
-        """Nothing for a poll to do: the running configs are those last indexed, nothing is
-        stalled or suspect, and the TCP counters have not moved since the last poll looked."""
+        """Nothing for a poll to do: the configs last indexed, nothing stalled or suspect, TCP counters still."""
         if self._first_seen or self._held or not self._indexes_unchanged():
             return False
         answer = self._seen_answer
@@ -383,16 +337,10 @@ class StalledDetector:
         activity = self._tcp.read()
         return activity is not None and activity == self._activity
 
-    # ------------------------------------------------------------ one poll
-
     async def watched_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         """The current config's servers (the ones `health` commands reach), and those of every
-        config a worker runs: an old worker's stalled socket to a server the current config
-        dropped (a pending removal a reload left behind included) is still found and aborted.
-        Worked out in slices between turns of the loop, and only for what changed: a config
-        that starts running is indexed once and merged in. One that stops running stays in the
-        merged index (watching an endpoint no worker uses costs nothing) until the index has
-        grown to twice the current config's, or the current worker runs alone."""
+        config a worker runs. Only a config that starts running is indexed and merged in; one
+        that stops stays merged until the index has grown to twice the current config's."""
         state = self.state
         if self._indexes_unchanged() and self._seen_answer is not None:
             return self._seen_answer
@@ -403,8 +351,7 @@ class StalledDetector:
         return answer
 
     def _indexes_unchanged(self) -> bool:
-        """The current generation, every generation and the old workers are the ones last
-        indexed (generations are values, replaced when they change)."""
+        """The generations and old workers are those last indexed (a generation changed is replaced)."""
         state = self.state
         return (
             state.current is self._seen_current
@@ -496,7 +443,8 @@ class StalledDetector:
         # when the backend is left with one active server, and not while the suspect still
         # counts; a redispatched retry avoids the server it failed on either way.
         if self.can_abort and (self._held or stalls):
-            steered = self._steered(stalls, owners)
+            stalled_pids = {owners.get(s.socket.inode) for s in stalls}
+            steered = {pid: frozenset(r.steered) for pid, r in self.state.old_workers.items() if pid in stalled_pids}
             own = await self._own_indexes(stalls, owners, current.worker_pid, steered, index, now_index)
             self._abort(listed, stalls, owners, current.worker_pid, index, steered, own)
         if current.worker_pid is not None:
@@ -509,7 +457,7 @@ class StalledDetector:
                 await self._take_out(current.worker_pid, here)
 
     def _owners(self, current_pid: int | None) -> dict[int, int]:
-        """{socket inode: worker PID} of every worker: read only when something is stalled."""
+        """{socket inode: worker PID}: read only when something is stalled."""
         pids = set(self.state.old_workers)
         if current_pid is not None:
             pids.add(current_pid)
@@ -526,32 +474,23 @@ class StalledDetector:
             log.warning("worker %d: set server ... health %s answered: %s", pid, health, answers.strip())
 
     async def _take_out(self, pid: int, keys: list[str]) -> None:
-        """`health down` in the current worker. A server with a check comes back after `rise`
-        passes; one without stays down until the detector sets it up again (_bring_back)."""
+        """`health down`: a server with a check comes back after `rise` passes."""
         await self._set_health(pid, keys, "down")
         self._health_down.update(keys)
-        if self.wake_steering is not None:
-            self.wake_steering()
+        self.wake_steering()
 
     async def _bring_back(self, pid: int, keys: list[str], index: ServerIndex) -> None:
-        """The suspects with no check whose hold ended: nothing else would set them up again.
-        If still unreachable, their next connect stalls and they are suspect again."""
+        """The suspects with no check whose hold ended: nothing else would set them up again."""
         unchecked = [k for k in keys if k not in index.checked and k in index.keys]
         if unchecked:
             await self._set_health(pid, unchecked, "up")
-
-    def _steered(self, stalls: list[Stall], owners: dict[int, int]) -> dict[int, frozenset[str]]:
-        """The servers each old worker with a stalled socket is steered off (its last push's)."""
-        pids = {owners.get(s.socket.inode) for s in stalls}
-        return {pid: frozenset(r.steered) for pid, r in self.state.old_workers.items() if pid in pids}
 
     async def _own_indexes(
         self, stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
         steered: dict[int, frozenset[str]], index: ServerIndex, now_index: ServerIndex,
     ) -> dict[int, dict[Endpoint, tuple[str, ...]]]:
-        """Each old worker's own config's servers per endpoint, for the old workers with a
-        stalled connect toward an endpoint where some server is known dead and steered off in
-        it: only those can have a connect to abort as known dead (to_abort)."""
+        """Each old worker's own config's servers per endpoint, for those with a connect toward
+        an endpoint where some server is known dead and steered off in it (to_abort's "dead")."""
         dead = self.state.dead_servers
         latest = {g.worker_pid: g for g in sorted(self.state.generations.values(), key=lambda g: g.number)}
         wanted: dict[int, Generation] = {}
@@ -568,20 +507,16 @@ class StalledDetector:
         own: dict[int, dict[Endpoint, tuple[str, ...]]] = {}
         for pid, generation in wanted.items():
             sha = generation.effective_sha256
-            if sha == now_index.sha256:
-                own[pid] = now_index.by_endpoint
-                continue
-            if sha not in self._by_sha:
+            if sha != now_index.sha256 and sha not in self._by_sha:
                 self._by_sha[sha] = await sliced(ServerIndex.building(generation))
-            own[pid] = self._by_sha[sha].by_endpoint
+            own[pid] = (now_index if sha == now_index.sha256 else self._by_sha[sha]).by_endpoint
         return own
 
     def _abort(
         self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
         index: ServerIndex, steered: dict[int, frozenset[str]], own: dict[int, dict[Endpoint, tuple[str, ...]]],
     ) -> None:
-        """Destroy the stalled sockets to_abort() names, and every worker's idle pooled
-        connections to suspects."""
+        """Destroy the stalled sockets to_abort() names, and idle pooled connections to suspects."""
         # A suspect left in is still routed (detector.left_in): its connections are the backend's only way.
         held_at = {s.endpoint for key, (s, _) in self._held.items() if key not in self._left_in}
         targets: list[tuple[DiagSocket, str]] = [
@@ -621,5 +556,4 @@ class StalledDetector:
             )
             for key, (s, _) in self._held.items()
         })
-        if self.wake_steering is not None:
-            self.wake_steering()
+        self.wake_steering()

@@ -1,21 +1,14 @@
 """The current worker's evidence, read through the master CLI: its server states (rule (b) of
 dead.py) boiled down per endpoint, parsed in parts so that a big answer never holds the event
 loop for long; what each old worker skips itself; the old workers' connections and memory.
-
-Idle means idle: servers change state by themselves only through health checks, agent checks
-and `observe`. In a config with none of those, nothing but an admin command can change them
-(the daemon's own runtime applies read them again at once), so a full read of the current
-worker's states is only a slow safety net. With checks, HAProxy writes each change to its
-stderr (haproxy/stderr.py): while those lines are heard, a line is what calls for a read, and
-the full read is again a slow safety net (for a line dropped by a full pipe). Polling stays
-while they are not heard, and while some check has not concluded yet (right after a reload):
-a first check that finds a server UP changes nothing, so HAProxy writes no line for it.
+When a read is due: docs/steering.md#known-dead-servers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,6 +41,7 @@ class LiveStates:
     # configured by host name (their live address differs from the configured one).
     alive_by_key: dict[str, bool | None] = field(default_factory=dict)
 
+    @functools.cached_property
     def unusable(self) -> frozenset[str]:
         """Its servers that are DOWN or in maintenance: a `use-server` rule skips them."""
         return frozenset(k for k, verdict in self.alive_by_key.items() if verdict is False)
@@ -61,8 +55,8 @@ _CHECK_UNKNOWN = "0"  # the check result before the first check concluded
 
 
 class LiveTally:
-    """`show servers state` boiled down to LiveStates, fed in parts: an endpoint is down only
-    if no part shows a server alive there, so the verdict waits for the last part."""
+    """`show servers state` boiled down to LiveStates, fed in parts: the verdict waits for the
+    last part, since an endpoint is down only if no part shows a server alive there."""
 
     def __init__(self) -> None:
         self.down: set[tuple[str, str, str]] = set()
@@ -71,8 +65,7 @@ class LiveTally:
         self.by_key: dict[str, bool | None] = {}
 
     def add(self, text: str) -> None:
-        """Rows of `show servers state` (answers.servers_state_rows): a loop that does next to
-        nothing for the usual row (alive)."""
+        """Rows of `show servers state`: next to nothing done for the usual row (alive)."""
         down, up, pending, by_key = self.down, self.up, self.pending, self.by_key
         for block in servers_state_rows(text, _LIVE_COLUMNS):
             col = block.at
@@ -114,11 +107,9 @@ STATE_ROWS_PER_PART = 2000  # parsed between two turns of the event loop
 def live_read_interval(
     cost_s: float, poll_s: float, safety_net_s: float, *, changes_alone: bool, heard: bool, unchecked: bool = False
 ) -> float:
-    """How long one read of the current worker's server states stays good.
-    `changes_alone`: some server is checked or observed, so states change by themselves;
-    `heard`: HAProxy's stderr lines reach the daemon (the master's stderr is its FIFO and the
-    global section has no `quiet`); `unchecked`: some check has not concluded yet (a first
-    check that finds a server UP changes nothing, so no line would come)."""
+    """How long one read of the current worker's server states stays good. `changes_alone`: some
+    server is checked or observed; `heard`: HAProxy's stderr lines reach the daemon; `unchecked`:
+    some check has not concluded yet (a first check that finds a server UP writes no line)."""
     if changes_alone and (not heard or unchecked):
         return max(poll_s, COST_SHARE * cost_s)
     return max(poll_s, safety_net_s if heard else min(safety_net_s, UNHEARD_SAFETY_NET_S))
@@ -130,10 +121,6 @@ class LiveRead:
     at: float  # monotonic
     states: LiveStates
     cost_s: float  # asking and parsing
-    unusable: frozenset[str]  # its servers that are DOWN or in maintenance
-
-    def due(self, pid: int | None, interval_s: float, now: float) -> bool:
-        return pid != self.pid or now - self.at >= interval_s
 
 
 async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
@@ -148,13 +135,12 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
         await asyncio.sleep(0)  # a 10,000-row answer would hold the operator API up
     states = tally.result()
     now = time.monotonic()
-    return LiveRead(pid, now, states, now - started, states.unusable())
+    return LiveRead(pid, now, states, now - started)
 
 
 async def read_unusable(cli: MasterCLI, unasked: Iterable[int], budget: int = 4) -> dict[int, LiveRead]:
-    """Ask a few old workers not asked yet (`unasked`, PIDs) which servers they skip themselves
-    (DOWN or MAINT in their own view): no use as targets. Not in the critical path: a worker is
-    steered first with what is known, and corrected when the answer comes. The answers, by PID."""
+    """Ask a few old workers not asked yet which servers they skip themselves (DOWN or MAINT in
+    their own view), by PID. Off the critical path: a worker is steered with what is known."""
 
     async def one(pid: int) -> LiveRead | None:
         with contextlib.suppress(CLIError):

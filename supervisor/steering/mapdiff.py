@@ -2,9 +2,7 @@
 changes as lines for the master CLI, with the answers to them read.
 
 Map changes go in phases so that no request ever sees a half state (a count promising slots
-not there yet, or an override removed before the count that needs it). New entries travel
-as `add map` payloads (a few bytes per entry, parsed by HAProxy in one go), everything else
-as `set map` / `del map` commands joined with `;` on lines that fit the CLI's buffer.
+not there yet, or an override removed before the count that needs it).
 """
 
 from __future__ import annotations
@@ -37,16 +35,13 @@ _valid = functools.lru_cache(maxsize=1 << 16)(validate_name)
 
 
 def diff_phases(current: Mapping[str, str], desired: Mapping[str, str]) -> tuple[Phase, Phase, Phase, Phase, Phase]:
-    """The five phases, in order, that turn `current` into `desired` (some may be empty).
-
-    The first ROUTING_PHASES route every request as `desired` does, or to a server that
-    `desired` also routes to: once they are answered the worker is steered. The later ones
-    tidy up, one `set map` or `del map` command at a time.
+    """The five phases, in order, that turn `current` into `desired` (some may be empty). Once
+    the first ROUTING_PHASES are answered every request is routed as `desired` does, or to a
+    server it also routes to: the worker is steered. The later ones tidy up.
 
     0. New entries, in payloads: a newly steered backend's slots then its count, and a hop
-       for each server that overrides stop pointing to (see haproxy/guard.py), to a server
-       they point to now. Those overrides can then wait for phase 3: a drain that kills an
-       override's target costs a payload entry here instead of a command.
+       for each server that overrides stop pointing to (haproxy/guard.py), to a server they
+       point to now: those overrides, each a command, can then wait for phase 3.
     1. Counts (a count promises the slots below it, so it comes after them), and hops left
        over from an interrupted push.
     2. Slots no longer wanted whose server could get no hop (after the counts that stop
@@ -54,7 +49,7 @@ def diff_phases(current: Mapping[str, str], desired: Mapping[str, str]) -> tuple
     3. The overrides that moved, and the other slots no longer wanted.
     4. The hops of phase 0, now that nothing points to their servers.
 
-    `desired` holds no hops. Keys are validated for the CLI.
+    `desired` holds no hops.
     """
     for key, value in desired.items():
         _valid_key(key)
@@ -122,11 +117,9 @@ def _hops(
     """The hops diff_phases() adds in phase 0, and per backend the servers that overrides
     stop pointing to but that get no hop (those overrides must change in the routing phases).
 
-    A server that overrides stop pointing to is one the worker must leave (dead, usually;
-    or passed over for a server back in service, when leaving it early does no harm). Its
-    hop goes to the new target of one of those overrides, else to any target the backend
-    keeps. There is no hop where a left-over one holds the key, or where the backend keeps
-    no override to take a target from.
+    A server that overrides stop pointing to is one the worker must leave. Its hop goes to
+    the new target of one of those overrides, else to any target the backend keeps; none
+    where a left-over hop holds the key, or where the backend keeps no target.
     """
     targets: dict[str, set[str]] = {}
     for key, value in desired.items():
@@ -176,11 +169,8 @@ def valid_entry(key: str, value: str) -> tuple[str, str]:
 @dataclass(frozen=True)
 class BackendDelta:
     """The map changes that turn some entries `before` into `after`, in the phases of
-    diff_phases(), with each phase's adds already rendered as payload text.
-
-    A drain changes the same backends in every old worker whose config shares the section,
-    so backend_delta() works a delta out once per pair of entries (by content) and dozens
-    of workers reuse it: what is left per worker is joining texts."""
+    diff_phases(), each phase's adds rendered as payload text: a drain changes the same
+    backends in dozens of workers, which reuse one delta (backend_delta)."""
 
     phases: tuple[Phase, ...]
     payloads: tuple[tuple[str, ...], ...]  # each phase's adds: "key value\n" per backend
@@ -230,25 +220,20 @@ def _map_path(map_path: str) -> str:
 def phase_lines(
     pid: int, map_path: str, phase: Phase, limit: int = DEFAULT_LINE_LIMIT, version: int | None = None
 ) -> list[str]:
-    """Lines for the master CLI: sets and deletes joined with `;`, adds as `add map` payloads.
-
-    A payload (`add map <file> <<` then one `key value` per line) costs a few bytes per
-    entry where a command costs ~60, and HAProxy parses it in one go: it is what makes
-    pushing thousands of entries to dozens of workers fast. Each line fits in `limit`.
-    `version`: add to that version of the map (from `prepare map`), to be committed.
-    """
+    """Lines for the master CLI: sets and deletes joined with `;`, adds as `add map` payloads
+    (a few bytes per entry where a command costs ~60, parsed by HAProxy in one go), each line
+    within `limit`. `version`: add to that version of the map (from `prepare map`)."""
     path = _map_path(map_path)
-    individual = _commands(pid, path, phase)
-    lines = batch_lines(individual, limit) if individual else []
     at_version = f"@{int(version)} " if version is not None else ""
     head = on_process(pid, f"add map {at_version}{path} <<\n")
-    groups = _payload(phase)
-    if groups:
-        payloads, late = payload_lines(head, groups, limit)
-        lines += payloads
-        if late:
-            lines += payload_lines(head, late, limit)[0]  # callers that need them later use delta_lines
-    return lines
+    lines, late = _rank_lines(head, _commands(pid, path, phase), _payload(phase), limit)
+    return lines + late  # callers that need the late ones later use delta_lines
+
+
+def _rank_lines(head: str, commands: list[str], groups: Iterable[str], limit: int) -> tuple[list[str], list[str]]:
+    """One rank's lines (its commands batched, its payloads), and those of the counts held back."""
+    payloads, late = payload_lines(head, groups, limit)
+    return batch_lines(commands, limit) + payloads, payload_lines(head, late, limit)[0] if late else []
 
 
 def _commands(pid: int, path: str, phase: Phase) -> list[str]:
@@ -263,10 +248,8 @@ def payload_lines(head: str, groups: Iterable[str], limit: int) -> tuple[list[st
     """`head` (an `add map ... <<` command and its newline) followed by `key value` lines, as
     few lines as fit in `limit`, and the entries held back for later.
 
-    Each group (one backend's entries, its count last when it is new) stays in one line when
-    it fits in one, so the count arrives with its slots. A group too long for one line is
-    split, and its count is held back: lines run in parallel, so it may only be sent once
-    the lines with its slots were answered.
+    A group (one backend's entries, its count last when it is new) that fits in one line
+    stays in one. One too long is split, and its count held back: lines run in parallel.
     """
     lines: list[str] = []
     late: list[str] = []
@@ -303,36 +286,21 @@ def delta_lines(
     phases: range = PHASES,
 ) -> list[list[str]]:
     """The CLI lines of several backends' deltas for one worker: one list per non-empty rank,
-    to be sent rank after rank (the lines of one rank may go in parallel). `phases`: only
-    those of diff_phases()."""
+    sent rank after rank (the lines of one rank may go in parallel). `phases`: only those."""
     path = _map_path(map_path)
     head = on_process(pid, f"add map {path} <<\n")
     ranks: list[list[str]] = []
     for rank in phases:
-        individual: list[str] = []
-        for delta in deltas:
-            if rank in delta.single_phases:
-                individual += _commands(pid, path, delta.phases[rank])
-        lines = batch_lines(individual, limit) if individual else []
-        late: list[str] = []
+        commands = [c for d in deltas if rank in d.single_phases for c in _commands(pid, path, d.phases[rank])]
         groups = [group for delta in deltas for group in delta.payloads[rank]]
-        if groups:
-            payloads, late = payload_lines(head, groups, limit)
-            lines += payloads
-        if lines:
-            ranks.append(lines)
-        if late:
-            ranks.append(payload_lines(head, late, limit)[0])
+        ranks += [lines for lines in _rank_lines(head, commands, groups, limit) if lines]
     return ranks
 
 
 def answer_problem(line: str, answer: str) -> str | None:
     """What is wrong with the master CLI's answer to one of our map-changing lines, or None.
-
-    Each command that succeeds answers an empty line and nothing else. Fewer empty lines
-    than commands means the master dropped the connection part-way (while re-executing on
-    a reload, for one): those commands may not have run, so it is not a success.
-    """
+    Each command that succeeds answers an empty line; fewer than commands means the master
+    dropped the connection part-way (re-executing on a reload, for one)."""
     if answer.strip():
         return answer.strip().splitlines()[0]
     commands = line.split("\n", 1)[0].count(";") + 1
@@ -342,8 +310,7 @@ def answer_problem(line: str, answer: str) -> str | None:
 
 
 def is_whole_answer(show_map_answer: str) -> bool:
-    """A `show map` answer ends with a blank line: "\n" alone for an empty map, else the
-    last entry's newline and one more. A connection dropped mid-answer ends otherwise."""
+    """A `show map` answer ends with a blank line ("\n" alone for an empty map); a cut one does not."""
     return show_map_answer == "\n" or show_map_answer.endswith("\n\n")
 
 

@@ -1,21 +1,11 @@
 """One round's plan: what every worker's steer map must hold (each backend's entries, given
-its dead servers), memoised by content.
+its dead servers; docs/steering.md#what-an-old-worker-is-told), memoised by content.
 
-A worker's wanted map depends on four things only: the config it runs, the latest config,
-the live view (the current worker's and the operator's evidence) and the servers the worker
-itself sees down. Every one has a content key, so a plan is looked up by those keys, and a
-new one is worked out from the last one for the same worker content, backend by backend,
-where something can have changed: the backends whose section differs between the two
-latest configs, and those whose evidence changed. A drain touches a hundred backends of a
-thousand in each of fifty generations; an idle round touches none.
-
-Map layout (one steer map for all backends, read by the guard that haproxy/guard.py puts in
-every backend, next to its config's slot table): `<backend>_n` = how many slots the
-backend's requests pick from (`0`: answer 503 / close at once), `<backend>_<i>` = the server
-for slot i instead of the slot table's, and for i at or past the table's end a draw that
-weights call for. A backend whose guard reproduces a map-based hash also gets `<backend>_t`
-(the worker's total weight) and `<backend>_h<i>` for the hash positions of dead servers.
-A drain that kills one primary of ten equal ones costs two entries per backend, not ten.
+A worker's wanted map depends only on the config it runs, the latest config, the live view
+and the servers the worker itself sees down, each with a content key. A new plan is worked
+out from the last one for the same worker content, looking only at the backends whose
+section differs between the two latest configs or whose evidence changed. The map's layout
+is the guard's (haproxy/guard.py).
 """
 
 from __future__ import annotations
@@ -88,8 +78,7 @@ class Steering:
 def reused_plans(
     last: Mapping[int, Steering], workers: Mapping[int, tuple[ConfigDigest, frozenset[str]]]
 ) -> dict[int, Steering]:
-    """The plans of a round made under the same basis that still hold: for a worker that
-    runs the same config and skips the same servers (the rest must be planned)."""
+    """The plans of a round under the same basis that still hold: same config, same servers skipped."""
     return {
         pid: steering
         for pid, (digest, unusable) in workers.items()
@@ -100,11 +89,6 @@ def reused_plans(
 def nothing_steered(digest: ConfigDigest, latest: ConfigDigest, basis: Basis) -> Steering:
     """An empty map: what the current worker holds (unless it is about to become old)."""
     return Steering(basis, ("nothing steered", frozenset()), digest, latest, {}, {})
-
-
-@functools.lru_cache(maxsize=1 << 17)
-def _entries(section_entries_args: tuple) -> Entries:
-    return section_entries(*section_entries_args)
 
 
 class Planner:
@@ -156,7 +140,7 @@ class Planner:
 
         def entries_of(backend: str, dead: frozenset[str]) -> Entries:
             args = (digest.sections[backend], dead, self.no_backup, skipped.get(backend, nothing), self.node_keys)
-            return _entries(args)
+            return section_entries(*args)
 
         if last is None:
             groups = dead_groups(digest, latest, view)
@@ -173,21 +157,18 @@ class Planner:
         groups = dict(last.groups)
         parts = dict(last.parts)
         for backend in candidates:
-            dead = dead_group(digest, latest, view, backend)
-            entries = entries_of(backend, dead) if dead else ()
-            if dead:
+            groups.pop(backend, None)
+            parts.pop(backend, None)
+            if dead := dead_group(digest, latest, view, backend):
                 groups[backend] = dead
-            else:
-                groups.pop(backend, None)
-            if entries:
-                parts[backend] = entries
-            else:
-                parts.pop(backend, None)
+                if entries := entries_of(backend, dead):
+                    parts[backend] = entries
         return Steering(
             basis, (digest.key, unusable), digest, latest, groups, parts, last.basis, frozenset(candidates)
         )
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def section_entries(
     section: SectionDigest,
     dead: frozenset[str],
@@ -195,19 +176,10 @@ def section_entries(
     unusable: frozenset[str],
     node_keys: NodeKeys = ID_TIMES_4096,
 ) -> Entries:
-    """One backend's entries. `dead` and `unusable` may hold other backends' keys too.
-
-    Only a backend with the guard and a dead primary it could still route to gets entries.
-    While some primary is usable, the count is the number of slots, and each slot whose
-    server is not usable is overridden with a usable primary chosen by rendezvous hashing:
-    the one that ranks first for that slot, a rank no other server's fate changes. So a
-    drain costs one entry per dead primary, and a second drain adds entries without
-    changing those there, unless it kills an override's target. With no usable primary the
-    requests go to the first usable backup (every one, with `option allbackups`), each
-    overriding one slot; with no backup either, `fail-fast` makes the guard answer at once
-    and `keep` leaves routing alone. `unusable`: servers the worker itself sees DOWN or in
-    maintenance, which a `use-server` rule would skip: no use as targets, nothing to steer from.
-    """
+    """One backend's entries (docs/steering.md#what-an-old-worker-is-told). `dead` and
+    `unusable` (servers the worker itself sees DOWN or in maintenance) may hold other
+    backends' keys too. Overrides are chosen by rendezvous hashing, a rank no other server's
+    fate changes: a second drain adds entries without changing those there."""
     if not section.guarded:
         return ()
     backend = section.name
@@ -247,10 +219,8 @@ MAX_OVERRIDDEN = 1 / 3
 
 def weighted_draws(live: list[Server], slots: int) -> list[str]:
     """The slots past the table's end (`slots` long) that make a draw pick each live primary
-    in proportion to its weight: with weights over their gcd w_i, server i has its own slot
-    and k * w_i - 1 more, k the least (from 1) that leaves at most MAX_OVERRIDDEN of all
-    slots overridden. None while the weights are equal and few slots are overridden (a
-    drain of one primary of ten costs no draw slot), nor for one live primary."""
+    in proportion to its weight: with weights over their gcd w_i, server i has its own slot and
+    k * w_i - 1 more, k the least that leaves at most MAX_OVERRIDDEN of all slots overridden."""
     if len(live) < 2:
         return []
     weights = [effective_weight(s) for s in live]
@@ -269,9 +239,8 @@ def hash_entries(
     section: SectionDigest, dead: frozenset[str], unusable: frozenset[str], live: list[Server], node_keys: NodeKeys
 ) -> Entries:
     """`<be>_t` and the `<be>_h<i>` overrides of a hash the guard reproduces, over the servers
-    the worker sees usable (dead ones among them: it cannot tell). Map-based: the positions
-    of the map whose server is dead, each to a live primary by weighted rendezvous hashing.
-    Consistent: the buckets a dead server's arcs touch (routing.consistent_buckets)."""
+    the worker sees usable. Map-based: each position of a dead server to a live primary by
+    weighted rendezvous hashing; consistent: the buckets a dead server's arcs touch."""
     backend = section.name
     seen_up = [s.name for s in section.servers if not s.disabled and s.key not in unusable]
     dead_names = {s.name for s in section.servers if s.key in dead}
@@ -300,12 +269,10 @@ def hash_entries(
 
 
 def _weighted_rank(backend: str, slot: int, server: str, weights: Mapping[str, int]) -> float:
-    """Weighted rendezvous hashing: a server wins a slot with a chance in proportion to its
-    weight; with equal weights the order is _rank's."""
+    """Weighted rendezvous hashing: a server wins a slot with a chance in proportion to its weight."""
     return -math.log(1 - _rank(backend, slot, server) / 2**32) / weights[server]
 
 
 def _rank(backend: str, slot: int, server: str) -> int:
-    """Where `server` ranks for taking over `slot` (lowest first). The same in every process
-    and after a restart, unlike hash(); spread like a random draw."""
+    """Where `server` ranks for `slot` (lowest first); unlike hash(), the same in every process."""
     return zlib.crc32(f"{backend}_{slot} {server}".encode())

@@ -1,12 +1,6 @@
 """One worker's map brought to its plan through the master CLI, and read back; its stuck
-streams ended.
-
-A push sends only what differs, backend by backend, in the phases of mapdiff.diff_phases(),
-or, above REPLACE_ABOVE commands, replaces the whole map atomically. It runs in two stages:
-steer() sends the routing phases (the worker is steered once they are answered), tidy() the
-rest, so that a round can steer every worker before it tidies any. It counts once HAProxy
-answered every command cleanly; until then the worker's map is unknown and is read before
-the next try.
+streams ended. A push runs in two stages, steer() (the routing phases) and tidy() (the
+rest), so that a round can steer every worker before it tidies any; it touches no record.
 """
 
 from __future__ import annotations
@@ -45,7 +39,7 @@ class PushError(Exception):
 
 @dataclass(frozen=True)
 class PushOutcome:
-    """What one push did, for the shell to apply to the worker's record."""
+    """What one push did, for rounds.py to apply to the worker's record."""
 
     held: Mapping[str, Entries] | None  # what its map holds now; None: unknown (read it before the next try)
     sent: int = 0  # changes sent
@@ -57,8 +51,7 @@ class PushOutcome:
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One worker's push as it goes on the wire: the lines of its routing phases and of its
-    tidy-up, each a list of ranks sent one after another, or its whole map replaced."""
+    """One worker's push on the wire: routing and tidy-up lines, rank after rank, or the map replaced."""
 
     sent: int  # changes
     replace: bool = False
@@ -86,8 +79,7 @@ class Steered:
 
 async def steer(cli: MasterCLI, map_path: str, pid: int, wanted: Steering, going: Outgoing | None) -> Steered:
     """Steer one worker to `wanted`: its routing phases sent and answered, or its whole map
-    replaced. `going`: its push, worked out by the caller (None: its map is unknown, read it
-    first). Touches no record."""
+    replaced. `going`: its push (None: its map is unknown, read it first)."""
     read_at: float | None = None
     pushed = False
     try:
@@ -142,8 +134,7 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
 
 @dataclass(frozen=True)
 class ReadBack:
-    """One worker's map read back, beside what was known of it when the read was decided on
-    (a push meanwhile makes the read prove nothing: the shell compares)."""
+    """One worker's map read back, beside what was known of it when the read was decided on."""
 
     pid: int
     pushes: int  # its record's push count then
@@ -155,7 +146,7 @@ Known = tuple[int, int, Mapping[str, Entries]]  # a worker's pid, its push count
 
 
 async def read_back(cli: MasterCLI, map_path: str, known: list[Known]) -> list[ReadBack]:
-    """Each worker's map, read at once: (pid, push count, held) in, a ReadBack for each out."""
+    """Each worker's map, read at once."""
 
     async def one(pid: int, pushes: int, held: Mapping[str, Entries]) -> ReadBack:
         try:
@@ -193,14 +184,12 @@ _STUCK_STATES = {"1", "2", "3", "4", "5", "6", "REQ", "QUE", "TAR", "ASS", "CON"
 
 
 def stuck_sessions(show_sess_answer: str, dead: frozenset[str]) -> list[str]:
-    """Streams connecting to, or queued on, a dead server: the ids `shutdown session` takes.
-    The back side's state says whether a stream got through."""
+    """The ids of the streams connecting to, or queued on, a dead server (their back side's state)."""
     return [s.id for s in parse_show_sess(show_sess_answer) if s.server in dead and s.back_state in _STUCK_STATES]
 
 
 async def end_stuck_streams(cli: MasterCLI, pid: int, dead: frozenset[str]) -> int:
-    """`shutdown session` for a worker's streams still connecting to, or queued on, a dead
-    server; how many."""
+    """`shutdown session` for a worker's stuck_sessions(); how many."""
     ids = stuck_sessions(await cli.on(pid, "show sess"), dead)
     if ids:
         await cli.execute_many([on_process(pid, f"shutdown session {i}") for i in ids])

@@ -1,12 +1,7 @@
 """The push rounds and their bookkeeping: every map that differs from its plan pushed at
-once, maps read back to verify a push and to repair drift, failures backed off, and each old
-worker's push record kept for the status API. What is kept per worker is a WorkerRecord;
-only PushRounds changes one.
-
-A worker whose push failed, or whose map read back differs from what was pushed, is tried
-again after an exponential backoff (up to MAX_BACKOFF_S); until then its map counts as
-unknown and is read before the next push. A read-back without a whole answer counts as a
-failure only UNREAD_LIMIT times in a row: the master drops connections while it re-executes.
+once, maps read back to verify a push and to repair drift, failures backed off (the map then
+unknown, read before the next push), and each old worker's push record kept for the status
+API. What is kept per worker is a WorkerRecord; only PushRounds changes one.
 """
 
 from __future__ import annotations
@@ -62,7 +57,7 @@ class WorkerRecord:
     swept: frozenset[str] = field(default_factory=frozenset)  # dead set whose stuck streams were ended
 
     def want(self, steering: Steering | None) -> None:
-        """Take a new plan; note which backends can now differ from what its map holds."""
+        """Take a new plan, noting which backends can now differ from what its map holds."""
         self.pending = pending_after(self.wanted, steering, self.pending)
         self.wanted = steering
 
@@ -70,17 +65,12 @@ class WorkerRecord:
         """The changes its map needs, per backend (None: its map is unknown)."""
         return map_deltas(self.held, self.wanted, self.pending)
 
-    def deltas_to(self, steering: Steering) -> list[BackendDelta] | None:
-        """The changes its map would need once it takes `steering` (None: its map is unknown)."""
-        return map_deltas(self.held, steering, pending_after(self.wanted, steering, self.pending))
-
     def in_sync(self) -> bool:
         return self.wanted is not None and self.deltas() == []
 
 
 def pending_after(before: Steering | None, after: Steering | None, pending: set[str] | None) -> set[str] | None:
-    """The backends where a worker's map may differ from its plan once it takes `after`
-    instead of `before` (None: any)."""
+    """The backends where a worker's map may differ from its plan once it takes `after` (None: any)."""
     if after is None or before is None or pending is None:
         return None
     if after.source != before.source:
@@ -96,7 +86,7 @@ def map_deltas(
     held: Mapping[str, Entries] | None, wanted: Steering | None, pending: Collection[str] | None
 ) -> list[BackendDelta] | None:
     """The changes a map holding `held` needs to be `wanted`, per backend, looking only at
-    `pending` (None: at every backend). None: the map is unknown, or nothing is wanted."""
+    `pending` (None: every backend). None: the map is unknown, or nothing is wanted."""
     if held is None or wanted is None:
         return None
     parts = wanted.parts
@@ -120,13 +110,11 @@ class Ahead:
 
 
 class PushRounds:
-    """The one shell that changes WorkerRecords (the caller's, by PID): what `show proc`
-    lists, the plans, the outcomes of pushes and read-backs, and backoff. Their push records
-    reach State in one publish per step."""
+    """The one shell that changes WorkerRecords; their push records reach State once per step."""
 
     RECONCILE_INTERVAL_S = 5.0
     MAX_BACKOFF_S = 5.0
-    UNREAD_LIMIT = 3  # read-backs in a row without a whole answer before it counts as failed
+    UNREAD_LIMIT = 3  # read-backs in a row cut off (the master re-executing) before one counts as failed
 
     def __init__(
         self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
@@ -141,8 +129,6 @@ class PushRounds:
         self._news: dict[int, PushNews] = {}  # push records not published yet
         self._failures = 0  # failures not published yet
 
-    # ------------------------------------------------------------ what the shell learns
-
     def track(
         self,
         workers: dict[int, WorkerRecord],
@@ -150,8 +136,7 @@ class PushRounds:
         current_pid: int | None,
         live: LiveRead | None,
     ) -> None:
-        """The workers `show proc` lists (old ones and the current one), each with the
-        generation it runs: records of the others dropped, new ones made."""
+        """The workers `show proc` lists, with the generations they run; others' records dropped."""
         for pid in [pid for pid in workers if pid not in generations]:
             del workers[pid]
         for pid, generation in generations.items():
@@ -162,7 +147,7 @@ class PushRounds:
             if live is not None and live.pid == pid and (worker.current or worker.unusable is None):
                 # An old worker starts from its view as last seen while it was current: health
                 # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
-                worker.unusable = live.unusable
+                worker.unusable = live.states.unusable
 
     def want(self, worker: WorkerRecord, steering: Steering | None, refused: str | None = None) -> None:
         """A worker's plan (None: leave its map alone); `refused`: why it cannot be steered."""
@@ -175,18 +160,15 @@ class PushRounds:
         for pid, read in reads.items():
             worker = workers.get(pid)
             if worker is not None:
-                worker.unusable, worker.unusable_at = read.unusable, read.at
+                worker.unusable, worker.unusable_at = read.states.unusable, read.at
 
     def server_changed(self, worker: WorkerRecord) -> None:
         """HAProxy wrote that one of an old worker's servers changed: ask its view again."""
         worker.unusable = None
 
-    # ------------------------------------------------------------ pushes and read-backs
-
     async def push_all(self, workers: Collection[WorkerRecord], ahead: Mapping[int, Ahead] | None = None) -> None:
         """Push to every worker whose map differs from its plan (and is not backing off), all at
-        once: every worker steered first, then every map tidied. `ahead`: pushes work_ahead()
-        worked out, taken where they still hold."""
+        once: every worker steered first, then every map tidied. `ahead`: from work_ahead()."""
         started = time.monotonic()
         due: list[tuple[WorkerRecord, asyncio.Task[Steered]]] = []
         try:
@@ -243,16 +225,15 @@ class PushRounds:
     async def work_ahead(
         self, workers: Mapping[int, WorkerRecord], plans: Mapping[int, Steering]
     ) -> dict[int, Ahead]:
-        """Each worker's push to its next plan, worked out now (while `haproxy -c` checks the
-        next config), by PID: push_all takes it if neither changed meanwhile, so a reload's
-        make-before-break push only sends lines."""
+        """Each worker's push to its next plan, worked out while `haproxy -c` checks the next
+        config, by PID: push_all takes it if neither changed meanwhile."""
         found: dict[int, Ahead] = {}
         for pid, plan in plans.items():
             worker = workers.get(pid)
             if worker is None or worker.held is None or not plan.digest.guarded:
                 continue
             with contextlib.suppress(ValueError):  # push_all reports it
-                deltas = worker.deltas_to(plan)
+                deltas = map_deltas(worker.held, plan, pending_after(worker.wanted, plan, worker.pending))
                 if deltas is not None:
                     going = outgoing(pid, self.map_path, plan, deltas) if deltas else None
                     found[pid] = Ahead(worker.held, plan, deltas, going)
@@ -262,8 +243,7 @@ class PushRounds:
     def _worked_out(
         self, worker: WorkerRecord, wanted: Steering, ahead: Ahead | None
     ) -> tuple[list[BackendDelta] | None, Outgoing | None]:
-        """The changes a worker's map needs, and the push that carries them (None: none, or its
-        map is unknown): as worked out ahead if that still holds."""
+        """The changes a worker's map needs and the push that carries them, as worked out ahead if it holds."""
         if ahead is not None and ahead.held is worker.held and ahead.wanted is wanted:
             return ahead.deltas, ahead.going
         deltas = worker.deltas()
@@ -286,8 +266,8 @@ class PushRounds:
 
     async def verify_some(self, workers: Mapping[int, WorkerRecord], poll_s: float, lock: asyncio.Lock) -> bool:
         """Read back the maps just pushed, then those verified longest ago: each map at least
-        every RECONCILE_INTERVAL_S, a bounded number per poll. The results are applied under
-        `lock` (the rounds'); True when a map differs and a round should push again now."""
+        every RECONCILE_INTERVAL_S, a bounded number per poll, applied under `lock`. True when
+        a map differs and a round should push again now."""
         now = time.monotonic()
         due = [
             w
@@ -339,8 +319,7 @@ class PushRounds:
         return False
 
     def _own_view_due(self, worker: WorkerRecord) -> bool:
-        """An old worker's own view is read again at each reconcile, or, while HAProxy's lines
-        are heard (an `observe` mark-down is one), only at the safety net's pace."""
+        """At each reconcile, or, while HAProxy's lines are heard, at the safety net's pace."""
         safety_net_s = self.settings.old_workers.state_read_interval_s
         return not self.state.server_events or time.monotonic() - worker.unusable_at >= safety_net_s
 
@@ -354,7 +333,7 @@ class PushRounds:
         self.record(worker, "failed", error)
 
     def record(self, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
-        """How a worker's push went, published with the others at the end of the step."""
+        """How a worker's push went, published at the end of the step."""
         steered = worker.wanted.steered if result == "ok" and worker.wanted is not None else ()
         self._news[worker.pid] = PushNews(result, error, steered)
 

@@ -1,12 +1,8 @@
 """The I/O shell: keeps every old worker's steer map equal to its plan, through the master CLI.
 
-Each round lists the workers (`show proc`), plans (plan.py, memoised by content) and pushes
-what differs (rounds.py: a push counts once HAProxy answered every command cleanly; the poll
-loop then reads the map back to verify it, and again now and then to repair drift; a failing
-worker backs off exponentially). After a daemon restart nothing is known: each map is read
-first and only the difference is pushed. The current worker's map stays empty,
-except while it is about to become old (make-before-break), and is emptied again if the
-reload fails.
+Each round lists the workers (`show proc`), plans (plan.py) and pushes what differs
+(rounds.py). The current worker's map stays empty, except while it is about to become old
+(make-before-break), and is emptied again if the reload fails.
 """
 
 from __future__ import annotations
@@ -50,15 +46,13 @@ class _Interrupted(Exception):
 
 @dataclass(frozen=True)
 class ReloadPlan:
-    """One reload's steering round as a value: prepare() makes it, before_reload() steers by
-    it and returns it with what it did, after_reload() ends it."""
+    """One reload's steering round as a value, from prepare() to after_reload()."""
 
     next: ConfigDigest  # the config the reload sends
     leaving_pid: int | None  # the worker about to become old
     basis: Basis | None = None  # what `plans` were made under
     plans: Mapping[int, Steering] = field(default_factory=dict)  # by PID, worked out in prepare
     ahead: Mapping[int, Ahead] = field(default_factory=dict)  # their pushes, by PID
-    steered: bool = False  # before_reload's make-before-break round went through
 
 
 class OldWorkers:
@@ -96,58 +90,51 @@ class OldWorkers:
         self._listed_at = 0.0  # monotonic, the last round's `show proc`
         self._exits = WorkerExits(self._wake.set)
 
-    # ------------------------------------------------------------ the contract
-
     async def run(self) -> None:
         """Poll, steer, verify and reconcile until cancelled."""
-        try:
-            await self._poll()
-        finally:
-            self._exits.close()
-
-    async def _poll(self) -> None:
         failing_since: float | None = None
         # Polled every poll_interval_ms: a lasting failure (descriptors run out) is one line, not four a second.
         failing = RecurringCondition(log, logging.WARNING, "old workers: the master CLI keeps failing: %s")
         woken = True
-        while True:
-            try:
-                if woken or self._round_due():
-                    await self.sync(fresh=self._live_due())
-                if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
-                    self._wake.set()
-                unasked = [w.pid for w in self._workers.values() if w.unusable is None and not w.current]
-                views = await self._interruptible(read_unusable(self.cli, unasked))
-                if views:
-                    self.state.publish_state_reads(len(views))
-                    self.rounds.own_views(self._workers, views)
-                    self._wake.set()
-                if time.monotonic() >= self._stats_at:
-                    self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
-                    await self._interruptible(update_stats(self.cli, self.state))
-                failing_since = None
-                failing.over("old workers: the master CLI answers again")
-            except _Interrupted:
-                log.debug("old workers: poll interrupted by a reload")
-            except CLIError as exc:
-                # The master socket resets connections while the master re-executes on a
-                # reload (seconds with a big config): only a lasting failure is worth a warning.
-                now = time.monotonic()
-                failing_since = failing_since or now
-                self._listed_at = 0.0  # list again at the next poll, not after LIST_INTERVAL_S
-                log.debug("old workers: %s", exc)
-                if now - failing_since > self.WARN_AFTER_S:
-                    failing.happened(exc)
-            except Exception:
-                log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
-            await wait_set(self._wake, self.poll_s)
-            woken = self._wake.is_set()
-            self._wake.clear()
+        try:
+            while True:
+                try:
+                    if woken or self._round_due():
+                        await self.sync(fresh=self._live_due())
+                    if await self._interruptible(self.rounds.verify_some(self._workers, self.poll_s, self._lock)):
+                        self._wake.set()
+                    unasked = [w.pid for w in self._workers.values() if w.unusable is None and not w.current]
+                    views = await self._interruptible(read_unusable(self.cli, unasked))
+                    if views:
+                        self.state.publish_state_reads(len(views))
+                        self.rounds.own_views(self._workers, views)
+                        self._wake.set()
+                    if time.monotonic() >= self._stats_at:
+                        self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
+                        await self._interruptible(update_stats(self.cli, self.state))
+                    failing_since = None
+                    failing.over("old workers: the master CLI answers again")
+                except _Interrupted:
+                    log.debug("old workers: poll interrupted by a reload")
+                except CLIError as exc:
+                    # The master socket resets connections while the master re-executes on a
+                    # reload (seconds with a big config): only a lasting failure is worth a warning.
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    self._listed_at = 0.0  # list again at the next poll, not after LIST_INTERVAL_S
+                    log.debug("old workers: %s", exc)
+                    if now - failing_since > self.WARN_AFTER_S:
+                        failing.happened(exc)
+                except Exception:
+                    log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
+                await wait_set(self._wake, self.poll_s)
+                woken = self._wake.is_set()
+                self._wake.clear()
+        finally:
+            self._exits.close()
 
     async def prepare(self, effective: Effective) -> ReloadPlan:
-        """The next config's plan, worked out while `haproxy -c` checks it, and each worker's
-        push to it (rounds.work_ahead). Nothing is pushed: a config that fails the check
-        steers nothing."""
+        """The next config's plans and pushes, worked out while `haproxy -c` checks it; nothing is pushed."""
         async with self._lock:
             latest = await self._digests.of_effective(effective)
             current = self.state.current
@@ -163,8 +150,7 @@ class OldWorkers:
 
     async def before_reload(self, plan: ReloadPlan | None) -> ReloadPlan | None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
-        the servers the next config drops, before the reload is sent. None (prepare failed):
-        a round as at rest."""
+        the servers the next config drops. None (prepare failed): a round as at rest."""
         current = self.state.current
         if plan is not None:
             plan = self._reloading = replace(plan, leaving_pid=current.worker_pid if current is not None else None)
@@ -174,14 +160,12 @@ class OldWorkers:
             await self.sync()
         except CLIError as exc:
             log.warning("make-before-break steering failed: %s", exc)  # after_reload pushes again
-            return plan
-        return replace(plan, steered=True) if plan is not None else None
+        return plan
 
     async def after_reload(self, plan: ReloadPlan | None, ok: bool) -> bool:
         """After a confirmed reload, steer the new old worker at once; after a failed one, undo
-        the make-before-break steering of the worker that stays current. `plan`: as
-        before_reload returned it (None for a reload settled late). Whether the round went
-        through."""
+        the make-before-break steering of the worker that stays current (`plan` None: a reload
+        settled late). Whether the round went through."""
         self._reloading = None
         try:
             # The states read before the reload still hold: the new worker reports every server
@@ -199,8 +183,7 @@ class OldWorkers:
         await self.sync(fresh=True)
 
     def on_server_event(self, event: ServerEvent) -> None:
-        """HAProxy wrote that a server changed state in worker `event.pid`: read that worker's
-        states again (the current one's: its checks; an old one's: `observe` marking down)."""
+        """HAProxy wrote that a server changed state in worker `event.pid`: read its states again."""
         worker = self._workers.get(event.pid)
         if worker is not None and not worker.current:
             self.rounds.server_changed(worker)
@@ -226,8 +209,6 @@ class OldWorkers:
         """Whether the current config or one an old worker runs has this server."""
         return self._digests.has_server(key, list(self.state.generations.values()))
 
-    # ------------------------------------------------------------ one round
-
     async def sync(self, fresh: bool = False, reuse: bool = False) -> None:
         """One round: list the workers, plan, push what differs. `fresh`: read the current
         worker's server states first (outside the lock: a reload does not wait on it);
@@ -245,15 +226,13 @@ class OldWorkers:
 
     def _round_due(self) -> bool:
         """Whether a poll that nothing woke has a round to do: states to read, a push to retry,
-        or the periodic listing (a worker started by someone else's reload). An old worker's
-        exit wakes the steering itself (WorkerExits)."""
+        or the periodic listing (a worker started by someone else's reload)."""
         if self._live_due() or time.monotonic() - self._listed_at >= self.LIST_INTERVAL_S:
             return True
         return any(w.wanted is not None and not w.in_sync() for w in self._workers.values())
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
-        """The workers that get a plan (old ones and the one about to become old): their config
-        and the servers they skip themselves."""
+        """The workers that get a plan (old ones, the one about to become old): (digest, servers it skips)."""
         judged = {}
         for worker in self._workers.values():
             generation = self._generation_of(worker)
@@ -318,11 +297,9 @@ class OldWorkers:
         self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]],
         remember: bool = True,
     ) -> dict[int, Steering]:
-        """The planner's plans, one worker at a time: the operator API and the pushes under way
-        get the event loop in between. A plan made under the same basis for the same worker
-        content, in a recent round or in the reload's prepare, is taken as it is: a reload plans
-        each worker once. `remember`: keep these among the recent rounds' (prepare's travel in
-        its ReloadPlan instead)."""
+        """The planner's plans, one worker at a time, the event loop let run in between; one made
+        under the same basis for the same worker content (a recent round's, or the reload's
+        prepare's) is taken as it is. `remember`: keep these among the recent rounds'."""
         basis: Basis = (latest.key, view)
         last = self._rounds.get(basis, {})
         reloading = self._reloading
@@ -339,8 +316,6 @@ class OldWorkers:
             while len(self._rounds) > self.RECENT_ROUNDS:
                 del self._rounds[next(iter(self._rounds))]
         return plans
-
-    # ------------------------------------------------------------ the current worker's evidence
 
     async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
         # Around a reload the last answer will do, whatever its age: the steering must not wait
@@ -361,7 +336,7 @@ class OldWorkers:
             live.cost_s, self.poll_s, self.safety_net_s, changes_alone=digest.changes_alone,
             heard=self.state.server_events and not digest.quiet, unchecked=bool(live.states.pending),
         )
-        return live.due(current.worker_pid, interval, time.monotonic())
+        return current.worker_pid != live.pid or time.monotonic() - live.at >= interval
 
     async def _fetch_live(self, pid: int) -> None:
         self._live_stale = False  # a line written while the read is under way calls for another
@@ -369,8 +344,8 @@ class OldWorkers:
         self._live = await read_states(self.cli, pid)
 
     async def _interruptible(self, read: Coroutine[object, object, R]) -> R:
-        """Run a poll's read so that before_reload can call it off (raising _Interrupted). Only
-        reads: what they learn is applied after they return, so none is left half done."""
+        """Run a poll's read so that before_reload can call it off (raising _Interrupted); what a
+        read learns is applied after it returns, so none is left half done."""
         task = asyncio.ensure_future(read)
         self._reads.add(task)
         try:
