@@ -233,8 +233,8 @@ class Reloader:
             reload.debounce_ms / 1000, reload.min_interval_ms / 1000, reload.max_delay_ms / 1000
         )
         self.problems = RecurringConditions(log, logging.ERROR)  # keyed by what fails, caused by the error
-        self.book = GenerationBook(state, GenerationStore(settings.haproxy.runtime_dir), self.problems)
         self.disk = ConfigOnDisk(settings, self.problems)
+        self.book = GenerationBook(state, GenerationStore(settings.haproxy.runtime_dir), self.disk, self.problems)
         self.confirmation = Confirmation(cli, master, reload.timeout_s)
         self.cap = OldWorkerCap(settings.old_workers.max)
         self.recovery = Recovery(settings, master, self.book, self.disk)
@@ -523,7 +523,7 @@ class Reloader:
                     # The new servers went in before it fell back to a reload (a `del server`
                     # refused): the worker runs them, plus removed ones left in maint. Its
                     # generation says so, for its steering once it is old and for a daemon restart.
-                    self.book.applied_at_runtime(current, outcome.runs, effective, whole=False)
+                    self.book.applied_at_runtime(current, outcome.runs, effective, inputs, whole=False)
         return await self._reload(effective, model, inputs, reason, started, plan)
 
     async def _settle_first(self, started: float) -> Attempt | None:
@@ -554,9 +554,7 @@ class Reloader:
     async def _runtime_applied(
         self, current: Generation, runs: Config, effective: Effective, inputs: str, started: float
     ) -> Attempt:
-        # HAProxy runs the change already: a failed write is retried by housekeeping, not undone.
-        self.disk.worker_runs(LoadedConfig.of(effective, inputs))
-        generation = self.book.applied_at_runtime(current, runs, effective, whole=True)
+        generation = self.book.applied_at_runtime(current, runs, effective, inputs, whole=True)
         record = self._record("runtime_applied", started)
         log.info("reload runtime_applied generation=%d worker=%s duration_ms=%d",
                  generation.number, generation.worker_pid, record.duration_ms)
@@ -640,8 +638,7 @@ class Reloader:
 
     def _reload_failed(self, before: ProcList, confirmed: Confirmed, started: float) -> Attempt:
         error = confirmed.error or "reload failed"
-        self.book.reload_failed()
-        restored = self.disk.rewrite()
+        restored = self.book.reload_failed()
         current = before.current_worker
         record = self._record("failed", started, error)
         log.error(
@@ -662,9 +659,7 @@ class Reloader:
         """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation."""
         worker = after.current_worker
         assert worker is not None
-        loaded = LoadedConfig.of(effective, inputs)
-        generation = self.book.worker_started(worker.pid, effective.effective_model, loaded, after)
-        self.disk.worker_runs(loaded)
+        generation = self.book.reload_runs(worker.pid, effective, inputs, after)
         self.cap.enforce(after, self.state.generations)
         return generation
 
@@ -722,7 +717,6 @@ class Reloader:
         error = f"HAProxy could not load the new config (show proc: failed={procs.master_failed})"
         log.error("reload settled failed: %s", error)
         self.book.reload_failed()
-        self.disk.rewrite()
         self.assess(Attempt(self._record("failed", held.sent, error), refused=True))
 
     # ------------------------------------------------------------ starting from what is there

@@ -246,9 +246,11 @@ class GenerationBook:
     """Owns the generations: numbers them, publishes each value into State, and records them on
     disk with the reload in flight, so that a restarted daemon knows what every worker runs."""
 
-    def __init__(self, state: State, store: GenerationStore, problems: RecurringConditions) -> None:
+    def __init__(self, state: State, store: GenerationStore, disk: ConfigOnDisk,
+                 problems: RecurringConditions) -> None:
         self.state = state
         self.store = store
+        self.disk = disk
         self.problems = problems
         self.last_number = 0
         self.pending: PendingReload | None = None  # the reload sent and not yet decided, as recorded
@@ -270,6 +272,14 @@ class GenerationBook:
             self.observe(procs)
         return generation
 
+    def reload_runs(self, pid: int, effective: Effective, inputs: str, procs: ProcList) -> Generation:
+        """The reload's new worker `pid`, listed in `procs`, runs `effective`: its generation, and
+        the config on disk kept that."""
+        loaded = LoadedConfig.of(effective, inputs)
+        generation = self.worker_started(pid, effective.effective_model, loaded, procs)
+        self.disk.worker_runs(loaded)
+        return generation
+
     def kept(self, record: GenerationRecord, model: Config) -> Generation:
         """A generation recorded by an earlier daemon whose worker still lives."""
         generation = Generation(record.number, model, record.effective_sha256, record.rendered_sha256,
@@ -281,10 +291,12 @@ class GenerationBook:
     def make_current(self, generation: Generation) -> None:
         self.state.publish_generation(generation, current=True)
 
-    def applied_at_runtime(self, current: Generation, runs: Config, effective: Effective, *,
+    def applied_at_runtime(self, current: Generation, runs: Config, effective: Effective, inputs: str, *,
                            whole: bool) -> Generation:
         """The current worker runs `runs` now, changed at runtime. `whole`: the whole change is
-        live, and its config the last good one; else a reload finishes it."""
+        live, and its config the last good one, on disk too; else a reload finishes it."""
+        if whole:  # HAProxy runs the change already: a failed write is retried, not undone
+            self.disk.worker_runs(LoadedConfig.of(effective, inputs))
         generation = replace(current, model=runs, effective_sha256=effective.sha256,
                              rendered_sha256=effective.rendered_sha256)
         self.state.publish_generation(generation, current=whole)
@@ -298,10 +310,12 @@ class GenerationBook:
         self.pending = pending
         self.persist()
 
-    def reload_failed(self) -> None:
-        """HAProxy refused the reload in flight, or it failed: no worker runs it."""
+    def reload_failed(self) -> bool:
+        """HAProxy refused the reload in flight, or it failed: no worker runs it, and the disk
+        is given back what runs; True when it holds that now (ConfigOnDisk.rewrite)."""
         self.pending = None
         self.persist()
+        return self.disk.rewrite()
 
     def write_config(self, number: int, text: str) -> None:
         try:

@@ -268,7 +268,8 @@ class OldWorkers:
             if generation is None:
                 self.rounds.want(worker, None, "the config this worker runs is unknown: it cannot be steered")
             elif worker.pid not in judged:
-                digest = self._digests.of(generation)
+                # Between reloads the current worker runs `latest`, digested already.
+                digest = latest if reloading is None and generation is current else self._digests.of(generation)
                 empty = nothing_steered(digest, latest, (latest.key, LiveView())) if digest.guarded else None
                 self.rounds.want(worker, empty)
         plans: dict[int, Steering] = {}
