@@ -46,7 +46,7 @@ def test_min_interval_coalesces_changes_after_a_reload():
     s = ReloadScheduler(debounce_s=0.1, min_interval_s=2.0)
     s.changed(0.0)
     assert s.take(0.1)
-    s.reloaded(0.15)
+    s.last_reload = 0.15
     # two more bursts before the interval is over: one reload, at the interval's end
     s.changed(0.5)
     s.changed(1.2)
@@ -59,14 +59,14 @@ def test_min_interval_coalesces_changes_after_a_reload():
 
 def test_debounce_still_applies_after_the_interval():
     s = ReloadScheduler(debounce_s=0.3, min_interval_s=1.0)
-    s.reloaded(0.0)
+    s.last_reload = 0.0
     s.changed(5.0)
     assert s.due_at() == pytest.approx(5.3)
 
 
 def test_zero_min_interval_and_clear():
     s = ReloadScheduler(debounce_s=0.05, min_interval_s=0.0)
-    s.reloaded(1.0)
+    s.last_reload = 1.0
     s.changed(1.0)
     assert s.due_at() == pytest.approx(1.05)
     s.clear()
@@ -94,7 +94,7 @@ def test_a_burst_is_due_at_the_latest_max_delay_after_its_first_write(writes, de
                                                                       min_interval_s, due):
     s = ReloadScheduler(debounce_s=debounce_s, min_interval_s=min_interval_s, max_delay_s=max_delay_s)
     if min_interval_s:
-        s.reloaded(0.0)
+        s.last_reload = 0.0
     for now in writes:
         s.changed(now)
     assert s.due_at() == pytest.approx(due)
@@ -255,11 +255,11 @@ def test_one_line_prefers_alerts():
 
 def test_a_forced_reload_is_due_at_once_but_not_before_min_interval():
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=1.0)
-    s.force()
+    s.forced = True
     assert s.take(0.0) == "forced"
-    s.reloaded(0.0)
-    s.force()
-    s.force()  # a second request before the reload starts: the same reload
+    s.last_reload = 0.0
+    s.forced = True
+    s.forced = True  # a second request before the reload starts: the same reload
     assert s.take(0.5) is None
     assert s.take(1.0) == "forced"
     assert s.take(5.0) is None, "both requests were served by one reload"
@@ -268,8 +268,8 @@ def test_a_forced_reload_is_due_at_once_but_not_before_min_interval():
 def test_a_forced_reload_takes_a_pending_change_and_retry_with_it():
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0)
     s.changed(0.0)
-    s.retry(0.05)
-    s.force()
+    s.retry_at = 0.05
+    s.forced = True
     assert s.take(0.01) == "forced"
     assert not s.pending and s.take(10.0) is None
 
@@ -277,18 +277,18 @@ def test_a_forced_reload_takes_a_pending_change_and_retry_with_it():
 @pytest.mark.parametrize(
     ("requests", "due"),
     [
-        (("ask",), "asked"),
-        (("ask", "ask"), "asked"),  # a second request before the cycle starts: the same cycle
-        (("ask", "force"), "forced"),  # a forced reload does all an asked cycle would, and more
-        (("force", "ask"), "forced"),
+        (("asked",), "asked"),
+        (("asked", "asked"), "asked"),  # a second request before the cycle starts: the same cycle
+        (("asked", "forced"), "forced"),  # a forced reload does all an asked cycle would, and more
+        (("forced", "asked"), "forced"),
     ],
 )
 def test_an_asked_cycle_is_due_at_once_and_a_forced_reload_takes_it_with_it(requests, due):
     s = ReloadScheduler(debounce_s=10.0, min_interval_s=1.0, max_delay_s=20.0)
-    s.reloaded(0.0)
+    s.last_reload = 0.0
     s.changed(0.5)  # a write the debounce would still hold
     for request in requests:
-        getattr(s, request)()
+        setattr(s, request, True)
     assert s.take(0.9) is None, "not before min_interval"
     assert s.take(1.0) == due
     assert not s.pending and s.take(5.0) is None, "the change and every request were taken by one cycle"
@@ -296,7 +296,7 @@ def test_an_asked_cycle_is_due_at_once_and_a_forced_reload_takes_it_with_it(requ
 
 def test_a_retry_waits_for_its_time_and_for_a_change_still_being_written():
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0)
-    s.retry(1.0)
+    s.retry_at = 1.0
     assert s.take(0.9) is None
     s.changed(0.95)  # a write in progress: no retry may read it half-written
     assert s.take(1.0) is None
@@ -306,7 +306,7 @@ def test_a_retry_waits_for_its_time_and_for_a_change_still_being_written():
 
 def test_a_write_in_progress_is_pending_but_due_only_once_closed():
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0, max_delay_s=1.0)
-    s.being_written()
+    s.writing = True
     assert s.pending and s.due_at() is None, "nothing to read while the file is written"
     assert s.take(100.0) is None and s.pending
     s.changed(100.0)  # closed
@@ -325,15 +325,15 @@ def test_a_write_in_progress_is_pending_but_due_only_once_closed():
 )
 def test_a_retry_waiting_out_its_backoff_is_due_when_the_master_cli_answers_again(retry_at, now, moved, due):
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=0.0)
-    s.retry(retry_at)
+    s.retry_at = retry_at
     assert s.answered_again(now) is moved
     assert s.due_at() == due
 
 
 def test_a_retry_honours_min_interval():
     s = ReloadScheduler(debounce_s=0.2, min_interval_s=2.0)
-    s.reloaded(0.0)
-    s.retry(0.5)
+    s.last_reload = 0.0
+    s.retry_at = 0.5
     assert s.due_at() == 2.0
     assert s.take(1.9) is None and s.take(2.0) == "retry"
 

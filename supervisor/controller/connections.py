@@ -1,15 +1,8 @@
-r"""The connections both controller sockets share (relay.py, facade.py): their listening
-sockets, who may connect, the idle timeout, the first line read within a limit, a session
-relayed both ways, and the connections to HAProxy's own sockets: at most as many as it
-accepts (`UpstreamSlots`), each connected without asyncio's EAGAIN trap (`connect_unix`).
-
-Then the lines an ingress controller sends to HAProxy's runtime socket, read as commands.
-
-One line carries several commands separated by `;` (a `\;` is part of a word), and may
-end with `<<`: the payload that follows belongs to the line's last command. Reading them is
-pure: the relay (relay.py) asks which order is safe and which servers a line takes out of
-service, and sends the controller's own bytes.
-"""
+r"""What both controller sockets share (relay.py, facade.py): their listening sockets, the idle
+timeout, the first line read within a limit, a session relayed both ways, and at most as many
+connections to HAProxy as it accepts (`UpstreamSlots`), without asyncio's EAGAIN trap
+(`connect_unix`). And the runtime socket's lines read as commands, pure: `;` separates them
+(`\;` does not), and a `<<` at the end means the payload that follows is the last one's."""
 
 from __future__ import annotations
 
@@ -102,14 +95,9 @@ def parse_line(line: bytes) -> list[Command]:
 
 
 def safe_order(commands: list[Command]) -> list[int]:
-    """The order to send the commands in, as indexes into `commands`.
-
-    A server whose address changes and then goes out of service on the same line is taken
-    out first: sent in the controller's order, a ready server points at the placeholder
-    address for a moment and the requests balanced to it fail (503, `SC`). The command that
-    takes it out moves to just before the run of address changes that precedes it (among the
-    commands naming that server); every other command keeps its place and order.
-    """
+    """The order to send the commands in, as indexes into `commands`: a server's out-of-service
+    command moves before the run of address changes to it just before (else it serves the
+    placeholder address for a moment: 503 `SC`); every other command keeps its place."""
     order = list(range(len(commands)))
     for j, command in enumerate(commands):
         if command.effect is not Effect.OUT_OF_SERVICE or command.server is None:
@@ -143,7 +131,9 @@ def requested_address(command: Command) -> Address | None:
     if command.server is None or command.effect is not Effect.ADDRESS or words[3:4] != [b"addr"] or len(words) < 5:
         return None
     address = words[4].decode(errors="replace")
-    if not is_ip_literal(address):
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
         return None
     port = None
     if len(words) >= 7 and words[5] == b"port":
@@ -153,21 +143,10 @@ def requested_address(command: Command) -> Address | None:
     return Address(command.server, address, port)
 
 
-def is_ip_literal(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def address_waits(commands: list[Command], order: list[int]) -> dict[int, Address]:
-    """The address commands, by index, whose change must have taken effect before the next
-    command is sent: those followed (among the commands naming their server, in the order
-    sent) by one that puts the server in service. From 3.0 HAProxy applies an address change
-    later, from a task of its own, while `state ready` takes effect at once: sent back to
-    back, the server is ready for a moment at the address it had (the placeholder of its
-    last disable) and requests balanced to it fail with 503 `SC`."""
+    """The address commands, by index, next followed (among their server's) by one that puts it
+    in service: from 3.0 HAProxy applies an address later, `state ready` at once, so the
+    change must show before the next command (else 503 `SC` at the old address)."""
     waits: dict[int, Address] = {}
     for position, index in enumerate(order):
         target = requested_address(commands[index])
@@ -306,13 +285,9 @@ class UpstreamSlots:
 
 async def connect_unix(path: Path, patience_s: float, limit: int = CHUNK,
                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection to the unix socket at `path`, retried while its listener's queue is full.
-
-    A non-blocking connect() to a unix socket whose backlog is full fails with EAGAIN, which
-    asyncio's open_unix_connection takes for a connect in progress: it hands back a socket
-    that never connected, whose reads fail with EINVAL and whose writes end in "Connection
-    lost". Here EAGAIN is what it is: HAProxy has not accepted yet, so wait and try again.
-    """
+    """A connection to the unix socket at `path`, retried while its listener's queue is full:
+    asyncio's open_unix_connection takes that EAGAIN for a connect in progress and hands back
+    a socket that never connected."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience_s
     delay = 0.001

@@ -1,12 +1,7 @@
-"""The master socket an ingress controller reloads through, answered by the daemon.
-
-haproxytech's controller, when it does not run HAProxy itself, sends `reload;quit` to the
-master socket and reads HAProxy's own answer: `Success=1` or `Success=0`, a line `--`, then
-the startup messages, which it scans for `[ALERT]`. Here `reload` runs the daemon's own
-cycle (validate, apply at runtime or reload, confirm) and answers in that shape. Every line
-without a `reload` goes to HAProxy's master socket untouched, byte for byte both ways
-(`help`, `@1 show info`, `show proc` ...).
-"""
+"""The master socket an ingress controller reloads through. haproxytech's controller sends
+`reload;quit` and reads `Success=1` or `Success=0`, `--`, then startup messages it scans for
+`[ALERT]`: here `reload` runs the daemon's cycle and answers in that shape. Every line without
+a `reload` goes to HAProxy's master socket untouched, both ways."""
 
 from __future__ import annotations
 
@@ -72,10 +67,8 @@ class MasterCommand(Enum):
 
 
 def classify_master_command(command: bytes) -> MasterCommand:
-    """What the facade does with one command of a master-socket line: `reload` (alone, or
-    after `@master`) is the daemon's; any other command with a word that would make the
-    master work on its own (OUTSIDE_THE_DAEMON, in any case, escaped or quoted) is refused;
-    the rest pass as they are."""
+    """`reload` (alone, or after `@master`) is the daemon's; any other command with a word of
+    OUTSIDE_THE_DAEMON (in any case, escaped or quoted) is refused; the rest pass."""
     words = command.split()
     plain = [w.replace(b"\\", b"").replace(b"'", b"").replace(b'"', b"").lower() for w in words]
     if not any(word in w for w in plain for word in (k.encode() for k in OUTSIDE_THE_DAEMON)):
@@ -90,13 +83,9 @@ def refusal(command: bytes) -> bytes:
     return error_line(f"{shown!r} refused: the daemon owns HAProxy's reloads; send `reload`")
 
 
-def is_quit(command: bytes) -> bool:
-    return command.split() == [b"quit"]
-
-
 def master_line_check(line: bytes) -> bytes | None:
-    """For a session relayed as it is: the refusal that ends it when a later line holds a
-    command that is not to pass (the daemon's `reload` included: it answers a line of its own)."""
+    """For a session relayed as it is: the refusal that ends it at a later line with a command
+    not to pass (`reload` included: the daemon answers a line of its own)."""
     for command in split_line(line.rstrip(b"\r\n")):
         if classify_master_command(command) is not MasterCommand.PASS:
             return refusal(command)
@@ -152,7 +141,7 @@ class MasterFacade:
         refused one ends the line."""
         answers: list[bytes] = []
         for command in commands:
-            if is_quit(command):
+            if command.split() == [b"quit"]:
                 break
             kind = classify_master_command(command)
             if kind is MasterCommand.REFUSED:

@@ -1,24 +1,10 @@
-"""The runtime socket an ingress controller dials, relayed to HAProxy's own `stats socket`.
-
-A connection's first line is read and parsed (connections.py). A line whose commands are
-already in a safe order, and everything after it, goes to HAProxy untouched, byte for
-byte both ways (an interactive `prompt` session included). A line with a server whose
-address changes before it goes out of service, or before it is put in service, is sent one
-command per connection: out of service first, and an address change seen applied (`show
-servers state`) before the server is put in service. The answers are put back in the
-controller's order: its first answer is still its `set severity-output` one, and the error
-check it runs on the next reads the answer of the command it sent next.
-
-Servers a line takes out of service are made known-dead to the old workers before the line
-is sent (`on_service`); servers it puts back are unmarked.
-
-However many callers connect, at most as many connections reach HAProxy's socket as it
-accepts (`UpstreamSlots`, sized by `stats_socket_capacity`): a line, reordered or relayed as
-it is, holds one for as long as it takes (its commands go one connection after the other).
-Callers wait in arrival order, up to a bounded time; a line that waited that long is
-answered `[3]:` and never sent. A connection idle for `idle_timeout_s` (HAProxy's `stats
-timeout`) is closed.
-"""
+"""The runtime socket an ingress controller dials, relayed to HAProxy's `stats socket`. A line
+already in a safe order, and all after it, goes through untouched. A line with a server whose
+address changes before it goes out of (or into) service is sent a command per connection: out
+of service first, an address change seen applied before the server is put in service, the
+answers put back in the controller's order. Servers taken out of service are known-dead to
+the old workers first (`on_service`). At most as many connections reach HAProxy as it accepts
+(`UpstreamSlots`); a line that waited its bound is answered `[3]:` and never sent."""
 
 from __future__ import annotations
 
@@ -236,8 +222,7 @@ async def read_payload(reader: asyncio.StreamReader) -> bytes:
 
 
 def error_answer(message: str) -> bytes:
-    """An error in the shape HAProxy answers with under `set severity-output number` ([3]: err),
-    which client-native's callers take as a failed command."""
+    """An error as HAProxy answers under `set severity-output number`: client-native's failure."""
     return f"[3]: haproxy-supervisor: {message}\n\n".encode()
 
 

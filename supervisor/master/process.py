@@ -1,26 +1,11 @@
-"""The HAProxy master process: start, adopt, watch, restart with backoff, stop.
-
-One object owns the master the way gunicorn's Arbiter owns its workers. HAProxy
-runs in master-worker mode in the foreground (`-W`, no `-D`), as our child in a
-session of its own, so a Ctrl-C on the daemon's terminal reaches the daemon only.
-Its stdout is the daemon's; its stderr is the daemon's FIFO (haproxy/stderr.py), which
-the daemon relays line by line to its own stderr (under systemd: the journal) and reads
-server state changes from. The FIFO's write end is non-blocking: after a daemon crash
-HAProxy's messages are lost (EPIPE, ignored), HAProxy is never stalled, and the next
-daemon opens the FIFO again by its path.
-
-A master that is not our child (adopted after a daemon restart) is watched through
-a pidfd, which becomes readable when the process exits; a child is watched the
-same way and reaped. No thread, no polling.
-
-HAProxy's signals in master-worker mode (checked on 2.6.12): SIGUSR1 to the master
-soft-stops every worker and the master exits once they are all gone; SIGTERM (and
-SIGINT) hard-stop them. When the master dies, its workers notice (their pipe to the
-master closes) and exit.
-
-Readiness is asked here too: a worker is ready once it answers on the master CLI and
-listens on every port its config binds (seen through sock_diag). Every module of the package
-logs as `supervisor.master` (`getLogger(__package__)`).
+"""The HAProxy master process: start, adopt, watch, restart with backoff, stop, the way
+gunicorn's Arbiter owns its workers. HAProxy runs in master-worker mode in the foreground
+(`-W`), in a session of its own, so a Ctrl-C on the daemon's terminal reaches the daemon only.
+Its stderr is the daemon's FIFO (haproxy/stderr.py), non-blocking on HAProxy's side: after a
+daemon crash its messages are lost, and HAProxy is never stalled. Adopted or our child, the
+master is watched through a pidfd: no thread, no polling. SIGUSR1 soft-stops it, SIGTERM
+hard-stops it; its workers exit when it dies. A worker is ready once it answers on the master
+CLI and listens on every port its config binds (sock_diag).
 """
 
 from __future__ import annotations
@@ -83,19 +68,14 @@ def bind_ports(config: Config) -> set[int]:
     return ports
 
 
-def _listening_tcp_sockets() -> dict[int, int]:
-    """{socket inode: port} of every listening TCP socket (IPv4 and IPv6) of this network namespace."""
-    return {
-        found.inode: found.sport
-        for family in (socket.AF_INET, socket.AF_INET6)
-        for found in tcp_sockets(family, (TCP_LISTEN,))
-    }
-
-
 def listening_ports(pid: int) -> set[int] | None:
     """The TCP ports process `pid` holds a listening socket on; None when the kernel cannot say."""
     try:
-        listening = _listening_tcp_sockets()
+        listening = {
+            found.inode: found.sport
+            for family in (socket.AF_INET, socket.AF_INET6)
+            for found in tcp_sockets(family, (TCP_LISTEN,))
+        }
     except OSError as exc:
         log.debug("sock_diag unavailable (%s): listeners not checked", exc)
         return None
@@ -104,12 +84,7 @@ def listening_ports(pid: int) -> set[int] | None:
 
 async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
     """Does the worker answer `@!<pid>` on the master CLI, and listen on every port in `ports`?
-
-    Being listed by `show proc` is not enough: from 3.1 on the master lists a new worker before
-    that worker has loaded its config, bound its ports or can be reached through the master.
-    The listening sockets come from the kernel (sock_diag), matched to the worker's own fds;
-    a fresh worker holds few, so this stays cheap on a node with many connections.
-    """
+    From 3.1 on `show proc` lists a new worker before it has loaded its config and bound."""
     try:
         infos = show_info_by_pid(await cli.on(pid, "show info", timeout=2))
     except CLIError:
@@ -154,7 +129,7 @@ POLL_S = 0.05
 
 
 class MasterError(Exception):
-    """The master could not be started or adopted. One line."""
+    """The master could not be started or adopted."""
 
 
 class MasterSocketGone(MasterError):
@@ -183,9 +158,8 @@ def master_command(settings: Settings) -> list[str]:
 
 
 def next_backoff(previous: float | None, uptime_s: float | None) -> float:
-    """At once after a master that ran for HEALTHY_UPTIME_S (its death is news, not a crash
-    loop: a kill -9 of the current worker takes the master down with it, and every second
-    waited is a second without a listener); then 1 s, 2 s, 4 s ... up to 30 s."""
+    """At once after a master that ran for HEALTHY_UPTIME_S (no crash loop: every second waited
+    is a second without a listener); then 1 s, 2 s, 4 s ... up to 30 s."""
     if previous is None or (uptime_s is not None and uptime_s >= HEALTHY_UPTIME_S):
         return 0.0
     return min(max(previous * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
@@ -221,8 +195,7 @@ class MasterProcess:
     # ------------------------------------------------------------ facts
 
     @property
-    def wanted(self) -> bool:
-        """A master was started or adopted and should be kept running."""
+    def wanted(self) -> bool:  # started or adopted: kept running
         return self._wanted.is_set()
 
     @property
@@ -236,14 +209,13 @@ class MasterProcess:
     async def wait_up(self) -> None:
         await self._up.wait()
 
-    def request_start(self) -> None:
-        """Ask run() to start the master (the effective config is on disk)."""
+    def request_start(self) -> None:  # the effective config is on disk
         self._wanted.set()
 
     # ------------------------------------------------------------ the process
 
     def _stderr_end(self) -> int | None:
-        """The write end of the FIFO for a master about to start, or None: it inherits ours."""
+        """The FIFO's write end for a master about to start; None: it inherits ours."""
         if self.stderr is None:
             return None
         try:
@@ -261,9 +233,12 @@ class MasterProcess:
 
     def _mark_up(self, pid: int) -> None:
         self.pid = pid
-        self.state.publish_master(pid, server_events=self.stderr is not None and self.stderr.feeds(pid))
+        self._publish_up(pid)
         self._up_since = time.monotonic()
         self._up.set()
+
+    def _publish_up(self, pid: int) -> None:
+        self.state.publish_master(pid, server_events=self.stderr is not None and self.stderr.feeds(pid))
 
     def _mark_down(self) -> None:
         self.state.publish_master(None)
@@ -321,12 +296,9 @@ class MasterProcess:
         return procs
 
     async def adopt(self) -> ProcList | None:
-        """Take over a master a previous daemon started for this runtime_dir, or None if there is none.
-
-        The master is found by the socket it holds (`find_master`), not by its argv nor only by
-        the pid file. Raises MasterError when our master is alive but its socket does not answer:
-        starting a second HAProxy next to it would bind the same ports twice.
-        """
+        """Take over the master a previous daemon started for this runtime_dir (found by the
+        socket it holds), or None. MasterError when it lives but its socket does not answer:
+        a second HAProxy beside it would bind the same ports twice."""
         h = self.settings.haproxy
         pid = find_master(self.settings)
         recorded = read_pid_file(h.pid_file)
@@ -336,9 +308,9 @@ class MasterProcess:
             return None
         if not h.master_socket_path.exists():
             raise MasterSocketGone(pid, h.master_socket_path)
-        # Known to run from here (found by the socket it holds): /healthz says so while its
-        # worker's readiness is asked, which a crowded master CLI can take seconds to answer.
-        self.state.publish_master(pid, server_events=self.stderr is not None and self.stderr.feeds(pid))
+        # Known to run from here: /healthz says so while a crowded master CLI is asked for a
+        # ready worker, which can take seconds.
+        self._publish_up(pid)
         ports = config_ports(self.settings.haproxy.effective_config)
         deadline = time.monotonic() + self.settings.reload.timeout_s
         while True:
@@ -370,18 +342,17 @@ class MasterProcess:
         return procs
 
     async def reexec(self, before: ProcList | None) -> ProcList | None:
-        """Make our master re-execute itself, with master.lock held: it reads its config from disk
-        again, binds its socket again and starts a new worker. The one road to a master whose
-        socket file was deleted. Returns `show proc` once the new worker is listed, else None."""
+        """Make our master re-execute (master.lock held): it reads its config, binds its socket
+        again (the one road back once its file was deleted) and starts a worker. `show proc`
+        once the new worker is listed, else None."""
         if self.pid is None or not self.alive:
             return None
         known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()
         return await self._reexec(self.pid, known)
 
     async def take_back(self, pid: int) -> ProcList | None:
-        """Adopt master `pid`, whose socket file was removed while no daemon ran (MasterSocketGone),
-        once the effective config it is to load is on disk: it re-executes, binds its socket
-        again, and is adopted like any other."""
+        """Adopt master `pid`, whose socket file was removed while no daemon ran, once the
+        config it is to load is on disk: it re-executes and is adopted like any other."""
         try:
             known = {child.pid for child in psutil.Process(pid).children()}
         except psutil.Error:

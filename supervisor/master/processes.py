@@ -1,10 +1,7 @@
-"""Processes as the kernel shows them: whether one lives, when it started and which sockets it
-holds (/proc); its end, waited for without a thread (a pidfd, readable once the process has
-exited; Linux 5.3+), described, or brought about; `WorkerExits`, which notices an old worker's
-exit without asking the master, so that a worker that drained and left is listed again at once,
-while at rest `show proc` is asked only now and then; and which process is our master (by the
-master socket it holds) and which are its workers (by argv).
-"""
+"""Processes as the kernel shows them (/proc): whether one lives, when it started, which
+sockets it holds; its end, waited for through a pidfd (Linux 5.3+), or brought about;
+`WorkerExits`, an old worker's exit noticed without asking the master; and which process is
+our master (by the master socket it holds) and which are its workers (by argv)."""
 
 from __future__ import annotations
 
@@ -60,11 +57,7 @@ def process_started_at(pid: int) -> datetime | None:
 
 
 def watch_exit(pid: int) -> asyncio.Future[None]:
-    """A future of the running loop that is done once process `pid` has exited.
-
-    A pidfd becomes readable when its process exits, whether or not it is our child: no
-    thread, no polling. Done at once if the process is already gone.
-    """
+    """Done once process `pid` has exited, our child or not (its pidfd turns readable)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     try:
@@ -165,12 +158,9 @@ def _arg_after(args: Sequence[str], flag: str) -> str | None:
 
 
 def is_our_master(cmdline: Sequence[str], settings: Settings) -> bool:
-    """Is this argv a master-worker HAProxy started for our runtime_dir?
-
-    Only for telling our workers apart from other processes (`is_our_master_worker`): a
-    master itself is recognised by the socket it holds (`find_master`), since from 3.2 on
-    its own argv after a reload reads `haproxy -sf <old> -x sockpair@4 -W ...`, like a worker's.
-    """
+    """Is this argv a master-worker HAProxy started for our runtime_dir? For telling our
+    workers apart: a master is found by its socket, since from 3.2 on its argv after a reload
+    reads like a worker's."""
     if len(cmdline) < 2 or "haproxy" not in Path(cmdline[0]).name or "-W" not in cmdline:
         return False
     socket_arg = _arg_after(cmdline, "-S")
@@ -217,12 +207,9 @@ def _listening_unix_sockets(net_unix: str) -> list[tuple[int, str]]:
 
 
 def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int, int | None]]:
-    """(socket inode, PID named by the bound name or None) of the listeners bound at `socket_path`.
-
-    HAProxy binds a unix socket as `<path>.<pid>.tmp` and renames it into place, so the kernel
-    keeps that name, with the PID of the master that bound it: a master keeps its PID when it
-    re-executes on reload, and the name stays when the file is removed since.
-    """
+    """(socket inode, PID named by the bound name or None) of the listeners bound at
+    `socket_path`. HAProxy binds `<path>.<pid>.tmp` and renames it into place: the kernel
+    keeps that name, with the binding master's PID, even once the file is removed."""
     path = str(socket_path)
     found: list[tuple[int, int | None]] = []
     for inode, name in _listening_unix_sockets(net_unix):
@@ -236,14 +223,9 @@ def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int
 
 
 def find_masters(settings: Settings) -> list[int]:
-    """PIDs of the live HAProxy masters serving this runtime_dir's master socket, oldest first.
-
-    Found by process facts, never by argv or the pid file: a master is a live process that holds
-    the listening unix socket bound at `haproxy.master_socket_path`, including when that file
-    was removed since (a recreated runtime_dir). Usually one; more than one means a second
-    master was started beside the first. Reads /proc only (no HAProxy CLI), so it also works
-    when the socket no longer answers. A worker never holds the master socket.
-    """
+    """PIDs of the live processes holding the listening socket bound at
+    `haproxy.master_socket_path` (its file removed since too), oldest first. From /proc only,
+    never argv or the pid file: it works when the socket no longer answers."""
     try:
         net_unix = Path("/proc/net/unix").read_text()
     except OSError:
@@ -264,11 +246,8 @@ def find_masters(settings: Settings) -> list[int]:
 
 
 def find_master(settings: Settings) -> int | None:
-    """The PID of the live HAProxy master of this runtime_dir (the oldest if several), or None.
-
-    Call it before starting a master: while it returns a PID, starting another one would bind
-    the same ports twice. See `find_masters`.
-    """
+    """Our live master (the oldest if several), or None: while there is one, another would
+    bind the same ports twice."""
     masters = find_masters(settings)
     if len(masters) > 1:
         log.warning("several haproxy masters hold %s: pids=%s; the oldest is ours",

@@ -1,10 +1,6 @@
 """The daemon's one sock_diag (NETLINK_SOCK_DIAG) client: TCP sockets listed by the kernel,
-filtered there by state and destination port, and destroyed (SOCK_DESTROY, what `ss -K` does).
-
-The kernel walks its socket tables and sends only the sockets that pass the state mask and the
-bytecode: a node with many connections costs little as long as few match; /proc/net/tcp would
-have to be read whole.
-"""
+filtered there by state and destination port (a node with many connections costs little while
+few match), and destroyed (SOCK_DESTROY, what `ss -K` does)."""
 
 from __future__ import annotations
 
@@ -170,14 +166,9 @@ def tcp_sockets(
 
 
 class TcpActivity:
-    """This network namespace's count of connects begun and of segments retransmitted
-    (/proc/net/snmp: ActiveOpens, RetransSegs). A dump walks every bucket of the kernel's
-    established hash, whatever the sockets: unchanged counters say no connect began and nothing
-    was retransmitted since the last look, so there is nothing new to dump for.
-
-    Looked at every poll, at rest too: the file stays open and is read again from its start
-    (the kernel makes it anew for each read at offset 0), and the Tcp header's columns are found
-    once."""
+    """This network namespace's connects begun and segments retransmitted (/proc/net/snmp):
+    unchanged, there is nothing new to dump for (a dump walks the whole established hash).
+    Read every poll: the file stays open and is read again from offset 0."""
 
     PATH = "/proc/net/snmp"
     _BUFFER = 1 << 13  # the whole file: a few hundred bytes past the Tcp lines
@@ -214,9 +205,8 @@ class TcpActivity:
 
 
 def destroy(target: DiagSocket) -> None:
-    """Close `target` from outside its process (SOCK_DESTROY): a connect pending on it fails at
-    once with ECONNABORTED, a read or write with an error. Needs CAP_NET_ADMIN and a kernel built
-    with CONFIG_INET_DIAG_DESTROY; raises SockDiagError (EPERM, EOPNOTSUPP, ENOENT: gone)."""
+    """Close `target` from outside its process: a pending connect fails with ECONNABORTED.
+    Needs CAP_NET_ADMIN and CONFIG_INET_DIAG_DESTROY; SockDiagError (EPERM, EOPNOTSUPP, ENOENT)."""
     body = struct.pack("=BBBBI", target.family, socket.IPPROTO_TCP, 0, 0, 1 << target.state) + target.sockid
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(1)

@@ -264,7 +264,7 @@ class Reloader:
 
     def being_written(self) -> None:
         """A watched file is being written: not converged from now, read once it is closed."""
-        self.scheduler.being_written()
+        self.scheduler.writing = True
         if self.state.convergence.converged:
             self.state.publish_unconverged("a change is being written", transient=True)
 
@@ -407,9 +407,9 @@ class Reloader:
         if future is None:
             future = self._requested[kind] = asyncio.get_running_loop().create_future()
             if force:
-                self.scheduler.force()
+                self.scheduler.forced = True
             else:
-                self.scheduler.ask()
+                self.scheduler.asked = True
             self._wake.set()
         else:
             log.info("reload requested (%s): joins the reload already due", reason)
@@ -451,7 +451,7 @@ class Reloader:
         wait, why = self.hold.check(current, effective.effective_model, effective.sha256, time.monotonic())
         if wait > 0:
             log.info("reload held %.1fs for the next render: %s", wait, why)
-            self.scheduler.retry(time.monotonic() + wait)
+            self.scheduler.retry_at = time.monotonic() + wait
             return None
         while True:
             await self.master.wait_up()
@@ -599,7 +599,7 @@ class Reloader:
                     effective.sha256, effective.rendered_sha256, inputs, before.master.pid, before.master.reloads
                 ))
             self.disk.write(effective)
-            self.scheduler.reloaded(time.monotonic())
+            self.scheduler.last_reload = time.monotonic()
             try:
                 # Bounded by reload.timeout_s: a stopped master accepts the connection and never answers.
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
@@ -689,7 +689,7 @@ class Reloader:
         if judgement.reason is not None:
             self.state.publish_unconverged(judgement.reason, judgement.transient)
         if judgement.retry == "stop":
-            self.scheduler.retry(None)
+            self.scheduler.retry_at = None
             self.state.publish_next_attempt(None)
             if attempt is not None and attempt.record.result == "failed":
                 log.warning("not converged: %s; not retried until the config changes or a reload is asked for",
@@ -697,7 +697,7 @@ class Reloader:
         elif judgement.retry == "backoff":
             delay = retry_delay(convergence.attempts, self.settings.reload.retry_max_s)
             self.state.publish_next_attempt(utcnow() + timedelta(seconds=delay), convergence.attempts + 1)
-            self.scheduler.retry(time.monotonic() + delay)
+            self.scheduler.retry_at = time.monotonic() + delay
             self._wake.set()
             log.warning("not converged for %.1fs: %s; attempt %d in %.1fs",
                         convergence.unconverged_s(utcnow()), convergence.reason, convergence.attempts, delay)

@@ -1,9 +1,6 @@
-"""The reloader's decisions, pure functions over the facts it holds, each unit-tested with a
-table: when the next cycle is due and why (fed with monotonic timestamps); what to do with a
-change (skip it, apply it at runtime, or reload); did a reload take, from `show proc`; whether
-the node runs the rendered config, why not, whether that is passing and when to try again;
-and how trouble is worded (a disk error as the shell says it, HAProxy's message on one line).
-"""
+"""The reloader's decisions, pure functions over the facts it holds: when the next cycle is
+due; skip, apply at runtime or reload; did a reload take (`show proc`); converged or why not,
+and when to try again; and how trouble is worded on one line."""
 
 from __future__ import annotations
 
@@ -43,17 +40,10 @@ Cause = Literal["forced", "asked", "change", "retry"]
 
 @dataclass
 class ReloadScheduler:
-    """When the next cycle is due, and why.
-
-    A change is due `debounce_s` after the last write of a burst, and at the latest
-    `max_delay_s` after its first, so that writes closer together than the debounce cannot
-    put a change off for ever; a forced reload (SIGHUP, POST /reload) at once, and so a
-    cycle asked for (a controller's `reload`), which goes the way of a change (skipped when
-    nothing changed, applied at runtime when it can); a retry (the node has not converged)
-    at the time it was set for. None of them before `min_interval_s` after the previous
-    reload. Whatever is pending when one is due coalesces into it: the cycle reads every
-    file afresh. Fed with monotonic timestamps, so it is tested without clocks or files.
-    """
+    """When the next cycle is due, and why (monotonic timestamps). A change: `debounce_s` after
+    the last write of a burst, at the latest `max_delay_s` after its first; a forced or asked
+    cycle at once; a retry when it was set for; none before `min_interval_s` after the previous
+    reload. Whatever is pending when one is due coalesces into it."""
 
     debounce_s: float
     min_interval_s: float
@@ -70,18 +60,6 @@ class ReloadScheduler:
         if self.first_change is None:
             self.first_change = now
         self.last_change = now
-
-    def being_written(self) -> None:
-        self.writing = True
-
-    def force(self) -> None:
-        self.forced = True
-
-    def ask(self) -> None:
-        self.asked = True
-
-    def retry(self, at: float | None) -> None:
-        self.retry_at = at
 
     def answered_again(self, now: float) -> bool:
         """The master CLI answers after failing: a retry waiting out its backoff is due now
@@ -131,9 +109,6 @@ class ReloadScheduler:
         self.asked = False
         self.retry_at = None
 
-    def reloaded(self, now: float) -> None:
-        self.last_reload = now
-
 
 RETRY_FIRST_S = 0.5
 
@@ -145,10 +120,8 @@ def retry_delay(attempts: int, max_s: float) -> float:
 
 @dataclass
 class TransientHold:
-    """A render that looks transient (runtime/plan.py: transient_render) waits up to `hold_s`
-    for the next one, which usually undoes it, instead of being reloaded at once: the running
-    config goes on serving meanwhile. Transient renders in a row wait `hold_s` from the first
-    of them, however many come: a rebuild never holds the node back for longer."""
+    """A render that looks transient (runtime/plan.py) waits up to `hold_s` for the next one,
+    which usually undoes it; renders in a row wait `hold_s` from the first of them."""
 
     hold_s: float
     held: str | None = None  # the effective sha256 held last
@@ -194,8 +167,7 @@ Verdict = Literal["ok", "failed", "pending", "unknown"]
 
 def confirm_reload(before: ProcList, after: ProcList) -> Verdict:
     """Did the reload take? ok: a current worker that was not there before. failed: the
-    master's `[failed: N]` grew, or the master reloaded (its counter moved) with failures and
-    no new worker. HAProxy resets `failed` to 0 on a successful load: "unchanged" is not required."""
+    master's `[failed: N]` grew, or it reloaded with failures and no new worker."""
     if after.master is None:
         return "pending"
     known = {p.pid for p in (*before.workers, *before.old_workers)}
@@ -221,8 +193,8 @@ def runs_goal(goal: tuple[str, str | None] | None, current: tuple[str, str | Non
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt to converge, as its outcome is judged: its record, and whether HAProxy
-    refused the config (could not load it), which is no passing failure."""
+    """One attempt to converge: its record, and whether HAProxy refused the config (no
+    passing failure)."""
 
     record: ReloadRecord
     refused: bool = False
@@ -253,10 +225,9 @@ class Judgement:
 
 def judge_convergence(facts: Facts) -> Judgement:
     """Converged when the master is up and reachable, nothing is unconfirmed or pending, and the
-    current worker runs the goal. Otherwise why not, whether that passes, and when to retry:
-    an invalid config or one HAProxy refused is not retried by itself (HAProxy serves the last
-    good config, and while it tries a config (2.6: "Paused frontend") the serving worker's
-    listeners accept nothing); a failed or unconfirmed reload is, with backoff."""
+    current worker runs the goal; else why not, whether that passes, and when to retry. A
+    config invalid or refused is not retried by itself (while HAProxy tries one, 2.6 pauses the
+    serving worker's listeners); a failed or unconfirmed reload is, with backoff."""
     if (
         facts.master_up and facts.master_socket_ok and not facts.unconfirmed
         and not facts.change_pending and facts.runs_goal

@@ -1,10 +1,8 @@
-"""What the reloader records. `GenerationBook`: the generations, published into State, and the
-files that record them (`<runtime_dir>/generations/<N>.cfg`, the effective config generation
-N's worker runs; `generations.json`, worker PIDs to generations, and the reload in flight), so
-that a restarted daemon knows what every live worker runs. `OldWorkerCap`: old_workers.max.
-`ConfigOnDisk`: the effective config a restarted master loads, kept what the current worker
-runs. Encoding, decoding and the adoption plan are pure; the rest are thin file shells.
-"""
+"""What the reloader records. `GenerationBook`: the generations, published into State and kept
+in `<runtime_dir>/generations/<N>.cfg` and `generations.json` (worker PIDs to generations, the
+reload in flight), so that a restarted daemon knows what every live worker runs. `ConfigOnDisk`:
+the effective config a restarted master loads, kept what the current worker runs.
+`OldWorkerCap`: old_workers.max. Encoding, decoding and the adoption plan are pure."""
 
 from __future__ import annotations
 
@@ -108,8 +106,7 @@ def encode(snapshot: Snapshot) -> str:
 
 
 def _decode_pending(entry: object) -> PendingReload | None:
-    """The pending reload, or None when absent or unreadable: without it, adoption reloads once
-    to be sure, which is safe."""
+    """None when absent or unreadable: adoption then reloads once to be sure."""
     if not isinstance(entry, dict):
         return None
     try:
@@ -243,8 +240,7 @@ def old_workers_over_max(procs: ProcList, max_old: int) -> list[Proc]:
 
 
 class GenerationBook:
-    """Owns the generations: numbers them, publishes each value into State, and records them on
-    disk with the reload in flight, so that a restarted daemon knows what every worker runs."""
+    """Owns the generations: numbers them, publishes them into State, records them on disk."""
 
     def __init__(self, state: State, store: GenerationStore, disk: ConfigOnDisk,
                  problems: RecurringConditions) -> None:
@@ -259,9 +255,8 @@ class GenerationBook:
 
     def worker_started(self, pid: int, model: Config, loaded: LoadedConfig, procs: ProcList | None = None,
                        started_at: datetime | None = None) -> Generation:
-        """Worker `pid` runs `loaded`: the next generation, now the current one, its config
-        recorded and no reload in flight; with `procs`, that `show proc` observed too. What
-        HAProxy runs is decided: a failed write (a full disk) changes nothing of it."""
+        """Worker `pid` runs `loaded`: the next generation, now current, its config recorded, no
+        reload in flight; `procs` observed too. A failed write changes nothing of it."""
         self.last_number += 1
         generation = Generation(self.last_number, model, loaded.sha256, loaded.rendered_sha256,
                                 started_at or utcnow(), pid, loaded.inputs_sha256)
@@ -288,9 +283,6 @@ class GenerationBook:
         self.last_number = max(self.last_number, record.number)
         return generation
 
-    def make_current(self, generation: Generation) -> None:
-        self.state.publish_generation(generation, current=True)
-
     def applied_at_runtime(self, current: Generation, runs: Config, effective: Effective, inputs: str, *,
                            whole: bool) -> Generation:
         """The current worker runs `runs` now, changed at runtime. `whole`: the whole change is
@@ -305,8 +297,7 @@ class GenerationBook:
         return generation
 
     def sending_reload(self, pending: PendingReload) -> None:
-        """Recorded before it is sent: a daemon killed before HAProxy answers leaves the next one
-        what the new worker was given, so adopting it costs no reload."""
+        """Recorded before it is sent: adopting a reload a killed daemon sent costs no reload."""
         self.pending = pending
         self.persist()
 
@@ -437,10 +428,8 @@ class ConfigOnDisk:
         return LoadedConfig(text, sha256_text(text), rendered_sha256, inputs, self._slot_table_named(text))
 
     def write(self, effective: Effective) -> None:
-        """The effective config on disk, for a reload or a start to load, once `haproxy -c` passed
-        on it (the check wrote the slot table it names). OSError when it cannot be written,
-        unless the file holds that text already (a full disk has no room for the copy an
-        atomic write makes, and needs none)."""
+        """The config a reload or a start loads, once `haproxy -c` passed on it. OSError when it
+        cannot be written, unless the file holds it already (a full disk needs no copy)."""
         try:
             write_atomically(self.path, effective.text)
         except OSError:
@@ -460,7 +449,7 @@ class ConfigOnDisk:
             return None
 
     def write_back(self) -> None:
-        """The effective config on disk is what a restarted master loads: keep it what runs."""
+        """Keep the file what runs: a restarted master loads it."""
         loaded = self.loaded
         if loaded is None or loaded.sha256 == self._on_disk_sha:
             return

@@ -1,7 +1,6 @@
-"""Starting from what is there: the first start, a master (re)started on the config on disk, the
-adoption of a running master after a daemon restart, and runtime_dir deleted under us. Each step
-records what it finds in the generations book and the config on disk, and returns it; the
-Reloader acts on it."""
+"""Starting from what is there: the first start, a master (re)started on the config on disk,
+the adoption of a running master, runtime_dir deleted under us. Each step records what it
+finds (book, disk) and returns it; the Reloader acts on it."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class Recovery:
         return await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
 
     async def take_back(self, pid: int) -> ProcList | None:
-        """Our master `pid` lives but its socket file is gone (runtime_dir deleted while no daemon
-        ran). What it runs is unknown; the effective config of the rendered config, once valid,
+        """Our master `pid` lives but its socket file is gone: the rendered config, once valid,
         goes on disk for it to re-execute on, and it is adopted. MasterError when there is no
         valid config to give it: a second HAProxy must never start beside it."""
         settings = self.settings
@@ -63,9 +61,8 @@ class Recovery:
         return await self.master.take_back(pid)
 
     async def first_start(self, effective: Effective, inputs: str) -> tuple[ReloadResult, str] | None:
-        """No master yet: validate, write the effective config, and let the master start on it.
-        Else (result, error): the config is invalid, or cannot be written for HAProxy to read (a
-        full or read-only runtime_dir)."""
+        """No master yet: validate, write the effective config, let the master start on it; else
+        (result, error): invalid, or it cannot be written (a full or read-only runtime_dir)."""
         ok, message = await self._check(effective)
         if not ok:
             log.error("initial config invalid: %s", one_line(message))
@@ -153,7 +150,7 @@ class Recovery:
                                           started_at=process_started_at(worker.pid))
         if current is None:
             return None
-        book.make_current(current)
+        book.state.publish_generation(current, current=True)
         text = book.store.read_config(current.number) or on_disk or ""
         if on_disk != text:
             # Died mid-reload with a config on disk that never took: disk must be what runs.

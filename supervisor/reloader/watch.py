@@ -1,13 +1,8 @@
-"""Watching the inputs: what to watch and what each filesystem event means (`classify`, pure),
-inotify to hear it (read through libc on the event loop: no thread, no polling at rest), the
-safety net under it (`ContentCheck`), and the digest of the watched files.
-
-A watched path is followed the way the kernel reads it, through every symlink: each symlink
-met and each name not there yet is watched in the directory that holds it, so a swap of any
-of them (`mv -T current.new current`, a ConfigMap's `..data`) re-plans the watches. The file
-itself counts for completed writes only (IN_CLOSE_WRITE, IN_MOVED_TO): a file being written
-(IN_MODIFY, a create not yet closed) is not a change.
-"""
+"""Watching the inputs: what to watch and what an event means (`classify`, pure), inotify
+through libc on the event loop, the safety net under it (`ContentCheck`), and the digest of
+the watched files. A path is followed through every symlink, each watched in the directory
+holding it, so a swap of any (a ConfigMap's `..data`) re-plans the watches. Only completed
+writes count (IN_CLOSE_WRITE, IN_MOVED_TO)."""
 
 from __future__ import annotations
 
