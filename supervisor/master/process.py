@@ -184,7 +184,6 @@ class MasterProcess:
         # Held by whoever changes what HAProxy runs: (re)start, stop, and each reload.
         self.lock = asyncio.Lock()
         self.pid: int | None = None
-        self.adopted = False
         self._child: subprocess.Popen[bytes] | None = None
         self._exit: asyncio.Future[None] | None = None
         self._wanted = asyncio.Event()
@@ -271,7 +270,6 @@ class MasterProcess:
             if stderr is not None:
                 os.close(stderr)
         self._child = child
-        self.adopted = False
         self._exit = exited = watch_exit(child.pid)
         deadline = time.monotonic() + self.settings.reload.timeout_s
         while True:
@@ -329,7 +327,6 @@ class MasterProcess:
                 )
             await asyncio.sleep(0.1)
         self._child = None
-        self.adopted = True
         self._exit = watch_exit(pid)
         self._mark_up(pid)
         self._wanted.set()

@@ -10,6 +10,7 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, SOCK_DESTROY = 4, 20, 21
 TCP_ESTABLISHED, TCP_SYN_SENT, TCP_LISTEN = 1, 2, 10
@@ -27,7 +28,7 @@ _MSG = struct.Struct("=BBBB48sIIIII")
 _SOCKID = struct.Struct(">HH16s16s")  # sport, dport (big endian), src, dst; then if, cookie
 _DPORT, _DPORT_AT = struct.Struct(">H"), 6  # idiag_dport, in inet_diag_msg
 # struct tcp_info, as far as read: state .. backoff (bytes 0-4), rto at 8, unacked at 24, rtt at 68.
-_TCPI_RETRANSMITS_AT, _TCPI_BACKOFF_AT, _TCPI_RTO_AT, _TCPI_UNACKED_AT, _TCPI_RTT_AT = 2, 4, 8, 24, 68
+_TCPI_BACKOFF_AT, _TCPI_RTO_AT, _TCPI_UNACKED_AT, _TCPI_RTT_AT = 4, 8, 24, 68
 _TCPI_LAST_DATA_SENT_AT, _TCPI_LAST_DATA_RECV_AT = 44, 52  # ms since
 _TCPI_DATA_SEGS_IN_AT = 152  # segments that carried data in (Linux 4.6 and later)
 # A bytecode longer than this would overflow its jumps' 16 bits: dump by state alone then.
@@ -92,10 +93,14 @@ def _address(family: int, raw: bytes) -> str:
     return socket.inet_ntop(family, raw[:4] if family == socket.AF_INET else raw)
 
 
+def _u32(data: bytes, at: int) -> int:
+    return struct.unpack_from("=I", data, at)[0]
+
+
 def _parse(data: bytes, at: int, end: int) -> DiagSocket:
     family, state, timer, retrans, sockid, expires, rqueue, wqueue, _, inode = _MSG.unpack_from(data, at)
     sport, dport, src, dst = _SOCKID.unpack_from(sockid)
-    extra: dict[str, float | int] = {}
+    tcp_info: dict[str, Any] = {}
     offset = at + _MSG.size
     while offset + _ATTR.size <= end:
         length, kind = _ATTR.unpack_from(data, offset)
@@ -103,27 +108,18 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
             break
         if kind == _INET_DIAG_INFO and length >= _ATTR.size + _TCPI_RTT_AT + 4:
             info = offset + _ATTR.size
-            extra["retransmits"] = data[info + _TCPI_RETRANSMITS_AT]
-            extra["backoff"] = data[info + _TCPI_BACKOFF_AT]
-            (rto,) = struct.unpack_from("=I", data, info + _TCPI_RTO_AT)
-            (unacked,) = struct.unpack_from("=I", data, info + _TCPI_UNACKED_AT)
-            (rtt,) = struct.unpack_from("=I", data, info + _TCPI_RTT_AT)
-            (sent,) = struct.unpack_from("=I", data, info + _TCPI_LAST_DATA_SENT_AT)
-            (received,) = struct.unpack_from("=I", data, info + _TCPI_LAST_DATA_RECV_AT)
-            extra.update(rto_ms=rto / 1000, rtt_ms=rtt / 1000, unacked=unacked, sent_ago_ms=sent,
-                         received_ago_ms=received)
+            tcp_info.update(
+                rto_ms=_u32(data, info + _TCPI_RTO_AT) / 1000, rtt_ms=_u32(data, info + _TCPI_RTT_AT) / 1000,
+                unacked=_u32(data, info + _TCPI_UNACKED_AT), backoff=data[info + _TCPI_BACKOFF_AT],
+                sent_ago_ms=_u32(data, info + _TCPI_LAST_DATA_SENT_AT),
+                received_ago_ms=_u32(data, info + _TCPI_LAST_DATA_RECV_AT),
+            )
             if length >= _ATTR.size + _TCPI_DATA_SEGS_IN_AT + 4:
-                (extra["data_segs_in"],) = struct.unpack_from("=I", data, info + _TCPI_DATA_SEGS_IN_AT)
+                tcp_info["data_segs_in"] = _u32(data, info + _TCPI_DATA_SEGS_IN_AT)
         offset += (length + 3) & ~3
     return DiagSocket(
         family, state, _address(family, src), sport, _address(family, dst), dport, sockid, timer, retrans,
-        expires, rqueue, wqueue, inode,
-        rto_ms=extra.get("rto_ms"), rtt_ms=extra.get("rtt_ms"),
-        unacked=int(extra["unacked"]) if "unacked" in extra else None,
-        backoff=int(extra["backoff"]) if "backoff" in extra else None,
-        sent_ago_ms=int(extra["sent_ago_ms"]) if "sent_ago_ms" in extra else None,
-        received_ago_ms=int(extra["received_ago_ms"]) if "received_ago_ms" in extra else None,
-        data_segs_in=int(extra["data_segs_in"]) if "data_segs_in" in extra else None,
+        expires, rqueue, wqueue, inode, **tcp_info,
     )
 
 

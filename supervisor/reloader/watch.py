@@ -80,7 +80,6 @@ class Inotify:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
         self.fd: int = fd
-        self.watches: dict[int, Path] = {}  # wd -> the directory it watches
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, directory: Path, mask: int) -> int:
@@ -88,12 +87,10 @@ class Inotify:
         if wd < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), str(directory))
-        self.watches[wd] = directory
         return wd
 
     def remove(self, wd: int) -> None:
         self._lib.inotify_rm_watch(self.fd, wd)  # EINVAL for a watch the kernel dropped already
-        self.watches.pop(wd, None)
 
     def start(self, callback: Callable[[list[Event]], None]) -> None:
         self._loop = asyncio.get_running_loop()
@@ -113,7 +110,6 @@ class Inotify:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.watches.clear()
 
 
 ENTRY_EVENTS = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
