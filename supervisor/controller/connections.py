@@ -59,29 +59,23 @@ def split_line(line: bytes) -> list[bytes]:
     return commands
 
 
+# `set server B/S <what> <value>`: the values that take a server out of service or put it back.
+_SET_SERVER_EFFECTS = {
+    (b"state", b"maint"): Effect.OUT_OF_SERVICE, (b"state", b"ready"): Effect.IN_SERVICE,
+    (b"health", b"down"): Effect.OUT_OF_SERVICE, (b"health", b"up"): Effect.IN_SERVICE,
+    (b"agent", b"down"): Effect.OUT_OF_SERVICE, (b"agent", b"up"): Effect.IN_SERVICE,
+}
+
+
 def parse_command(text: bytes) -> Command:
     """A command's target server and effect, when it is a server command."""
     words = text.split()
-    if len(words) >= 3 and words[0] == b"disable" and words[1] == b"server":
-        return Command(text, _key(words[2]), Effect.OUT_OF_SERVICE)
-    if len(words) >= 3 and words[0] == b"enable" and words[1] == b"server":
-        return Command(text, _key(words[2]), Effect.IN_SERVICE)
+    if len(words) >= 3 and words[0] in (b"disable", b"enable") and words[1] == b"server":
+        return Command(text, _key(words[2]), Effect.OUT_OF_SERVICE if words[0] == b"disable" else Effect.IN_SERVICE)
     if len(words) >= 4 and words[0] == b"set" and words[1] == b"server":
-        key = _key(words[2])
         what, value = words[3], words[4] if len(words) > 4 else b""
-        if what in (b"addr", b"fqdn"):
-            return Command(text, key, Effect.ADDRESS)
-        if what == b"state":
-            if value == b"maint":
-                return Command(text, key, Effect.OUT_OF_SERVICE)
-            if value == b"ready":
-                return Command(text, key, Effect.IN_SERVICE)
-        if what in (b"health", b"agent"):
-            if value == b"down":
-                return Command(text, key, Effect.OUT_OF_SERVICE)
-            if value == b"up":
-                return Command(text, key, Effect.IN_SERVICE)
-        return Command(text, key, Effect.OTHER)
+        effect = Effect.ADDRESS if what in (b"addr", b"fqdn") else _SET_SERVER_EFFECTS.get((what, value))
+        return Command(text, _key(words[2]), effect or Effect.OTHER)
     return Command(text)
 
 
@@ -261,14 +255,12 @@ class UpstreamSlots:
         try:
             async with asyncio.timeout(self.wait_s):
                 await turn  # _release counted us in
-        except TimeoutError:
+        except BaseException as exc:
             if turn.done() and not turn.cancelled():
-                self._release()  # the slot came as the wait ran out: pass it on
-            raise QueueTimeout(f"waited {self.wait_s:g}s for one of HAProxy's {self.capacity()} "
-                               "runtime connections") from None
-        except BaseException:
-            if turn.done() and not turn.cancelled():
-                self._release()
+                self._release()  # the slot came as the wait ended: pass it on
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(f"waited {self.wait_s:g}s for one of HAProxy's {self.capacity()} "
+                                   "runtime connections") from None
             raise
         finally:
             with contextlib.suppress(ValueError):

@@ -157,14 +157,6 @@ class Confirmation:
                 ), cli_failed=cli_failed)
             await asyncio.sleep(CONFIRM_POLL_S)
 
-    def hold(self, before: ProcList, effective: Effective, inputs: str, ports: set[int]) -> None:
-        self.unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(), ports)
-
-    def take(self) -> Unconfirmed | None:
-        """The unconfirmed reload, no longer held (a master restarted on its config)."""
-        held, self.unconfirmed = self.unconfirmed, None
-        return held
-
     async def settle(self, procs: ProcList) -> Settled | None:
         """Decide the unconfirmed reload from a later `show proc` (with master.lock held); None
         when there is none."""
@@ -620,7 +612,8 @@ class Reloader:
                          generation.number, generation.worker_pid, record.duration_ms)
                 attempt = Attempt(record)
             elif confirmed.verdict == "unknown":
-                self.confirmation.hold(before, effective, inputs, bind_ports(model))
+                self.confirmation.unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(),
+                                                            bind_ports(model))
                 error = confirmed.error or "unconfirmed"
                 record = self._record("unknown", started, error)
                 log.warning("reload unknown duration_ms=%d: %s; HAProxy may still be loading it: %s keeps the "
@@ -726,7 +719,8 @@ class Reloader:
         by MasterProcess.run() with master.lock held, before any reload can run."""
         if procs.current_worker is None:
             return None
-        held = self.confirmation.take()  # it started on the disk's config: the unconfirmed reload's
+        # It started on the disk's config: the unconfirmed reload's, no longer held.
+        held, self.confirmation.unconfirmed = self.confirmation.unconfirmed, None
         generation = self.recovery.master_started(
             procs, None if held is None else LoadedConfig.of(held.effective, held.inputs))
         self.cap.enforce(procs, self.state.generations)
