@@ -225,8 +225,7 @@ class QueueTimeout(Exception):
 
 
 class UpstreamSlots:
-    """At most `capacity()` connections to HAProxy's socket at once; the callers beyond it
-    wait in arrival order, each at most `wait_s` (QueueTimeout)."""
+    """At most `capacity()` connections to HAProxy's socket; others wait in order, up to `wait_s`."""
 
     def __init__(self, capacity: Callable[[], int], wait_s: float) -> None:
         self.capacity = capacity
@@ -368,8 +367,7 @@ async def relay_both_ways(
     idle_s: float,
     check: Callable[[bytes], bytes | None] | None = None,
 ) -> None:
-    """Copy both ways until the upstream side closes (HAProxy ends the session), or nothing
-    moved either way for `idle_s` (IdleTimeout)."""
+    """Copy both ways until HAProxy ends the session, or nothing moved for `idle_s` (IdleTimeout)."""
     refused: list[bytes] = []
 
     async with idle_timeout(idle_s) as active:

@@ -137,8 +137,7 @@ class MasterFacade:
             writer.close()
 
     async def _answer(self, commands: list[bytes]) -> bytes:
-        """Each command in turn, `reload` by the daemon, the others by HAProxy's master; a
-        refused one ends the line."""
+        """Each command in turn, `reload` by the daemon, the others by HAProxy; a refusal ends it."""
         answers: list[bytes] = []
         for command in commands:
             if command.split() == [b"quit"]:

@@ -129,8 +129,7 @@ class RuntimeRelay:
     async def _send_in_order(
         self, texts: list[bytes], order: list[int], prefix: int, payload: bytes, waits: dict[int, Address]
     ) -> bytes:
-        """Each command on its own connection after the session's commands; the answers in
-        the order of `texts`."""
+        """Each command on a connection of its own, after the session's; answers in `texts` order."""
         head = b";".join(texts[:prefix])
         try:
             head_answer = await self._roundtrip(head + b"\n") if prefix else b""

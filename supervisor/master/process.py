@@ -133,8 +133,7 @@ class MasterError(Exception):
 
 
 class MasterSocketGone(MasterError):
-    """Our master lives, but its socket file was removed (runtime_dir deleted while no daemon
-    ran): reachable again only once it re-executes (MasterProcess.take_back)."""
+    """Our master lives, but its socket file was removed: reachable once it re-executes (take_back)."""
 
     def __init__(self, pid: int, path: Path) -> None:
         super().__init__(f"haproxy master pid={pid} still holds {path}, which was removed: "

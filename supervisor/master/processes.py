@@ -246,8 +246,7 @@ def find_masters(settings: Settings) -> list[int]:
 
 
 def find_master(settings: Settings) -> int | None:
-    """Our live master (the oldest if several), or None: while there is one, another would
-    bind the same ports twice."""
+    """Our live master (the oldest if several): while there is one, another would bind its ports."""
     masters = find_masters(settings)
     if len(masters) > 1:
         log.warning("several haproxy masters hold %s: pids=%s; the oldest is ours",

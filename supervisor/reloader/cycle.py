@@ -158,8 +158,7 @@ class Confirmation:
             await asyncio.sleep(CONFIRM_POLL_S)
 
     async def settle(self, procs: ProcList) -> Settled | None:
-        """Decide the unconfirmed reload from a later `show proc` (with master.lock held); None
-        when there is none."""
+        """Decide the unconfirmed reload, if any, from a later `show proc` (master.lock held)."""
         held = self.unconfirmed
         if held is None:
             return None
@@ -340,8 +339,7 @@ class Reloader:
         self.assess(attempt)
 
     async def _guarded(self, cycle: Awaitable[Attempt | None]) -> Attempt | None:
-        """One cycle failing on I/O (disk full, permissions) or a bug is logged and recorded; the
-        daemon goes on watching, HAProxy goes on serving the last good config."""
+        """A cycle failing on I/O or a bug is logged and recorded; HAProxy serves the last good config."""
         started = time.monotonic()
         try:
             return await cycle
@@ -657,8 +655,7 @@ class Reloader:
         return generation
 
     def assess(self, attempt: Attempt | None) -> None:
-        """Judge whether the current worker runs the goal (decisions.judge_convergence), publish
-        the judgement, and schedule the next attempt it asks for."""
+        """Judge convergence, publish the judgement, and schedule the next attempt it asks for."""
         convergence = self.state.convergence
         current = self.state.current
         runs = None if current is None else (current.effective_sha256, current.inputs_sha256)
@@ -715,8 +712,7 @@ class Reloader:
     # ------------------------------------------------------------ starting from what is there
 
     async def on_master_started(self, procs: ProcList) -> Generation | None:
-        """A master we started (first start or restart) runs the effective config on disk. Called
-        by MasterProcess.run() with master.lock held, before any reload can run."""
+        """A master we started runs the effective config on disk (master.lock held, no reload yet)."""
         if procs.current_worker is None:
             return None
         # It started on the disk's config: the unconfirmed reload's, no longer held.
@@ -746,8 +742,8 @@ class Reloader:
             self._goal = goal
 
     async def _recover_runtime_dir(self) -> None:
-        """The master's socket is gone (runtime_dir deleted under us): recreate what the daemon
-        owns, then make the master re-execute, which binds its socket again, with master.lock held."""
+        """runtime_dir deleted under us: recreate what the daemon owns, then make the master
+        re-execute, which binds its socket again (master.lock held)."""
         h = self.settings.haproxy
         if self.state.master_socket_ok:
             log.error("%s is missing (runtime_dir deleted?): recreating %s, then making master pid=%s bind it again",

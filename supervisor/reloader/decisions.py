@@ -62,8 +62,7 @@ class ReloadScheduler:
         self.last_change = now
 
     def answered_again(self, now: float) -> bool:
-        """The master CLI answers after failing: a retry waiting out its backoff is due now
-        (the backoff spares a master that cannot answer, not one that does). True when one was."""
+        """The master CLI answers after failing: a retry waiting out its backoff is due now (True)."""
         if self.retry_at is None or self.retry_at <= now:
             return False
         self.retry_at = now
@@ -193,8 +192,7 @@ def runs_goal(goal: tuple[str, str | None] | None, current: tuple[str, str | Non
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt to converge: its record, and whether HAProxy refused the config (no
-    passing failure)."""
+    """One attempt to converge: its record, and whether HAProxy refused the config."""
 
     record: ReloadRecord
     refused: bool = False

@@ -183,7 +183,7 @@ def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha25
 
 def prunable(generations: dict[int, Generation], procs: ProcList, current: int | None) -> list[int]:
     """Generations whose worker `show proc` no longer lists; never the current one (mid-reload its
-    worker may be missing), and none from an answer without the master (cut as it re-executed)."""
+    worker may be missing), none from an answer without the master (cut as it re-executed)."""
     if procs.master is None:
         return []
     live = {p.pid for p in (*procs.workers, *procs.old_workers)}
@@ -268,8 +268,7 @@ class GenerationBook:
         return generation
 
     def reload_runs(self, pid: int, effective: Effective, inputs: str, procs: ProcList) -> Generation:
-        """The reload's new worker `pid`, listed in `procs`, runs `effective`: its generation, and
-        the config on disk kept that."""
+        """The reload's new worker `pid` runs `effective`: its generation, and the disk kept that."""
         loaded = LoadedConfig.of(effective, inputs)
         generation = self.worker_started(pid, effective.effective_model, loaded, procs)
         self.disk.worker_runs(loaded)

@@ -201,8 +201,7 @@ def follow(path: Path, plan: WatchPlan, as_file: bool) -> Path | None:
 
 
 def plan_watches(files: Sequence[Path], directories: Sequence[Path], ignore: Iterable[Path] = ()) -> WatchPlan:
-    """The directories to watch for `files` (the rendered config, watched files) and
-    `directories` (haproxy.watch entries that are directories, with what is under them)."""
+    """The directories to watch for `files`, and for `directories` with what is under them."""
     plan = WatchPlan()
     ignored = {Path(os.path.realpath(i)) for i in ignore}
     for f in files:
@@ -303,8 +302,7 @@ class FileWatch:
         self._reported_missing: list[Path] = []
 
     def replan(self) -> None:
-        """Watch what the paths lead to now. New watches go on before old ones come off, so no
-        event falls between them."""
+        """Watch what the paths lead to now; new watches go on first, so no event falls between."""
         plan = plan_watches(self.files, self.directories, self.ignore)
         by_wd: dict[int, Path] = {}
         for directory, interest in plan.directories.items():
