@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ..files import mode_bits, owner_ids
 from ..settings import Settings
@@ -16,17 +16,10 @@ from .connections import HAPROXY_STATS_MAXCONN
 from .facade import MasterFacade
 from .relay import RuntimeRelay
 
+if TYPE_CHECKING:
+    from ..steering.workers import OldWorkers as Marks  # the operator marks of the old workers
+
 log = logging.getLogger(__name__)
-
-
-class Marks(Protocol):
-    """The displaced-worker component's operator marks (steering/workers.py)."""
-
-    def mark_dead(self, key: str) -> None: ...
-
-    def unmark_dead(self, key: str) -> None: ...
-
-    def has_server(self, key: str) -> bool: ...
 
 
 def steer_on_service(marks: Callable[[], Marks | None]) -> Callable[[str, bool], None]:

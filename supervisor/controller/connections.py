@@ -341,9 +341,10 @@ async def pipe_through(
     idle_s: float,
     check: Callable[[bytes], bytes | None] | None = None,
 ) -> None:
-    """Send `first` upstream, then relay both ways until nothing moves for `idle_s`; an
-    upstream that cannot be reached is answered `unreachable(exc)`. `check`: each later line
-    from the client before it goes upstream; what it returns ends the session with that answer."""
+    """Send `first` upstream, then copy both ways until HAProxy ends the session, or nothing
+    moved for `idle_s` (IdleTimeout); an upstream that cannot be reached is answered
+    `unreachable(exc)`. `check`: each later line from the client before it goes upstream; what
+    it returns ends the session with that answer."""
     try:
         up_reader, up_writer = await connect()
     except OSError as exc:
@@ -351,67 +352,54 @@ async def pipe_through(
         writer.write(unreachable(exc))
         await writer.drain()
         return
+    refused: list[bytes] = []
     try:
         up_writer.write(first)
         await up_writer.drain()
-        await relay_both_ways(reader, writer, up_reader, up_writer, idle_s, check)
+        async with idle_timeout(idle_s) as active:
+
+            async def to_upstream() -> None:
+                if check is None:
+                    while chunk := await reader.read(CHUNK):
+                        active()
+                        up_writer.write(chunk)
+                        await up_writer.drain()
+                else:
+                    while True:
+                        try:
+                            line = await reader.readuntil(b"\n")
+                        except asyncio.IncompleteReadError as partial:
+                            line = partial.partial
+                        except asyncio.LimitOverrunError:
+                            refused.append(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
+                            break
+                        if not line:
+                            break
+                        active()
+                        answer = check(line)
+                        if answer is not None:
+                            refused.append(answer)
+                            break
+                        up_writer.write(line)
+                        await up_writer.drain()
+                if refused:
+                    up_writer.close()
+                    return
+                if up_writer.can_write_eof():
+                    up_writer.write_eof()
+
+            forward = asyncio.create_task(to_upstream())
+            try:
+                while chunk := await up_reader.read(CHUNK):
+                    active()
+                    writer.write(chunk)
+                    await writer.drain()
+            finally:
+                forward.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await forward
     finally:
         up_writer.close()
-
-
-async def relay_both_ways(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    up_reader: asyncio.StreamReader,
-    up_writer: asyncio.StreamWriter,
-    idle_s: float,
-    check: Callable[[bytes], bytes | None] | None = None,
-) -> None:
-    """Copy both ways until HAProxy ends the session, or nothing moved for `idle_s` (IdleTimeout)."""
-    refused: list[bytes] = []
-
-    async with idle_timeout(idle_s) as active:
-
-        async def to_upstream() -> None:
-            if check is None:
-                while chunk := await reader.read(CHUNK):
-                    active()
-                    up_writer.write(chunk)
-                    await up_writer.drain()
-            else:
-                while True:
-                    try:
-                        line = await reader.readuntil(b"\n")
-                    except asyncio.IncompleteReadError as partial:
-                        line = partial.partial
-                    except asyncio.LimitOverrunError:
-                        refused.append(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
-                        break
-                    if not line:
-                        break
-                    active()
-                    answer = check(line)
-                    if answer is not None:
-                        refused.append(answer)
-                        break
-                    up_writer.write(line)
-                    await up_writer.drain()
-            if refused:
-                up_writer.close()
-                return
-            if up_writer.can_write_eof():
-                up_writer.write_eof()
-
-        forward = asyncio.create_task(to_upstream())
-        try:
-            while chunk := await up_reader.read(CHUNK):
-                active()
-                writer.write(chunk)
-                await writer.drain()
-        finally:
-            forward.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await forward
     if refused:
         writer.write(refused[0])
         await writer.drain()

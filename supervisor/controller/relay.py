@@ -78,8 +78,6 @@ class RuntimeRelay:
         for task in list(self._connections):
             task.cancel()
 
-    # ------------------------------------------------------------ one connection
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None

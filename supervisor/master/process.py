@@ -190,8 +190,6 @@ class MasterProcess:
         self._up_since = 0.0
         self.stopping = False
 
-    # ------------------------------------------------------------ facts
-
     @property
     def wanted(self) -> bool:  # started or adopted: kept running
         return self._wanted.is_set()
@@ -209,8 +207,6 @@ class MasterProcess:
 
     def request_start(self) -> None:  # the effective config is on disk
         self._wanted.set()
-
-    # ------------------------------------------------------------ the process
 
     def _stderr_end(self) -> int | None:
         """The FIFO's write end for a master about to start; None: it inherits ours."""
@@ -243,8 +239,6 @@ class MasterProcess:
         self._up.clear()
         self.pid = None
         self._child = None
-
-    # ------------------------------------------------------------ start / adopt
 
     async def start(self) -> ProcList:
         """Start a master on the effective config on disk; return once its first worker is ready."""
@@ -378,8 +372,6 @@ class MasterProcess:
         log.error("master pid=%d listed no new worker within %gs of SIGUSR2", pid, self.settings.reload.timeout_s)
         return None
 
-    # ------------------------------------------------------------ supervision
-
     async def run(self) -> None:
         """Keep the master running once it is wanted: restart it with backoff when it dies."""
         await self._wanted.wait()
@@ -415,8 +407,6 @@ class MasterProcess:
         restarts = self.state.publish_master_restart()
         log.warning("master restart in %gs restarts=%d", delay, restarts)
         await asyncio.sleep(delay)
-
-    # ------------------------------------------------------------ stop
 
     async def stop(self) -> None:
         """Soft-stop (SIGUSR1), wait haproxy.stop_timeout_s, then SIGTERM, then SIGKILL."""
