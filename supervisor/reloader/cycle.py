@@ -245,8 +245,6 @@ class Reloader:
         self._status_sent = ""
         state.publish_paths(str(settings.haproxy.config), str(settings.haproxy.effective_config))
 
-    # ------------------------------------------------------------ events
-
     def changed(self, now: float | None = None) -> None:
         self.scheduler.changed(time.monotonic() if now is None else now)
         if self.state.convergence.converged:
@@ -268,8 +266,6 @@ class Reloader:
             self.state.publish_next_attempt(utcnow())
             log.info("master CLI answers again: attempt %d now", self.state.convergence.attempts)
             self._wake.set()
-
-    # ------------------------------------------------------------ tasks
 
     async def run(self) -> None:
         h = self.settings.haproxy
@@ -385,8 +381,6 @@ class Reloader:
         if self.confirmation.unconfirmed is None:
             self.disk.write_back()
 
-    # ------------------------------------------------------------ requests
-
     async def reload_now(self, reason: str = "requested", force: bool = True) -> ReloadRecord | None:
         """Reload even when nothing changed (SIGHUP, POST /reload), as soon as reload.min_interval_ms
         allows; with `force` False, a cycle that goes the way of a change: skipped when nothing
@@ -470,8 +464,6 @@ class Reloader:
         log.error("no valid config to start haproxy with: waiting for %s to change", self.settings.haproxy.config)
         self.notifier.status(f"waiting for a valid config: {one_line(error, 200)}")
         return attempt
-
-    # ------------------------------------------------------------ one change, master.lock held
 
     async def _change(self, effective: Effective, inputs: str, force: bool, reason: str, started: float) -> Attempt:
         if self.confirmation.unconfirmed is not None:
@@ -640,8 +632,6 @@ class Reloader:
         )
         return Attempt(record, refused=confirmed.refused)
 
-    # ------------------------------------------------------------ what the parts found
-
     def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
         """One cycle's outcome, timed from the monotonic `started`, published."""
         return self.state.publish_reload(result, (time.monotonic() - started) * 1000, error)
@@ -708,8 +698,6 @@ class Reloader:
         log.error("reload settled failed: %s", error)
         self.book.reload_failed()
         self.assess(Attempt(self._record("failed", held.sent, error), refused=True))
-
-    # ------------------------------------------------------------ starting from what is there
 
     async def on_master_started(self, procs: ProcList) -> Generation | None:
         """A master we started runs the effective config on disk (master.lock held, no reload yet)."""

@@ -62,20 +62,15 @@ def parse_events(data: bytes) -> list[Event]:
     return events
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.inotify_init1.argtypes = [ctypes.c_int]
-    libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-    libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
-    return libc
-
-
 class Inotify:
     """One inotify descriptor; `start(callback)` calls back with each read's events on the loop."""
 
     def __init__(self) -> None:
-        self._lib = _libc()
-        fd = self._lib.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._lib = libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.inotify_init1.argtypes = [ctypes.c_int]
+        libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
