@@ -159,12 +159,8 @@ def service_changes(commands: list[Command]) -> dict[str, bool]:
     """Per server the line takes out of service (False) or puts back (True): its last word."""
     changes: dict[str, bool] = {}
     for command in commands:
-        if command.server is None:
-            continue
-        if command.effect is Effect.OUT_OF_SERVICE:
-            changes[command.server] = False
-        elif command.effect is Effect.IN_SERVICE:
-            changes[command.server] = True
+        if command.server is not None and command.effect in (Effect.OUT_OF_SERVICE, Effect.IN_SERVICE):
+            changes[command.server] = command.effect is Effect.IN_SERVICE
     return changes
 
 
@@ -172,10 +168,7 @@ def session_prefix(commands: list[Command]) -> int:
     """How many leading commands set up the session (`set severity-output ...`): each command
     sent on a connection of its own gets them first, so its answer reads as on the line."""
     count = 0
-    for command in commands:
-        words = command.text.split()
-        if words[:2] != [b"set", b"severity-output"]:
-            break
+    while count < len(commands) and commands[count].text.split()[:2] == [b"set", b"severity-output"]:
         count += 1
     return count
 
