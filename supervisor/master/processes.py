@@ -89,12 +89,10 @@ def describe_exit(returncode: int | None) -> str:
 
 def reap(child: subprocess.Popen[bytes] | None) -> str:
     """Collect an exited child's status and describe it (no status for a process not our child)."""
-    if child is None:
-        return describe_exit(None)
-    try:
-        code = child.wait(timeout=1)
-    except subprocess.TimeoutExpired:
-        code = None
+    code = None
+    if child is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            code = child.wait(timeout=1)
     return describe_exit(code)
 
 
@@ -196,23 +194,17 @@ def is_our_master_worker(cmdline: Sequence[str], settings: Settings) -> bool:
 _UNIX_LISTENING = 0x10000
 
 
-def _listening_unix_sockets(net_unix: str) -> list[tuple[int, str]]:
-    """(inode, bound path) of every listening unix socket in a /proc/net/unix text."""
-    sockets: list[tuple[int, str]] = []
-    for line in net_unix.splitlines()[1:]:
-        fields = line.split(None, 7)
-        if len(fields) == 8 and int(fields[3], 16) & _UNIX_LISTENING and fields[6].isdigit():
-            sockets.append((int(fields[6]), fields[7]))
-    return sockets
-
-
 def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int, int | None]]:
     """(socket inode, PID named by the bound name or None) of the listeners bound at
     `socket_path`. HAProxy binds `<path>.<pid>.tmp` and renames it into place: the kernel
     keeps that name, with the binding master's PID, even once the file is removed."""
     path = str(socket_path)
     found: list[tuple[int, int | None]] = []
-    for inode, name in _listening_unix_sockets(net_unix):
+    for line in net_unix.splitlines()[1:]:
+        fields = line.split(None, 7)
+        if len(fields) != 8 or not int(fields[3], 16) & _UNIX_LISTENING or not fields[6].isdigit():
+            continue
+        inode, name = int(fields[6]), fields[7]
         if name == path:
             found.append((inode, None))
         elif name.startswith(path + ".") and name.endswith(".tmp"):

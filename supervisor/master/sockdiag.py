@@ -171,28 +171,25 @@ class TcpActivity:
 
     def __init__(self) -> None:
         self._fd: int | None = None
-        self._columns: tuple[int, int] = (0, 0)  # of ActiveOpens and RetransSegs in the values
+        self._columns: tuple[int, int] | None = None  # of ActiveOpens and RetransSegs, found once
 
     def read(self) -> tuple[int, int] | None:
         """(ActiveOpens, RetransSegs); None when unreadable (it is opened again next time)."""
         try:
             if self._fd is None:
                 self._fd = os.open(self.PATH, os.O_RDONLY | os.O_CLOEXEC)
-                self._columns = self._find_columns(os.pread(self._fd, self._BUFFER, 0))
             data = os.pread(self._fd, self._BUFFER, 0)
-            start = data.index(b"\nTcp: ", data.index(b"\nTcp: ") + 6) + 6
+            header = data.index(b"\nTcp: ") + 6
+            start = data.index(b"\nTcp: ", header) + 6
+            if self._columns is None:
+                names = data[header:data.index(b"\n", header)].split()
+                self._columns = names.index(b"ActiveOpens"), names.index(b"RetransSegs")
             values = data[start:data.index(b"\n", start)].split()
             opens, retrans = self._columns
             return int(values[opens]), int(values[retrans])
         except (OSError, IndexError, ValueError):
             self.close()
             return None
-
-    @staticmethod
-    def _find_columns(data: bytes) -> tuple[int, int]:
-        start = data.index(b"\nTcp: ") + 6
-        names = data[start:data.index(b"\n", start)].split()
-        return names.index(b"ActiveOpens"), names.index(b"RetransSegs")
 
     def close(self) -> None:
         if self._fd is not None:
