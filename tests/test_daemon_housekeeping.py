@@ -122,7 +122,10 @@ async def show_proc_once_answered(d, unlike_pid: int | None = None, timeout: flo
 async def test_adoption_after_a_kill_mid_reload_with_watched_files_makes_no_reload(make, rundir, recorded):
     lua = rundir / "slow.lua"
     lua.write_text(SLOW_LUA)
-    async with one_backend(make, {"haproxy": {"watch": [str(lua)]}}) as node:
+    # A loaded machine stretches the slow load several times over: the control's reload must
+    # not time out.
+    settings = {"haproxy": {"watch": [str(lua)]}, "reload": {"timeout_s": 60}}
+    async with one_backend(make, settings) as node:
         d, front, b1 = node.daemon, node.front, node.backend
         loop = node.requests(max_requests=3000, max_seconds=40)
         before = await d.show_proc()
