@@ -8,6 +8,8 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
+
 from rigs.wholes import inject_guard
 from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
@@ -17,6 +19,7 @@ from supervisor.steering.dead import Sections, live_view
 from supervisor.steering.live import LiveStates
 from supervisor.steering.plan import Planner
 from supervisor.steering.rounds import PushRounds, WorkerRecord
+from supervisor.steering.workers import next_poll_in
 
 PID = 999_999_999  # no such process: the old worker's record has no start time
 RUNS = "defaults\n  mode http\nbackend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n"
@@ -186,3 +189,38 @@ async def test_a_map_path_no_cli_line_can_carry_fails_the_push_and_nothing_is_se
     record = state.old_workers[PID].push
     assert record.state == "failed" and "invalid map path" in (record.error or "")
     assert cli.lines == [] and worker.failures == 1
+
+
+async def test_reconciles_are_due_by_the_oldest_map_and_read_in_batches():
+    state, cli, lock = State(), ScriptedCLI(), asyncio.Lock()
+    rounds = PushRounds(Settings(), state, cli)  # type: ignore[arg-type]
+    assert rounds.reconcile_due_at({}) is None  # nothing pushed: nothing to verify
+    worker = steered_worker(state)
+    await rounds.push_all([worker])
+    cli.shown = shown_map(worker)
+    await rounds.verify_some({PID: worker}, 0.25, lock)
+    assert rounds.reconcile_due_at({PID: worker}) == worker.verified_at + rounds.RECONCILE_INTERVAL_S
+    # A map whose turn is near is read with the one that is due: at 0.8 of the interval it is
+    # read back, where a fresh one is not.
+    lines = len(cli.lines)
+    worker.verified_at -= 0.8 * rounds.RECONCILE_INTERVAL_S
+    await rounds.verify_some({PID: worker}, 0.25, lock)
+    assert len(cli.lines) > lines
+    lines = len(cli.lines)
+    await rounds.verify_some({PID: worker}, 0.25, lock)
+    assert len(cli.lines) == lines
+
+
+@pytest.mark.parametrize(
+    ("due_in", "busy", "sleeps"),
+    [
+        ([], False, 0.25),  # nothing periodic known: a poll
+        ([4.0, 1.5], False, 1.5),  # at rest: until the earliest look
+        ([4.0, 1.5], True, 0.25),  # something under way: a poll
+        ([0.1], False, 0.25),  # due sooner than a poll: a poll
+        ([-3.0], False, 0.25),  # overdue: a poll
+    ],
+)
+def test_the_poll_sleeps_until_the_earliest_look_at_rest(due_in, busy, sleeps):
+    now = 100.0
+    assert next_poll_in(now, 0.25, [now + d for d in due_in], busy) == sleeps

@@ -264,6 +264,16 @@ class PushRounds:
         worker.failures, worker.retry_at = 0, 0.0
         self.record(worker, "ok")
 
+    def reconcile_due_at(self, workers: Mapping[int, WorkerRecord]) -> float | None:
+        """When the next map is due for its reconcile (None: no map to verify)."""
+        return min((w.verified_at + self.RECONCILE_INTERVAL_S for w in workers.values() if _verifiable(w)),
+                   default=None)
+
+    def _reconcile_after_s(self) -> float:
+        # Read back with the one that is due, the maps whose turn is near: the reconciles then
+        # come in batches at rest, not one wake each.
+        return self.RECONCILE_INTERVAL_S * 0.75
+
     async def verify_some(self, workers: Mapping[int, WorkerRecord], poll_s: float, lock: asyncio.Lock) -> bool:
         """Read back the maps just pushed, then those verified longest ago: each map at least
         every RECONCILE_INTERVAL_S, a bounded number per poll, applied under `lock`. True when
@@ -272,9 +282,7 @@ class PushRounds:
         due = [
             w
             for w in workers.values()
-            if w.wanted is not None
-            and w.held is not None
-            and (w.verify or now - w.verified_at >= self.RECONCILE_INTERVAL_S)
+            if _verifiable(w) and (w.verify or now - w.verified_at >= self._reconcile_after_s())
         ]
         due.sort(key=lambda w: (not w.verify, w.verified_at))
         per_poll = max(4, -(-len(workers) * poll_s // self.RECONCILE_INTERVAL_S))
@@ -356,3 +364,7 @@ class PushRounds:
                 worker.swept = dead
             except CLIError as exc:
                 log.warning("old worker %d: cannot end stuck streams: %s", worker.pid, exc)
+
+
+def _verifiable(worker: WorkerRecord) -> bool:
+    return worker.wanted is not None and worker.held is not None

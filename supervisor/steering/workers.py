@@ -40,6 +40,15 @@ def worker_generations(procs: ProcList, generations: Mapping[int, Generation]) -
     return {p.pid: by_pid.get(p.pid) for p in (*procs.workers, *procs.old_workers)}
 
 
+def next_poll_in(now: float, poll_s: float, due_at: list[float], busy: bool) -> float:
+    """How long the poll loop sleeps: one poll while something is under way (a push to verify or
+    retry, a worker not asked yet, a state read owed), else until the earliest periodic look is
+    due, and never less than a poll. At rest nothing that finds nothing wakes it."""
+    if busy or not due_at:
+        return poll_s
+    return max(poll_s, min(due_at) - now)
+
+
 class _Interrupted(Exception):
     """A poll's read was called off for a reload."""
 
@@ -58,7 +67,7 @@ class ReloadPlan:
 class OldWorkers:
     """Keeps every old worker steered away from the servers known to be dead."""
 
-    STATS_INTERVAL_S = 1.0
+    STATS_INTERVAL_S = 5.0  # old workers' connections and memory, for status: the page refreshes every 5 s
     LIST_INTERVAL_S = 2.0  # at rest (nothing woke the steering) `show proc` is asked this often
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
     RECENT_ROUNDS = 2  # rounds' plans kept: around a reload the next config's and the poll's take turns
@@ -127,7 +136,7 @@ class OldWorkers:
                         failing.happened(exc)
                 except Exception:
                     log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
-                await wait_set(self._wake, self.poll_s)
+                await wait_set(self._wake, self._sleep_s())
                 woken = self._wake.is_set()
                 self._wake.clear()
         finally:
@@ -329,15 +338,30 @@ class OldWorkers:
         return live_view(latest, states, self.state.operator_dead, self._down, suspect_at)
 
     def _live_due(self) -> bool:
+        return time.monotonic() >= self._live_due_at()
+
+    def _live_due_at(self) -> float:
+        """When the current worker's states are to be read again (0: now)."""
         current = self.state.current
-        if self._live is None or current is None or self._live_stale:
-            return True
+        if self._live is None or current is None or self._live_stale or current.worker_pid != self._live.pid:
+            return 0.0
         digest, live = self._digests.of(current), self._live
         interval = live_read_interval(
             live.cost_s, self.poll_s, self.safety_net_s, changes_alone=digest.changes_alone,
             heard=self.state.server_events and not digest.quiet, unchecked=bool(live.states.pending),
         )
-        return current.worker_pid != live.pid or time.monotonic() - live.at >= interval
+        return live.at + interval
+
+    def _sleep_s(self) -> float:
+        busy = any(
+            w.verify or (w.wanted is not None and not w.in_sync()) or (w.unusable is None and not w.current)
+            for w in self._workers.values()
+        )
+        due = [self._listed_at + self.LIST_INTERVAL_S, self._stats_at, self._live_due_at()]
+        reconcile = self.rounds.reconcile_due_at(self._workers)
+        if reconcile is not None:
+            due.append(reconcile)
+        return next_poll_in(time.monotonic(), self.poll_s, due, busy)
 
     async def _fetch_live(self, pid: int) -> None:
         self._live_stale = False  # a line written while the read is under way calls for another
