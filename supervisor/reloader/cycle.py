@@ -52,6 +52,9 @@ from .watch import ContentCheck, content_news, inputs_digest, split_watch, watch
 log = logging.getLogger(__package__)
 
 HOUSEKEEPING_S = 1.0
+# At rest (no reload unconfirmed or just made, the CLI answering) housekeeping lists the
+# workers this often: an old worker's exit only prunes its generation, and nothing else moves.
+LISTING_AT_REST_S = 5.0
 CONTENT_CHECK_S = 1.0  # the safety net under the watches: how often the rendered config is looked at
 CONFIRM_POLL_S = 0.05
 WRITER_POLL_S = 0.05  # how often a file being written is looked at again
@@ -242,6 +245,7 @@ class Reloader:
         self._requested: dict[Cause, asyncio.Future[ReloadRecord | None]] = {}
         self._requested_by: list[str] = []
         self._cli_failed = False  # the master CLI failed to answer, and has not answered since
+        self._listed_at = 0.0  # monotonic, housekeeping's last `show proc`; 0: list at the next round
         self._status_sent = ""
         state.publish_paths(str(settings.haproxy.config), str(settings.haproxy.effective_config))
 
@@ -310,6 +314,7 @@ class Reloader:
                     await self._cycle(cause)
                 finally:
                     self._cycling = False
+                    self._listed_at = 0.0  # what the cycle did is settled and capped at once
 
     async def _cycle(self, cause: Cause) -> None:
         """One cycle toward the goal; then convergence is assessed and a retry set when needed."""
@@ -366,6 +371,10 @@ class Reloader:
         if not self.settings.haproxy.master_socket_path.exists():
             await self._recover_runtime_dir()
             return
+        at_rest = self.confirmation.unconfirmed is None and not self._cli_failed
+        if at_rest and time.monotonic() - self._listed_at < LISTING_AT_REST_S:
+            return
+        self._listed_at = time.monotonic()
         try:
             procs = await self.cli.show_proc()
         except CLIError as exc:
