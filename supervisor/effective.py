@@ -33,6 +33,8 @@ from .files import (
 from .haproxy.config import Config, inject_observe
 from .haproxy.global_policy import RefusedGlobal, move_stats_socket, supervised_global
 from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
+from .haproxy.handoff import eligible_backends, inject_handoff, reserved_names_used
+from .haproxy.handoff import map_path as handoff_map
 from .haproxy.lexer import ConfigCache
 from .haproxy.server_state import inject_server_state
 from .master.processes import is_alive
@@ -99,12 +101,23 @@ def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Co
     if settings.reload.preserve_server_state:
         config = inject_server_state(config, settings.haproxy.server_state_file)
     table = None
+    unguarded = config
     if settings.old_workers.guard:
         # The injections above leave every server's name and `backup` flag as they were:
         # the table is the rendered config's.
         try:
             config, table = inject_guard_and_table(config, settings.haproxy.steer_map, settings.haproxy.runtime_dir)
         except ValueError as exc:  # a runtime_dir no map() argument can name
+            raise SettingsError(str(exc)) from None
+    if settings.old_workers.hand_off:
+        used = reserved_names_used(rendered)
+        if used:
+            names = ", ".join(used)
+            raise RenderedConfigError(f"{settings.haproxy.config}: {names}: reserved for old_workers.hand_off")
+        # After the guard: the slot table names no hand-off server.
+        try:
+            config = inject_handoff(config, eligible_backends(unguarded), settings.haproxy.runtime_dir)
+        except ValueError as exc:
             raise SettingsError(str(exc)) from None
     return config, table
 
@@ -195,6 +208,8 @@ def prepare_runtime_dir(settings: Settings) -> None:
     ensure_private_dir(settings.haproxy.runtime_dir)
     # Empty on disk on purpose: a worker starts with no steering; only old ones get entries.
     create_if_missing(settings.haproxy.steer_map, b"")
+    if settings.old_workers.hand_off:
+        create_if_missing(handoff_map(settings.haproxy.runtime_dir), b"")
     if settings.reload.preserve_server_state:
         # A state file with no server (haproxy.server_state.EMPTY_STATE): loads without a warning.
         create_if_missing(settings.haproxy.server_state_file, b"1\n")

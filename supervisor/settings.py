@@ -91,6 +91,7 @@ class OldWorkerSettings:
     no_backup: Literal["fail-fast", "keep"] = "fail-fast"
     shutdown_stuck_sessions: bool = False
     state_read_interval_s: float = 60
+    hand_off: bool = False
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ class OldWorker:
     connections: int | None = None
     steered: list[str] = field(default_factory=list)  # "backend/server" steered away from
     push: PushState = field(default_factory=PushState)
+    handed_off: int = 0  # backends whose requests it hands to the current worker (confirmed)
 
     def age_s(self, now: datetime | None = None) -> float | None:
         if self.started_at is None:
@@ -347,6 +348,13 @@ class State:
                 if record.push.state == "ok":
                     continue  # keep the time of the push that made it so
             record.push = PushState(news.result, utcnow() if news.result != "pending" else record.push.at, news.error)
+
+    def publish_handed_off(self, counts: Mapping[int, int]) -> None:
+        """How many backends each old worker hands to the current worker, read back."""
+        for pid, count in counts.items():
+            record = self.old_workers.get(pid)
+            if record is not None:
+                record.handed_off = count
 
     def publish_push_round(self, duration_s: float) -> None:
         """A round's pushes took this long, until the last one was answered."""

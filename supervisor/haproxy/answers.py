@@ -13,6 +13,12 @@ from dataclasses import dataclass
 _SAFE_NAME = re.compile(r"\A[A-Za-z0-9_.:\-]+\Z")  # \Z: "$" would let a trailing newline through
 
 
+# The hand-off's server (haproxy/handoff.py): a way to the current worker in every handed-off
+# backend, never a server the daemon reports or decides on. Named here, below both readers of
+# servers: the config's (resolution.py) and `show servers state`'s (servers_state_rows).
+HANDOFF_SERVER = "_hs_current"
+
+
 def validate_name(kind: str, name: str) -> str:
     """A backend, server, map key or value that may go on a CLI line, or ValueError."""
     if not _SAFE_NAME.match(name):
@@ -176,7 +182,7 @@ def servers_state_rows(text: str, wanted: Collection[str]) -> Iterator[StateRows
         end = text.find("\n", start)
         header = text[start : end if end != -1 else len(text)]
         columns = header[2:].split()
-        fields = r"[ \t]+".join(r"(\S+)" if c in wanted else r"\S+" for c in columns)
+        fields = r"[ \t]+".join(_column_pattern(c, c in wanted) for c in columns)
         whole = ROW_TEXT in wanted
         pattern = re.compile("^(" + fields + r"[ \t]*)$" if whole else "^" + fields + r"[ \t]*$", re.M)
         picked = [c for c in columns if c in wanted]
@@ -189,6 +195,12 @@ def servers_state_rows(text: str, wanted: Collection[str]) -> Iterator[StateRows
         rows = found if pattern.groups > 1 else [(value,) for value in found]
         yield StateRows(header, at, rows)
         start = following
+
+
+def _column_pattern(column: str, wanted: bool) -> str:
+    """A column's field in a row; a row naming the hand-off's server matches no pattern."""
+    field = r"(\S+)" if wanted else r"\S+"
+    return rf"(?!{HANDOFF_SERVER}(?:[ \t]|$)){field}" if column == "srv_name" else field
 
 
 def servers_state_parts(text: str, rows: int) -> Iterator[str]:

@@ -10,7 +10,7 @@ import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .answers import ServerKey
+from .answers import HANDOFF_SERVER, ServerKey
 from .lexer import ConfigCache, Line, Section, Slot
 
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
@@ -213,7 +213,9 @@ def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, L
         kw = words[0]
         if kw == "default-server":
             flags = flags.apply(words[1:])
-        elif (kw == "server" and len(words) >= 3) or (kw == "server-template" and len(words) >= 4):
+        elif (kw == "server" and len(words) >= 3 and words[1] != HANDOFF_SERVER) or (
+            kw == "server-template" and len(words) >= 4
+        ):
             yield index, line, flags
 
 
@@ -254,12 +256,13 @@ class ProxySettings:
     # `option redispatch [n]`, `no option redispatch` or `default option redispatch` applies:
     # the config says how retries are redispatched, and the guard leaves it so.
     redispatch_said: bool = False
+    forwardfor: bool = False  # `option forwardfor` (HAProxy cannot negate it)
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def compared(self) -> tuple[object, ...]:
         """Its fields, as its __eq__ compares them and its constructor takes them."""
         return (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
-                self.cookie, self.hash_type, self.redispatch_said)
+                self.cookie, self.hash_type, self.redispatch_said, self.forwardfor)
 
     def __hash__(self) -> int:
         return _kept_hash(self)
@@ -275,7 +278,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
     default_words = base.server_default_words
     cookie, hash_type = base.cookie, base.hash_type
-    redispatch_said = base.redispatch_said
+    redispatch_said, forwardfor = base.redispatch_said, base.forwardfor
     changed = False
     for line in body:
         words = line.words
@@ -292,6 +295,8 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
             all_backups = True if not prefix else False if prefix == ("no",) else base.all_backups
         elif _says_redispatch(words):
             redispatch_said = True
+        elif words[:2] == ("option", "forwardfor"):
+            forwardfor = True
         elif kw == "default-server" and is_defaults:
             flags = flags.apply(words[1:])
             default_words += words[1:]
@@ -304,7 +309,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
         changed = True
     # The same object when nothing differs (most backends restate their defaults' `balance`):
     # the caches keyed by it then compare it by identity.
-    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said)
+    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, forwardfor)
     if not changed or settings == base.compared():
         return base
     return ProxySettings(*settings)

@@ -55,6 +55,7 @@ def _old_worker_json(worker: OldWorker, now: datetime, generations: dict[int, Ge
         "connections": worker.connections,
         "steered": sorted(worker.steered),
         "push": {"state": worker.push.state, "at": rfc3339(worker.push.at), "error": worker.push.error},
+        "handed_off": worker.handed_off,
     }
 
 

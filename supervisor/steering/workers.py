@@ -26,6 +26,7 @@ from ..master.processes import WorkerExits, process_started_at
 from ..settings import Settings
 from ..state import Generation, State
 from .dead import ConfigDigest, Digests, LiveView, live_view
+from .handoff import HandOffs
 from .live import LiveRead, LiveStates, live_read_interval, read_states, read_unusable, update_stats
 from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
 from .rounds import Ahead, PushRounds, WorkerRecord
@@ -98,6 +99,7 @@ class OldWorkers:
         self._stats_at = 0.0
         self._listed_at = 0.0  # monotonic, the last round's `show proc`
         self._exits = WorkerExits(self._wake.set)
+        self.handoffs = HandOffs(settings, state, cli) if settings.old_workers.hand_off else None
 
     async def run(self) -> None:
         """Poll, steer, verify and reconcile until cancelled."""
@@ -294,6 +296,9 @@ class OldWorkers:
                 else:
                     self.rounds.want(worker, None, "its config has no guard: it cannot be steered")
         await self.rounds.push_all(self._workers.values(), reloading.ahead if reloading is not None else None)
+        if self.handoffs is not None:
+            old = {w.pid: g for w in self._workers.values() if not w.current and (g := self._generation_of(w))}
+            await self.handoffs.round(old, current)
         # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:

@@ -1,0 +1,198 @@
+"""The hand-off: an old worker sends its requests for a backend to the current worker.
+
+An old worker runs no checks and refuses every server-changing runtime command, and a retry
+there is balanced by HAProxy alone, over servers it may still see UP though they are dead.
+The current worker has the checks, the runtime changes and the detector's view. So every
+eligible backend gets a way to it: a server `_hs_current` on a unix socket that only the
+current worker listens on (an old worker closed its listeners at soft-stop), chosen by a
+`use-server` ahead of every other one when the backend's name is in the hand-off map. The
+map is empty on disk: a current worker routes as its config says; after a reload the daemon
+adds `<backend> 1` to each old worker's copy (steering/handoff.py). In the current worker the
+frontend `_hs_handoff` takes the request (the client's address in PROXY v2) to the backend of
+that name, named in a header that it removes (docs/steering.md, "Hand-off").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from .answers import HANDOFF_SERVER, validate_name
+from .config import Config
+from .guard import GUARD_MARKER, is_guarded, primary_names
+from .lexer import Line, Section, parse_line
+from .resolution import BUILT_IN, ProxySettings, server_line_flags
+
+HANDOFF_FRONTEND = "_hs_handoff"
+HANDOFF_HEADER = "x-hs-backend"
+HANDOFF_VAR = "txn.hs_backend"
+HANDOFF_MARKER = "# haproxy-supervisor hand-off"
+RESERVED_NAMES = frozenset({HANDOFF_SERVER, HANDOFF_FRONTEND})
+# Rules of a section's own would run twice, once in each worker; a `use-server` may read a
+# variable the old worker's frontend set, which does not travel.
+OWN_RULES = frozenset(
+    {"http-request", "http-response", "http-after-response", "tcp-request", "tcp-response", "use-server"}
+)
+# The server's own words after the address: none of what a `default-server` line may give it
+# (checks, TLS, a backup role) holds for a local socket into the current worker.
+_SERVER_WORDS = "weight 0 no-check no-ssl no-backup no-send-proxy send-proxy-v2"
+# A path goes inside a converter argument and a bind line: `,`, `)`, blanks and quotes would break it.
+_SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
+
+
+def map_path(runtime_dir: Path) -> Path:
+    return runtime_dir / "handoff.map"
+
+
+def socket_path(runtime_dir: Path) -> Path:
+    return runtime_dir / "handoff.sock"
+
+
+def _frontend_settings(config: Config) -> ProxySettings:
+    """What the hand-off frontend, placed last, inherits: the last `defaults` section's settings."""
+    last = BUILT_IN
+    for section, settings in config.resolved():
+        if section.kind == "defaults":
+            last = settings
+    return last
+
+
+def eligible_backends(config: Config) -> list[str]:
+    """The backends and listens whose requests an old worker may hand off: `mode http`, with
+    primary servers, none of the rules OWN_RULES names, and no `option forwardfor` applying
+    (the current worker would add a second X-Forwarded-For); none at all when the hand-off
+    frontend would inherit `option forwardfor` itself. `config`: before the guard."""
+    if _frontend_settings(config).forwardfor:
+        return []
+    names = []
+    for section, settings in config.each_backend_with_settings():
+        if settings.mode != "http" or settings.forwardfor:
+            continue
+        if any(line.words and line.words[0] in OWN_RULES for line in section.body):
+            continue
+        if primary_names(section.body, server_line_flags(section.body, settings.server_defaults)):
+            names.append(section.name)
+    return names
+
+
+def reserved_names_used(config: Config) -> list[str]:
+    """The hand-off's names that a config already uses for a section or a server."""
+    used = {s.name for s in config.sections if s.name in RESERVED_NAMES}
+    for section in config.backends():
+        used.update(w[1] for line in section.body if len(w := line.words) > 1 and w[:2] == ("server", HANDOFF_SERVER))
+    return sorted(used)
+
+
+def _handed_off_test(path: str) -> str:
+    return f"{{ be_name,map({path}) -m found }}"
+
+
+def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> Config:
+    """`config` (the guard in it or not) with the hand-off in the backends named and its
+    frontend last; the same config when none is named. ValueError for a runtime_dir no bind
+    line or map() argument can name. The config must use none of RESERVED_NAMES."""
+    wanted = set(names)
+    if not wanted:
+        return config
+    path, socket = str(map_path(runtime_dir)), str(socket_path(runtime_dir))
+    for text in (path, socket):
+        if not _SAFE_PATH.match(text):
+            raise ValueError(f"path {text!r}: only letters, digits and _ . / - can go into a map() argument")
+    test = _handed_off_test(path)
+    result = config.copy()
+    for section in result.backends():
+        if section.name in wanted:
+            section.body = _handed_off_body(section, test, socket)
+    _end_with_newline(result)
+    frontend = Config.parse(
+        f"frontend {HANDOFF_FRONTEND}\n"
+        f"    mode http\n"
+        f"    bind unix@{socket} accept-proxy mode 600\n"
+        f"    http-request set-var({HANDOFF_VAR}) req.hdr({HANDOFF_HEADER})\n"
+        f"    http-request del-header {HANDOFF_HEADER}\n"
+        f"    use_backend %[var({HANDOFF_VAR})]\n",
+        result.cache,
+    )
+    result.sections.extend(frontend.sections)
+    return result
+
+
+def _handed_off_body(section: Section, test: str, socket: str) -> list[Line]:
+    body = list(section.body)
+    indent = next((line.indent for line in body if line.words), "") or "    "
+    newline = "\r\n" if body and body[-1].raw.endswith("\r\n") else "\n"
+
+    def line(text: str) -> Line:
+        return parse_line(f"{indent}{text}{newline}")
+
+    if is_guarded(section):
+        # The guard refuses a request it has no live server for; a handed-off one has them
+        # in the current worker. The section has no rule of its own: this is the guard's.
+        refusal = ("http-request", "return", "status", "503")
+        body = [parse_line(f"{b.raw.rstrip()} !{test}{newline}") if b.words[:4] == refusal else b for b in body]
+    if body and not body[-1].raw.endswith("\n"):
+        body[-1] = parse_line(body[-1].raw + newline)
+    first = next((i for i, b in enumerate(body) if _is_rule(b) or b.raw.strip() == GUARD_MARKER), len(body))
+    rules_at = _before_comments(body, first)
+    rule = f"http-request set-header {HANDOFF_HEADER} %[be_name] if {test}"
+    body[rules_at:rules_at] = [line(HANDOFF_MARKER), line(rule)]
+    use_at = next((i for i, b in enumerate(body) if b.words[:1] == ("use-server",)), None)
+    use_server = [line(f"use-server {HANDOFF_SERVER} if {test}")]
+    if use_at is None:
+        body[rules_at + 2 : rules_at + 2] = use_server
+    else:
+        use_at = _before_comments(body, use_at)
+        body[use_at:use_at] = use_server
+    body.append(line(f"server {HANDOFF_SERVER} unix@{socket} {_SERVER_WORDS}"))
+    return body
+
+
+def _is_rule(line: Line) -> bool:
+    return bool(line.words) and line.words[0] in (*OWN_RULES, "use_backend", "redirect")
+
+
+def _before_comments(body: list[Line], index: int) -> int:
+    """An insertion point moved above the comment lines (the guard's marker) before it."""
+    while index > 0 and not body[index - 1].words and body[index - 1].raw.strip().startswith("#"):
+        index -= 1
+    return index
+
+
+def _end_with_newline(config: Config) -> None:
+    """The file's last line gets its newline before a section goes after it."""
+    last = config.sections[-1] if config.sections else None
+    if last is None:
+        return
+    if last.body and not last.body[-1].raw.endswith("\n"):
+        last.body[-1] = parse_line(last.body[-1].raw + "\n")
+    elif not last.body and last.header is not None and not last.header.raw.endswith("\n"):
+        last.header = parse_line(last.header.raw + "\n")
+
+
+def is_handed_off(section: Section) -> bool:
+    """Whether a section of an effective config carries the hand-off."""
+    return any(line.words[:2] == ("server", HANDOFF_SERVER) for line in section.body)
+
+
+def handed_off_backends(old: Config, current: Config) -> list[str]:
+    """The backends an old worker running `old` hands to the current one running `current`:
+    those carrying the hand-off in `old` that `current` has too, in the same mode, with its
+    hand-off frontend. Their names as they may go on a CLI line (a name that could not is
+    left out)."""
+    if not any(s.kind == "frontend" and s.name == HANDOFF_FRONTEND for s in current.sections):
+        return []
+    modes = {section.name: settings.mode for section, settings in current.each_backend_with_settings()}
+    names = []
+    for section, settings in old.each_backend_with_settings():
+        if is_handed_off(section) and modes.get(section.name) == settings.mode:
+            try:
+                names.append(validate_name("backend", section.name))
+            except ValueError:
+                continue
+    return names
+
+
+def handoff_entries(backends: Iterable[str]) -> dict[str, str]:
+    """The hand-off map an old worker needs for these backends."""
+    return {backend: "1" for backend in backends}

@@ -1,0 +1,90 @@
+"""Each old worker's hand-off map (haproxy/handoff.py) brought to what it needs, once, and read
+back: after a reload the new old worker, after a daemon restart every old worker found alive.
+A worker whose push failed, or whose read-back differs, is tried again at the next round."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..haproxy.api import CLIError, MasterCLI
+from ..haproxy.handoff import handed_off_backends, handoff_entries, map_path
+from ..settings import Settings
+from ..state import Generation, State
+from .mapdiff import Phase, phase_lines
+from .push import PushError, map_difference, read_map, send
+
+log = logging.getLogger("supervisor.steering")
+
+
+def handoff_changes(held: Mapping[str, str], wanted: Mapping[str, str]) -> Phase:
+    """The entries the map `held` lacks of `wanted`, and those it has beyond (a backend the
+    current config lost: its requests must stay in the old worker)."""
+    adds = tuple((key, value) for key, value in wanted.items() if key not in held)
+    dels = tuple(key for key in held if key not in wanted)
+    return Phase(adds=adds, dels=dels)
+
+
+@dataclass
+class _Worker:
+    wanted: dict[str, str]
+    confirmed: bool = False
+    error: str | None = None
+
+
+class HandOffs:
+    """The old workers' hand-off maps, by PID."""
+
+    def __init__(self, settings: Settings, state: State, cli: MasterCLI) -> None:
+        self.state = state
+        self.cli = cli
+        self.map_path = str(map_path(settings.haproxy.runtime_dir))
+        self._workers: dict[int, _Worker] = {}
+        self._wanted: dict[tuple[str, str], dict[str, str]] = {}  # by (old, current) effective sha256
+
+    def wanted(self, old: Generation, current: Generation) -> dict[str, str]:
+        key = (old.effective_sha256, current.effective_sha256)
+        entries = self._wanted.get(key)
+        if entries is None:
+            entries = self._wanted[key] = handoff_entries(handed_off_backends(old.model, current.model))
+        return entries
+
+    async def round(self, old: Mapping[int, Generation], current: Generation | None) -> None:
+        """Push to every old worker (its config known) whose map is not confirmed to be what it needs."""
+        for pid in [pid for pid in self._workers if pid not in old]:
+            del self._workers[pid]
+        currents = {current.effective_sha256} if current is not None else set()
+        self._wanted = {key: entries for key, entries in self._wanted.items() if key[1] in currents}
+        if current is None:
+            return
+        due: dict[int, _Worker] = {}
+        for pid, generation in old.items():
+            wanted = self.wanted(generation, current)
+            worker = self._workers.get(pid)
+            if worker is None or worker.wanted != wanted:
+                worker = self._workers[pid] = _Worker(wanted)
+            if not worker.confirmed:
+                due[pid] = worker
+        await asyncio.gather(*(self._push(pid, worker) for pid, worker in due.items()))
+        self.state.publish_handed_off({pid: len(w.wanted) if w.confirmed else 0 for pid, w in self._workers.items()})
+
+    async def _push(self, pid: int, worker: _Worker) -> None:
+        try:
+            held = await read_map(self.cli, self.map_path, pid)
+            changes = handoff_changes(held, worker.wanted)
+            if changes:
+                await send(self.cli, pid, phase_lines(pid, self.map_path, changes))
+                held = await read_map(self.cli, self.map_path, pid)
+            difference = map_difference(worker.wanted, held)
+            if difference is not None:
+                raise PushError(f"worker {pid}: hand-off {difference}")
+        except (CLIError, PushError, ValueError) as exc:
+            if str(exc) != worker.error:
+                log.warning("hand-off: worker %d: %s (tried again at the next round)", pid, exc)
+            worker.error = str(exc)
+            return
+        worker.confirmed, worker.error = True, None
+        if worker.wanted:
+            log.info("hand-off: worker %d hands %d backends to the current worker", pid, len(worker.wanted))

@@ -1,0 +1,211 @@
+"""The hand-off against the real HAProxy, under the daemon's reloader and steering: an old
+worker whose servers for a backend are dead serves its held connection's request through the
+current worker, which sees the client's address; a backend with a rule of its own is not
+handed off; and without the hand-off the same request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rigs.harness import free_port
+from rigs.supervised import supervised
+from supervisor.haproxy.handoff import map_path
+from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
+from supervisor.steering.mapdiff import map_entries
+
+pytestmark = pytest.mark.haproxy
+
+CLIENT_ADDRESS = "127.0.0.2"  # not the address HAProxy connects from: the client's own
+
+CONFIG = """\
+global
+    hard-stop-after 60s
+    close-spread-time infinite
+
+defaults
+    mode http
+    timeout connect 500ms
+    timeout client 30s
+    timeout server 30s
+    option idle-close-on-response
+    retries 3
+    option redispatch 1
+
+frontend fe
+    bind 127.0.0.1:{front}
+    option forwardfor
+    use_backend ruled if {{ path_beg /ruled }}
+    use_backend other if {{ path_beg /other }}
+    default_backend app
+
+backend app
+{app_rules}{app}
+backend ruled
+    http-request set-header x-ruled 1
+{ruled}
+backend other
+{other}"""
+
+
+class _Echo(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"  # one request per connection: no pooled connection outlives a kill
+
+    def do_GET(self) -> None:
+        seen = {
+            "name": self.server.name,  # type: ignore[attr-defined]
+            "xff": self.headers.get_all("x-forwarded-for") or [],
+            "src": self.headers.get("x-client-src"),
+            "handoff_header": self.headers.get("x-hs-backend"),
+        }
+        body = json.dumps(seen).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class EchoServer:
+    """An HTTP server in a thread that answers with its name and the headers it was given."""
+
+    def __init__(self, name: str) -> None:
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+        self.server.name = name  # type: ignore[attr-defined]
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def kill(self) -> None:
+        """Its port refuses connections from now on."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextlib.contextmanager
+def echo_servers(*names: str) -> Iterator[dict[str, EchoServer]]:
+    servers = {name: EchoServer(name) for name in names}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            with contextlib.suppress(OSError):
+                server.kill()
+
+
+class HeldClient:
+    """A keep-alive connection from CLIENT_ADDRESS."""
+
+    def __init__(self, front: int) -> None:
+        self.front = front
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> HeldClient:
+        self.reader, self.writer = await asyncio.open_connection(
+            "127.0.0.1", self.front, local_addr=(CLIENT_ADDRESS, 0)
+        )
+        return self
+
+    async def get(self, path: str = "/") -> tuple[int, dict]:
+        assert self.reader is not None and self.writer is not None
+        self.writer.write(f"GET {path} HTTP/1.1\r\nhost: test\r\n\r\n".encode())
+        async with asyncio.timeout(10):
+            head = (await self.reader.readuntil(b"\r\n\r\n")).decode()
+            lines = head.split("\r\n")
+            status = int(lines[0].split()[1])
+            length = next(
+                (int(v) for k, _, v in (h.partition(":") for h in lines[1:]) if k.lower() == "content-length"), 0
+            )
+            body = await self.reader.readexactly(length)
+        try:
+            return status, json.loads(body) if status == 200 else {}
+        except ValueError:
+            return status, {}
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+
+
+def rendered(front: int, servers: dict[str, EchoServer], app: list[str], app_rules: str = "") -> str:
+    def lines(names: list[str]) -> str:
+        return "".join(f"    server {n} 127.0.0.1:{servers[n].port}\n" for n in names)
+
+    return CONFIG.format(front=front, app=lines(app), app_rules=app_rules, ruled=lines(app), other=lines(["c"]))
+
+
+@contextlib.asynccontextmanager
+async def incident(rundir: Path, hand_off: bool):
+    """HAProxy whose first worker holds a client for `/` and one for `/ruled`, made old by a
+    reload to a config whose backends have only server c (and `app` tells the client's
+    address it saw), a and b then killed."""
+    settings = Settings(
+        haproxy=HAProxySettings(runtime_dir=rundir),
+        old_workers=OldWorkerSettings(poll_interval_ms=100, hand_off=hand_off),
+    )
+    front = free_port()
+    with echo_servers("a", "b", "c") as servers:
+        async with supervised(settings, rendered(front, servers, ["a", "b"])) as sup:
+            held = {path: await HeldClient(front).connect() for path in ("/", "/ruled")}
+            try:
+                for path, client in held.items():
+                    status, seen = await client.get(path)
+                    assert status == 200 and seen["name"] in ("a", "b"), (path, status, seen)
+                old_pid = sup.current_pid
+                src_rule = "    http-request set-header x-client-src %[src]\n"
+                await sup.reload(rendered(front, servers, ["c"], app_rules=src_rule))
+                assert sup.master.worker_pids()[1] == [old_pid]
+                servers["a"].kill()
+                servers["b"].kill()
+                await sup.wait_steered([old_pid])
+                yield sup, old_pid, held
+            finally:
+                for client in held.values():
+                    await client.close()
+
+
+async def test_old_worker_hands_its_request_to_the_current_worker(rundir):
+    async with incident(rundir, hand_off=True) as (sup, old_pid, held):
+        await sup.until(lambda: sup.state.old_workers[old_pid].handed_off == 2, what="the hand-off confirmed")
+        handoff_map = map_entries(await sup.cli.on(old_pid, f"show map {map_path(sup.settings.haproxy.runtime_dir)}"))
+        assert handoff_map == {"app": "1", "other": "1"}  # `ruled` has a rule of its own
+        for _ in range(2):
+            status, seen = await held["/"].get("/")
+            # Only the new config has c; the client's address came along in PROXY v2, and
+            # X-Forwarded-For was added once, by the old worker's frontend.
+            assert (status, seen) == (
+                200,
+                {"name": "c", "xff": [CLIENT_ADDRESS], "src": CLIENT_ADDRESS, "handoff_header": None},
+            )
+        status, seen = await held["/ruled"].get("/ruled")
+        assert status == 503, seen  # not handed off: the old worker has no live server for it
+        # A new connection reaches the current worker as before.
+        fresh = await HeldClient(held["/"].front).connect()
+        try:
+            status, seen = await fresh.get("/")
+            assert (status, seen["name"], seen["xff"]) == (200, "c", [CLIENT_ADDRESS])
+        finally:
+            await fresh.close()
+        current = sup.current_pid
+        assert map_entries(await sup.cli.on(current, f"show map {map_path(sup.settings.haproxy.runtime_dir)}")) == {}
+        # The hand-off's server is no server of the daemon's.
+        assert not any("_hs_current" in key for key in sup.state.dead_servers)
+
+
+async def test_without_the_hand_off_the_old_worker_fails_the_request(rundir):
+    async with incident(rundir, hand_off=False) as (sup, old_pid, held):
+        status, _ = await held["/"].get("/")
+        assert status == 503
+        assert sup.state.old_workers[old_pid].handed_off == 0
