@@ -9,15 +9,18 @@ import asyncio
 import contextlib
 import http.server
 import json
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rigs.harness import free_port
+from rigs.harness import free_port, haproxy_binary
+from rigs.ray_driver import App, ray_config
 from rigs.supervised import supervised
-from supervisor.haproxy.handoff import map_path
+from supervisor.effective import build_effective, prepare_runtime_dir, write_slot_table
+from supervisor.haproxy.handoff import is_handed_off, map_path
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from supervisor.steering.mapdiff import map_entries
 
@@ -209,3 +212,32 @@ async def test_without_the_hand_off_the_old_worker_fails_the_request(rundir):
         status, _ = await held["/"].get("/")
         assert status == 503
         assert sup.state.old_workers[old_pid].handed_off == 0
+
+
+async def test_a_restarted_daemon_hands_off_the_old_workers_it_finds(rundir):
+    async with incident(rundir, hand_off=True) as (sup, old_pid, held):
+        path = map_path(sup.settings.haproxy.runtime_dir)
+        await sup.until(lambda: sup.state.old_workers[old_pid].handed_off == 2, what="the hand-off confirmed")
+        assert (await sup.cli.on(old_pid, f"clear map {path}")).strip() == ""
+        await sup.restart()
+        await sup.until(
+            lambda: sup.state.old_workers.get(old_pid) and sup.state.old_workers[old_pid].handed_off == 2,
+            what="the hand-off pushed again",
+        )
+        assert map_entries(await sup.cli.on(old_pid, f"show map {path}")) == {"app": "1", "other": "1"}
+        status, seen = await held["/"].get("/")
+        assert (status, seen["name"]) == (200, "c")
+
+
+def test_a_ray_shaped_config_with_the_hand_off_passes_haproxy_check(tmp_path):
+    apps = [App("app1", ["127.0.0.1:18001", "127.0.0.1:18002"]), App("app2", ["127.0.0.1:18003"])]
+    rendered = ray_config(tmp_path, free_port(), free_port(), free_port(), apps, None, prometheus=False)
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=tmp_path), old_workers=OldWorkerSettings(hand_off=True))
+    prepare_runtime_dir(settings)
+    effective = build_effective(settings, rendered)
+    assert {"app1", "app2"} <= {s.name for s in effective.effective_model.backends() if is_handed_off(s)}
+    write_slot_table(effective.slot_table)
+    config = tmp_path / "check.cfg"
+    config.write_text(effective.text)
+    checked = subprocess.run([haproxy_binary(), "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
