@@ -211,6 +211,7 @@ class NodeDaemon:
                 "stop_timeout_s": 5,
             },
             "status": {"listen": self.status_url},
+            "old_workers": {"hand_off": True},  # as docs/ray-serve.md sets it
             # Timestamped lines: a run's failures are matched with the daemon's steps.
             "logging": {"format": "json"},
         }
