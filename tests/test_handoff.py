@@ -4,13 +4,15 @@ of every reader of servers."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from rigs.ray_driver import App, ray_config
-from supervisor.effective import RenderedConfigError, effective_config_and_table
+from supervisor.effective import RenderedConfigError, effective_config_and_table, sha256_text
 from supervisor.haproxy.answers import parse_servers_state, servers_state_rows
+from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import GUARD_MARKER
 from supervisor.haproxy.handoff import (
@@ -23,7 +25,8 @@ from supervisor.haproxy.handoff import (
     is_handed_off,
 )
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
-from supervisor.steering.handoff import handoff_changes
+from supervisor.state import Generation, State
+from supervisor.steering.handoff import HandOffs, handoff_changes
 from tests.conftest import CORPUS
 
 RUN = Path("/run/hs")
@@ -209,3 +212,60 @@ def test_handoff_changes_add_what_is_missing_and_remove_what_is_not_wanted():
     changes = handoff_changes({"app": "1", "gone": "1"}, {"app": "1", "new": "1"})
     assert (changes.adds, changes.sets, changes.dels) == ((("new", "1"),), (), ("gone",))
     assert not handoff_changes({"app": "1"}, {"app": "1"})
+
+
+class MapCLI:
+    """Each worker's hand-off map, changed by `add map` payloads and `del map` commands; raises
+    `failing` while it is set."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, dict[str, str]] = {}
+        self.failing: CLIError | None = None
+        self.sent = 0
+
+    async def execute(self, line: str, timeout: float | None = None) -> str:
+        if self.failing is not None:
+            raise self.failing
+        head, _, payload = line.partition("\n")
+        commands = head.split(";")
+        for command in commands:
+            words = command.split()
+            pid, verb = int(words[0].removeprefix("@!")), words[1:3]
+            held = self.maps.setdefault(pid, {})
+            if verb == ["show", "map"]:
+                return "".join(f"0x1 {k} {v}\n" for k, v in held.items()) + "\n"
+            self.sent += 1
+            if verb == ["add", "map"]:
+                held.update(entry.split() for entry in payload.splitlines() if entry)
+            elif verb == ["del", "map"]:
+                held.pop(words[4], None)
+        return "\n" * len(commands)
+
+    async def on(self, pid: int, command: str, timeout: float | None = None) -> str:
+        return await self.execute(f"@!{pid} {command}", timeout)
+
+
+def generation(number: int, text: str) -> Generation:
+    model = effective(text)
+    return Generation(number, model, sha256_text(model.render()), "", datetime.now(UTC), 100 + number)
+
+
+async def test_each_old_worker_gets_its_entries_once_and_a_failure_is_tried_again():
+    state, cli = State(), MapCLI()
+    handoffs = HandOffs(settings(), state, cli)  # type: ignore[arg-type]
+    old, current = generation(1, OLD), generation(2, OLD.replace("backend gone\n", "backend gone\n    mode tcp\n"))
+    state.publish_old_workers({101: 1}, {101: None})
+    cli.failing = CLIError("connection refused")
+    await handoffs.round({101: old}, current)
+    assert state.old_workers[101].handed_off == 0
+    cli.failing = None
+    await handoffs.round({101: old}, current)  # the next round tries again
+    assert cli.maps[101] == {"app": "1", "moded": "1"}
+    assert state.old_workers[101].handed_off == 2
+    sent = cli.sent
+    await handoffs.round({101: old}, current)
+    assert cli.sent == sent  # confirmed: nothing asked again
+    # The current config loses `moded`: its entry leaves the old worker's map.
+    later = generation(3, OLD.replace("backend moded\n", "backend moded\n    mode tcp\n"))
+    await handoffs.round({101: old}, later)
+    assert cli.maps[101] == {"app": "1", "gone": "1"}
