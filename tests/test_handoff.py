@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rigs.ray_driver import App, ray_config
-from supervisor.effective import RenderedConfigError, effective_config_and_table, sha256_text
+from supervisor.effective import RenderedConfigError, build_effective, effective_config_and_table, sha256_text
 from supervisor.haproxy.answers import parse_servers_state, servers_state_rows
 from supervisor.haproxy.api import CLIError
 from supervisor.haproxy.config import Config
@@ -269,3 +269,17 @@ async def test_each_old_worker_gets_its_entries_once_and_a_failure_is_tried_agai
     later = generation(3, OLD.replace("backend moded\n", "backend moded\n    mode tcp\n"))
     await handoffs.round({101: old}, later)
     assert cli.maps[101] == {"app": "1", "gone": "1"}
+
+
+async def test_a_backend_the_upcoming_config_lacks_is_handed_off_no_more_before_the_reload():
+    state, cli = State(), MapCLI()
+    handoffs = HandOffs(settings(), state, cli)  # type: ignore[arg-type]
+    old, current = generation(1, OLD), generation(2, OLD)
+    state.publish_old_workers({101: 1}, {101: None})
+    await handoffs.round({101: old}, current)
+    assert cli.maps[101] == {"app": "1", "gone": "1", "moded": "1"}
+    text = OLD.replace("backend gone\n    server a 127.0.0.1:1\n", "")
+    upcoming = build_effective(settings(), text)
+    await handoffs.round({101: old}, current, upcoming)
+    assert cli.maps[101] == {"app": "1", "moded": "1"}
+    assert state.old_workers[101].handed_off == 2

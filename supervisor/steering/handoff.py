@@ -9,7 +9,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..effective import Effective
 from ..haproxy.api import CLIError, MasterCLI
+from ..haproxy.config import Config
 from ..haproxy.handoff import handed_off_backends, handoff_entries, map_path
 from ..settings import Settings
 from ..state import Generation, State
@@ -44,24 +46,32 @@ class HandOffs:
         self._workers: dict[int, _Worker] = {}
         self._wanted: dict[tuple[str, str], dict[str, str]] = {}  # by (old, current) effective sha256
 
-    def wanted(self, old: Generation, current: Generation) -> dict[str, str]:
-        key = (old.effective_sha256, current.effective_sha256)
+    def _handed_off(self, old: Generation, target: Config, target_sha256: str) -> dict[str, str]:
+        key = (old.effective_sha256, target_sha256)
         entries = self._wanted.get(key)
         if entries is None:
-            entries = self._wanted[key] = handoff_entries(handed_off_backends(old.model, current.model))
+            entries = self._wanted[key] = handoff_entries(handed_off_backends(old.model, target))
         return entries
 
-    async def round(self, old: Mapping[int, Generation], current: Generation | None) -> None:
-        """Push to every old worker (its config known) whose map is not confirmed to be what it needs."""
+    async def round(
+        self, old: Mapping[int, Generation], current: Generation | None, upcoming: Effective | None = None
+    ) -> None:
+        """Push to every old worker (its config known) whose map is not confirmed to be what it
+        needs. `upcoming`: the config a reload is about to send; until it is current, a backend
+        it lacks is handed off no more (make-before-break)."""
         for pid in [pid for pid in self._workers if pid not in old]:
             del self._workers[pid]
-        currents = {current.effective_sha256} if current is not None else set()
-        self._wanted = {key: entries for key, entries in self._wanted.items() if key[1] in currents}
+        targets = {g.effective_sha256 for g in (current,) if g is not None}
+        targets |= {upcoming.sha256} if upcoming is not None else set()
+        self._wanted = {key: entries for key, entries in self._wanted.items() if key[1] in targets}
         if current is None:
             return
         due: dict[int, _Worker] = {}
         for pid, generation in old.items():
-            wanted = self.wanted(generation, current)
+            wanted = self._handed_off(generation, current.model, current.effective_sha256)
+            if upcoming is not None:
+                next_wanted = self._handed_off(generation, upcoming.effective_model, upcoming.sha256)
+                wanted = {key: value for key, value in wanted.items() if key in next_wanted}
             worker = self._workers.get(pid)
             if worker is None or worker.wanted != wanted:
                 worker = self._workers[pid] = _Worker(wanted)

@@ -63,6 +63,7 @@ class ReloadPlan:
     basis: Basis | None = None  # what `plans` were made under
     plans: Mapping[int, Steering] = field(default_factory=dict)  # by PID, worked out in prepare
     ahead: Mapping[int, Ahead] = field(default_factory=dict)  # their pushes, by PID
+    effective: Effective | None = None  # the config the reload sends, for the hand-off
 
 
 class OldWorkers:
@@ -156,8 +157,8 @@ class OldWorkers:
                     view = await self._live_view(latest, leaving, reuse=True)
                     plans = await self._plan(latest, view, judged, remember=False)
                     ahead = await self.rounds.work_ahead(self._workers, plans)
-                    return ReloadPlan(latest, leaving, (latest.key, view), plans, ahead)
-            return ReloadPlan(latest, leaving)
+                    return ReloadPlan(latest, leaving, (latest.key, view), plans, ahead, effective=effective)
+            return ReloadPlan(latest, leaving, effective=effective)
 
     async def before_reload(self, plan: ReloadPlan | None) -> ReloadPlan | None:
         """Make-before-break: steer the worker about to become old (and the old ones) away from
@@ -298,7 +299,7 @@ class OldWorkers:
         await self.rounds.push_all(self._workers.values(), reloading.ahead if reloading is not None else None)
         if self.handoffs is not None:
             old = {w.pid: g for w in self._workers.values() if not w.current and (g := self._generation_of(w))}
-            await self.handoffs.round(old, current)
+            await self.handoffs.round(old, current, reloading.effective if reloading is not None else None)
         # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:
