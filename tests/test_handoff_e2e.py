@@ -11,12 +11,13 @@ import http.server
 import json
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rigs.harness import free_port, haproxy_binary
+from rigs.harness import VanishedNode, free_port, haproxy_binary
 from rigs.ray_driver import App, ray_config
 from rigs.supervised import supervised
 from supervisor.effective import build_effective, prepare_runtime_dir, write_slot_table
@@ -120,10 +121,14 @@ class HeldClient:
         return self
 
     async def get(self, path: str = "/") -> tuple[int, dict]:
+        """(status, what the server saw); (0, {}) when the connection closed without an answer."""
         assert self.reader is not None and self.writer is not None
         self.writer.write(f"GET {path} HTTP/1.1\r\nhost: test\r\n\r\n".encode())
         async with asyncio.timeout(10):
-            head = (await self.reader.readuntil(b"\r\n\r\n")).decode()
+            try:
+                head = (await self.reader.readuntil(b"\r\n\r\n")).decode()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return 0, {}
             lines = head.split("\r\n")
             status = int(lines[0].split()[1])
             length = next(
@@ -150,37 +155,40 @@ def rendered(front: int, servers: dict[str, EchoServer], app: list[str], app_rul
 
 
 @contextlib.asynccontextmanager
-async def incident(rundir: Path, hand_off: bool):
+async def incident(
+    rundir: Path, hand_off: bool, old_app: tuple[str, ...] = ("a", "b"), new_app: tuple[str, ...] = ("c",)
+):
     """HAProxy whose first worker holds a client for `/` and one for `/ruled`, made old by a
-    reload to a config whose backends have only server c (and `app` tells the client's
-    address it saw), a and b then killed."""
+    reload to a config whose `app` has `new_app` (and tells the client's address it saw) and
+    whose other backends have only c; a and b are then killed. Yields the vanished nodes'
+    setter too: `vanish(name)` makes connects to that server hang."""
     settings = Settings(
         haproxy=HAProxySettings(runtime_dir=rundir),
         old_workers=OldWorkerSettings(poll_interval_ms=100, hand_off=hand_off),
     )
     front = free_port()
-    with echo_servers("a", "b", "c") as servers:
-        async with supervised(settings, rendered(front, servers, ["a", "b"])) as sup:
+    with echo_servers("a", "b", "c", "x") as servers:
+        async with supervised(settings, rendered(front, servers, list(old_app))) as sup:
             held = {path: await HeldClient(front).connect() for path in ("/", "/ruled")}
             try:
                 for path, client in held.items():
                     status, seen = await client.get(path)
-                    assert status == 200 and seen["name"] in ("a", "b"), (path, status, seen)
+                    assert status == 200 and seen["name"] in old_app, (path, status, seen)
                 old_pid = sup.current_pid
                 src_rule = "    http-request set-header x-client-src %[src]\n"
-                await sup.reload(rendered(front, servers, ["c"], app_rules=src_rule))
+                await sup.reload(rendered(front, servers, list(new_app), app_rules=src_rule))
                 assert sup.master.worker_pids()[1] == [old_pid]
                 servers["a"].kill()
                 servers["b"].kill()
                 await sup.wait_steered([old_pid])
-                yield sup, old_pid, held
+                yield sup, old_pid, held, servers
             finally:
                 for client in held.values():
                     await client.close()
 
 
 async def test_old_worker_hands_its_request_to_the_current_worker(rundir):
-    async with incident(rundir, hand_off=True) as (sup, old_pid, held):
+    async with incident(rundir, hand_off=True) as (sup, old_pid, held, _):
         await sup.until(lambda: sup.state.old_workers[old_pid].handed_off == 2, what="the hand-off confirmed")
         handoff_map = map_entries(await sup.cli.on(old_pid, f"show map {map_path(sup.settings.haproxy.runtime_dir)}"))
         assert handoff_map == {"app": "1", "other": "1"}  # `ruled` has a rule of its own
@@ -208,14 +216,14 @@ async def test_old_worker_hands_its_request_to_the_current_worker(rundir):
 
 
 async def test_without_the_hand_off_the_old_worker_fails_the_request(rundir):
-    async with incident(rundir, hand_off=False) as (sup, old_pid, held):
+    async with incident(rundir, hand_off=False) as (sup, old_pid, held, _):
         status, _ = await held["/"].get("/")
         assert status == 503
         assert sup.state.old_workers[old_pid].handed_off == 0
 
 
 async def test_a_restarted_daemon_hands_off_the_old_workers_it_finds(rundir):
-    async with incident(rundir, hand_off=True) as (sup, old_pid, held):
+    async with incident(rundir, hand_off=True) as (sup, old_pid, held, _):
         path = map_path(sup.settings.haproxy.runtime_dir)
         await sup.until(lambda: sup.state.old_workers[old_pid].handed_off == 2, what="the hand-off confirmed")
         assert (await sup.cli.on(old_pid, f"clear map {path}")).strip() == ""
@@ -241,3 +249,28 @@ def test_a_ray_shaped_config_with_the_hand_off_passes_haproxy_check(tmp_path):
     config.write_text(effective.text)
     checked = subprocess.run([haproxy_binary(), "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("hand_off", [True, False])
+async def test_a_retry_goes_only_to_servers_the_current_worker_sees_alive(rundir, hand_off):
+    """The retry hole: the only server the old worker is steered to (x, in both configs)
+    vanishes; its retries would go to a and b, replaced and refused, which it still sees UP.
+    Handed off, the current worker retries over x and c instead."""
+    async with incident(rundir, hand_off, old_app=("a", "b", "x"), new_app=("x", "c")) as (sup, old_pid, held, servers):
+        if hand_off:
+            await sup.until(lambda: sup.state.old_workers[old_pid].handed_off == 2, what="the hand-off confirmed")
+        servers["x"].kill()
+        node = VanishedNode(servers["x"].port)
+        try:
+            assert node.connect_hangs()
+            started = time.monotonic()
+            status, seen = await held["/"].get("/")
+            if hand_off:
+                # At most one connect timeout (500 ms) to x in the current worker, then c.
+                assert (status, seen["name"]) == (200, "c")
+                assert time.monotonic() - started < 2
+            else:
+                # Its retries met only dead servers: a 503, or the connection closed unanswered.
+                assert status in (0, 503), (status, seen)
+        finally:
+            node.close()
