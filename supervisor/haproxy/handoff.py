@@ -15,14 +15,14 @@ that name, named in a header that it removes (docs/steering.md, "Hand-off").
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .answers import HANDOFF_SERVER, validate_name
 from .config import Config
 from .guard import GUARD_MARKER, is_guarded, primary_names
-from .lexer import Line, Section, parse_line
-from .resolution import BUILT_IN, ProxySettings, server_line_flags
+from .lexer import Line, Section, Slot, parse_line
+from .resolution import BACKEND_KINDS, BUILT_IN, ProxySettings, server_line_flags
 
 HANDOFF_FRONTEND = "_hs_handoff"
 HANDOFF_HEADER = "x-hs-backend"
@@ -49,13 +49,8 @@ def socket_path(runtime_dir: Path) -> Path:
     return runtime_dir / "handoff.sock"
 
 
-def _frontend_settings(config: Config) -> ProxySettings:
-    """What the hand-off frontend, placed last, inherits: the last `defaults` section's settings."""
-    last = BUILT_IN
-    for section, settings in config.resolved():
-        if section.kind == "defaults":
-            last = settings
-    return last
+# (what applies to a backend, its body's text) -> whether it is eligible.
+ELIGIBLE: Slot[tuple[ProxySettings, str], bool] = Slot("hand-off eligibility")
 
 
 def eligible_backends(config: Config) -> list[str]:
@@ -63,21 +58,35 @@ def eligible_backends(config: Config) -> list[str]:
     primary servers, none of the rules OWN_RULES names, and no `option forwardfor` applying
     (the current worker would add a second X-Forwarded-For); none at all when the hand-off
     frontend would inherit `option forwardfor` itself. `config`: before the guard."""
-    if _frontend_settings(config).forwardfor:
-        return []
+    kept = config.cache.kept(ELIGIBLE)
     names = []
-    for section, settings in config.each_backend_with_settings():
-        if settings.mode != "http" or settings.forwardfor:
+    last_defaults = BUILT_IN  # what the hand-off frontend, placed last, inherits
+    for section, settings in config.resolved():
+        if section.kind == "defaults":
+            last_defaults = settings
+        if section.kind not in BACKEND_KINDS or settings.mode != "http" or settings.forwardfor:
             continue
-        if any(line.words and line.words[0] in OWN_RULES for line in section.body):
-            continue
-        if primary_names(section.body, server_line_flags(section.body, settings.server_defaults)):
+        key = (settings, "".join([line.raw for line in section.body]))
+        eligible = kept.get(key)
+        if eligible is None:
+            eligible = _eligible(section.body, settings)
+            kept.put(key, eligible)
+        if eligible:
             names.append(section.name)
-    return names
+    return [] if last_defaults.forwardfor else names
+
+
+def _eligible(body: list[Line], settings: ProxySettings) -> bool:
+    if any(line.words and line.words[0] in OWN_RULES for line in body):
+        return False
+    return bool(primary_names(body, server_line_flags(body, settings.server_defaults)))
 
 
 def reserved_names_used(config: Config) -> list[str]:
     """The hand-off's names that a config already uses for a section or a server."""
+    text = config.render()
+    if not any(name in text for name in RESERVED_NAMES):
+        return []  # most configs: one look at the text instead of at every line's words
     used = {s.name for s in config.sections if s.name in RESERVED_NAMES}
     for section in config.backends():
         used.update(w[1] for line in section.body if len(w := line.words) > 1 and w[:2] == ("server", HANDOFF_SERVER))
@@ -101,9 +110,23 @@ def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> C
             raise ValueError(f"path {text!r}: only letters, digits and _ . / - can go into a map() argument")
     test = _handed_off_test(path)
     result = config.copy()
+    parsed: dict[str, Line] = {}  # the same few lines go into every backend: parsed once each
+
+    def line(text: str) -> Line:
+        found = parsed.get(text)
+        if found is None:
+            found = parsed[text] = parse_line(text)
+        return found
+
+    kept = config.cache.kept(HANDED_OFF_BODIES)
     for section in result.backends():
         if section.name in wanted:
-            section.body = _handed_off_body(section, test, socket)
+            key = ("".join([b.raw for b in section.body]), test, socket)
+            body = kept.get(key)
+            if body is None:
+                body = tuple(_handed_off_body(section, test, socket, line))
+                kept.put(key, body)
+            section.body = list(body)
     _end_with_newline(result)
     frontend = Config.parse(
         f"frontend {HANDOFF_FRONTEND}\n"
@@ -118,19 +141,23 @@ def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> C
     return result
 
 
-def _handed_off_body(section: Section, test: str, socket: str) -> list[Line]:
+# (a backend's body's text, the hand-off test, the socket) -> the body with the hand-off in it.
+HANDED_OFF_BODIES: Slot[tuple[str, str, str], tuple[Line, ...]] = Slot("hand-off bodies")
+
+
+def _handed_off_body(section: Section, test: str, socket: str, parse: Callable[[str], Line]) -> list[Line]:
     body = list(section.body)
     indent = next((line.indent for line in body if line.words), "") or "    "
     newline = "\r\n" if body and body[-1].raw.endswith("\r\n") else "\n"
 
     def line(text: str) -> Line:
-        return parse_line(f"{indent}{text}{newline}")
+        return parse(f"{indent}{text}{newline}")
 
     if is_guarded(section):
         # The guard refuses a request it has no live server for; a handed-off one has them
         # in the current worker. The section has no rule of its own: this is the guard's.
         refusal = ("http-request", "return", "status", "503")
-        body = [parse_line(f"{b.raw.rstrip()} !{test}{newline}") if b.words[:4] == refusal else b for b in body]
+        body = [parse(f"{b.raw.rstrip()} !{test}{newline}") if b.words[:4] == refusal else b for b in body]
     if body and not body[-1].raw.endswith("\n"):
         body[-1] = parse_line(body[-1].raw + newline)
     first = next((i for i, b in enumerate(body) if _is_rule(b) or b.raw.strip() == GUARD_MARKER), len(body))
