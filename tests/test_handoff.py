@@ -73,6 +73,8 @@ def body_of(config: Config, name: str) -> list[str]:
         ("backend be\n    option forwardfor\n    server a 127.0.0.1:1\n", False),
         ("backend be\n    server a 127.0.0.1:1 backup\n", False),
         ("backend be\n", False),
+        ("backend be\n    server a 127.0.0.1:1 proto h2 check\n", False),
+        ("backend be\n    default-server proto h2\n    server a 127.0.0.1:1\n", False),
     ],
 )
 def test_which_backends_are_eligible(section, eligible):
@@ -100,6 +102,7 @@ def test_ray_serve_app_backends_are_eligible():
     eligible = eligible_backends(ray)
     assert {"echo", "highscale", "wide"} <= set(eligible)
     assert not {"echo_via_router", "highscale_via_router", "default_backend"} & set(eligible)
+    assert not {"grpc_echo", "grpc_wide"} & set(eligible)  # HTTP/2 to their servers
     apps = [App("app1", ["127.0.0.1:18001", "127.0.0.1:18002"]), App("app2", ["127.0.0.1:18003"])]
     shaped = ray_config(RUN, 8000, 8001, 8002, apps, None)
     assert {"app1", "app2"} <= set(eligible_backends(Config.parse(shaped)))

@@ -14,6 +14,7 @@ that name, named in a header that it removes (docs/steering.md, "Hand-off").
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -55,8 +56,9 @@ ELIGIBLE: Slot[tuple[ProxySettings, str], bool] = Slot("hand-off eligibility")
 
 def eligible_backends(config: Config) -> list[str]:
     """The backends and listens whose requests an old worker may hand off: `mode http`, with
-    primary servers, none of the rules OWN_RULES names, and no `option forwardfor` applying
-    (the current worker would add a second X-Forwarded-For); none at all when the hand-off
+    primary servers, none of the rules OWN_RULES names, no server spoken to in HTTP/2 (`proto
+    h2`), and no `option forwardfor` applying (the current worker would add a second
+    X-Forwarded-For); none at all when the hand-off
     frontend would inherit `option forwardfor` itself. `config`: before the guard."""
     kept = config.cache.kept(ELIGIBLE)
     names = []
@@ -79,7 +81,18 @@ def eligible_backends(config: Config) -> list[str]:
 def _eligible(body: list[Line], settings: ProxySettings) -> bool:
     if any(line.words and line.words[0] in OWN_RULES for line in body):
         return False
+    # The hop speaks HTTP/1; what a backend speaks HTTP/2 to (gRPC: trailers) stays with it.
+    server_words = [line.words for line in body if line.words[:1] in _SERVER_KEYWORDS]
+    if any(_speaks_h2(words) for words in (*server_words, settings.server_default_words)):
+        return False
     return bool(primary_names(body, server_line_flags(body, settings.server_defaults)))
+
+
+_SERVER_KEYWORDS = frozenset({("server",), ("server-template",), ("default-server",)})
+
+
+def _speaks_h2(words: tuple[str, ...]) -> bool:
+    return any(word == "proto" and following == "h2" for word, following in itertools.pairwise(words))
 
 
 def reserved_names_used(config: Config) -> list[str]:
