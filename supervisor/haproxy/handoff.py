@@ -215,22 +215,36 @@ def is_handed_off(section: Section) -> bool:
     return any(line.words[:2] == ("server", HANDOFF_SERVER) for line in section.body)
 
 
-def handed_off_backends(old: Config, current: Config) -> list[str]:
-    """The backends an old worker running `old` hands to the current one running `current`:
-    those carrying the hand-off in `old` that `current` has too, in the same mode, with its
-    hand-off frontend. Their names as they may go on a CLI line (a name that could not is
-    left out)."""
-    if not any(s.kind == "frontend" and s.name == HANDOFF_FRONTEND for s in current.sections):
-        return []
-    modes = {section.name: settings.mode for section, settings in current.each_backend_with_settings()}
-    names = []
-    for section, settings in old.each_backend_with_settings():
-        if is_handed_off(section) and modes.get(section.name) == settings.mode:
+def offered(config: Config) -> dict[str, str]:
+    """What a worker running `config` can hand off: each backend carrying the hand-off, by
+    name (a name no CLI line could carry left out), with its mode."""
+    found = {}
+    for section, settings in config.each_backend_with_settings():
+        if is_handed_off(section):
             try:
-                names.append(validate_name("backend", section.name))
+                found[validate_name("backend", section.name)] = settings.mode
             except ValueError:
                 continue
-    return names
+    return found
+
+
+def accepted(config: Config) -> dict[str, str]:
+    """What a current worker running `config` takes in: each backend's mode by name; none
+    without the hand-off frontend."""
+    if not any(s.kind == "frontend" and s.name == HANDOFF_FRONTEND for s in config.sections):
+        return {}
+    return {section.name: settings.mode for section, settings in config.each_backend_with_settings()}
+
+
+def handed_off(offers: dict[str, str], accepts: dict[str, str]) -> list[str]:
+    """The backends an old worker hands off: those it offers that the current worker has too,
+    in the same mode."""
+    return [name for name, mode in offers.items() if accepts.get(name) == mode]
+
+
+def handed_off_backends(old: Config, current: Config) -> list[str]:
+    """handed_off() of an old worker running `old` and the current one running `current`."""
+    return handed_off(offered(old), accepted(current))
 
 
 def handoff_entries(backends: Iterable[str]) -> dict[str, str]:

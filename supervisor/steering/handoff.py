@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..effective import Effective
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.config import Config
-from ..haproxy.handoff import handed_off_backends, handoff_entries, map_path
+from ..haproxy.handoff import accepted, handed_off, handoff_entries, map_path, offered
 from ..settings import Settings
 from ..state import Generation, State
 from .mapdiff import Phase, phase_lines
@@ -44,13 +44,22 @@ class HandOffs:
         self.cli = cli
         self.map_path = str(map_path(settings.haproxy.runtime_dir))
         self._workers: dict[int, _Worker] = {}
-        self._wanted: dict[tuple[str, str], dict[str, str]] = {}  # by (old, current) effective sha256
+        # By effective sha256: each config is looked at once, whatever the workers running it.
+        self._offers: dict[str, dict[str, str]] = {}
+        self._accepts: dict[str, dict[str, str]] = {}
+        self._wanted: dict[tuple[str, str], dict[str, str]] = {}  # by (old, current)
 
     def _handed_off(self, old: Generation, target: Config, target_sha256: str) -> dict[str, str]:
         key = (old.effective_sha256, target_sha256)
         entries = self._wanted.get(key)
         if entries is None:
-            entries = self._wanted[key] = handoff_entries(handed_off_backends(old.model, target))
+            offers = self._offers.get(old.effective_sha256)
+            if offers is None:
+                offers = self._offers[old.effective_sha256] = offered(old.model)
+            accepts = self._accepts.get(target_sha256)
+            if accepts is None:
+                accepts = self._accepts[target_sha256] = accepted(target)
+            entries = self._wanted[key] = handoff_entries(handed_off(offers, accepts))
         return entries
 
     async def round(
@@ -64,6 +73,9 @@ class HandOffs:
         targets = {g.effective_sha256 for g in (current,) if g is not None}
         targets |= {upcoming.sha256} if upcoming is not None else set()
         self._wanted = {key: entries for key, entries in self._wanted.items() if key[1] in targets}
+        self._accepts = {key: accepts for key, accepts in self._accepts.items() if key in targets}
+        running = {g.effective_sha256 for g in old.values()}
+        self._offers = {key: offers for key, offers in self._offers.items() if key in running}
         if current is None:
             return
         due: dict[int, _Worker] = {}
