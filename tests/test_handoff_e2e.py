@@ -274,3 +274,20 @@ async def test_a_retry_goes_only_to_servers_the_current_worker_sees_alive(rundir
                 assert status in (0, 503), (status, seen)
         finally:
             node.close()
+
+
+async def test_after_a_second_reload_the_request_goes_to_the_worker_current_then(rundir):
+    """The worker the first hand-off reached is made old in turn: the held client's next
+    request must reach the newest worker (server x), not the one it was handed to before,
+    whose `app` (with a rule of its own) it does not hand off and serves from c. It does: the
+    old worker keeps no connection to the hand-off socket between requests."""
+    async with incident(rundir, hand_off=True) as (sup, old_pid, held, servers):
+        await sup.until(lambda: sup.state.old_workers[old_pid].handed_off == 2, what="the hand-off confirmed")
+        assert (await held["/"].get("/"))[1]["name"] == "c"
+        src_rule = "    http-request set-header x-client-src %[src]\n"
+        await sup.reload(rendered(held["/"].front, servers, ["x"], app_rules=src_rule))
+        await sup.wait_steered([old_pid])
+        await sup.until(lambda: sup.state.old_workers[old_pid].handed_off == 2, what="still handed off")
+        for _ in range(2):
+            status, seen = await held["/"].get("/")
+            assert (status, seen["name"]) == (200, "x")
