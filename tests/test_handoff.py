@@ -24,6 +24,7 @@ from supervisor.haproxy.handoff import (
     inject_handoff,
     is_handed_off,
 )
+from supervisor.haproxy.runtime.plan import RuntimePlan, completed_plan, runtime_plan
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
 from supervisor.state import Generation, State
 from supervisor.steering.handoff import HandOffs, handoff_changes
@@ -286,3 +287,18 @@ async def test_a_backend_the_upcoming_config_lacks_is_handed_off_no_more_before_
     await handoffs.round({101: old}, current, upcoming)
     assert cli.maps[101] == {"app": "1", "moded": "1"}
     assert state.old_workers[101].handed_off == 2
+
+
+def test_a_runtime_change_never_adds_or_removes_the_hand_off_server():
+    before = effective(HEAD + "backend app\n    server a 127.0.0.1:1\n")
+    after = effective(HEAD + "backend app\n    server a 127.0.0.1:1\n    server b 127.0.0.1:2\n")
+    plan = runtime_plan(before, after)
+    assert plan.changes == [] and [a.key for a in plan.adds] == ["app/b"] and plan.removes == ()
+    # What the worker holds, read back: the hand-off server is no server it would remove.
+    held = parse_servers_state(
+        "1\n# be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight srv_port\n"
+        "2 app 1 a 127.0.0.1 2 0 1 1\n"
+        f"2 app 2 {HANDOFF_SERVER} /run/hs/handoff.sock 2 0 0 0\n"
+    )
+    completed = completed_plan(plan, held, after)
+    assert isinstance(completed, RuntimePlan) and completed.removes == ()

@@ -16,7 +16,7 @@ from ..haproxy.handoff import accepted, handed_off, handoff_entries, map_path, o
 from ..settings import Settings
 from ..state import Generation, State
 from .mapdiff import Phase, phase_lines
-from .push import PushError, map_difference, read_map, send
+from .push import GONE, PushError, map_difference, read_map, send
 
 log = logging.getLogger("supervisor.steering")
 
@@ -104,7 +104,9 @@ class HandOffs:
                 raise PushError(f"worker {pid}: hand-off {difference}")
         except (CLIError, PushError, ValueError) as exc:
             if str(exc) != worker.error:
-                log.warning("hand-off: worker %d: %s (tried again at the next round)", pid, exc)
+                # A worker that just exited is no failure: the next round lists it no more.
+                level = logging.DEBUG if GONE in str(exc) else logging.WARNING
+                log.log(level, "hand-off: worker %d: %s (tried again at the next round)", pid, exc)
             worker.error = str(exc)
             return
         worker.confirmed, worker.error = True, None
