@@ -18,11 +18,13 @@ from supervisor.haproxy.guard import GUARD_MARKER
 from supervisor.haproxy.handoff import (
     HANDOFF_FRONTEND,
     HANDOFF_SERVER,
+    accepted,
     eligible_backends,
-    handed_off_backends,
+    handed_off,
     handoff_entries,
     inject_handoff,
     is_handed_off,
+    offered,
 )
 from supervisor.haproxy.runtime.plan import RuntimePlan, completed_plan, runtime_plan
 from supervisor.settings import HAProxySettings, OldWorkerSettings, Settings
@@ -206,10 +208,10 @@ def test_an_old_worker_hands_off_what_both_configs_have_in_the_same_mode():
         "backend spare\n    server c 127.0.0.1:3\n"
     )
     old, new = effective(OLD), effective(current)
-    assert handed_off_backends(old, new) == ["app"]
-    assert handoff_entries(handed_off_backends(old, new)) == {"app": "1"}
+    assert handed_off(offered(old), accepted(new)) == ["app"]
+    assert handoff_entries(handed_off(offered(old), accepted(new))) == {"app": "1"}
     # A current config without the hand-off frontend takes nothing.
-    assert handed_off_backends(old, effective(current, hand_off=False)) == []
+    assert handed_off(offered(old), accepted(effective(current, hand_off=False))) == []
 
 
 def test_handoff_changes_add_what_is_missing_and_remove_what_is_not_wanted():

@@ -242,11 +242,6 @@ def handed_off(offers: dict[str, str], accepts: dict[str, str]) -> list[str]:
     return [name for name, mode in offers.items() if accepts.get(name) == mode]
 
 
-def handed_off_backends(old: Config, current: Config) -> list[str]:
-    """handed_off() of an old worker running `old` and the current one running `current`."""
-    return handed_off(offered(old), accepted(current))
-
-
 def handoff_entries(backends: Iterable[str]) -> dict[str, str]:
     """The hand-off map an old worker needs for these backends."""
     return {backend: "1" for backend in backends}
