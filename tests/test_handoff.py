@@ -74,6 +74,7 @@ def body_of(config: Config, name: str) -> list[str]:
         ("backend be\n    tcp-response content accept\n    server a 127.0.0.1:1\n", False),
         ("backend be\n    use-server a if { path /a }\n    server a 127.0.0.1:1\n", False),
         ("backend be\n    option forwardfor\n    server a 127.0.0.1:1\n", False),
+        ("backend be\n    option originalto\n    server a 127.0.0.1:1\n", False),
         ("backend be\n    server a 127.0.0.1:1 backup\n", False),
         ("backend be\n", False),
         ("backend be\n    server a 127.0.0.1:1 proto h2 check\n", False),

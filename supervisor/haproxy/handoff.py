@@ -57,16 +57,16 @@ ELIGIBLE: Slot[tuple[ProxySettings, str], bool] = Slot("hand-off eligibility")
 def eligible_backends(config: Config) -> list[str]:
     """The backends and listens whose requests an old worker may hand off: `mode http`, with
     primary servers, none of the rules OWN_RULES names, no server spoken to in HTTP/2 (`proto
-    h2`), and no `option forwardfor` applying (the current worker would add a second
-    X-Forwarded-For); none at all when the hand-off
-    frontend would inherit `option forwardfor` itself. `config`: before the guard."""
+    h2`), and no `option forwardfor` or `originalto` applying (the current worker would add
+    the header again); none at all when the hand-off frontend would inherit one itself.
+    `config`: before the guard."""
     kept = config.cache.kept(ELIGIBLE)
     names = []
     last_defaults = BUILT_IN  # what the hand-off frontend, placed last, inherits
     for section, settings in config.resolved():
         if section.kind == "defaults":
             last_defaults = settings
-        if section.kind not in BACKEND_KINDS or settings.mode != "http" or settings.forwardfor:
+        if section.kind not in BACKEND_KINDS or settings.mode != "http" or settings.address_headers:
             continue
         key = (settings, "".join([line.raw for line in section.body]))
         eligible = kept.get(key)
@@ -75,7 +75,7 @@ def eligible_backends(config: Config) -> list[str]:
             kept.put(key, eligible)
         if eligible:
             names.append(section.name)
-    return [] if last_defaults.forwardfor else names
+    return [] if last_defaults.address_headers else names
 
 
 def _eligible(body: list[Line], settings: ProxySettings) -> bool:

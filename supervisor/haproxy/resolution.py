@@ -256,13 +256,15 @@ class ProxySettings:
     # `option redispatch [n]`, `no option redispatch` or `default option redispatch` applies:
     # the config says how retries are redispatched, and the guard leaves it so.
     redispatch_said: bool = False
-    forwardfor: bool = False  # `option forwardfor` (HAProxy cannot negate it)
+    # `option forwardfor` or `option originalto`: a header of the client's or its local
+    # address is added (HAProxy cannot negate either).
+    address_headers: bool = False
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def compared(self) -> tuple[object, ...]:
         """Its fields, as its __eq__ compares them and its constructor takes them."""
         return (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
-                self.cookie, self.hash_type, self.redispatch_said, self.forwardfor)
+                self.cookie, self.hash_type, self.redispatch_said, self.address_headers)
 
     def __hash__(self) -> int:
         return _kept_hash(self)
@@ -278,7 +280,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
     default_words = base.server_default_words
     cookie, hash_type = base.cookie, base.hash_type
-    redispatch_said, forwardfor = base.redispatch_said, base.forwardfor
+    redispatch_said, address_headers = base.redispatch_said, base.address_headers
     changed = False
     for line in body:
         words = line.words
@@ -295,8 +297,8 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
             all_backups = True if not prefix else False if prefix == ("no",) else base.all_backups
         elif _says_redispatch(words):
             redispatch_said = True
-        elif words[:2] == ("option", "forwardfor"):
-            forwardfor = True
+        elif words[:2] in (("option", "forwardfor"), ("option", "originalto")):
+            address_headers = True
         elif kw == "default-server" and is_defaults:
             flags = flags.apply(words[1:])
             default_words += words[1:]
@@ -309,7 +311,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
         changed = True
     # The same object when nothing differs (most backends restate their defaults' `balance`):
     # the caches keyed by it then compare it by identity.
-    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, forwardfor)
+    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, address_headers)
     if not changed or settings == base.compared():
         return base
     return ProxySettings(*settings)
