@@ -36,6 +36,7 @@ from .eventloop import wait_set
 from .files import UnreadableFile, bind_unix_private, read_regular, write_new
 from .haproxy.config import Config
 from .haproxy.global_policy import first_stats_socket
+from .haproxy.handoff import HANDOFF_SERVER
 from .settings import Settings, SettingsError, decode_text, load_settings
 from .statusclient import StatusFetchError, fetch_status, status_target, url_from_listen
 
@@ -44,6 +45,7 @@ IDLE_TIMEOUT_S = 30.0
 # The longest command line read (tune.bufsize caps HAProxy's own at 16 KiB by default).
 MAX_COMMAND_BYTES = 1 << 20
 _PID_LINE = re.compile(rb"^Pid: \d+(?=\r?$)", re.M)
+_HAND_OFF_SERVER = HANDOFF_SERVER.encode()
 
 
 def asks_show_info(line: bytes) -> bool:
@@ -54,6 +56,21 @@ def asks_show_info(line: bytes) -> bool:
 def with_pid(answer: bytes, pid: int) -> bytes:
     """`show info`'s answer with `pid` on its `Pid:` line."""
     return _PID_LINE.sub(b"Pid: %d" % pid, answer)
+
+
+def without_hand_off_rows(lines: bytes) -> bytes:
+    """Whole answer lines without the hand-off's server: Ray counts the servers of `show stat`
+    (`<backend>,<server>,...`) and saves `show servers state` (`<id> <backend> <id> <server> ...`)
+    as its replicas, and `_hs_current` is the daemon's, not a replica."""
+    if _HAND_OFF_SERVER not in lines:
+        return lines
+    return b"".join(line for line in lines.splitlines(keepends=True) if not _is_hand_off_row(line))
+
+
+def _is_hand_off_row(line: bytes) -> bool:
+    csv = line.split(b",", 2)
+    words = line.split(None, 4)
+    return (len(csv) > 2 and csv[1] == _HAND_OFF_SERVER) or (len(words) > 4 and words[3] == _HAND_OFF_SERVER)
 
 
 def socket_mode(words: tuple[str, ...] | list[str]) -> int:
@@ -147,12 +164,18 @@ class AdminRelay:
             client.write(with_pid(answer, self.pid))
             await client.drain()
             return
+        unfinished = b""  # a line cut by the chunk's end: filtered once whole
         while True:  # `show stat` of a big config: passed on as it comes
             async with asyncio.timeout(IDLE_TIMEOUT_S):
                 chunk = await reader.read(1 << 16)
             if not chunk:
+                client.write(without_hand_off_rows(unfinished))
+                await client.drain()
                 return
-            client.write(chunk)
+            data = unfinished + chunk
+            whole = data.rfind(b"\n") + 1
+            unfinished = data[whole:]
+            client.write(without_hand_off_rows(data[:whole]))
             await client.drain()
 
 

@@ -30,6 +30,7 @@ from supervisor.ray_bridge import (
     serving_mine,
     socket_mode,
     with_pid,
+    without_hand_off_rows,
 )
 from supervisor.settings import HAProxySettings, Settings
 
@@ -248,3 +249,19 @@ def test_ray_admin_socket_and_its_mode():
     bridge = Bridge(settings, Run(Path(CFG)), asyncio.Event(), asyncio.Event())
     config = Config.parse(f"global\n    stats socket unix@{SOCK} mode 666 level admin expose-fd listeners\n")
     assert bridge.admin_socket(config) == (Path(SOCK), 0o666)
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept"),
+    [
+        (b"# pxname,svname,qcur\na,FRONTEND,0\na,s1,0\na,_hs_current,0\na,BACKEND,0\n",
+         b"# pxname,svname,qcur\na,FRONTEND,0\na,s1,0\na,BACKEND,0\n"),
+        (b"1\n# be_id be_name srv_id srv_name srv_addr\n3 a 1 s1 127.0.0.1 2\n3 a 2 _hs_current - 2\n",
+         b"1\n# be_id be_name srv_id srv_name srv_addr\n3 a 1 s1 127.0.0.1 2\n"),
+        (b"a,s1,0\r\na,_hs_current,0\r\n", b"a,s1,0\r\n"),
+        (b"x,_hs_current_not,0\n", b"x,_hs_current_not,0\n"),  # another name
+        (b"Name: HAProxy\n", b"Name: HAProxy\n"),
+    ],
+)
+def test_the_hand_off_server_is_left_out_of_what_ray_reads(answer, kept):
+    assert without_hand_off_rows(answer) == kept

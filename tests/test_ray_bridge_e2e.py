@@ -57,6 +57,11 @@ async def test_ray_starts_and_reloads_through_the_bridge(rundir: Path):
         # Every other command is the worker's answer.
         stat = await send_socket_command(manager.socket_path, "show stat")
         assert stat.startswith("# pxname,svname,") and "a,SERVE_REPLICA_a-0," in stat
+        # The hand-off's server is the daemon's: Ray, which counts these rows as its replicas,
+        # does not see it; the worker's own answer has it.
+        assert "_hs_current" not in stat
+        assert "a,_hs_current," in await send_socket_command(node.worker_socket, "show stat")
+        assert "_hs_current" not in await send_socket_command(manager.socket_path, "show servers state")
         assert await send_socket_command(manager.socket_path, "show backend") == await send_socket_command(
             node.worker_socket, "show backend"
         )

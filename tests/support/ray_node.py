@@ -21,7 +21,7 @@ from supervisor.statusclient import fetch_status, url_from_listen
 SETTINGS = {
     "haproxy": {"move_stats_socket": True},
     "reload": {"runtime_apply": True, "debounce_ms": 50},
-    "old_workers": {"guard": True},
+    "old_workers": {"guard": True, "hand_off": True},  # as docs/ray-serve.md sets them
 }
 
 
