@@ -33,8 +33,9 @@ MOVED = ("echo_r2", "highscale_r3", "highscale_r4", "wide_r4")  # where the drai
 HEAD = """\
 global
     hard-stop-after 120s
-    # Old workers keep their connections and keep taking requests on them.
-    close-spread-time 120s
+    # Old workers keep their connections and keep taking requests on them; with a window
+    # HAProxy would close each at a random moment in it (see tests/support/old_worker.py).
+    close-spread-time infinite
 
 defaults
     mode http

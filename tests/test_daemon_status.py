@@ -23,7 +23,7 @@ TOKEN = "daemon-test-token"
 # Idle keep-alive connections stay open at soft-stop, so the first worker lingers as an old one.
 RENDERED = """\
 global
-    close-spread-time 120s
+    close-spread-time infinite
     hard-stop-after 60s
 
 defaults

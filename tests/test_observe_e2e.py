@@ -15,7 +15,7 @@ pytestmark = pytest.mark.haproxy
 
 RENDERED = """\
 global
-    close-spread-time 120s
+    close-spread-time infinite
     hard-stop-after 120s
 
 defaults

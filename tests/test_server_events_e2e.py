@@ -30,7 +30,7 @@ SAFETY_NET_S = 300  # so long that no safety-net read can be what found a change
 RENDERED = """\
 global
     hard-stop-after 60s
-    close-spread-time 120s
+    close-spread-time infinite
 {global_extra}
 defaults
     mode http

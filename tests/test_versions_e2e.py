@@ -28,7 +28,7 @@ pytestmark = pytest.mark.haproxy
 STEERED = """\
 global
     hard-stop-after 60s
-    close-spread-time 120s
+    close-spread-time infinite
 
 defaults
     mode http
