@@ -187,9 +187,13 @@ class Figures:
         spread = sum(self.shares.values())
         return 100.0 * self.shares[server] / spread if spread else 0.0
 
+    def share_gap(self, server: str) -> float:
+        """Points between the server's measured share and HAProxy's own."""
+        return abs(self.share_pct(server) - 100 * self.expected.get(server, 0.0))
+
     @property
     def worst_share_gap(self) -> float:
-        return max((abs(self.share_pct(s) - 100 * e) for s, e in self.expected.items()), default=0.0)
+        return max((self.share_gap(s) for s in self.expected), default=0.0)
 
 
 @dataclass
