@@ -30,8 +30,8 @@ defaults
     timeout http-keep-alive 60s
     retries 3
     option redispatch 1
-    retry-on conn-failure empty-response response-timeout
-    http-reuse always
+    retry-on {retry_on}
+    http-reuse {reuse}
     option idle-close-on-response
 
 frontend fe
@@ -55,6 +55,7 @@ class Outcome:
     suspects: list[str] = field(default_factory=list)
     back_after_s: float | None = None  # after the drop was lifted, until r2 answered again
     vanished_at: float = 0.0  # time.time() of the drop
+    daemon_log: str = ""
 
     def figures(self, mode: str) -> tuple[int, int, float]:
         rows = self.held if mode == "held" else self.new
@@ -77,16 +78,20 @@ async def _status_suspects(daemon: Daemon) -> list[str]:
 async def staged(
     *, detector: bool, partition: bool = False, requests: int = 10, spacing_s: float = 0.2, balance: str = "roundrobin",
     inter: str = "5s", lift: bool = False, reuse_before: bool = True, settings: dict | None = None,
+    fresh_requests: bool = True, retry_on: str = "conn-failure empty-response response-timeout", reuse: str = "always",
 ) -> Outcome:
     """One staged vanish of r2. `partition`: r2's port dropped both ways while r2 lives, after a
-    request left a pooled connection to it; else only new packets to it are dropped."""
+    request left a pooled connection to it; else only new packets to it are dropped.
+    `fresh_requests`: also requests on new connections (the current worker's own)."""
     outcome = Outcome()
     with tempfile.TemporaryDirectory(prefix="hs-vanish-") as tmp, backends("r1", "r2") as servers:
         front = free_port()
         r1, r2 = servers["r1"].port, servers["r2"].port
 
         def config(tag: str) -> str:
-            return CONFIG.format(front=front, tag=tag, r1=r1, r2=r2, balance=balance, inter=inter)
+            return CONFIG.format(
+                front=front, tag=tag, r1=r1, r2=r2, balance=balance, inter=inter, retry_on=retry_on, reuse=reuse
+            )
 
         daemon = Daemon(Path(tmp), config("one"), {
             "old_workers": {"guard": True}, "detector": {"enabled": detector}, **(settings or {}),
@@ -116,11 +121,13 @@ async def staged(
             # costs the run 30 s once, not once per request.
             jobs = []
             for i in range(requests):
-                jobs.append((asyncio.create_task(held[i].get(timeout=30)), asyncio.create_task(fresh())))
+                jobs.append((asyncio.create_task(held[i].get(timeout=30)),
+                             asyncio.create_task(fresh()) if fresh_requests else None))
                 await asyncio.sleep(spacing_s)
             for on_held, on_new in jobs:
                 outcome.held.append(await on_held)
-                outcome.new.append(await on_new)
+                if on_new is not None:
+                    outcome.new.append(await on_new)
             outcome.suspects = await _status_suspects(daemon)
             if lift:
                 lift_drop(r2)
@@ -135,6 +142,7 @@ async def staged(
                 await client.close()
         finally:
             daemon.cleanup()
+            outcome.daemon_log = daemon.log_path.read_text(errors="replace")
             keep = os.environ.get("HS_VANISH_KEEP_LOG")
             if keep:
                 shutil.copy(daemon.log_path, keep)

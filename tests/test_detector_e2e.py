@@ -49,6 +49,32 @@ def test_control_without_the_detector_a_pooled_connection_to_a_partitioned_serve
     assert outcome.suspects == []
 
 
+# Without the abort (no CAP_NET_ADMIN), an old worker that hands off: Ray's `retry-on
+# conn-failure`, no pooling (a request sent on a pooled connection only the abort can end).
+NO_ABORT = {"detector": {"abort": False}, "old_workers": {"guard": True, "hand_off": True}}
+SENT_BACK = "handed-off requests connecting to suspects"
+
+
+def test_without_the_abort_a_handed_off_request_stuck_connecting_is_sent_again():
+    """The current worker balances the held connections' requests over r1 and r2; those whose
+    connect to r2 stalls are ended there and sent again by their old worker."""
+    outcome = run_in_netns(run_staged, detector=True, settings=NO_ABORT, fresh_requests=False,
+                           retry_on="conn-failure", reuse="never", timeout=120)
+    failed, _, worst = outcome.figures("held")
+    assert failed == 0 and worst < NOT_WAITED_OUT_S, _figures(outcome)
+    assert SENT_BACK in outcome.daemon_log
+    assert outcome.suspects == ["app/r2"]
+
+
+def test_control_with_retry_on_none_a_handed_off_request_stuck_connecting_fails():
+    """The old worker's retry is what saves it: with `retry-on none` the same request fails."""
+    outcome = run_in_netns(run_staged, detector=True, settings=NO_ABORT, fresh_requests=False,
+                           retry_on="none", reuse="never", timeout=120)
+    failed, _, _ = outcome.figures("held")
+    assert failed >= 1, _figures(outcome)
+    assert SENT_BACK in outcome.daemon_log
+
+
 def test_a_suspect_that_comes_back_is_routed_again_within_rise_checks():
     # `inter 500ms rise 2`: two passing checks after the drop is lifted.
     outcome = run_in_netns(run_staged, detector=True, requests=3, inter="500ms", lift=True, timeout=120)

@@ -147,9 +147,38 @@ def test_injection_without_the_guard_and_on_a_last_line_without_newline():
     body = body_of(config, "app")
     assert body[0] == "server a 127.0.0.1:1"
     assert body[2].startswith("http-request set-header x-hs-backend")
-    assert body[3].startswith(f"use-server {HANDOFF_SERVER} ")
-    assert body[4].startswith(f"server {HANDOFF_SERVER} ")
+    assert body[3].startswith("force-persist if ")
+    assert body[6].startswith(f"use-server {HANDOFF_SERVER} ")
+    assert body[7].startswith(f"server {HANDOFF_SERVER} ")
     assert config.render().endswith("use_backend %[var(txn.hs_backend)]\n")
+
+
+TEST = "{ be_name,map(/run/hs/handoff.map) -m found }"
+
+
+@pytest.mark.parametrize(
+    ("defaults", "backend", "added"),
+    [
+        # HAProxy's own default is `retry-on conn-failure`: the close the current worker makes
+        # is retried in the old worker only.
+        ("", "", ["retry-on conn-failure empty-response", f"http-request disable-l7-retry unless {TEST}"]),
+        ("    retry-on conn-failure\n", "", ["retry-on conn-failure empty-response",
+                                           f"http-request disable-l7-retry unless {TEST}"]),
+        ("    retry-on conn-failure\n", "    retry-on 503 conn-failure\n",
+         ["retry-on 503 conn-failure empty-response", f"http-request disable-l7-retry unless {TEST}"]),
+        ("    retry-on conn-failure empty-response response-timeout\n", "", []),  # retried already
+        ("", "    retry-on all-retryable-errors\n", []),
+        ("    retry-on none\n", "", []),  # no retry wanted
+    ],
+)
+def test_the_rescue_retries_a_handed_off_request_the_current_worker_ended(defaults, backend, added):
+    text = f"defaults\n    mode http\n{defaults}backend app\n{backend}    server a 127.0.0.1:1\n"
+    body = body_of(effective(text, guard=False), "app")
+    set_header = body.index(f"http-request set-header x-hs-backend %[be_name] if {TEST}")
+    assert body[set_header + 1] == f"force-persist if {TEST}"
+    assert [line for line in body if line.startswith(("retry-on", "http-request disable-l7-retry"))] == [
+        *(line.strip() for line in backend.splitlines()), *added
+    ]
 
 
 def test_off_or_nothing_eligible_leaves_the_config_as_the_guard_made_it():

@@ -43,6 +43,9 @@ SHOW_SESS = (Path(__file__).parent / "captured" / "show_sess_2.6.12.txt").read_t
 def test_stuck_sessions_are_those_still_reaching_a_dead_server():
     assert stuck_sessions(SHOW_SESS, frozenset({"app/r1", "q/s1"})) == ["0x561656a409b0"]
     assert stuck_sessions(SHOW_SESS, frozenset({"app/r3"})) == []
+    # From one frontend only (the detector's rescue takes the hand-off frontend's).
+    assert stuck_sessions(SHOW_SESS, frozenset({"app/r1"}), frontend="fe") == ["0x561656a409b0"]
+    assert stuck_sessions(SHOW_SESS, frozenset({"app/r1"}), frontend="_hs_handoff") == []
 
 
 # ---------------------------------------------------------------- live states

@@ -305,20 +305,21 @@ def parse_prepare_map(text: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class Stream:
-    """A stream of `show sess`: its id (for `shutdown session`), its server, and its back side's
-    state (enum sc_state in 2.6, a name in some later versions)."""
+    """A stream of `show sess`: its id (for `shutdown session`), its frontend, its server, and
+    its back side's state (enum sc_state in 2.6, a name in some later versions)."""
 
     id: str
+    frontend: str
     server: ServerKey
     back_state: str
 
 
-_SESS_LINE = re.compile(r"^(0x[0-9a-fA-F]+):.*?\sbe=(\S+)\s+srv=(\S+)\s.*?\sscb=\[(\w+),", re.M)
+_SESS_LINE = re.compile(r"^(0x[0-9a-fA-F]+):.*?\sfe=(\S+)\s+be=(\S+)\s+srv=(\S+)\s.*?\sscb=\[(\w+),", re.M)
 
 
 def parse_show_sess(text: str) -> list[Stream]:
-    """`show sess` (2.6): a line per stream, `... be=<backend> srv=<server> ... scb=[<state>,...`."""
-    return [Stream(m[1], ServerKey.of(m[2], m[3]), m[4]) for m in _SESS_LINE.finditer(text)]
+    """`show sess`: a line per stream, `... fe=<frontend> be=<backend> srv=<server> ... scb=[<state>,...`."""
+    return [Stream(m[1], m[2], ServerKey.of(m[3], m[4]), m[5]) for m in _SESS_LINE.finditer(text)]
 
 
 # What a command prints, as the master CLI relays it (tests/captured/answers_*.txt):

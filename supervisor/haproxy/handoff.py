@@ -132,12 +132,12 @@ def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> C
         return found
 
     kept = config.cache.kept(HANDED_OFF_BODIES)
-    for section in result.backends():
+    for section, settings in result.each_backend_with_settings():
         if section.name in wanted:
-            key = ("".join([b.raw for b in section.body]), test, socket)
+            key = ("".join([b.raw for b in section.body]), settings.retry_on, test, socket)
             body = kept.get(key)
             if body is None:
-                body = tuple(_handed_off_body(section, test, socket, line))
+                body = tuple(_handed_off_body(section, settings.retry_on, test, socket, line))
                 kept.put(key, body)
             section.body = list(body)
     _end_with_newline(result)
@@ -154,11 +154,28 @@ def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> C
     return result
 
 
-# (a backend's body's text, the hand-off test, the socket) -> the body with the hand-off in it.
-HANDED_OFF_BODIES: Slot[tuple[str, str, str], tuple[Line, ...]] = Slot("hand-off bodies")
+# (a backend's body's text, its `retry-on`, the hand-off test, the socket) -> the body with the hand-off in it.
+HANDED_OFF_BODIES: Slot[tuple[str, tuple[str, ...], str, str], tuple[Line, ...]] = Slot("hand-off bodies")
+# `retry-on` words under which a request the current worker closed unanswered is sent again.
+_RETRIES_UNANSWERED = frozenset({"empty-response", "all-retryable-errors"})
 
 
-def _handed_off_body(section: Section, test: str, socket: str, parse: Callable[[str], Line]) -> list[Line]:
+def rescue_lines(retry_on: tuple[str, ...], test: str) -> list[str]:
+    """What brings a handed-off request back to the current worker when the current worker
+    ended it unanswered (the detector's rescue, without the abort: docs/steering.md, "Hand-off").
+    `force-persist` keeps its retry on `_hs_current`, where `option redispatch` would balance it
+    over the old worker's frozen servers; `empty-response` makes the close a retry, in the old
+    worker only (`disable-l7-retry` elsewhere keeps the backend's retries as it wrote them).
+    `retry-on none`: no retry is wanted, none is added."""
+    lines = [f"force-persist if {test}"]
+    if "none" not in retry_on and not _RETRIES_UNANSWERED & set(retry_on):
+        lines += [f"retry-on {' '.join(retry_on)} empty-response", f"http-request disable-l7-retry unless {test}"]
+    return lines
+
+
+def _handed_off_body(
+    section: Section, retry_on: tuple[str, ...], test: str, socket: str, parse: Callable[[str], Line]
+) -> list[Line]:
     body = list(section.body)
     indent = next((line.indent for line in body if line.words), "") or "    "
     newline = "\r\n" if body and body[-1].raw.endswith("\r\n") else "\n"
@@ -175,12 +192,12 @@ def _handed_off_body(section: Section, test: str, socket: str, parse: Callable[[
         body[-1] = parse_line(body[-1].raw + newline)
     first = next((i for i, b in enumerate(body) if _is_rule(b) or b.raw.strip() == GUARD_MARKER), len(body))
     rules_at = _before_comments(body, first)
-    rule = f"http-request set-header {HANDOFF_HEADER} %[be_name] if {test}"
-    body[rules_at:rules_at] = [line(HANDOFF_MARKER), line(rule)]
+    rules = [f"http-request set-header {HANDOFF_HEADER} %[be_name] if {test}", *rescue_lines(retry_on, test)]
+    body[rules_at:rules_at] = [line(HANDOFF_MARKER), *map(line, rules)]
     use_at = next((i for i, b in enumerate(body) if b.words[:1] == ("use-server",)), None)
     use_server = [line(f"use-server {HANDOFF_SERVER} if {test}")]
     if use_at is None:
-        body[rules_at + 2 : rules_at + 2] = use_server
+        body[rules_at + 1 + len(rules) : rules_at + 1 + len(rules)] = use_server
     else:
         use_at = _before_comments(body, use_at)
         body[use_at:use_at] = use_server

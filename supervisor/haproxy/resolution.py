@@ -259,12 +259,13 @@ class ProxySettings:
     # `option forwardfor` or `option originalto`: a header of the client's or its local
     # address is added (HAProxy cannot negate either).
     address_headers: bool = False
+    retry_on: tuple[str, ...] = ("conn-failure",)  # the words after `retry-on`
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def compared(self) -> tuple[object, ...]:
         """Its fields, as its __eq__ compares them and its constructor takes them."""
         return (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
-                self.cookie, self.hash_type, self.redispatch_said, self.address_headers)
+                self.cookie, self.hash_type, self.redispatch_said, self.address_headers, self.retry_on)
 
     def __hash__(self) -> int:
         return _kept_hash(self)
@@ -272,7 +273,9 @@ class ProxySettings:
 
 BUILT_IN = ProxySettings()
 # The first words of the lines that change a ProxySettings; every other line is passed over.
-_SETTING_KEYWORDS = frozenset({"mode", "balance", "option", "no", "default", "default-server", "cookie", "hash-type"})
+_SETTING_KEYWORDS = frozenset(
+    {"mode", "balance", "option", "no", "default", "default-server", "cookie", "hash-type", "retry-on"}
+)
 
 
 def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxySettings:
@@ -280,7 +283,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
     default_words = base.server_default_words
     cookie, hash_type = base.cookie, base.hash_type
-    redispatch_said, address_headers = base.redispatch_said, base.address_headers
+    redispatch_said, address_headers, retry_on = base.redispatch_said, base.address_headers, base.retry_on
     changed = False
     for line in body:
         words = line.words
@@ -306,12 +309,16 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
             cookie = words[1:]
         elif kw == "hash-type" and len(words) > 1:
             hash_type = words[1:]
+        elif kw == "retry-on" and len(words) > 1:
+            retry_on = words[1:]
         else:
             continue
         changed = True
     # The same object when nothing differs (most backends restate their defaults' `balance`):
     # the caches keyed by it then compare it by identity.
-    settings = (mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, address_headers)
+    settings = (
+        mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, address_headers, retry_on
+    )
     if not changed or settings == base.compared():
         return base
     return ProxySettings(*settings)

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from ..eventloop import next_tick, sliced
 from ..haproxy.answers import ServerKey, validate_name
 from ..haproxy.api import CLIError, MasterCLI
+from ..haproxy.handoff import HANDOFF_FRONTEND
 from ..haproxy.resolution import is_ip, section_servers
 from ..logs import RecurringCondition
 from ..master.processes import socket_inodes
@@ -38,6 +39,7 @@ from ..master.sockdiag import (
 from ..settings import DetectorSettings
 from ..state import Generation, State, SuspectServer
 from .dead import by_backend_of
+from .push import end_stuck_streams
 
 Endpoint = tuple[str, int]  # (address, port) of a server as its sockets name it
 
@@ -455,6 +457,8 @@ class StalledDetector:
             here = [s.key for s in new if s.key in now_index.keys and s.key not in self._left_in]
             if here:
                 await self._take_out(current.worker_pid, here)
+            if not self.can_abort:
+                await self._send_back(current.worker_pid, stalls, owners, index)
 
     def _owners(self, current_pid: int | None) -> dict[int, int]:
         """{socket inode: worker PID}: read only when something is stalled."""
@@ -484,6 +488,27 @@ class StalledDetector:
         unchecked = [k for k in keys if k not in index.checked and k in index.keys]
         if unchecked:
             await self._set_health(pid, unchecked, "up")
+
+    async def _send_back(self, pid: int, stalls: list[Stall], owners: dict[int, int], index: ServerIndex) -> None:
+        """Without the abort: end the current worker's handed-off requests still connecting to a
+        suspect it took out, so their old workers send them again (haproxy/handoff.py's
+        rescue_lines) and the current worker balances them over the servers it has left.
+        Nothing reached the server yet; a request of its own would fail, so it waits."""
+        taken_out = frozenset(k for k in self._held if k not in self._left_in)
+        if not any(
+            s.why == "connect" and owners.get(s.socket.inode) == pid
+            and taken_out.intersection(index.by_endpoint.get(s.endpoint, ()))
+            for s in stalls
+        ):
+            return
+        try:
+            ended = await end_stuck_streams(self.cli, pid, taken_out, HANDOFF_FRONTEND)
+        except (CLIError, OSError) as exc:
+            log.warning("worker %d: cannot end handed-off requests stuck on suspects: %s", pid, exc)
+            return
+        if ended:
+            log.info("worker %d: ended %d handed-off requests connecting to suspects; their old workers "
+                     "send them again (unless `retry-on none`)", pid, ended)
 
     async def _own_indexes(
         self, stalls: list[Stall], owners: dict[int, int], current_pid: int | None,

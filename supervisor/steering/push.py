@@ -183,14 +183,18 @@ async def read_map(cli: MasterCLI, map_path: str, pid: int) -> dict[str, str]:
 _STUCK_STATES = {"1", "2", "3", "4", "5", "6", "REQ", "QUE", "TAR", "ASS", "CON", "CER"}
 
 
-def stuck_sessions(show_sess_answer: str, dead: frozenset[str]) -> list[str]:
-    """The ids of the streams connecting to, or queued on, a dead server (their back side's state)."""
-    return [s.id for s in parse_show_sess(show_sess_answer) if s.server in dead and s.back_state in _STUCK_STATES]
+def stuck_sessions(show_sess_answer: str, dead: frozenset[str], frontend: str | None = None) -> list[str]:
+    """The ids of the streams connecting to, or queued on, a dead server (their back side's
+    state), from `frontend` only when one is named."""
+    return [
+        s.id for s in parse_show_sess(show_sess_answer)
+        if s.server in dead and s.back_state in _STUCK_STATES and frontend in (None, s.frontend)
+    ]
 
 
-async def end_stuck_streams(cli: MasterCLI, pid: int, dead: frozenset[str]) -> int:
+async def end_stuck_streams(cli: MasterCLI, pid: int, dead: frozenset[str], frontend: str | None = None) -> int:
     """`shutdown session` for a worker's stuck_sessions(); how many."""
-    ids = stuck_sessions(await cli.on(pid, "show sess"), dead)
+    ids = stuck_sessions(await cli.on(pid, "show sess"), dead, frontend)
     if ids:
         await cli.execute_many([on_process(pid, f"shutdown session {i}") for i in ids])
     return len(ids)
