@@ -95,6 +95,23 @@ def test_option_forwardfor_in_the_defaults_makes_its_backends_ineligible():
     assert eligible_backends(Config.parse(text)) == ["by_plain"]
 
 
+def test_rules_of_a_named_defaults_make_its_backends_ineligible():
+    # They would run in both workers (HAProxy runs a defaults' rules before the proxy's own).
+    text = (
+        "defaults ruled\n    mode http\n    http-request set-header x-d 1\n"
+        "defaults plain\n    mode http\n"
+        "backend by_ruled from ruled\n    server a 127.0.0.1:1\n"
+        "backend by_plain\n    server a 127.0.0.1:1\n"
+    )
+    assert eligible_backends(Config.parse(text)) == ["by_plain"]
+
+
+def test_no_backend_is_eligible_when_the_frontend_would_inherit_rules_of_the_last_defaults():
+    # HAProxy refuses a frontend and a backend under the same defaults with rules.
+    text = "defaults ruled\n    mode http\n    tcp-request content accept\nbackend be\n    server a 127.0.0.1:1\n"
+    assert eligible_backends(Config.parse(text)) == []
+
+
 def test_no_backend_is_eligible_when_the_frontend_would_inherit_option_forwardfor():
     # The hand-off frontend goes last, under the last defaults: it would add X-Forwarded-For again.
     text = "defaults\n    mode http\nbackend be\n    server a 127.0.0.1:1\ndefaults\n    option forwardfor\n"

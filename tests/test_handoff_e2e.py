@@ -251,6 +251,54 @@ def test_a_ray_shaped_config_with_the_hand_off_passes_haproxy_check(tmp_path):
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+NAMED_DEFAULTS = """\
+defaults ruled
+    mode http
+    timeout connect 1s
+    timeout client 1s
+    timeout server 1s
+    http-request set-header x-d 1
+
+backend by_ruled from ruled
+    server a 127.0.0.1:1
+
+defaults plain
+    mode http
+    timeout connect 1s
+    timeout client 1s
+    timeout server 1s
+
+backend by_plain
+    server a 127.0.0.1:1
+
+frontend fe
+    bind 127.0.0.1:{front}
+    use_backend by_ruled if {{ path_beg /r }}
+    default_backend by_plain
+"""
+
+
+# The same sections, the defaults with rules last: the hand-off frontend would go under it.
+RULED_LAST = NAMED_DEFAULTS.replace("frontend fe\n", "frontend fe from plain\n").split("\n\n")
+RULED_LAST = "\n\n".join([RULED_LAST[2], RULED_LAST[3], RULED_LAST[0], RULED_LAST[1], RULED_LAST[4]])
+
+
+@pytest.mark.parametrize(("text", "handed_off"), [(NAMED_DEFAULTS, {"by_plain"}), (RULED_LAST, set())])
+def test_a_config_with_rules_in_a_named_defaults_keeps_passing_haproxy_check(tmp_path, text, handed_off):
+    """The backend under the defaults with rules is not handed off, and the hand-off frontend
+    goes in only where the last defaults has no rules (HAProxy refuses a frontend and a backend
+    under the same defaults with rules)."""
+    settings = Settings(haproxy=HAProxySettings(runtime_dir=tmp_path), old_workers=OldWorkerSettings(hand_off=True))
+    prepare_runtime_dir(settings)
+    effective = build_effective(settings, text.format(front=free_port()))
+    assert {s.name for s in effective.effective_model.backends() if is_handed_off(s)} == handed_off
+    write_slot_table(effective.slot_table)
+    config = tmp_path / "check.cfg"
+    config.write_text(effective.text)
+    checked = subprocess.run([haproxy_binary(), "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
 @pytest.mark.parametrize("hand_off", [True, False])
 async def test_a_retry_goes_only_to_servers_the_current_worker_sees_alive(rundir, hand_off):
     """The retry hole: the only server the old worker is steered to (x, in both configs)

@@ -23,7 +23,7 @@ from .answers import HANDOFF_SERVER, validate_name
 from .config import Config
 from .guard import GUARD_MARKER, is_guarded, primary_names
 from .lexer import Line, Section, Slot, parse_line
-from .resolution import BACKEND_KINDS, BUILT_IN, ProxySettings, server_line_flags
+from .resolution import BACKEND_KINDS, BUILT_IN, RULE_KEYWORDS, ProxySettings, server_line_flags
 
 HANDOFF_FRONTEND = "_hs_handoff"
 HANDOFF_HEADER = "x-hs-backend"
@@ -32,9 +32,7 @@ HANDOFF_MARKER = "# haproxy-supervisor hand-off"
 RESERVED_NAMES = frozenset({HANDOFF_SERVER, HANDOFF_FRONTEND})
 # Rules of a section's own would run twice, once in each worker; a `use-server` may read a
 # variable the old worker's frontend set, which does not travel.
-OWN_RULES = frozenset(
-    {"http-request", "http-response", "http-after-response", "tcp-request", "tcp-response", "use-server"}
-)
+OWN_RULES = RULE_KEYWORDS | {"use-server"}
 # The server's own words after the address: none of what a `default-server` line may give it
 # (checks, TLS, a backup role) holds for a local socket into the current worker.
 _SERVER_WORDS = "weight 0 no-check no-ssl no-backup no-send-proxy send-proxy-v2"
@@ -58,7 +56,8 @@ def eligible_backends(config: Config) -> list[str]:
     """The backends and listens whose requests an old worker may hand off: `mode http`, with
     primary servers, none of the rules OWN_RULES names, no server spoken to in HTTP/2 (`proto
     h2`), and no `option forwardfor` or `originalto` applying (the current worker would add
-    the header again); none at all when the hand-off frontend would inherit one itself.
+    the header again) nor rules of its defaults; none at all when the hand-off frontend would
+    inherit one of those itself.
     `config`: before the guard."""
     kept = config.cache.kept(ELIGIBLE)
     names = []
@@ -66,7 +65,7 @@ def eligible_backends(config: Config) -> list[str]:
     for section, settings in config.resolved():
         if section.kind == "defaults":
             last_defaults = settings
-        if section.kind not in BACKEND_KINDS or settings.mode != "http" or settings.address_headers:
+        if section.kind not in BACKEND_KINDS or settings.mode != "http" or _bars_the_hand_off(settings):
             continue
         key = (settings, "".join([line.raw for line in section.body]))
         eligible = kept.get(key)
@@ -75,7 +74,14 @@ def eligible_backends(config: Config) -> list[str]:
             kept.put(key, eligible)
         if eligible:
             names.append(section.name)
-    return [] if last_defaults.address_headers else names
+    return [] if _bars_the_hand_off(last_defaults) else names
+
+
+def _bars_the_hand_off(settings: ProxySettings) -> bool:
+    """`option forwardfor`/`originalto` (the current worker would add the header again), or
+    its defaults' rules (they would run in both workers; HAProxy refuses the hand-off frontend
+    under the same defaults as a backend)."""
+    return settings.address_headers or settings.defaults_rules
 
 
 def _eligible(body: list[Line], settings: ProxySettings) -> bool:

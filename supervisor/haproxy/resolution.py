@@ -260,21 +260,26 @@ class ProxySettings:
     # address is added (HAProxy cannot negate either).
     address_headers: bool = False
     retry_on: tuple[str, ...] = ("conn-failure",)  # the words after `retry-on`
+    # Its defaults define TCP/HTTP rules (a named one only): they run before the proxy's own,
+    # and HAProxy refuses a frontend and a backend under the same such defaults.
+    defaults_rules: bool = False
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def compared(self) -> tuple[object, ...]:
         """Its fields, as its __eq__ compares them and its constructor takes them."""
         return (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
-                self.cookie, self.hash_type, self.redispatch_said, self.address_headers, self.retry_on)
+                self.cookie, self.hash_type, self.redispatch_said, self.address_headers, self.retry_on,
+                self.defaults_rules)
 
     def __hash__(self) -> int:
         return _kept_hash(self)
 
 
 BUILT_IN = ProxySettings()
+RULE_KEYWORDS = frozenset({"http-request", "http-response", "http-after-response", "tcp-request", "tcp-response"})
 # The first words of the lines that change a ProxySettings; every other line is passed over.
 _SETTING_KEYWORDS = frozenset(
-    {"mode", "balance", "option", "no", "default", "default-server", "cookie", "hash-type", "retry-on"}
+    {"mode", "balance", "option", "no", "default", "default-server", "cookie", "hash-type", "retry-on", *RULE_KEYWORDS}
 )
 
 
@@ -284,6 +289,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     default_words = base.server_default_words
     cookie, hash_type = base.cookie, base.hash_type
     redispatch_said, address_headers, retry_on = base.redispatch_said, base.address_headers, base.retry_on
+    defaults_rules = base.defaults_rules
     changed = False
     for line in body:
         words = line.words
@@ -311,13 +317,18 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
             hash_type = words[1:]
         elif kw == "retry-on" and len(words) > 1:
             retry_on = words[1:]
+        elif kw in RULE_KEYWORDS:
+            if not is_defaults:
+                continue
+            defaults_rules = True
         else:
             continue
         changed = True
     # The same object when nothing differs (most backends restate their defaults' `balance`):
     # the caches keyed by it then compare it by identity.
     settings = (
-        mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, address_headers, retry_on
+        mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, address_headers, retry_on,
+        defaults_rules,
     )
     if not changed or settings == base.compared():
         return base
