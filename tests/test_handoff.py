@@ -95,6 +95,15 @@ def test_option_forwardfor_in_the_defaults_makes_its_backends_ineligible():
     assert eligible_backends(Config.parse(text)) == ["by_plain"]
 
 
+def test_no_backend_is_eligible_when_the_frontend_would_add_a_unique_id_header_again():
+    text = (
+        "defaults\n    mode http\n    unique-id-format %{+X}o%ci\n    unique-id-header x-request-id\n"
+        "backend be\n    server a 127.0.0.1:1\n"
+    )
+    assert eligible_backends(Config.parse(text)) == []
+    assert eligible_backends(Config.parse(text.replace("    unique-id-header x-request-id\n", ""))) == ["be"]
+
+
 def test_rules_of_a_named_defaults_make_its_backends_ineligible():
     # They would run in both workers (HAProxy runs a defaults' rules before the proxy's own).
     text = (

@@ -78,10 +78,11 @@ def eligible_backends(config: Config) -> list[str]:
 
 
 def _bars_the_hand_off(settings: ProxySettings) -> bool:
-    """`option forwardfor`/`originalto` (the current worker would add the header again), or
+    """`option forwardfor`/`originalto` or `unique-id-header` (the current worker would add
+    the header again), or
     its defaults' rules (they would run in both workers; HAProxy refuses the hand-off frontend
     under the same defaults as a backend)."""
-    return settings.address_headers or settings.defaults_rules
+    return settings.adds_headers or settings.defaults_rules
 
 
 def _eligible(body: list[Line], settings: ProxySettings) -> bool:

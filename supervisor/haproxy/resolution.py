@@ -256,9 +256,9 @@ class ProxySettings:
     # `option redispatch [n]`, `no option redispatch` or `default option redispatch` applies:
     # the config says how retries are redispatched, and the guard leaves it so.
     redispatch_said: bool = False
-    # `option forwardfor` or `option originalto`: a header of the client's or its local
-    # address is added (HAProxy cannot negate either).
-    address_headers: bool = False
+    # `option forwardfor`, `option originalto` or `unique-id-header`: a header is added to each
+    # request (the client's address, its local one, its id); HAProxy cannot negate any of them.
+    adds_headers: bool = False
     retry_on: tuple[str, ...] = ("conn-failure",)  # the words after `retry-on`
     # Its defaults define TCP/HTTP rules (a named one only): they run before the proxy's own,
     # and HAProxy refuses a frontend and a backend under the same such defaults.
@@ -268,7 +268,7 @@ class ProxySettings:
     def compared(self) -> tuple[object, ...]:
         """Its fields, as its __eq__ compares them and its constructor takes them."""
         return (self.mode, self.balance, self.all_backups, self.server_defaults, self.server_default_words,
-                self.cookie, self.hash_type, self.redispatch_said, self.address_headers, self.retry_on,
+                self.cookie, self.hash_type, self.redispatch_said, self.adds_headers, self.retry_on,
                 self.defaults_rules)
 
     def __hash__(self) -> int:
@@ -278,9 +278,10 @@ class ProxySettings:
 BUILT_IN = ProxySettings()
 RULE_KEYWORDS = frozenset({"http-request", "http-response", "http-after-response", "tcp-request", "tcp-response"})
 # The first words of the lines that change a ProxySettings; every other line is passed over.
-_SETTING_KEYWORDS = frozenset(
-    {"mode", "balance", "option", "no", "default", "default-server", "cookie", "hash-type", "retry-on", *RULE_KEYWORDS}
-)
+_SETTING_KEYWORDS = frozenset({
+    "mode", "balance", "option", "no", "default", "default-server", "cookie", "hash-type", "retry-on",
+    "unique-id-header", *RULE_KEYWORDS,
+})
 
 
 def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxySettings:
@@ -288,7 +289,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     mode, balance, all_backups, flags = base.mode, base.balance, base.all_backups, base.server_defaults
     default_words = base.server_default_words
     cookie, hash_type = base.cookie, base.hash_type
-    redispatch_said, address_headers, retry_on = base.redispatch_said, base.address_headers, base.retry_on
+    redispatch_said, adds_headers, retry_on = base.redispatch_said, base.adds_headers, base.retry_on
     defaults_rules = base.defaults_rules
     changed = False
     for line in body:
@@ -306,8 +307,8 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
             all_backups = True if not prefix else False if prefix == ("no",) else base.all_backups
         elif _says_redispatch(words):
             redispatch_said = True
-        elif words[:2] in (("option", "forwardfor"), ("option", "originalto")):
-            address_headers = True
+        elif words[:2] in (("option", "forwardfor"), ("option", "originalto")) or kw == "unique-id-header":
+            adds_headers = True
         elif kw == "default-server" and is_defaults:
             flags = flags.apply(words[1:])
             default_words += words[1:]
@@ -327,7 +328,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
     # The same object when nothing differs (most backends restate their defaults' `balance`):
     # the caches keyed by it then compare it by identity.
     settings = (
-        mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, address_headers, retry_on,
+        mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, adds_headers, retry_on,
         defaults_rules,
     )
     if not changed or settings == base.compared():
