@@ -27,9 +27,6 @@ from .routes import StatusActions, build_app, error_json
 log = logging.getLogger(__package__)
 
 
-UNIX_SOCKET_MODE = 0o660
-
-
 class StatusServerError(Exception):
     """The status listener could not be set up. One line naming the address and the problem."""
 
@@ -56,11 +53,11 @@ def _remove_stale_socket(path: Path) -> None:
     raise StatusServerError(f"status.listen unix:{path}: another process is listening on it")
 
 
-def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
-    """A listening-ready unix socket whose file never has a wider mode than `mode`."""
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A listening-ready unix socket whose file never has a wider mode than 0660 (docs/status.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_socket(path)
-    sock = bind_unix_private(path, mode)
+    sock = bind_unix_private(path, 0o660)
     sock.setblocking(False)
     return sock
 
@@ -347,10 +344,8 @@ class StatusServer:
         self._listener = listener
 
     async def run(self) -> None:
-        if self._listener is None:
-            await self.start()
         listener = self._listener
-        assert listener is not None
+        assert listener is not None, "start() first"
         try:
             while True:
                 await wait_set(listener.dead, self.PROBE_S)
