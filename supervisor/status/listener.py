@@ -143,9 +143,7 @@ class _GuardedHandler(RequestHandler):
             log.warning("status: answering %d: %s", status, problem)
         else:
             log.debug("status: bad request from %s: %s", request.remote, problem)
-        response = error_json(status, f"bad request: {problem}" if status < 500 else problem)
-        response.force_close()
-        return response
+        return error_json(status, f"bad request: {problem}" if status < 500 else problem, close=True)
 
 
 def _descriptor_budget(limit: int) -> int:
@@ -171,7 +169,7 @@ def _accepting(server: asyncio.Server | None) -> bool:
 
 class StatusListener:
     """The listening socket of the status app, and the runner serving it: bound by `open()`,
-    bound again by `rebind()` once it is `dead` (an accept() failed, or `probe()` said so)."""
+    bound again by `bind()` once it is `dead` (an accept() failed, or `probe()` said so)."""
 
     def __init__(self, app: web.Application, listen: str, limits: StatusSettings) -> None:
         self.app = app
@@ -198,13 +196,14 @@ class StatusListener:
         await self.runner.setup()
         self._guard = ConnectionGuard(_descriptor_budget(self.limits.max_connections), self.limits.header_timeout_s)
         try:
-            await self._bind()
+            await self.bind()
         except BaseException:
             await self.runner.cleanup()
             raise
         log.info("status: listening on %s", self.listen)
 
-    async def _bind(self) -> None:
+    async def bind(self) -> None:
+        """Bind (once dead, again: dying closed it); StatusServerError when it cannot."""
         loop = asyncio.get_running_loop()
         server, guard = self.runner.server, self._guard
         assert server is not None and guard is not None
@@ -232,11 +231,6 @@ class StatusListener:
         self.server = listener
         self.dead.clear()
         self.problem = ""
-
-    async def rebind(self) -> None:
-        """Close what is left of a dead listener and bind again (StatusServerError when it cannot)."""
-        self._close_listener()
-        await self._bind()
 
     def probe(self) -> bool:
         """Whether every listening socket still listens; marks the listener dead when not."""
@@ -365,7 +359,7 @@ class StatusServer:
         delay = self.REBIND_FIRST_S
         while True:
             try:
-                await listener.rebind()
+                await listener.bind()
                 break
             except StatusServerError as exc:
                 self.state.publish_status_listener(str(exc))

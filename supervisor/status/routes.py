@@ -96,8 +96,11 @@ def _peer(request: web.Request) -> str:
     return "unix socket" if _on_unix_socket(request) else str(request.remote)
 
 
-def error_json(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
+def error_json(status: int, message: str, headers: dict[str, str] | None = None, close: bool = False) -> web.Response:
+    response = web.json_response({"error": message}, status=status, headers=headers)
+    if close:  # the rest of an unread body would be taken for the next request: end the connection
+        response.force_close()
+    return response
 
 
 @web.middleware
@@ -134,15 +137,15 @@ async def _bounded_body(request: web.Request, handler: Callable[[web.Request], A
     # announced but never sent (Content-Length: 10^12) does not hold the connection.
     if request.can_read_body:
         if (request.content_length or 0) > MAX_BODY_BYTES:
-            return _closing(error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
+            return error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes", close=True)
         timeout = request.app[BODY_TIMEOUT_KEY]
         try:
             async with asyncio.timeout(timeout):
                 await request.read()
         except TimeoutError:
-            return _closing(error_json(408, f"request body not received within {timeout:g} s"))
+            return error_json(408, f"request body not received within {timeout:g} s", close=True)
         except web.HTTPRequestEntityTooLarge:
-            return _closing(error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
+            return error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes", close=True)
     return await handler(request)
 
 
@@ -181,19 +184,13 @@ def _host_check(listen_host: str, allowed: tuple[str, ...]) -> Callable[..., Awa
         if not header:
             return await handler(request)  # HTTP/1.0 without Host: not a browser
         if len(header) > 1 or not host_allowed(header[0], listen_host, allowed):
-            shown = header[0][:80] if header else ""
+            shown = header[0][:80]
             log.debug("status: refused Host %r from %s", shown, _peer(request))
-            return _closing(error_json(421, f"this listener does not answer for Host {shown!r} "
-                                            "(status.allowed_hosts)"))
+            message = f"this listener does not answer for Host {shown!r} (status.allowed_hosts)"
+            return error_json(421, message, close=True)
         return await handler(request)
 
     return check
-
-
-def _closing(response: web.Response) -> web.Response:
-    # The rest of an unread body would be taken for the next request: end the connection.
-    response.force_close()
-    return response
 
 
 class _Endpoints:
