@@ -215,9 +215,7 @@ class State:
     old_workers: dict[int, OldWorker] = field(default_factory=dict)
     pending_removals: Mapping[str, PendingRemoval] = field(default_factory=dict)  # by backend/server
     reloads: ReloadStats = field(default_factory=ReloadStats)
-    rendered_path: str | None = None
     rendered_sha256: str | None = None
-    effective_path: str | None = None
     last_good_sha256: str | None = None
     operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
@@ -264,9 +262,6 @@ class State:
 
     # ------------------------------------------------------------ publish, by owner
     # The reloader's.
-    def publish_paths(self, rendered: str, effective: str) -> None:
-        self.rendered_path, self.effective_path = rendered, effective
-
     def publish_rendered(self, sha256: str) -> None:
         """The digest of the rendered config it last read."""
         self.rendered_sha256 = sha256

@@ -96,9 +96,9 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "recent": [reload_json(r) for r in reversed(reloads.history)],
         },
         "config": {
-            "rendered_path": state.rendered_path or str(settings.haproxy.config),
+            "rendered_path": str(settings.haproxy.config),
             "rendered_sha256": state.rendered_sha256,
-            "effective_path": state.effective_path or str(settings.haproxy.effective_config),
+            "effective_path": str(settings.haproxy.effective_config),
             "last_good_sha256": state.last_good_sha256,
         },
         "convergence": _convergence_json(state.convergence, now),
