@@ -275,9 +275,6 @@ class StatusListener:
             if path.stat().st_ino == self._inode:
                 path.unlink()
 
-    async def close(self) -> None:
-        await self.runner.cleanup()
-
 
 def quiet_loop_errors(
     loop: asyncio.AbstractEventLoop, claimed: Callable[[BaseException], bool] = lambda _: False,
@@ -348,7 +345,7 @@ class StatusServer:
                 await self._bind_again(listener)
         finally:
             self._listener = None
-            await listener.close()
+            await listener.runner.cleanup()
 
     async def _bind_again(self, listener: StatusListener) -> None:
         listen = self.settings.status.listen
@@ -373,4 +370,4 @@ class StatusServer:
         """Close a listener that `start()` bound and `run()` never served (a start cut short)."""
         if self._listener is not None:
             listener, self._listener = self._listener, None
-            await listener.close()
+            await listener.runner.cleanup()
