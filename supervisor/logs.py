@@ -40,17 +40,17 @@ def setup_logging(settings: LoggingSettings) -> None:
 class RecurringCondition:
     """A condition that can recur thousands of times a second (a flood, a resource running
     out, a socket or a disk that keeps failing): logged when it starts and when its cause
-    changes, then at most once per `every_s` with how often it happened meanwhile, and once
+    changes, then at most once per EVERY_S with how often it happened meanwhile, and once
     when it is over."""
 
+    EVERY_S = 60.0
+
     def __init__(
-        self, logger: logging.Logger, level: int, message: str, every_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
+        self, logger: logging.Logger, level: int, message: str, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.logger = logger
         self.level = level
         self.message = message
-        self.every_s = every_s
         self.clock = clock
         self.count = 0  # times it happened since the last line
         self._logged_at: float | None = None
@@ -58,10 +58,10 @@ class RecurringCondition:
         self._reported = False  # logged, and not yet said to be over
 
     def happened(self, *args: object, cause: object = None) -> None:
-        """`message % args`, unless a line with the same `cause` was logged less than `every_s` ago."""
+        """`message % args`, unless a line with the same `cause` was logged less than EVERY_S ago."""
         self.count += 1
         now = self.clock()
-        if self._logged_at is None or cause != self._cause or now - self._logged_at >= self.every_s:
+        if self._logged_at is None or cause != self._cause or now - self._logged_at >= self.EVERY_S:
             times = f" ({self.count} times since the last report)" if self.count > 1 else ""
             self.logger.log(self.level, self.message + times, *args)
             self._logged_at = now
@@ -83,19 +83,16 @@ class RecurringConditions:
     logged as `RecurringCondition` does, with the wording of its latest occurrence; when one
     is over, `<key>: works again`."""
 
-    def __init__(
-        self, logger: logging.Logger, level: int, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, logger: logging.Logger, level: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger
         self.level = level
-        self.every_s = every_s
         self.clock = clock
         self._by_key: dict[str, RecurringCondition] = {}
 
     def happened(self, key: str, cause: object, message: str) -> None:
         condition = self._by_key.get(key)
         if condition is None:
-            condition = self._by_key[key] = RecurringCondition(self.logger, self.level, "%s", self.every_s, self.clock)
+            condition = self._by_key[key] = RecurringCondition(self.logger, self.level, "%s", self.clock)
         condition.happened(message, cause=cause)
 
     def over(self, key: str) -> None:

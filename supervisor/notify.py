@@ -51,11 +51,6 @@ def format_message(**fields: str | int) -> bytes:
     return "\n".join(f"{key}=" + str(value).replace("\n", " ") for key, value in fields.items()).encode()
 
 
-def monotonic_usec() -> int:
-    """CLOCK_MONOTONIC in microseconds, the clock systemd expects in MONOTONIC_USEC."""
-    return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-
-
 def summary_line(state: State, old_workers: int | None = None) -> str:
     """The one-line STATUS= text: what runs, what was last done, what went wrong."""
     current = state.current
@@ -111,15 +106,17 @@ class Notifier:
         self.ready_sent = True
         self.send(READY=1, STATUS=status)
 
-    def reloading(self, status: str = "reloading") -> None:
-        # MONOTONIC_USEC lets systemd tell this reload from an earlier one (systemd >= 253).
-        self.send(RELOADING=1, MONOTONIC_USEC=monotonic_usec(), STATUS=status)
+    def reloading(self, status: str) -> None:
+        # MONOTONIC_USEC (CLOCK_MONOTONIC in microseconds) lets systemd tell this reload from an
+        # earlier one (systemd >= 253).
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.send(RELOADING=1, MONOTONIC_USEC=usec, STATUS=status)
 
     def status(self, status: str) -> None:
         self.send(STATUS=status)
 
-    def stopping(self, status: str = "stopping") -> None:
-        self.send(STOPPING=1, STATUS=status)
+    def stopping(self) -> None:
+        self.send(STOPPING=1, STATUS="stopping")
 
     def watchdog(self) -> None:
         self.send(WATCHDOG=1)

@@ -4,9 +4,6 @@ Built from the /status document plus what it does not carry: each backend's size
 HAProxy runs (so a drain reads "b42: 3 of 10 dead") and the charts' history (State keeps it).
 Dead servers are shown per backend, worst first, so at fleet size every affected backend is on
 the page; the server names are in each backend's tooltip and in /status.
-
-In order: escaping and shared HTML pieces; dead servers by backend (pure); the inline SVG
-charts (pure); the page itself (`render_page`, and `page_of` for the daemon).
 """
 
 from __future__ import annotations
@@ -43,20 +40,20 @@ def badge(text: str, tone: str) -> str:
     return f'<span class="badge {tone}">{esc(text)}</span>'
 
 
-def chips(keys: list[str], tone: str = "", operator: frozenset[str] = frozenset()) -> str:
+def chips(keys: list[str], operator: frozenset[str] = frozenset()) -> str:
     if not keys:
         return '<span class="muted">none</span>'
     return " ".join(
-        f'<span class="chip {tone}">{esc(key)}{_OPERATOR_TAG if key in operator else ""}</span>' for key in keys
+        f'<span class="chip bad">{esc(key)}{_OPERATOR_TAG if key in operator else ""}</span>' for key in keys
     )
 
 
-def when(value: str | None, now: datetime, with_date: bool = True) -> str:
+def when(value: str | None, now: datetime) -> str:
     """A time from the document as `2025-01-02 03:04:05` and how long ago; the exact value on hover."""
     if value is None:
         return '<span class="muted">—</span>'
     moment = datetime.fromisoformat(value)
-    shown = moment.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
+    shown = moment.strftime("%Y-%m-%d %H:%M:%S")
     ago = format_age(max(0.0, (now - moment).total_seconds()))
     return f'<span class="when" title="{esc(value)}">{esc(shown)} <span class="muted">{esc(ago)} ago</span></span>'
 
@@ -201,7 +198,8 @@ def _bars(
     """One bar per (when, value, tone, what) in `bars`, oldest left, on a log scale from `low`."""
     if not bars:
         return _empty(label, f"no {noun} yet")
-    high = max(max(value for _, value, _, _ in bars), low * 10)
+    worst = max(value for _, value, _, _ in bars)
+    high = max(worst, low * 10)
     step = (CHART_W - _PLOT_LEFT) / max(len(bars), 24)
     width = max(1.0, step * 0.7)
     rects = []
@@ -211,7 +209,6 @@ def _bars(
             f'<rect x="{_PLOT_LEFT + i * step:.1f}" y="{_PLOT_BOTTOM - height:.1f}" width="{width:.1f}" '
             f'height="{height:.1f}" fill="{_TONE_FILL[tone]}"><title>{esc(f"{rfc3339(at)} {what}")}</title></rect>'
         )
-    worst = max(value for _, value, _, _ in bars)
     since = f"{len(bars)} {noun}, since {format_age((now - bars[0][0]).total_seconds())} ago"
     return _svg(label, "".join(rects), f"max {shown(worst)} (log scale)", since, "now")
 
@@ -438,10 +435,9 @@ def _damage_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
         for group in groups
     )
     dead_servers = doc["dead_servers"]
+    names = ""
     if len(dead_servers) <= PAGE_CHIP_LIMIT:
-        names = f"<p>{chips(dead_servers, 'bad', frozenset(doc['operator_dead']))}</p>"
-    else:
-        names = ""
+        names = f"<p>{chips(dead_servers, frozenset(doc['operator_dead']))}</p>"
     return (
         f'<div class="backends" id="backends">{rows}</div>{names}'
         '<p class="muted">Worst first; hover a backend for its dead servers (all of them are in /status). '
@@ -454,7 +450,7 @@ def _damage_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
 
 def _steered_html(steered: list[str]) -> str:
     if len(steered) <= STEERED_NAMED:
-        return chips(steered, "bad")
+        return chips(steered)
     backends = len(backends_of(tuple(steered)))
     return f'<span class="num">{len(steered):,} servers in {backends:,} backends</span>'
 

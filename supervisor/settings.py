@@ -148,6 +148,18 @@ class Settings:
     source: Path | None = None  # the settings file these came from
 
 
+def listen_address(listen: str) -> tuple[str, int] | str:
+    """("host", port) for TCP, or the socket path for `unix:/path`; ValueError saying what is wrong."""
+    if listen.startswith("unix:"):
+        if len(listen) <= len("unix:"):
+            raise ValueError("unix: needs a path")
+        return listen[len("unix:") :]
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not _is_decimal(port) or not 0 < int(port) < 65536:
+        raise ValueError(f"must be host:port or unix:/path, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
 # Numbers must be > 0 (a zero or negative value is a mistake, not "off"), but these may be zero.
 _ZERO_ALLOWED = {
     "detector.hold_s",
@@ -156,8 +168,10 @@ _ZERO_ALLOWED = {
     "reload.converge_grace_s",
     "reload.remove_wait_s",
 }
-# Strings read by a function of files.py, which says what is wrong with a bad one.
-_STRING_CHECKS = {"controller.socket_mode": mode_bits, "controller.socket_owner": owner_ids}
+# Strings read by a function that says what is wrong with a bad one.
+_STRING_CHECKS = {
+    "controller.socket_mode": mode_bits, "controller.socket_owner": owner_ids, "status.listen": listen_address,
+}
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
 # Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or
@@ -252,10 +266,10 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
     if settings.controller.runtime_socket is not None and not settings.haproxy.move_stats_socket:
         # The controller writes HAProxy's `stats socket` at the path the relay binds.
         raise SettingsError(f"{path}: controller.runtime_socket needs haproxy.move_stats_socket: true")
-    return apply_environment(settings, os.environ if environ is None else environ, path)
+    return apply_environment(settings, os.environ if environ is None else environ)
 
 
-def apply_environment(settings: Settings, environ: Mapping[str, str], file: Path | str = "environment") -> Settings:
+def apply_environment(settings: Settings, environ: Mapping[str, str]) -> Settings:
     """The Ray Serve observe gates override the file: the first variable set of each pair wins."""
     observe = settings.observe
     for name in OBSERVE_GATE_ENV:
@@ -357,29 +371,9 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
             fail(f"must be a string, got {value!r}")
         if "\0" in value:
             fail("cannot contain a NUL byte")
-        if key == "status.listen":
-            _check_listen(value, fail)
         try:
             _STRING_CHECKS.get(key, str)(value)
         except ValueError as exc:
             fail(str(exc))
         return value
     raise AssertionError(f"unhandled settings type {hint!r} for {key}")
-
-
-def _check_listen(value: str, fail: typing.Callable[[str], typing.NoReturn]) -> None:
-    if value.startswith("unix:"):
-        if len(value) <= len("unix:"):
-            fail("unix: needs a path")
-        return
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not _is_decimal(port) or not 0 < int(port) < 65536:
-        fail(f"must be host:port or unix:/path, got {value!r}")
-
-
-def listen_address(listen: str) -> tuple[str, int] | str:
-    """("host", port) for TCP, or the socket path for `unix:/path`."""
-    if listen.startswith("unix:"):
-        return listen[len("unix:") :]
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)

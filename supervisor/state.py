@@ -8,8 +8,8 @@ loop, so no locks; nothing here does I/O.
 
 from __future__ import annotations
 
+import functools
 import os
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,10 +23,7 @@ ReloadResult = Literal["ok", "failed", "invalid", "skipped_unchanged", "runtime_
 PushStateName = Literal["ok", "pending", "failed"]
 # Points each of the status page's charts keeps: memory stays bounded however long the daemon runs.
 CHART_POINTS = 240
-
-
-def chart_series() -> deque:
-    return deque(maxlen=CHART_POINTS)
+chart_series = functools.partial(deque, maxlen=CHART_POINTS)
 
 
 def utcnow() -> datetime:
@@ -41,8 +38,7 @@ def rfc3339(moment: datetime | None) -> str | None:
 
 @dataclass(frozen=True)
 class Generation:
-    """One loaded config: generation N is what the worker started by the N-th reload runs.
-    A value: a runtime apply that changes what the worker runs publishes a new one."""
+    """One loaded config: generation N is what the worker started by the N-th reload runs."""
 
     number: int
     model: Config  # the effective config this generation's worker runs
@@ -132,17 +128,15 @@ class OldWorker:
 class DurationHistogram:
     """Cumulative-bucket histogram of seconds, in Prometheus's shape, kept without a registry."""
 
-    bounds: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-    counts: list[int] = field(default_factory=list)  # per bound, cumulative; +Inf is `count`
-    count: int = 0
+    BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+    counts: list[int] = field(default_factory=lambda: [0] * len(DurationHistogram.BOUNDS))  # per bound, cumulative
+    count: int = 0  # the +Inf bucket
     sum: float = 0.0
     recent: deque[tuple[datetime, float]] = field(default_factory=chart_series)  # (when, seconds), newest last
 
     def observe(self, seconds: float) -> None:
         self.recent.append((utcnow(), seconds))
-        if not self.counts:
-            self.counts = [0] * len(self.bounds)
-        for i, bound in enumerate(self.bounds):
+        for i, bound in enumerate(self.BOUNDS):
             if seconds <= bound:
                 self.counts[i] += 1
         self.count += 1
@@ -210,7 +204,6 @@ class State:
     """Everything /status, /metrics and the page show."""
 
     supervisor_pid: int = field(default_factory=os.getpid)
-    started_monotonic: float = field(default_factory=time.monotonic)
     started_at: datetime = field(default_factory=utcnow)  # wall clock, for status's pure uptime
     haproxy_binary: str = "haproxy"
     haproxy_version: str | None = None
@@ -222,9 +215,7 @@ class State:
     old_workers: dict[int, OldWorker] = field(default_factory=dict)
     pending_removals: Mapping[str, PendingRemoval] = field(default_factory=dict)  # by backend/server
     reloads: ReloadStats = field(default_factory=ReloadStats)
-    rendered_path: str | None = None
     rendered_sha256: str | None = None
-    effective_path: str | None = None
     last_good_sha256: str | None = None
     operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
@@ -235,7 +226,7 @@ class State:
     server_state_reads: int = 0  # full `show servers state` reads of a worker by the steering
     # The master's stderr is the daemon's FIFO: server state changes are heard as they happen.
     server_events: bool = False
-    push_duration: DurationHistogram = field(default_factory=lambda: DurationHistogram())
+    push_duration: DurationHistogram = field(default_factory=DurationHistogram)
     convergence: Convergence = field(default_factory=Convergence)
     # False while the master's socket is missing from runtime_dir (deleted under us): the daemon
     # cannot reach HAProxy until it has recreated runtime_dir and made the master rebind it.
@@ -271,9 +262,6 @@ class State:
 
     # ------------------------------------------------------------ publish, by owner
     # The reloader's.
-    def publish_paths(self, rendered: str, effective: str) -> None:
-        self.rendered_path, self.effective_path = rendered, effective
-
     def publish_rendered(self, sha256: str) -> None:
         """The digest of the rendered config it last read."""
         self.rendered_sha256 = sha256
@@ -412,18 +400,3 @@ class State:
 
     def publish_event_loop_lag(self, lag_s: float) -> None:
         self.event_loop_lag_s = lag_s
-
-    @property
-    def uptime_s(self) -> float:
-        return time.monotonic() - self.started_monotonic
-
-    @property
-    def ready(self) -> bool:
-        """A current worker runs the last good config."""
-        current = self.current
-        return (
-            self.master_up
-            and current is not None
-            and current.worker_pid is not None
-            and current.effective_sha256 == self.last_good_sha256
-        )

@@ -39,11 +39,11 @@ def format_bytes(value: int | None) -> str:
     if value is None:
         return "?"
     size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    raise AssertionError("unreachable")
+    return f"{size:.1f} GiB"
 
 
 def format_duration_ms(value: float) -> str:
@@ -111,11 +111,11 @@ async def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
     return document
 
 
-def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
-        return (indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))).rstrip()
+        return ("  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))).rstrip()
 
     return [line(headers), *(line(r) for r in rows)]
 

@@ -14,7 +14,6 @@ from supervisor.notify import (
     Notifier,
     child_environment,
     format_message,
-    monotonic_usec,
     notify_address,
     summary_line,
     watchdog_interval,
@@ -78,7 +77,7 @@ def test_messages_reach_a_real_datagram_socket(rundir: Path, abstract: bool):
     try:
         n = Notifier({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "2000000"}, pid=os.getpid())
         assert n.address is not None and n.watchdog_s == 1.0
-        before = monotonic_usec()
+        before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         n.ready("generation 1")
         n.reloading("reloading: SIGHUP")
         n.watchdog()
@@ -89,7 +88,7 @@ def test_messages_reach_a_real_datagram_socket(rundir: Path, abstract: bool):
         sock.close()
     assert got[0] == {"READY": "1", "STATUS": "generation 1"}
     assert got[1]["RELOADING"] == "1" and int(got[1]["MONOTONIC_USEC"]) >= before
-    assert int(got[1]["MONOTONIC_USEC"]) <= monotonic_usec()
+    assert int(got[1]["MONOTONIC_USEC"]) <= time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     assert got[2] == {"WATCHDOG": "1"}
     assert got[3]["STOPPING"] == "1"
 

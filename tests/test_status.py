@@ -63,7 +63,7 @@ def test_status_document_of_a_fresh_daemon_keeps_the_same_shape():
         "dead_servers", "operator_dead", "pending_removals", "suspect_servers", "detector", "writes",
     }
     assert document["writes"] == {"failing": [], "failures": 0}
-    # Paths and binary fall back to the settings until the daemon has filled State in.
+    # Paths come from the settings; the binary falls back to them until the daemon has filled State in.
     assert document["config"]["rendered_path"] == "/etc/haproxy/rendered/haproxy.cfg"
     assert document["config"]["effective_path"] == "/run/haproxy-supervisor/haproxy.cfg"
     assert document["haproxy"]["binary"] == "haproxy"

@@ -247,7 +247,6 @@ class Reloader:
         self._cli_failed = False  # the master CLI failed to answer, and has not answered since
         self._listed_at = 0.0  # monotonic, housekeeping's last `show proc`; 0: list at the next round
         self._status_sent = ""
-        state.publish_paths(str(settings.haproxy.config), str(settings.haproxy.effective_config))
 
     def changed(self, now: float | None = None) -> None:
         self.scheduler.changed(time.monotonic() if now is None else now)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -20,13 +20,14 @@ from ..state import (
     OldWorker,
     PendingRemoval,
     ReloadRecord,
+    ReloadResult,
     State,
     SuspectServer,
     rfc3339,
     utcnow,
 )
 
-RELOAD_RESULTS = ("ok", "failed", "invalid", "skipped_unchanged", "runtime_applied", "unknown")
+RELOAD_RESULTS: tuple[str, ...] = get_args(ReloadResult)
 
 
 def _seconds(value: float | None) -> float | None:
@@ -95,9 +96,9 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "recent": [reload_json(r) for r in reversed(reloads.history)],
         },
         "config": {
-            "rendered_path": state.rendered_path or str(settings.haproxy.config),
+            "rendered_path": str(settings.haproxy.config),
             "rendered_sha256": state.rendered_sha256,
-            "effective_path": state.effective_path or str(settings.haproxy.effective_config),
+            "effective_path": str(settings.haproxy.effective_config),
             "last_good_sha256": state.last_good_sha256,
         },
         "convergence": _convergence_json(state.convergence, now),
@@ -160,12 +161,12 @@ def not_ready_reason(state: State, grace_s: float = float("inf"), now: datetime 
     rendered a bad config everywhere would otherwise empty the whole fleet."""
     if not state.master_socket_ok:
         return SOCKET_MISSING
-    if not state.ready:
-        if not state.master_up:
-            return "HAProxy master is not running"
-        current = state.current
-        if current is None or current.worker_pid is None:
-            return "no current worker yet"
+    if not state.master_up:
+        return "HAProxy master is not running"
+    current = state.current
+    if current is None or current.worker_pid is None:
+        return "no current worker yet"
+    if current.effective_sha256 != state.last_good_sha256:
         return "the current worker does not run the last good config"
     convergence = state.convergence
     waited = convergence.unconverged_s(now or utcnow())
@@ -179,8 +180,7 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _histogram_buckets(histogram: DurationHistogram) -> list[tuple[str, float]]:
-    counts = histogram.counts or [0] * len(histogram.bounds)
-    buckets = [(repr(float(bound)), float(count)) for bound, count in zip(histogram.bounds, counts, strict=True)]
+    buckets = [(repr(bound), float(count)) for bound, count in zip(histogram.BOUNDS, histogram.counts, strict=True)]
     buckets.append(("+Inf", float(histogram.count)))
     return buckets
 
@@ -189,11 +189,7 @@ class StateCollector(Collector):
     """Builds every haproxy_supervisor_* metric from State at scrape time; no global registry."""
 
     def __init__(
-        self,
-        state: State,
-        clock: Callable[[], datetime] = utcnow,
-        grace_s: float = float("inf"),
-        old_workers_max: int | None = None,
+        self, state: State, clock: Callable[[], datetime], grace_s: float, old_workers_max: int | None
     ) -> None:
         self.state = state
         self.clock = clock
@@ -342,9 +338,7 @@ class StateCollector(Collector):
 
 
 def metrics_registry(
-    state: State,
-    clock: Callable[[], datetime] = utcnow,
-    grace_s: float = float("inf"),
+    state: State, clock: Callable[[], datetime] = utcnow, grace_s: float = float("inf"),
     old_workers_max: int | None = None,
 ) -> CollectorRegistry:
     """A private registry: the State collector plus this process's own process_* metrics."""

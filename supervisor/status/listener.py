@@ -27,9 +27,6 @@ from .routes import StatusActions, build_app, error_json
 log = logging.getLogger(__package__)
 
 
-UNIX_SOCKET_MODE = 0o660
-
-
 class StatusServerError(Exception):
     """The status listener could not be set up. One line naming the address and the problem."""
 
@@ -56,11 +53,11 @@ def _remove_stale_socket(path: Path) -> None:
     raise StatusServerError(f"status.listen unix:{path}: another process is listening on it")
 
 
-def bind_unix_socket(path: Path, mode: int = UNIX_SOCKET_MODE) -> socket.socket:
-    """A listening-ready unix socket whose file never has a wider mode than `mode`."""
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A listening-ready unix socket whose file never has a wider mode than 0660 (docs/status.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_socket(path)
-    sock = bind_unix_private(path, mode)
+    sock = bind_unix_private(path, 0o660)
     sock.setblocking(False)
     return sock
 
@@ -146,9 +143,7 @@ class _GuardedHandler(RequestHandler):
             log.warning("status: answering %d: %s", status, problem)
         else:
             log.debug("status: bad request from %s: %s", request.remote, problem)
-        response = error_json(status, f"bad request: {problem}" if status < 500 else problem)
-        response.force_close()
-        return response
+        return error_json(status, f"bad request: {problem}" if status < 500 else problem, close=True)
 
 
 def _descriptor_budget(limit: int) -> int:
@@ -174,7 +169,7 @@ def _accepting(server: asyncio.Server | None) -> bool:
 
 class StatusListener:
     """The listening socket of the status app, and the runner serving it: bound by `open()`,
-    bound again by `rebind()` once it is `dead` (an accept() failed, or `probe()` said so)."""
+    bound again by `bind()` once it is `dead` (an accept() failed, or `probe()` said so)."""
 
     def __init__(self, app: web.Application, listen: str, limits: StatusSettings) -> None:
         self.app = app
@@ -201,13 +196,14 @@ class StatusListener:
         await self.runner.setup()
         self._guard = ConnectionGuard(_descriptor_budget(self.limits.max_connections), self.limits.header_timeout_s)
         try:
-            await self._bind()
+            await self.bind()
         except BaseException:
             await self.runner.cleanup()
             raise
         log.info("status: listening on %s", self.listen)
 
-    async def _bind(self) -> None:
+    async def bind(self) -> None:
+        """Bind (once dead, again: dying closed it); StatusServerError when it cannot."""
         loop = asyncio.get_running_loop()
         server, guard = self.runner.server, self._guard
         assert server is not None and guard is not None
@@ -235,11 +231,6 @@ class StatusListener:
         self.server = listener
         self.dead.clear()
         self.problem = ""
-
-    async def rebind(self) -> None:
-        """Close what is left of a dead listener and bind again (StatusServerError when it cannot)."""
-        self._close_listener()
-        await self._bind()
 
     def probe(self) -> bool:
         """Whether every listening socket still listens; marks the listener dead when not."""
@@ -283,9 +274,6 @@ class StatusListener:
         with contextlib.suppress(OSError):
             if path.stat().st_ino == self._inode:
                 path.unlink()
-
-    async def close(self) -> None:
-        await self.runner.cleanup()
 
 
 def quiet_loop_errors(
@@ -347,10 +335,8 @@ class StatusServer:
         self._listener = listener
 
     async def run(self) -> None:
-        if self._listener is None:
-            await self.start()
         listener = self._listener
-        assert listener is not None
+        assert listener is not None, "start() first"
         try:
             while True:
                 await wait_set(listener.dead, self.PROBE_S)
@@ -359,7 +345,7 @@ class StatusServer:
                 await self._bind_again(listener)
         finally:
             self._listener = None
-            await listener.close()
+            await listener.runner.cleanup()
 
     async def _bind_again(self, listener: StatusListener) -> None:
         listen = self.settings.status.listen
@@ -370,7 +356,7 @@ class StatusServer:
         delay = self.REBIND_FIRST_S
         while True:
             try:
-                await listener.rebind()
+                await listener.bind()
                 break
             except StatusServerError as exc:
                 self.state.publish_status_listener(str(exc))
@@ -384,4 +370,4 @@ class StatusServer:
         """Close a listener that `start()` bound and `run()` never served (a start cut short)."""
         if self._listener is not None:
             listener, self._listener = self._listener, None
-            await listener.close()
+            await listener.runner.cleanup()

@@ -10,9 +10,8 @@ import logging
 import socket
 import stat
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import datetime
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client.exposition import generate_latest
@@ -54,12 +53,6 @@ class StatusActions(Protocol):
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in a config an old worker runs."""
 
-
-@runtime_checkable
-class HeaderTimed(Protocol):
-    """A connection whose header timer stops once a request's headers are in (the listener's)."""
-
-    def request_started(self) -> None: ...
 
 BODY_TIMEOUT_KEY = web.AppKey("body_timeout_s", float)
 
@@ -103,8 +96,11 @@ def _peer(request: web.Request) -> str:
     return "unix socket" if _on_unix_socket(request) else str(request.remote)
 
 
-def error_json(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
+def error_json(status: int, message: str, headers: dict[str, str] | None = None, close: bool = False) -> web.Response:
+    response = web.json_response({"error": message}, status=status, headers=headers)
+    if close:  # the rest of an unread body would be taken for the next request: end the connection
+        response.force_close()
+    return response
 
 
 @web.middleware
@@ -113,8 +109,6 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
         return await handler(request)
     except _Refused as refused:
         return error_json(refused.status, refused.message, refused.headers)
-    except web.HTTPRequestEntityTooLarge:
-        return error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes")
     except web.HTTPNotFound:
         return error_json(404, f"no such endpoint: {request.method} {request.path}")
     except web.HTTPMethodNotAllowed as exc:
@@ -135,23 +129,23 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
 
 @web.middleware
 async def _bounded_body(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    # The headers are in: the header timer stops, the body timer starts.
-    if isinstance(request.protocol, HeaderTimed):
-        request.protocol.request_started()
+    # The headers are in: the listener's header timer stops, the body timer starts.
+    if (request_started := getattr(request.protocol, "request_started", None)) is not None:
+        request_started()
     # Handlers ignore bodies, and aiohttp enforces client_max_size only while reading one:
     # read it here so an oversized body is answered 413 on every route, and a body that is
     # announced but never sent (Content-Length: 10^12) does not hold the connection.
     if request.can_read_body:
         if (request.content_length or 0) > MAX_BODY_BYTES:
-            return _closing(error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
+            return error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes", close=True)
         timeout = request.app[BODY_TIMEOUT_KEY]
         try:
             async with asyncio.timeout(timeout):
                 await request.read()
         except TimeoutError:
-            return _closing(error_json(408, f"request body not received within {timeout:g} s"))
+            return error_json(408, f"request body not received within {timeout:g} s", close=True)
         except web.HTTPRequestEntityTooLarge:
-            return _closing(error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
+            return error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes", close=True)
     return await handler(request)
 
 
@@ -190,38 +184,29 @@ def _host_check(listen_host: str, allowed: tuple[str, ...]) -> Callable[..., Awa
         if not header:
             return await handler(request)  # HTTP/1.0 without Host: not a browser
         if len(header) > 1 or not host_allowed(header[0], listen_host, allowed):
-            shown = header[0][:80] if header else ""
+            shown = header[0][:80]
             log.debug("status: refused Host %r from %s", shown, _peer(request))
-            return _closing(error_json(421, f"this listener does not answer for Host {shown!r} "
-                                            "(status.allowed_hosts)"))
+            message = f"this listener does not answer for Host {shown!r} (status.allowed_hosts)"
+            return error_json(421, message, close=True)
         return await handler(request)
 
     return check
 
 
-def _closing(response: web.Response) -> web.Response:
-    # The rest of an unread body would be taken for the next request: end the connection.
-    response.force_close()
-    return response
-
-
 class _Endpoints:
-    def __init__(
-        self, state: State, settings: Settings, actions: StatusActions, clock: Callable[[], datetime]
-    ) -> None:
+    def __init__(self, state: State, settings: Settings, actions: StatusActions) -> None:
         self.state = state
         self.settings = settings
         self.actions = actions
-        self.clock = clock
         self.token, self.token_problem = load_token(settings.status.token_file)
-        self.registry = metrics_registry(state, clock, settings.reload.converge_grace_s, settings.old_workers.max)
+        self.registry = metrics_registry(state, utcnow, settings.reload.converge_grace_s, settings.old_workers.max)
         self.backend_sizes = BackendSizes()
 
     async def status(self, request: web.Request) -> web.Response:
         # Compact: a big drain (many old workers, each steered from thousands of servers) makes
         # a document of megabytes built on this event loop; indenting would double its size and
         # time. `jq` or `status --json` pretty-print.
-        return web.json_response(status_document(self.state, self.settings, self.clock()))
+        return web.json_response(status_document(self.state, self.settings, utcnow()))
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": METRICS_CONTENT_TYPE})
@@ -234,13 +219,13 @@ class _Endpoints:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        reason = not_ready_reason(self.state, self.settings.reload.converge_grace_s, self.clock())
+        reason = not_ready_reason(self.state, self.settings.reload.converge_grace_s, utcnow())
         if reason is not None:
             return error_json(503, reason)
         return web.json_response({"status": "ready"})
 
     async def page(self, request: web.Request) -> web.Response:
-        now = self.clock()
+        now = utcnow()
         body = page_of(self.state, status_document(self.state, self.settings, now), now, self.backend_sizes)
         return web.Response(
             text=body,
@@ -267,12 +252,6 @@ class _Endpoints:
             log.warning("status: %s %s from %s: wrong bearer token", request.method, request.path, _peer(request))
             raise _Refused(401, "wrong bearer token", {"WWW-Authenticate": 'Bearer realm="haproxy-supervisor"'})
 
-    def server_from(self, request: web.Request) -> ServerKey:
-        try:
-            return ServerKey.checked(request.match_info["backend"], request.match_info["server"])
-        except ValueError as exc:
-            raise _Refused(400, str(exc)) from None
-
     async def reload(self, request: web.Request) -> web.Response:
         self.authorize(request)
         log.info("status: reload requested by an operator (%s)", _peer(request))
@@ -288,7 +267,10 @@ class _Endpoints:
     async def operator_dead(self, request: web.Request, dead: bool) -> web.Response:
         """POST (`dead`) or DELETE /servers/{backend}/{server}/dead."""
         self.authorize(request)
-        key = self.server_from(request)
+        try:
+            key = ServerKey.checked(request.match_info["backend"], request.match_info["server"])
+        except ValueError as exc:
+            raise _Refused(400, str(exc)) from None
         # A server that left every config may still be marked; it must stay possible to clear it.
         if not self.actions.has_server(key.backend, key.server) and (dead or key not in self.state.operator_dead):
             raise _Refused(404, f"no server {key} in any config HAProxy runs")
@@ -298,9 +280,7 @@ class _Endpoints:
         return web.json_response({"server": key, "operator_dead": dead})
 
 
-def build_app(
-    state: State, settings: Settings, actions: StatusActions, clock: Callable[[], datetime] = utcnow
-) -> web.Application:
+def build_app(state: State, settings: Settings, actions: StatusActions) -> web.Application:
     """The status app. The token file is read here, once; an unreadable one is logged."""
     listen = listen_address(settings.status.listen)
     middlewares = [_json_errors, _bounded_body]
@@ -308,8 +288,8 @@ def build_app(
         middlewares.insert(1, _host_check(listen[0], settings.status.allowed_hosts))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[BODY_TIMEOUT_KEY] = settings.status.body_timeout_s
-    endpoints = _Endpoints(state, settings, actions, clock)
-    if endpoints.token is None and not settings.status.listen.startswith("unix:"):
+    endpoints = _Endpoints(state, settings, actions)
+    if endpoints.token is None and not isinstance(listen, str):
         log.info("status: %s", endpoints.token_problem)
     app.router.add_get("/", endpoints.page)
     app.router.add_get("/status", endpoints.status)
