@@ -40,8 +40,6 @@ from .dead import (
     dead_groups,
 )
 
-_changed_backends = functools.lru_cache(maxsize=16)(changed_backends)
-
 Basis = tuple[str, LiveView]  # (latest config's key, live view): what a plan was made under
 NoBackup = Literal["fail-fast", "keep"]
 FAIL_FAST = "0"  # the value of `<backend>_n` that makes the guard refuse the request
@@ -147,7 +145,7 @@ class Planner:
             parts = {b: e for b, dead in groups.items() if (e := entries_of(b, dead))}
             return Steering(basis, (digest.key, unusable), digest, latest, groups, parts, None, frozenset(groups))
         old_view = last.basis[1]
-        candidates = set(_changed_backends(last.latest, latest))
+        candidates = set(changed_backends(last.latest, latest))
         if old_view != view:
             candidates.update(
                 b
