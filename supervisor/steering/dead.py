@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections import Counter
 from collections.abc import Collection, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -263,38 +262,9 @@ def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
     return {backend: frozenset(members) for backend, members in groups.items()}
 
 
-class ServerIndex:
-    """Which "backend/server" some config in use has; counted per section, so a config added
-    costs only its sections no other config holds."""
-
-    def __init__(self) -> None:
-        self._sections: Counter[str] = Counter()
-        self._servers: Counter[str] = Counter()
-
-    def add(self, digest: ConfigDigest) -> None:
-        for section in digest.section_set:
-            self._sections[section.key] += 1
-            if self._sections[section.key] == 1:
-                self._servers.update(s.key for s in section.servers)
-
-    def remove(self, digest: ConfigDigest) -> None:
-        for section in digest.section_set:
-            self._sections[section.key] -= 1
-            if self._sections[section.key] == 0:
-                del self._sections[section.key]
-                self._servers.subtract(s.key for s in section.servers)
-                for s in section.servers:
-                    if self._servers[s.key] <= 0:
-                        del self._servers[s.key]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._servers
-
-
 class Digests:
     def __init__(self) -> None:
         self.sections = Sections()
-        self.servers = ServerIndex()  # the servers of every generation's config
         self._of_generation: dict[tuple[int, str], ConfigDigest] = {}
 
     async def of_effective(self, effective: Effective) -> ConfigDigest:
@@ -306,22 +276,18 @@ class Digests:
         digest = self._of_generation.get(key)
         if digest is None:
             digest = self._of_generation[key] = self.sections.digest(generation.model, generation.effective_sha256)
-            self.servers.add(digest)
         return digest
 
     def has_server(self, key: str, generations: Collection[Generation]) -> bool:
         """Whether some generation's config has this "backend/server" (one not digested yet is first)."""
-        if len(generations) != len(self._of_generation):
-            for generation in generations:
-                self.of(generation)
-        return key in self.servers
+        return any(self.of(generation).server(key) is not None for generation in generations)
 
     def keep_only(self, generations: Iterable[Generation], latest: ConfigDigest) -> list[ConfigDigest]:
         """Forget every config but these and `latest`; the digests kept."""
         keep = {(g.number, g.effective_sha256) for g in generations}
         gone = [k for k in self._of_generation if k not in keep]
         for key in gone:
-            self.servers.remove(self._of_generation.pop(key))
+            del self._of_generation[key]
         kept = [latest, *self._of_generation.values()]
         if gone:
             self.sections.keep_only(kept)
