@@ -258,11 +258,10 @@ class OldWorkers:
     def _track(self, procs: ProcList) -> None:
         generations = worker_generations(procs, self.state.generations)
         current = procs.current_worker
-        old = {p.pid: generations.get(p.pid) for p in procs.old_workers}
+        old = {p.pid: generations[p.pid] for p in procs.old_workers}
         self._exits.watch_only(old)
-        current_pid = current.pid if current is not None else None
-        targets = {pid: generations.get(pid) for pid in (*old, *([current_pid] if current_pid is not None else []))}
-        self.rounds.track(self._workers, targets, current_pid, self._live)
+        targets = old if current is None else {**old, current.pid: generations[current.pid]}
+        self.rounds.track(self._workers, targets, current.pid if current is not None else None, self._live)
         listed = self.state.old_workers
         self.state.publish_old_workers(old, {pid: process_started_at(pid) for pid in old if pid not in listed})
 
