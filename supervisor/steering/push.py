@@ -130,29 +130,16 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
             raise PushError(f"worker {pid}: {problem}")
 
 
-@dataclass(frozen=True)
-class ReadBack:
-    """One worker's map read back, beside what was known of it when the read was decided on."""
+async def read_back(cli: MasterCLI, map_path: str, pids: list[int]) -> list[dict[str, str] | Exception]:
+    """Each worker's map, read at once, or why it could not be read."""
 
-    pid: int
-    pushes: int  # its record's push count then
-    held: Mapping[str, Entries]  # what it held then
-    got: dict[str, str] | Exception  # the map, or why it could not be read
-
-
-Known = tuple[int, int, Mapping[str, Entries]]  # a worker's pid, its push count, what it held
-
-
-async def read_back(cli: MasterCLI, map_path: str, known: list[Known]) -> list[ReadBack]:
-    """Each worker's map, read at once."""
-
-    async def one(pid: int, pushes: int, held: Mapping[str, Entries]) -> ReadBack:
+    async def one(pid: int) -> dict[str, str] | Exception:
         try:
-            return ReadBack(pid, pushes, held, await read_map(cli, map_path, pid))
+            return await read_map(cli, map_path, pid)
         except (CLIError, PushError) as exc:
-            return ReadBack(pid, pushes, held, exc)
+            return exc
 
-    return list(await asyncio.gather(*(one(pid, pushes, held) for pid, pushes, held in known)))
+    return list(await asyncio.gather(*(one(pid) for pid in pids)))
 
 
 def map_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:

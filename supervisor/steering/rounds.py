@@ -23,7 +23,6 @@ from .push import (
     GONE,
     Outgoing,
     PushOutcome,
-    ReadBack,
     Steered,
     end_stuck_streams,
     map_difference,
@@ -281,21 +280,23 @@ class PushRounds:
         per_poll = max(4, -(-len(workers) * poll_s // self.RECONCILE_INTERVAL_S))
 
         known = [(w.pid, w.pushes, w.held) for w in due[: int(per_poll)] if w.held is not None]
-        results = await read_back(self.cli, self.map_path, known)
+        maps = await read_back(self.cli, self.map_path, [pid for pid, _, _ in known])
         async with lock:
             drifted = False
-            for result in results:
-                worker = workers.get(result.pid)
+            for (pid, pushes, held), got in zip(known, maps, strict=True):
+                worker = workers.get(pid)
                 if worker is not None:
-                    drifted |= self._apply_read_back(worker, result)
+                    drifted |= self._apply_read_back(worker, pushes, held, got)
             self.publish()
         return drifted
 
-    def _apply_read_back(self, worker: WorkerRecord, read: ReadBack) -> bool:
-        """True when the map read back differs from what was pushed."""
-        if worker.pushes != read.pushes or worker.held is not read.held:
+    def _apply_read_back(
+        self, worker: WorkerRecord, pushes: int, held: Mapping[str, Entries], got: dict[str, str] | Exception
+    ) -> bool:
+        """True when the map read back (`got`, or why it could not be read) differs from what was
+        pushed; `pushes` and `held`: the worker's push count and map when the read was decided on."""
+        if worker.pushes != pushes or worker.held is not held:
             return False  # pushed again meanwhile: this read proves nothing
-        got = read.got
         if isinstance(got, Exception):
             worker.unread += 1
             if worker.unread < self.UNREAD_LIMIT:
@@ -314,7 +315,7 @@ class PushRounds:
             read_lately = time.monotonic() - worker.unusable_at < self.settings.old_workers.state_read_interval_s
             if self.settings.observe.enabled and not worker.current and not (self.state.server_events and read_lately):
                 worker.unusable = None
-        difference = map_difference({key: value for part in read.held.values() for key, value in part}, got)
+        difference = map_difference({key: value for part in held.values() for key, value in part}, got)
         if difference:
             worker.held = None
             self.failed(worker, f"worker {worker.pid}: {difference}")
