@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Collection, Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..effective import Effective
@@ -278,7 +278,7 @@ class Digests:
             digest = self._of_generation[key] = self.sections.digest(generation.model, generation.effective_sha256)
         return digest
 
-    def has_server(self, key: str, generations: Collection[Generation]) -> bool:
+    def has_server(self, key: str, generations: Iterable[Generation]) -> bool:
         """Whether some generation's config has this "backend/server" (one not digested yet is first)."""
         return any(self.of(generation).server(key) is not None for generation in generations)
 

@@ -219,7 +219,7 @@ class OldWorkers:
 
     def has_server(self, key: str) -> bool:
         """Whether the current config or one an old worker runs has this server."""
-        return self._digests.has_server(key, list(self.state.generations.values()))
+        return self._digests.has_server(key, self.state.generations.values())
 
     async def sync(self, fresh: bool = False, reuse: bool = False) -> None:
         """One round: list the workers, plan, push what differs. `fresh`: read the current
