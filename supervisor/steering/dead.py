@@ -51,12 +51,10 @@ class SectionDigest:
     guarded: bool = field(compare=False)
     all_backups: bool = field(compare=False)  # `option allbackups`
     changes_alone: bool = field(compare=False)  # some server is checked or observed: its state can change
-    hashing: str = field(compare=False, default="")  # "map-based" or "consistent": its guard reproduces a hash
+    hashing: str = field(compare=False)  # "", "map-based" or "consistent": its guard reproduces a hash
 
     @classmethod
-    def of(
-        cls, key: str, servers: list[Server], section: Section, all_backups: bool, hashing: str = ""
-    ) -> SectionDigest:
+    def of(cls, key: str, servers: list[Server], section: Section, all_backups: bool, hashing: str) -> SectionDigest:
         at_keys: dict[At, list[str]] = {}
         for s in servers:
             if not s.disabled:
