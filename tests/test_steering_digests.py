@@ -1,5 +1,5 @@
 """Pure decisions about displaced workers: config digests and the section cache they share, the
-server index, the policy for reading server states, and states parsed in parts."""
+servers they know of, the policy for reading server states, and states parsed in parts."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from rigs.wholes import known_dead_servers, parse_live_states, summarize_states
 from supervisor.haproxy.answers import servers_state_parts
-from supervisor.steering.dead import ConfigDigest, Sections, live_view
+from supervisor.steering.dead import Sections, live_view
 from supervisor.steering.live import LiveStates, LiveTally
 from supervisor.steering.plan import Planner
-from tests.support.steering_cases import NEW, OLD, dead_in, digest, model, random_config
+from tests.support.steering_cases import NEW, OLD, dead_in, digest, model, random_config, random_model
 from tests.test_worker_answers import SERVERS_STATE
 
 # ---------------------------------------------------------------- digests
@@ -81,24 +81,26 @@ def test_dead_sets_are_the_same_with_shared_and_separate_digests():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_server_index_holds_exactly_the_servers_of_the_configs_in_use(seed):
-    from supervisor.steering.dead import ServerIndex
+def test_has_server_answers_for_exactly_the_servers_of_the_configs_in_use(seed):
+    from datetime import UTC, datetime
+
+    from supervisor.state import Generation
+    from supervisor.steering.dead import Digests
 
     rng = random.Random(seed)
-    cache = Sections()
-    index = ServerIndex()
-    in_use: list[ConfigDigest] = []
-    for _ in range(60):
+    digests = Digests()
+    in_use: list[Generation] = []
+    for number in range(60):
         if in_use and rng.random() < 0.4:
-            index.remove(in_use.pop(rng.randrange(len(in_use))))
+            in_use.pop(rng.randrange(len(in_use)))
+            if in_use and rng.random() < 0.5:  # a round forgets the configs no longer in use
+                digests.keep_only(in_use, digests.of(in_use[0]))
         else:
-            config = random_config(rng, cache)
-            in_use.append(config)  # the same config may be in use twice: counted twice
-            index.add(config)
+            in_use.append(Generation(number, random_model(rng), f"sha{number}", f"r{number}", datetime.now(UTC)))
         for b in range(8):
             for name in ("s0", "s1", "s2", "bk"):
                 key = f"be{b}/{name}"
-                assert (key in index) == any(d.server(key) is not None for d in in_use), key
+                assert digests.has_server(key, in_use) == any(key in g.model.server_map() for g in in_use), key
 
 
 def test_server_states_are_read_often_only_where_they_can_change_by_themselves_unheard():

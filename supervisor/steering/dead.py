@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections import Counter
-from collections.abc import Collection, Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..effective import Effective
@@ -52,12 +51,10 @@ class SectionDigest:
     guarded: bool = field(compare=False)
     all_backups: bool = field(compare=False)  # `option allbackups`
     changes_alone: bool = field(compare=False)  # some server is checked or observed: its state can change
-    hashing: str = field(compare=False, default="")  # "map-based" or "consistent": its guard reproduces a hash
+    hashing: str = field(compare=False)  # "", "map-based" or "consistent": its guard reproduces a hash
 
     @classmethod
-    def of(
-        cls, key: str, servers: list[Server], section: Section, all_backups: bool, hashing: str = ""
-    ) -> SectionDigest:
+    def of(cls, key: str, servers: list[Server], section: Section, all_backups: bool, hashing: str) -> SectionDigest:
         at_keys: dict[At, list[str]] = {}
         for s in servers:
             if not s.disabled:
@@ -177,9 +174,9 @@ class Sections:
         self._by_sha256 = {t: d for t, d in self._by_sha256.items() if d.key in keys}
 
 
-def line_limit(model: Config | None) -> int:
+def line_limit(model: Config) -> int:
     """The longest CLI line the processes accept: tune.bufsize (16384 unless set) minus room."""
-    line = model.global_setting("tune.bufsize") if model is not None else None
+    line = model.global_setting("tune.bufsize")
     if line is not None and len(line.words) > 1 and line.words[1].isdigit():
         return min(DEFAULT_LINE_LIMIT, int(line.words[1]) - 384)
     return DEFAULT_LINE_LIMIT
@@ -226,32 +223,10 @@ def live_view(
     return LiveView(frozenset(down), operator, operator_at)
 
 
-def dropped_in_section(section: SectionDigest, latest: SectionDigest | None) -> frozenset[str]:
-    """Rule (a) for one backend (`latest` None: the latest config has no such backend)."""
-    present = latest.present if latest is not None else frozenset()
-    return frozenset(key for where, keys in section.at_keys.items() if where not in present for key in keys)
-
-
+@functools.lru_cache(maxsize=16)
 def changed_backends(old_latest: ConfigDigest, new_latest: ConfigDigest) -> frozenset[str]:
     """The backends whose section differs between two configs (or is in one only)."""
     return frozenset(s.name for s in old_latest.section_set ^ new_latest.section_set)
-
-
-def view_extra(
-    digest: ConfigDigest, view: LiveView, backends: Iterable[str] | None = None
-) -> dict[str, frozenset[str]]:
-    """Rules (b) and (c) for the config of `digest`, per backend (only `backends`, if given)."""
-    extra: dict[str, frozenset[str]] = {}
-    for name in view.by_backend if backends is None else backends:
-        section = digest.sections.get(name)
-        if section is None or name not in view.by_backend:
-            continue
-        wheres, marked = view.by_backend[name]
-        keys = {key for where in wheres for key in section.at_keys.get(where, ())}
-        keys.update(k for k in marked if (s := section.by_name.get(k.partition("/")[2])) is not None and not s.disabled)
-        if keys:
-            extra[name] = frozenset(keys)
-    return extra
 
 
 def dead_group(digest: ConfigDigest, latest: ConfigDigest, view: LiveView, backend: str) -> frozenset[str]:
@@ -259,22 +234,22 @@ def dead_group(digest: ConfigDigest, latest: ConfigDigest, view: LiveView, backe
     section = digest.sections.get(backend)
     if section is None:
         return frozenset()
+    keys: set[str] = set()
     latest_section = latest.sections.get(backend)
-    dropped = dropped_in_section(section, latest_section) if section != latest_section else frozenset()
-    return dropped | view_extra(digest, view, (backend,)).get(backend, frozenset())
+    if section != latest_section:  # rule (a): only a section that differs can drop servers
+        present = latest_section.present if latest_section is not None else frozenset()
+        keys.update(key for where, at_keys in section.at_keys.items() if where not in present for key in at_keys)
+    if backend in view.by_backend:  # rules (b) and (c)
+        wheres, marked = view.by_backend[backend]
+        keys.update(key for where in wheres for key in section.at_keys.get(where, ()))
+        keys.update(k for k in marked if (s := section.by_name.get(k.partition("/")[2])) is not None and not s.disabled)
+    return frozenset(keys)
 
 
 def dead_groups(digest: ConfigDigest, latest: ConfigDigest, view: LiveView) -> dict[str, frozenset[str]]:
-    """Every backend's dead servers, backends without any left out. Only sections that differ
-    from the latest config's can hold dropped servers."""
-    groups: dict[str, frozenset[str]] = {}
-    for section in digest.section_set - latest.section_set:
-        keys = dropped_in_section(section, latest.sections.get(section.name))
-        if keys:
-            groups[section.name] = keys
-    for name, keys in view_extra(digest, view).items():
-        groups[name] = groups.get(name, frozenset()) | keys
-    return groups
+    """Every backend's dead servers, backends without any left out."""
+    candidates = {s.name for s in digest.section_set - latest.section_set} | view.by_backend.keys()
+    return {name: dead for name in candidates if (dead := dead_group(digest, latest, view, name))}
 
 
 def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
@@ -285,38 +260,9 @@ def by_backend_of(keys: Iterable[str]) -> dict[str, frozenset[str]]:
     return {backend: frozenset(members) for backend, members in groups.items()}
 
 
-class ServerIndex:
-    """Which "backend/server" some config in use has; counted per section, so a config added
-    costs only its sections no other config holds."""
-
-    def __init__(self) -> None:
-        self._sections: Counter[str] = Counter()
-        self._servers: Counter[str] = Counter()
-
-    def add(self, digest: ConfigDigest) -> None:
-        for section in digest.section_set:
-            self._sections[section.key] += 1
-            if self._sections[section.key] == 1:
-                self._servers.update(s.key for s in section.servers)
-
-    def remove(self, digest: ConfigDigest) -> None:
-        for section in digest.section_set:
-            self._sections[section.key] -= 1
-            if self._sections[section.key] == 0:
-                del self._sections[section.key]
-                self._servers.subtract(s.key for s in section.servers)
-                for s in section.servers:
-                    if self._servers[s.key] <= 0:
-                        del self._servers[s.key]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._servers
-
-
 class Digests:
     def __init__(self) -> None:
         self.sections = Sections()
-        self.servers = ServerIndex()  # the servers of every generation's config
         self._of_generation: dict[tuple[int, str], ConfigDigest] = {}
 
     async def of_effective(self, effective: Effective) -> ConfigDigest:
@@ -328,22 +274,18 @@ class Digests:
         digest = self._of_generation.get(key)
         if digest is None:
             digest = self._of_generation[key] = self.sections.digest(generation.model, generation.effective_sha256)
-            self.servers.add(digest)
         return digest
 
-    def has_server(self, key: str, generations: Collection[Generation]) -> bool:
+    def has_server(self, key: str, generations: Iterable[Generation]) -> bool:
         """Whether some generation's config has this "backend/server" (one not digested yet is first)."""
-        if len(generations) != len(self._of_generation):
-            for generation in generations:
-                self.of(generation)
-        return key in self.servers
+        return any(self.of(generation).server(key) is not None for generation in generations)
 
     def keep_only(self, generations: Iterable[Generation], latest: ConfigDigest) -> list[ConfigDigest]:
         """Forget every config but these and `latest`; the digests kept."""
         keep = {(g.number, g.effective_sha256) for g in generations}
         gone = [k for k in self._of_generation if k not in keep]
         for key in gone:
-            self.servers.remove(self._of_generation.pop(key))
+            del self._of_generation[key]
         kept = [latest, *self._of_generation.values()]
         if gone:
             self.sections.keep_only(kept)

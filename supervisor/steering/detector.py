@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..eventloop import next_tick, sliced
-from ..haproxy.answers import ServerKey, validate_name
+from ..haproxy.answers import ServerKey
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.handoff import HANDOFF_FRONTEND
 from ..haproxy.resolution import is_ip, section_servers
@@ -239,8 +239,6 @@ class ServerIndex:
 
 def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
     """Several configs' servers in one index, yielding between slices of endpoints."""
-    if len(indexes) == 1:
-        return indexes[0]
     by_endpoint: dict[Endpoint, dict[str, None]] = {}
     for index in indexes:
         for n, (endpoint, keys) in enumerate(index.by_endpoint.items()):
@@ -268,10 +266,9 @@ class StalledDetector:
         self._current: ServerIndex | None = None
         self._tcp = TcpActivity()
         self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
-        # What watched_indexes() last worked from, and its answer: at rest it is the same every poll.
-        self._seen_current: Generation | None = None
-        self._seen_generations: tuple[Generation, ...] = ()
-        self._seen_old: frozenset[int] = frozenset()
+        # What watched_indexes() last worked from (current, generations, old workers' PIDs), and
+        # its answer: at rest it is the same every poll.
+        self._seen: tuple[Generation | None, tuple[Generation, ...], frozenset[int]] = (None, (), frozenset())
         self._seen_answer: tuple[ServerIndex, ServerIndex] | None = None
         self._look: asyncio.TimerHandle | None = None  # the at-rest look of the next tick
         self._watched: ServerIndex | None = None  # every running config's servers, merged
@@ -343,23 +340,22 @@ class StalledDetector:
         """The current config's servers (the ones `health` commands reach), and those of every
         config a worker runs. Only a config that starts running is indexed and merged in; one
         that stops stays merged until the index has grown to twice the current config's."""
-        state = self.state
         if self._indexes_unchanged() and self._seen_answer is not None:
             return self._seen_answer
+        state = self.state
         seen = state.current, tuple(state.generations.values()), frozenset(state.old_workers)
-        answer = await self._work_out_indexes()
-        self._seen_current, self._seen_generations, self._seen_old = seen
-        self._seen_answer = answer
-        return answer
+        self._seen_answer = await self._work_out_indexes()
+        self._seen = seen
+        return self._seen_answer
 
     def _indexes_unchanged(self) -> bool:
         """The generations and old workers are those last indexed (a generation changed is replaced)."""
-        state = self.state
+        state, (current, generations, old) = self.state, self._seen
         return (
-            state.current is self._seen_current
-            and len(state.generations) == len(self._seen_generations)
-            and state.old_workers.keys() == self._seen_old
-            and all(map(operator.is_, state.generations.values(), self._seen_generations))
+            state.current is current
+            and len(state.generations) == len(generations)
+            and state.old_workers.keys() == old
+            and all(map(operator.is_, state.generations.values(), generations))
         )
 
     async def _work_out_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
@@ -450,13 +446,18 @@ class StalledDetector:
             own = await self._own_indexes(stalls, owners, current.worker_pid, steered, index, now_index)
             self._abort(listed, stalls, owners, current.worker_pid, index, steered, own)
         if current.worker_pid is not None:
-            if ended:
-                taken = [k for k in ended if k in self._health_down]
-                self._health_down.difference_update(ended)
-                await self._bring_back(current.worker_pid, taken, now_index)
+            # A server taken out with a check comes back after `rise` passes; one without, only if set up again.
+            unchecked = [
+                k for k in ended if k in self._health_down and k in now_index.keys and k not in now_index.checked
+            ]
+            self._health_down.difference_update(ended)
+            if unchecked:
+                await self._set_health(current.worker_pid, unchecked, "up")
             here = [s.key for s in new if s.key in now_index.keys and s.key not in self._left_in]
             if here:
-                await self._take_out(current.worker_pid, here)
+                await self._set_health(current.worker_pid, here, "down")
+                self._health_down.update(here)
+                self.wake_steering()
             if not self.can_abort:
                 await self._send_back(current.worker_pid, stalls, owners, index)
 
@@ -468,26 +469,10 @@ class StalledDetector:
         return {inode: pid for pid in pids for inode in socket_inodes(pid)}
 
     async def _set_health(self, pid: int, keys: list[str], health: str) -> None:
-        commands = []
-        for key in keys:
-            server = ServerKey.parse(key)
-            commands.append(f"set server {validate_name('backend', server.backend)}/"
-                            f"{validate_name('server', server.server)} health {health}")
-        answers = await self.cli.on(pid, ";".join(commands), timeout=2)
+        commands = ";".join(f"set server {ServerKey.parse(key)} health {health}" for key in keys)  # parse() validates
+        answers = await self.cli.on(pid, commands, timeout=2)
         if answers.strip():
             log.warning("worker %d: set server ... health %s answered: %s", pid, health, answers.strip())
-
-    async def _take_out(self, pid: int, keys: list[str]) -> None:
-        """`health down`: a server with a check comes back after `rise` passes."""
-        await self._set_health(pid, keys, "down")
-        self._health_down.update(keys)
-        self.wake_steering()
-
-    async def _bring_back(self, pid: int, keys: list[str], index: ServerIndex) -> None:
-        """The suspects with no check whose hold ended: nothing else would set them up again."""
-        unchecked = [k for k in keys if k not in index.checked and k in index.keys]
-        if unchecked:
-            await self._set_health(pid, unchecked, "up")
 
     async def _send_back(self, pid: int, stalls: list[Stall], owners: dict[int, int], index: ServerIndex) -> None:
         """Without the abort: end the current worker's handed-off requests still connecting to a

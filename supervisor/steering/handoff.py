@@ -68,8 +68,7 @@ class HandOffs:
         """Push to every old worker (its config known) whose map is not confirmed to be what it
         needs. `upcoming`: the config a reload is about to send; until it is current, a backend
         it lacks is handed off no more (make-before-break)."""
-        for pid in [pid for pid in self._workers if pid not in old]:
-            del self._workers[pid]
+        self._workers = {pid: worker for pid, worker in self._workers.items() if pid in old}
         targets = {g.effective_sha256 for g in (current,) if g is not None}
         targets |= {upcoming.sha256} if upcoming is not None else set()
         self._wanted = {key: entries for key, entries in self._wanted.items() if key[1] in targets}

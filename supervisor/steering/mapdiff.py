@@ -52,8 +52,7 @@ def diff_phases(current: Mapping[str, str], desired: Mapping[str, str]) -> tuple
     `desired` holds no hops.
     """
     for key, value in desired.items():
-        _valid_key(key)
-        _valid("server", value)
+        valid_entry(key, value)
 
     def split(keys: Iterable[str]) -> tuple[list[str], list[str]]:
         keys = sorted(keys)

@@ -40,8 +40,6 @@ from .dead import (
     dead_groups,
 )
 
-_changed_backends = functools.lru_cache(maxsize=16)(changed_backends)
-
 Basis = tuple[str, LiveView]  # (latest config's key, live view): what a plan was made under
 NoBackup = Literal["fail-fast", "keep"]
 FAIL_FAST = "0"  # the value of `<backend>_n` that makes the guard refuse the request
@@ -106,7 +104,16 @@ class Planner:
     ) -> dict[int, Steering]:
         """Each worker's Steering, from (the digest of the config it runs, the servers it skips)."""
         basis: Basis = (latest.key, view)
-        return {pid: self._one(digest, unusable, latest, view, basis) for pid, (digest, unusable) in workers.items()}
+        plans: dict[int, Steering] = {}
+        for pid, (digest, unusable) in workers.items():
+            recent = self._recent.setdefault((digest.key, unusable), {})
+            found = recent.pop(basis, None)
+            if found is None:
+                found = self._work_out(digest, unusable, latest, view, next(reversed(recent.values()), None))
+            recent[basis] = plans[pid] = found  # most recent last
+            while len(recent) > self.RECENT:
+                del recent[next(iter(recent))]
+        return plans
 
     def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
         """Forget the plans of configs no worker runs any more."""
@@ -114,57 +121,38 @@ class Planner:
         if any(k[0] not in keys for k in self._recent):
             self._recent = {k: v for k, v in self._recent.items() if k[0] in keys}
 
-    def _one(
-        self, digest: ConfigDigest, unusable: frozenset[str], latest: ConfigDigest, view: LiveView, basis: Basis
-    ) -> Steering:
-        recent = self._recent.setdefault((digest.key, unusable), {})
-        found = recent.pop(basis, None)
-        if found is None:
-            found = self._work_out(digest, unusable, latest, view, basis, next(reversed(recent.values()), None))
-        recent[basis] = found  # most recent last
-        while len(recent) > self.RECENT:
-            del recent[next(iter(recent))]
-        return found
-
     def _work_out(
-        self,
-        digest: ConfigDigest,
-        unusable: frozenset[str],
-        latest: ConfigDigest,
-        view: LiveView,
-        basis: Basis,
-        last: Steering | None,
+        self, digest: ConfigDigest, unusable: frozenset[str], latest: ConfigDigest, view: LiveView,
+        last: Steering | None,  # this worker content's latest plan, if any: worked out from it
     ) -> Steering:
         skipped = by_backend_of(unusable)
-        nothing: frozenset[str] = frozenset()
 
         def entries_of(backend: str, dead: frozenset[str]) -> Entries:
-            args = (digest.sections[backend], dead, self.no_backup, skipped.get(backend, nothing), self.node_keys)
-            return section_entries(*args)
+            skips = skipped.get(backend, frozenset())
+            return section_entries(digest.sections[backend], dead, self.no_backup, skips, self.node_keys)
 
         if last is None:
             groups = dead_groups(digest, latest, view)
             parts = {b: e for b, dead in groups.items() if (e := entries_of(b, dead))}
-            return Steering(basis, (digest.key, unusable), digest, latest, groups, parts, None, frozenset(groups))
-        old_view = last.basis[1]
-        candidates = set(_changed_backends(last.latest, latest))
-        if old_view != view:
-            candidates.update(
-                b
-                for b in old_view.by_backend.keys() | view.by_backend.keys()
-                if old_view.by_backend.get(b) != view.by_backend.get(b)
-            )
-        groups = dict(last.groups)
-        parts = dict(last.parts)
-        for backend in candidates:
-            groups.pop(backend, None)
-            parts.pop(backend, None)
-            if dead := dead_group(digest, latest, view, backend):
-                groups[backend] = dead
-                if entries := entries_of(backend, dead):
-                    parts[backend] = entries
+            candidates = set(groups)
+        else:
+            old_view = last.basis[1]
+            candidates = set(changed_backends(last.latest, latest))
+            if old_view != view:
+                either = old_view.by_backend.keys() | view.by_backend.keys()
+                candidates.update(b for b in either if old_view.by_backend.get(b) != view.by_backend.get(b))
+            groups = dict(last.groups)
+            parts = dict(last.parts)
+            for backend in candidates:
+                groups.pop(backend, None)
+                parts.pop(backend, None)
+                if dead := dead_group(digest, latest, view, backend):
+                    groups[backend] = dead
+                    if entries := entries_of(backend, dead):
+                        parts[backend] = entries
+        previous = last.basis if last is not None else None
         return Steering(
-            basis, (digest.key, unusable), digest, latest, groups, parts, last.basis, frozenset(candidates)
+            (latest.key, view), (digest.key, unusable), digest, latest, groups, parts, previous, frozenset(candidates)
         )
 
 

@@ -62,7 +62,7 @@ class Outgoing:
 def outgoing(pid: int, map_path: str, wanted: Steering, deltas: Sequence[BackendDelta]) -> Outgoing:
     """The lines that carry `deltas` (not empty) to worker `pid`, whose plan is `wanted`."""
     if sum(d.singles for d in deltas) > REPLACE_ABOVE:
-        return Outgoing(sum(len(part) for part in wanted.parts.values()), replace=True)
+        return Outgoing(len(wanted.entries()), replace=True)
     limit = wanted.digest.limit
     routing = delta_lines(pid, map_path, deltas, limit, PHASES[:ROUTING_PHASES])
     tidy = delta_lines(pid, map_path, deltas, limit, PHASES[ROUTING_PHASES:])
@@ -92,9 +92,8 @@ async def steer(cli: MasterCLI, map_path: str, pid: int, wanted: Steering, going
             going = outgoing(pid, map_path, wanted, [delta])
         pushed = True
         if going.replace:
-            sent = await replace_map(cli, map_path, pid, wanted.entries(), wanted.digest.limit)
-            return Steered(PushOutcome(wanted.parts, sent, True, read_at, time.monotonic()))
-        for lines in going.routing:
+            await replace_map(cli, map_path, pid, wanted.entries(), wanted.digest.limit)
+        for lines in going.routing:  # none when the map is replaced
             await send(cli, pid, lines)
         return Steered(PushOutcome(wanted.parts, going.sent, True, read_at, time.monotonic()), going.tidy)
     except (CLIError, PushError, ValueError) as exc:
@@ -111,7 +110,7 @@ async def tidy(cli: MasterCLI, pid: int, steered: Steered) -> PushOutcome:
     return steered.outcome
 
 
-async def replace_map(cli: MasterCLI, map_path: str, pid: int, entries: dict[str, str], limit: int) -> int:
+async def replace_map(cli: MasterCLI, map_path: str, pid: int, entries: dict[str, str], limit: int) -> None:
     """Swap the whole map at once: a new version filled by payloads, then committed."""
     answer = await cli.on(pid, f"prepare map {map_path}")
     version = parse_prepare_map(answer)
@@ -120,7 +119,6 @@ async def replace_map(cli: MasterCLI, map_path: str, pid: int, entries: dict[str
     phase = Phase(adds=tuple(valid_entry(k, v) for k, v in entries.items()))
     await send(cli, pid, phase_lines(pid, map_path, phase, limit, version=version))
     await send(cli, pid, [on_process(pid, f"commit map @{version} {map_path}")])
-    return len(entries)
 
 
 async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
@@ -132,29 +130,16 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
             raise PushError(f"worker {pid}: {problem}")
 
 
-@dataclass(frozen=True)
-class ReadBack:
-    """One worker's map read back, beside what was known of it when the read was decided on."""
+async def read_back(cli: MasterCLI, map_path: str, pids: list[int]) -> list[dict[str, str] | Exception]:
+    """Each worker's map, read at once, or why it could not be read."""
 
-    pid: int
-    pushes: int  # its record's push count then
-    held: Mapping[str, Entries]  # what it held then
-    got: dict[str, str] | Exception  # the map, or why it could not be read
-
-
-Known = tuple[int, int, Mapping[str, Entries]]  # a worker's pid, its push count, what it held
-
-
-async def read_back(cli: MasterCLI, map_path: str, known: list[Known]) -> list[ReadBack]:
-    """Each worker's map, read at once."""
-
-    async def one(pid: int, pushes: int, held: Mapping[str, Entries]) -> ReadBack:
+    async def one(pid: int) -> dict[str, str] | Exception:
         try:
-            return ReadBack(pid, pushes, held, await read_map(cli, map_path, pid))
+            return await read_map(cli, map_path, pid)
         except (CLIError, PushError) as exc:
-            return ReadBack(pid, pushes, held, exc)
+            return exc
 
-    return list(await asyncio.gather(*(one(pid, pushes, held) for pid, pushes, held in known)))
+    return list(await asyncio.gather(*(one(pid) for pid in pids)))
 
 
 def map_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:

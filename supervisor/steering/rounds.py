@@ -23,7 +23,6 @@ from .push import (
     GONE,
     Outgoing,
     PushOutcome,
-    ReadBack,
     Steered,
     end_stuck_streams,
     map_difference,
@@ -197,8 +196,7 @@ class PushRounds:
             steered = await asyncio.gather(*(task for _, task in due))
             # The master relays a few lines at a time: one worker's tidy-up sent while another
             # still waits for its routing would delay that worker's steering.
-            pids = [worker.pid for worker, _ in due]
-            outcomes = await asyncio.gather(*(tidy(self.cli, pid, s) for pid, s in zip(pids, steered, strict=True)))
+            outcomes = await asyncio.gather(*(tidy(self.cli, w.pid, s) for (w, _), s in zip(due, steered, strict=True)))
         except BaseException:
             for _, task in due:
                 task.cancel()
@@ -269,40 +267,36 @@ class PushRounds:
         return min((w.verified_at + self.RECONCILE_INTERVAL_S for w in workers.values() if _verifiable(w)),
                    default=None)
 
-    def _reconcile_after_s(self) -> float:
-        # Read back with the one that is due, the maps whose turn is near: the reconciles then
-        # come in batches at rest, not one wake each.
-        return self.RECONCILE_INTERVAL_S * 0.75
-
     async def verify_some(self, workers: Mapping[int, WorkerRecord], poll_s: float, lock: asyncio.Lock) -> bool:
         """Read back the maps just pushed, then those verified longest ago: each map at least
         every RECONCILE_INTERVAL_S, a bounded number per poll, applied under `lock`. True when
         a map differs and a round should push again now."""
         now = time.monotonic()
-        due = [
-            w
-            for w in workers.values()
-            if _verifiable(w) and (w.verify or now - w.verified_at >= self._reconcile_after_s())
-        ]
+        # Read back with the one that is due, the maps whose turn is near: the reconciles then
+        # come in batches at rest, not one wake each.
+        near = 0.75 * self.RECONCILE_INTERVAL_S
+        due = [w for w in workers.values() if _verifiable(w) and (w.verify or now - w.verified_at >= near)]
         due.sort(key=lambda w: (not w.verify, w.verified_at))
         per_poll = max(4, -(-len(workers) * poll_s // self.RECONCILE_INTERVAL_S))
 
         known = [(w.pid, w.pushes, w.held) for w in due[: int(per_poll)] if w.held is not None]
-        results = await read_back(self.cli, self.map_path, known)
+        maps = await read_back(self.cli, self.map_path, [pid for pid, _, _ in known])
         async with lock:
             drifted = False
-            for result in results:
-                worker = workers.get(result.pid)
+            for (pid, pushes, held), got in zip(known, maps, strict=True):
+                worker = workers.get(pid)
                 if worker is not None:
-                    drifted |= self._apply_read_back(worker, result)
+                    drifted |= self._apply_read_back(worker, pushes, held, got)
             self.publish()
         return drifted
 
-    def _apply_read_back(self, worker: WorkerRecord, read: ReadBack) -> bool:
-        """True when the map read back differs from what was pushed."""
-        if worker.pushes != read.pushes or worker.held is not read.held:
+    def _apply_read_back(
+        self, worker: WorkerRecord, pushes: int, held: Mapping[str, Entries], got: dict[str, str] | Exception
+    ) -> bool:
+        """True when the map read back (`got`, or why it could not be read) differs from what was
+        pushed; `pushes` and `held`: the worker's push count and map when the read was decided on."""
+        if worker.pushes != pushes or worker.held is not held:
             return False  # pushed again meanwhile: this read proves nothing
-        got = read.got
         if isinstance(got, Exception):
             worker.unread += 1
             if worker.unread < self.UNREAD_LIMIT:
@@ -314,22 +308,19 @@ class PushRounds:
         if isinstance(got, Exception):
             return False
         if not after_push:
-            # A reconcile also sweeps stuck streams again and, with `observe` (the only
-            # thing that marks servers down in an old worker), re-reads its own view.
+            # A reconcile also sweeps stuck streams again and, with `observe` (the only thing that
+            # marks servers down in an old worker), re-reads its own view: at each reconcile, or,
+            # while HAProxy's lines are heard, at the safety net's pace.
             worker.swept = frozenset()
-            if self.settings.observe.enabled and not worker.current and self._own_view_due(worker):
+            read_lately = time.monotonic() - worker.unusable_at < self.settings.old_workers.state_read_interval_s
+            if self.settings.observe.enabled and not worker.current and not (self.state.server_events and read_lately):
                 worker.unusable = None
-        difference = map_difference({key: value for part in read.held.values() for key, value in part}, got)
+        difference = map_difference({key: value for part in held.values() for key, value in part}, got)
         if difference:
             worker.held = None
             self.failed(worker, f"worker {worker.pid}: {difference}")
             return True
         return False
-
-    def _own_view_due(self, worker: WorkerRecord) -> bool:
-        """At each reconcile, or, while HAProxy's lines are heard, at the safety net's pace."""
-        safety_net_s = self.settings.old_workers.state_read_interval_s
-        return not self.state.server_events or time.monotonic() - worker.unusable_at >= safety_net_s
 
     def failed(self, worker: WorkerRecord, error: str) -> None:
         """A push or read-back failed: back off, count it and log it (unless the worker exited)."""

@@ -219,7 +219,7 @@ class OldWorkers:
 
     def has_server(self, key: str) -> bool:
         """Whether the current config or one an old worker runs has this server."""
-        return self._digests.has_server(key, list(self.state.generations.values()))
+        return self._digests.has_server(key, self.state.generations.values())
 
     async def sync(self, fresh: bool = False, reuse: bool = False) -> None:
         """One round: list the workers, plan, push what differs. `fresh`: read the current
@@ -258,11 +258,10 @@ class OldWorkers:
     def _track(self, procs: ProcList) -> None:
         generations = worker_generations(procs, self.state.generations)
         current = procs.current_worker
-        old = {p.pid: generations.get(p.pid) for p in procs.old_workers}
+        old = {p.pid: generations[p.pid] for p in procs.old_workers}
         self._exits.watch_only(old)
-        current_pid = current.pid if current is not None else None
-        targets = {pid: generations.get(pid) for pid in (*old, *([current_pid] if current_pid is not None else []))}
-        self.rounds.track(self._workers, targets, current_pid, self._live)
+        targets = old if current is None else {**old, current.pid: generations[current.pid]}
+        self.rounds.track(self._workers, targets, current.pid if current is not None else None, self._live)
         listed = self.state.old_workers
         self.state.publish_old_workers(old, {pid: process_started_at(pid) for pid in old if pid not in listed})
 

@@ -106,9 +106,13 @@ def live_of(text: str, down: set[str] = frozenset(), maint: set[str] = frozenset
     ]
 
 
-def random_config(rng: random.Random, cache: Sections) -> ConfigDigest:
+def random_model(rng: random.Random) -> Config:
     text = "defaults\n    mode http\n"
     for b in rng.sample(range(8), rng.randint(1, 8)):
         servers = [f"    server s{r} 10.0.{rng.randint(0, 2)}.{r}:80\n" for r in range(rng.randint(1, 3))]
         text += f"backend be{b}\n" + "".join(servers) + ("    server bk 10.9.9.9:80 backup\n" if b % 2 else "")
-    return digest(model(text), cache)
+    return model(text)
+
+
+def random_config(rng: random.Random, cache: Sections) -> ConfigDigest:
+    return digest(random_model(rng), cache)
