@@ -207,12 +207,12 @@ def _needs_experimental_mode(answer: str | None) -> bool:
 
 
 async def send_commands(
-    cli: MasterCLI, pid: int, commands: Sequence[str], line_limit: int, prefix: Sequence[str] = ()
+    cli: MasterCLI, pid: int, commands: Sequence[str], prefix: Sequence[str] = ()
 ) -> list[str | None]:
     """One answer per command to worker `pid`. The master session's mode (`prefix`, such as
     `experimental-mode on`) rides with each command on a line of its own."""
     if not prefix:
-        answers, _ = await send_step(cli, pid, commands, line_limit)
+        answers, _ = await send_step(cli, pid, commands, DEFAULT_LINE_LIMIT)
         return answers
     return [(await send_line(cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
 
@@ -222,7 +222,7 @@ class MembershipResult:
     """What apply_membership() did. Not ok: `why` is the reason for the reload that follows.
     `made`: the added servers are in service (the removes failed). `pending`: removed servers
     in maint at the placeholder whose `del server` is still refused (key -> the answer), for
-    hook.py; `mode`: what this worker's lines began with (`experimental-mode on`, if asked)."""
+    hook.py; `mode`: what this worker's lines begin with (`experimental-mode on`, if asked)."""
 
     ok: bool = True
     why: str = ""
@@ -238,62 +238,46 @@ class MembershipResult:
 
 
 class _Sender:
-    """One worker's commands, as few `;` lines as fit, every answer returned in order."""
+    """One membership change in one worker: its commands, as few `;` lines as fit, every answer
+    returned in order, and how its removes wait."""
 
-    def __init__(self, cli: MasterCLI, worker_pid: int, line_limit: int, result: MembershipResult) -> None:
-        self.cli, self.pid, self.line_limit, self.result = cli, worker_pid, line_limit, result
-        self.prefix: list[str] = []  # `experimental-mode on`, once a worker asked for it
+    def __init__(
+        self, cli: MasterCLI, worker_pid: int, result: MembershipResult, remove_wait_s: float, background: bool
+    ) -> None:
+        self.cli, self.pid, self.result = cli, worker_pid, result
+        self.remove_wait_s, self.background = remove_wait_s, background
 
     async def send(self, commands: Sequence[str]) -> list[str | None]:
         self.result.commands_sent += len(commands)
-        return await send_commands(self.cli, self.pid, commands, self.line_limit, self.prefix)
+        return await send_commands(self.cli, self.pid, commands, self.result.mode)
 
 
 async def apply_membership(
-    cli: MasterCLI,
-    worker_pid: int,
-    plan: RuntimePlan,
-    new: Config,
-    *,
-    remove_wait_s: float,
-    line_limit: int = DEFAULT_LINE_LIMIT,
-    background: bool = True,
+    cli: MasterCLI, worker_pid: int, plan: RuntimePlan, new: Config, *, remove_wait_s: float, background: bool
 ) -> MembershipResult:
     """Add and remove servers in one worker, make before break: the adds readied, the in-place
     changes, the worker's slot table, only then the removes (`_remove`; docs/removals.md)."""
-    pid = int(worker_pid)
     result = MembershipResult()
-    sender = _Sender(cli, pid, line_limit, result)
-    try:
-        return await _membership(sender, plan, new, remove_wait_s, background)
-    finally:
-        result.mode = list(sender.prefix)
-
-
-async def _membership(
-    sender: _Sender, plan: RuntimePlan, new: Config, remove_wait_s: float, background: bool
-) -> MembershipResult:
-    cli, pid, line_limit, result = sender.cli, sender.pid, sender.line_limit, sender.result
-    backends = plan.backends
-    table = await _slot_table_commands(cli, pid, new, backends)
+    sender = _Sender(cli, int(worker_pid), result, remove_wait_s, background)
+    table = await _slot_table_commands(cli, sender.pid, new, plan.backends)
     if isinstance(table, str):
         return _failed(result, table)
-    why = await _add(sender, plan.adds, result, plan.present)
+    why = await _add(sender, plan.adds, plan.present)
     if why:
-        await _take_back(sender, result.added, remove_wait_s, background)
+        await _take_back(sender)
         return _failed(result, why)
     if plan.changes:
-        applied = await apply_changes(cli, pid, plan.changes, line_limit=line_limit)
+        applied = await apply_changes(cli, sender.pid, plan.changes)
         result.commands_sent += applied.commands_sent
         if not applied.ok:
-            await _take_back(sender, result.added, remove_wait_s, background)
+            await _take_back(sender)
             return _failed(result, f"{len(applied.refused)} in-place server changes refused")
     result.made = True
     table_answers = await sender.send(table)
     for command, answer in zip(table, table_answers, strict=True):
         if answer is None or answer.strip():
             return _failed(result, f"slot table: {command!r} refused: {(answer or 'no answer').strip()}")
-    why = await _remove(sender, [r.key for r in plan.removes], remove_wait_s, result, background)
+    why = await _remove(sender, [r.key for r in plan.removes], result)
     if why:
         return _failed(result, why)
     return result
@@ -319,15 +303,14 @@ async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: 
     return slot_map_commands(path, held, new, backends)
 
 
-async def _add(
-    sender: _Sender, adds: Sequence[ServerAdd], result: MembershipResult, present: Sequence[ServerAdd] = ()
-) -> str:
+async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[ServerAdd]) -> str:
     """Add every server in maint, then step by step its checks and `state ready` (also those
     `present` in the worker already); the first refusal, or ''."""
+    result = sender.result
     result.added.extend(add.key for add in present)
     answers = await sender.send([a.add_command for a in adds])
     if any(_needs_experimental_mode(a) for a in answers):
-        sender.prefix = ["experimental-mode on"]
+        result.mode = ["experimental-mode on"]
         log.info("worker %d: `add server` needs experimental-mode on this HAProxy: enabled", sender.pid)
         retry = [i for i, a in enumerate(answers) if _needs_experimental_mode(a)]
         for i, answer in zip(retry, await sender.send([adds[i].add_command for i in retry]), strict=True):
@@ -356,20 +339,20 @@ async def _add(
         step += 1
 
 
-async def _take_back(sender: _Sender, keys: list[str], wait_s: float, background: bool) -> None:
-    """Undo adds after a refusal, best effort: what is still refused is pending, like any removal."""
-    if keys:
+async def _take_back(sender: _Sender) -> None:
+    """Undo the adds after a refusal, best effort: what is still refused is pending, like any removal."""
+    if sender.result.added:
         undone = MembershipResult()
-        leftover = await _remove(sender, list(keys), wait_s, undone, background)
+        leftover = await _remove(sender, list(sender.result.added), undone)
         sender.result.pending.update(undone.pending)
         if leftover:
             log.warning("worker %d: servers added before a refusal not all deleted: %s", sender.pid, leftover)
 
 
-async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: MembershipResult, background: bool) -> str:
+async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) -> str:
     """Servers to maint, then `del server`, which HAProxy refuses while connections are attached:
-    the refused get the placeholder address and one more try; then, `background`, they are
-    pending, else it is tried until `wait_s`, their sessions shut down, and a little longer.
+    the refused get the placeholder address and one more try; then, in the background, they are
+    pending, else it is tried for remove_wait_s, their sessions shut down, and a little longer.
     What is still refused then, or ''."""
     if not keys:
         return ""
@@ -382,6 +365,7 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
         return f"`set server {key} state maint` refused: {(answer or 'no answer').strip()}"
     left = list(keys)
     loop = asyncio.get_running_loop()
+    wait_s = sender.remove_wait_s
     deadline = loop.time() + wait_s
     shut = purged = False
     last = ""
@@ -409,7 +393,7 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
                     log.warning("worker %d refused %r: %s", sender.pid, command, (answer or "no answer").strip())
             purged = True
             continue
-        if background:
+        if sender.background:
             # In maint at the placeholder: it routes nothing, the change is live.
             result.pending.update({key: last_answer[key] for key in left})
             return ""
