@@ -65,10 +65,6 @@ class Server:
     def endpoint(self) -> str:
         return f"{self.address}:{self.port}" if self.port is not None else self.address
 
-    @property
-    def primary(self) -> bool:
-        return not self.backup and self.track is None
-
 
 def split_address(spec: str) -> tuple[str, int | None]:
     """`127.0.0.1:80` -> ("127.0.0.1", 80); `[::1]:80` -> ("::1", 80); `unix@/s` -> (spec, None)."""
@@ -100,6 +96,16 @@ def is_ip(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two addresses name one host: equal IP addresses (`::1`, `0::1`), or one name in any case."""
+    if a == b:
+        return True  # the usual case, without parsing either
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
 
 
 def _kept_hash(value: ServerFlags | ProxySettings) -> int:
