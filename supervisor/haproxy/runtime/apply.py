@@ -23,6 +23,8 @@ from ..config import Config
 from ..guard import is_guarded
 from .plan import RuntimePlan, ServerAdd, ServerChange, loaded_slot_table, ordered_commands, slot_map_commands
 
+log = logging.getLogger(__package__)
+
 # What `set server ... addr` answers when it took. 2.6 and 2.8: `no need to change the addr, port
 # changed from 'a' to 'b' by 'stats socket command'` (either part may say changed or no need);
 # 3.0 on: `IP changed from 'a' to 'b', port changed from ... by ...`, either part alone, or
@@ -176,13 +178,8 @@ async def _apply_steps(
                 continue
             refused = Refusal(plans[i][0], command, reason, tuple(accepted[i]))
             stopped[i] = refused
-            log.warning(
-                "worker %d refused %r: %s; %s",
-                worker_pid,
-                command,
-                reason,
-                "server left in maint" if refused.left_in_maint else "server left as it was",
-            )
+            log.warning("worker %d refused %r: %s; %s", worker_pid, command, reason,
+                        "server left in maint" if refused.left_in_maint else "server left as it was")
         step += 1
     for i, (change, _) in enumerate(plans):
         if i in stopped:
@@ -190,9 +187,6 @@ async def _apply_steps(
         else:
             result.applied.append(change)
     return list(stopped.values())
-
-
-log = logging.getLogger(__package__)
 
 
 REMOVE_POLL_S = 0.1
@@ -275,8 +269,8 @@ async def apply_membership(
     result.made = True
     table_answers = await sender.send(table)
     for command, answer in zip(table, table_answers, strict=True):
-        if answer is None or answer.strip():
-            return _failed(result, f"slot table: {command!r} refused: {(answer or 'no answer').strip()}")
+        if (reason := refusal(command, answer)) is not None:
+            return _failed(result, f"slot table: {command!r} refused: {reason}")
     why = await _remove(sender, [r.key for r in plan.removes], result)
     if why:
         return _failed(result, why)
@@ -317,13 +311,13 @@ async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[Ser
             answers[i] = answer
     why = ""
     for add, answer in zip(adds, answers, strict=True):
-        if refusal(add.add_command, answer) is None:
+        reason = refusal(add.add_command, answer)
+        if reason is None:
             result.added.append(add.key)
             continue
-        if answer is not None and answer.strip().startswith("Already exists a server with the same name"):
+        if reason.startswith("Already exists a server with the same name"):
             result.held_already = True
-        if not why:
-            why = f"`{add.add_command}` refused: {(answer or 'no answer').strip() or 'empty answer'}"
+        why = why or f"`{add.add_command}` refused: {reason}"
     if why:
         return why
     sequences = [add.ready_commands for add in (*adds, *present)]
@@ -356,13 +350,14 @@ async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) ->
     What is still refused then, or ''."""
     if not keys:
         return ""
-    answers = await sender.send([f"set server {key} state maint" for key in keys])
-    refused = [(k, a) for k, a in zip(keys, answers, strict=True) if refusal("state", a) is not None]
-    if any(a is not None and a.strip() == "No such server." for _, a in refused):
+    maint = [f"set server {key} state maint" for key in keys]
+    answers = await sender.send(maint)
+    refused = [(c, reason) for c, a in zip(maint, answers, strict=True) if (reason := refusal(c, a)) is not None]
+    if any(reason == "No such server." for _, reason in refused):
         result.held_already = True
     if refused:
-        key, answer = refused[0]
-        return f"`set server {key} state maint` refused: {(answer or 'no answer').strip()}"
+        command, reason = refused[0]
+        return f"`{command}` refused: {reason}"
     left = list(keys)
     loop = asyncio.get_running_loop()
     wait_s = sender.remove_wait_s
