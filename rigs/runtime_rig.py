@@ -129,7 +129,7 @@ class Rig:
         """What the reloader does with the runtime_apply hook: apply, then write and adopt the config."""
         effective = build_effective(self.settings, rendered)
         new_model = Config.parse(effective.text)
-        outcome = await self.applier(self.generation, new_model, effective)
+        outcome = await self.applier(self.generation, new_model)
         if not outcome.applied:
             return False
         write_effective(self.settings.haproxy.effective_config, effective)

@@ -242,7 +242,7 @@ class Daemon:
                     self.notifier.run_watchdog(lambda: self.state.status_listener_down), name="watchdog"
                 ),
                 group.create_task(LoopLag(self.state).run(), name="event loop lag"),
-                group.create_task(applier.run(), name="pending removals"),
+                group.create_task(applier.pending.run(), name="pending removals"),
             ]
             tasks.append(group.create_task(displaced.run(), name="displaced"))
             detector = StalledDetector(settings.detector, self.state, self.cli, displaced.wake)

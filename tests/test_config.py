@@ -58,11 +58,10 @@ def test_template_names():
 def test_rayserve_servers_and_flags():
     config = Config.parse((corpus_files()[0].parent / "rayserve.cfg").read_text())
     servers = config.server_map()
-    assert servers["echo/echo_r1"].check and servers["echo/echo_r1"].primary
+    assert servers["echo/echo_r1"].check and not servers["echo/echo_r1"].backup
     assert servers["echo/fallback"].backup
     assert servers["echo_via_router/echo_r1"].track == "echo/echo_r1"
-    assert not servers["echo_via_router/echo_r1"].primary
-    assert [s.name for s in config.servers(config.backend("wide")) if s.primary] == ["wide_r1", "wide_r2", "wide_r3"]
+    assert [s.name for s in config.servers(config.backend("wide")) if not s.backup] == ["wide_r1", "wide_r2", "wide_r3"]
     assert "h2" in servers["grpc_wide/wide_r1"].params
 
 

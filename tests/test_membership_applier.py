@@ -62,7 +62,7 @@ async def test_without_background_removals_a_del_server_refused_to_the_end_reloa
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
     applier = RuntimeApplier(cli, remove_wait_s=0.1, background=False)
-    outcome = await applier(current, new, SimpleNamespace(effective_model=new))
+    outcome = await applier(current, new)
     assert outcome.applied is False
     assert outcome.runs is new  # the added server is in service: the worker runs it
     assert "shutdown sessions server app1/app1_r1" in cli.sent
@@ -81,12 +81,12 @@ async def test_a_del_server_refused_leaves_a_pending_removal_retried_until_delet
     applier = RuntimeApplier(cli, remove_wait_s=0.3, current_pid=lambda: current.worker_pid,
                              publish_removals=lambda removals: published.append(dict(removals)))
     removals = applier.pending.removals
-    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True  # live, no reload
+    assert (await applier(current, new)).applied is True  # live, no reload
     assert list(removals) == ["app1/app1_r1"] and removals["app1/app1_r1"].last_answer == ATTACHED
     # Taken out before the pending state: maint, then the placeholder address.
     assert cli.sent.index("set server app1/app1_r1 state maint") < cli.sent.index(
         "set server app1/app1_r1 addr 127.0.0.1 port 1")
-    task = asyncio.get_running_loop().create_task(applier.run())
+    task = asyncio.get_running_loop().create_task(applier.pending.run())
     try:
         # The sessions are shut down once the removal has waited remove_wait_s, then deleted.
         # The flag is set once the command's answer is back: wait for it, not for the send.
@@ -114,9 +114,9 @@ async def test_a_pending_removal_ends_when_its_worker_is_no_longer_current(repla
     current = SimpleNamespace(model=old, worker_pid=42)
     applier = RuntimeApplier(cli, current_pid=lambda: current.worker_pid)
     removals = applier.pending.removals
-    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True
+    assert (await applier(current, new)).applied is True
     assert removals
-    task = asyncio.get_running_loop().create_task(applier.run())
+    task = asyncio.get_running_loop().create_task(applier.pending.run())
     try:
         current.worker_pid = 43  # a reload: the new worker never had the server
         applier.pending._wake.set()
@@ -136,12 +136,12 @@ async def test_a_server_added_back_while_its_removal_is_pending_reloads_if_still
     cli = ScriptedCLI({"add server": "New server registered.", "del server": ATTACHED})
     current = SimpleNamespace(model=old, worker_pid=42)
     applier = RuntimeApplier(cli, current_pid=lambda: current.worker_pid)
-    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is True
+    assert (await applier(current, new)).applied is True
     current.model = new
-    assert (await applier(current, old, SimpleNamespace(effective_model=old))).applied is False  # app1_r1 is back
+    assert (await applier(current, old)).applied is False  # app1_r1 is back
     cli.answers["del server"] = "Server deleted."
     # Deleted first, then added.
-    assert (await applier(current, old, SimpleNamespace(effective_model=old))).applied is True
+    assert (await applier(current, old)).applied is True
 
 
 async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replaced):
@@ -156,7 +156,7 @@ async def test_an_add_refused_deletes_what_was_added_and_keeps_the_model(replace
         "del server": "Server deleted.",
     })
     current = SimpleNamespace(model=old, worker_pid=42)
-    outcome = await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))
+    outcome = await RuntimeApplier(cli)(current, new)
     assert outcome.applied is False
     assert current.model is old and outcome.runs is None
     assert "del server app1/app1_r3" in cli.sent  # taken back
@@ -172,7 +172,7 @@ async def test_add_server_is_sent_again_in_experimental_mode_when_haproxy_asks_f
         experimental="This command is restricted to experimental mode only.",
     )
     current = SimpleNamespace(model=old, worker_pid=42)
-    assert (await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))).applied is True
+    assert (await RuntimeApplier(cli)(current, new)).applied is True
     add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert cli.sent[:3] == [add, "experimental-mode on", add]
     assert "del server app1/app1_r1" in cli.sent
@@ -258,7 +258,7 @@ async def test_a_change_a_killed_daemon_began_is_completed_at_runtime(replaced):
         "del server": "Server deleted.",
     })
     current = SimpleNamespace(model=old, worker_pid=42)
-    assert (await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))).applied is True
+    assert (await RuntimeApplier(cli)(current, new)).applied is True
     assert "show servers state app1" in cli.sent
     assert cli.sent.count("add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check") == 1  # not twice
     assert "set server app1/app1_r3 state ready" in cli.sent and "del server app1/app1_r1" in cli.sent
@@ -273,7 +273,7 @@ async def test_control_a_worker_this_daemon_changed_is_not_read_again(replaced):
     applier = RuntimeApplier(cli)
     current = SimpleNamespace(model=old, worker_pid=42)
     applier._known_workers.add(42)
-    assert (await applier(current, new, SimpleNamespace(effective_model=new))).applied is False
+    assert (await applier(current, new)).applied is False
     assert "show servers state app1" not in cli.sent
 
 
@@ -307,7 +307,7 @@ async def test_a_name_added_back_over_a_removal_left_at_the_placeholder_is_delet
         "del server": "Server deleted.",
     })
     current = SimpleNamespace(model=old, worker_pid=42)
-    assert (await RuntimeApplier(cli)(current, new, SimpleNamespace(effective_model=new))).applied is True
+    assert (await RuntimeApplier(cli)(current, new)).applied is True
     add = "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert cli.sent.index("del server app1/app1_r3") < len(cli.sent) - 1 - cli.sent[::-1].index(add)
     assert cli.sent.count(add) == 2  # refused, then added once the leftover was deleted

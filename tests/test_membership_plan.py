@@ -62,7 +62,7 @@ def test_a_replica_replaced_by_a_new_name_is_one_add_and_one_remove():
     # The defaults' default-server (through `from base`) is carried explicitly.
     assert add.add_command == "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert add.ready_commands == ["enable health app1/app1_r3", "set server app1/app1_r3 state ready"]
-    assert add.primary
+    assert "backup" not in add.params
     # Callers that apply in-place changes only are told a reload is needed.
     assert plan_runtime_apply(Config.parse(RAY), Config.parse(new)) is None
 
@@ -85,7 +85,7 @@ def test_a_backend_without_from_takes_the_last_defaults():
     new = text + "  server s2 10.0.0.2:80 backup\n"
     (add,) = plan(text, new).adds
     assert add.add_command == "add server x/s2 10.0.0.2:80 inter 2s backup"
-    assert not add.primary and add.ready_commands == ["set server x/s2 state ready"]
+    assert "backup" in add.params and add.ready_commands == ["set server x/s2 state ready"]
 
 
 def test_a_disabled_server_is_added_and_left_in_maint():

@@ -134,7 +134,7 @@ async def running(rundir: Path, apply_at_runtime: bool):
     hooks = Recorder()
     applied: list[tuple[int, list[str]]] = []
 
-    async def runtime_apply(current: Generation, model: Config, effective: Effective) -> RuntimeOutcome:
+    async def runtime_apply(current: Generation, model: Config) -> RuntimeOutcome:
         # Stand-in for haproxy/runtime/: claims address-only changes, as the real one would plan them.
         applied.append((current.number, [f"{s.key}={s.endpoint}" for s in model.servers()]))
         return RuntimeOutcome(True, model) if apply_at_runtime else RuntimeOutcome(False)

@@ -95,9 +95,7 @@ def parse_show_proc(text: str) -> ProcList:
             heading = stripped.lstrip("#").strip().lower()
             if heading.startswith("<pid>") or not heading:
                 continue
-            section = {"workers": "workers", "old workers": "old", "programs": "programs"}.get(
-                heading, "other"
-            )
+            section = {"workers": "workers", "old workers": "old"}.get(heading, "other")
             continue
         m = _PROC_LINE.match(stripped)
         if not m:
@@ -264,17 +262,9 @@ def parse_servers_state(text: str) -> list[ServerState]:
         i_admin, i_weight, i_port = at["srv_admin_state"], at["srv_uweight"], at.get("srv_port")
         for v in block.rows:
             port = v[i_port] if i_port is not None else ""
-            states.append(
-                ServerState(
-                    backend=v[i_be],
-                    name=v[i_name],
-                    address=v[i_addr],
-                    port=int(port) if port.isdigit() else None,
-                    op_state=int(v[i_op]),
-                    admin_state=int(v[i_admin]),
-                    weight=int(v[i_weight]),
-                )
-            )
+            port_number = int(port) if port.isdigit() else None
+            states.append(ServerState(v[i_be], v[i_name], v[i_addr], port_number, int(v[i_op]), int(v[i_admin]),
+                                      int(v[i_weight])))
     return states
 
 

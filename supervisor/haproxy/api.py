@@ -61,10 +61,10 @@ def batch_lines(commands: Iterable[str], limit: int = DEFAULT_LINE_LIMIT) -> lis
 class MasterCLI:
     """The master socket. Every call opens its own connection, bounded by a semaphore."""
 
-    def __init__(self, path: Path | str, timeout: float = 5.0, connections: int = MAX_CONNECTIONS):
+    def __init__(self, path: Path | str, timeout: float = 5.0):
         self.path = str(path)
         self.timeout = timeout
-        self._slots = asyncio.Semaphore(connections)
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
 
     async def execute(self, line: str, timeout: float | None = None) -> str:
         """Send one command line and return the whole answer."""

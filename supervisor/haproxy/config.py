@@ -26,24 +26,8 @@ from .resolution import (
 # Section keywords of HAProxy 2.6 - 3.x; the lines of sections not modelled are kept opaque.
 SECTION_KEYWORDS = frozenset(
     {
-        "global",
-        "defaults",
-        "frontend",
-        "backend",
-        "listen",
-        "peers",
-        "resolvers",
-        "userlist",
-        "mailers",
-        "program",
-        "http-errors",
-        "ring",
-        "cache",
-        "fcgi-app",
-        "log-forward",
-        "crt-store",
-        "traces",
-        "acme",
+        "global", "defaults", "frontend", "backend", "listen", "peers", "resolvers", "userlist", "mailers",
+        "program", "http-errors", "ring", "cache", "fcgi-app", "log-forward", "crt-store", "traces", "acme",
     }
 )
 
@@ -69,11 +53,7 @@ class Config:
         for end in [*(m.end() for m in _CHUNK_START.finditer(text)), len(text)]:
             chunk = text[start:end]
             start = end
-            parsed = kept.get(chunk)
-            if parsed is None:
-                parsed = _parse_chunk(chunk, cache)
-                kept.put(chunk, parsed)
-            lead, headed = parsed
+            lead, headed = kept.get_or_make(chunk, _parse_chunk, chunk, cache)
             section.body.extend(lead)
             for header, body in headed:
                 section = Section(header, list(body))
@@ -138,10 +118,7 @@ class Config:
             # Nothing else goes into the flags: an edited line or `default-server` gives
             # another key, never a stale entry.
             key = (flags, "".join([line.raw for line in section.body]))
-            lines = kept.get(key)
-            if lines is None:
-                lines = server_line_flags(section.body, flags)
-                kept.put(key, lines)
+            lines = kept.get_or_make(key, server_line_flags, section.body, flags)
             result.append((section, list(lines)))
         return result
 

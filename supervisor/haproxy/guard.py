@@ -252,10 +252,7 @@ def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
     plans: list[tuple[Section, str, GuardPlan]] = []
     for section, settings in config.each_backend_with_settings():
         key = (settings, section.name, "".join([line.raw for line in section.body]))
-        plan = kept.get(key)
-        if plan is None:
-            plan = _guard_plan(section.body, settings, section.name)
-            kept.put(key, plan)
+        plan = kept.get_or_make(key, _guard_plan, section.body, settings, section.name)
         plans.append((section, settings.mode, plan))
     return plans
 
@@ -280,8 +277,7 @@ def slot_table(config: Config) -> list[tuple[str, list[str]]]:
     """Each backend and listen with primary servers, with their names in config order: slot i
     is the i-th. Disabled, weight 0 and down primaries have theirs too: the table depends only
     on which servers exist, so in-place runtime changes leave it as the new config names it."""
-    rows = [(section.name, primary_names(section.body, lines)) for section, lines in config.server_flags_by_backend()]
-    return [(name, names) for name, names in rows if names]
+    return [(section.name, list(plan.names)) for section, _, plan in _plans(config) if plan.names]
 
 
 def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]]) -> list[str]:

@@ -125,13 +125,8 @@ class Section:
     @property
     def from_defaults(self) -> str | None:
         """The named defaults section a proxy inherits from (`from NAME`), if any."""
-        if self.header is None:
-            return None
-        words = self.header.words
-        for i, w in enumerate(words[:-1]):
-            if w == "from" and i >= 1:
-                return words[i + 1]
-        return None
+        words = self.header.words if self.header is not None else ()
+        return next((words[i + 1] for i in range(1, len(words) - 1) if words[i] == "from"), None)
 
     def lines(self) -> Iterator[Line]:
         if self.header is not None:
@@ -169,6 +164,13 @@ class RecentlyUsed(Generic[_K, _V]):
     def put(self, key: _K, value: _V) -> None:
         self.current[key] = value
 
+    def get_or_make(self, key: _K, make: Callable[..., _V], *args: Any) -> _V:
+        """The value kept for `key`, else make(*args)'s, kept from now on."""
+        value = self.get(key)
+        if value is None:
+            value = self.current[key] = make(*args)
+        return value
+
 
 class Slot(Generic[_K, _V]):
     """The name of one RecentlyUsed in every ConfigCache, typed with what it keeps."""
@@ -205,8 +207,4 @@ class ConfigCache:
 
     def line(self, raw: str) -> Line:
         """parse_line(raw), shared with the configs that hold the same line."""
-        line = self.lines.get(raw)
-        if line is None:
-            line = parse_line(raw)
-            self.lines.put(raw, line)
-        return line
+        return self.lines.get_or_make(raw, parse_line, raw)

@@ -65,10 +65,6 @@ class Server:
     def endpoint(self) -> str:
         return f"{self.address}:{self.port}" if self.port is not None else self.address
 
-    @property
-    def primary(self) -> bool:
-        return not self.backup and self.track is None
-
 
 def split_address(spec: str) -> tuple[str, int | None]:
     """`127.0.0.1:80` -> ("127.0.0.1", 80); `[::1]:80` -> ("::1", 80); `unix@/s` -> (spec, None)."""
@@ -100,6 +96,16 @@ def is_ip(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two addresses name one host: equal IP addresses (`::1`, `0::1`), or one name in any case."""
+    if a == b:
+        return True  # the usual case, without parsing either
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
 
 
 def _kept_hash(value: ServerFlags | ProxySettings) -> int:
@@ -368,55 +374,26 @@ def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySetting
 SECTION_SERVERS: Slot[tuple[str, ProxySettings, str], tuple[Server, ...]] = Slot("section servers")
 
 
-def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache | None = None) -> list[Server]:
-    """The servers of a backend/listen section that `settings` apply to; with `cache`, shared
+def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache) -> list[Server]:
+    """The servers of a backend/listen section that `settings` apply to, shared through `cache`
     by consecutive configs that share the section, instead of made again at each reload."""
-    if cache is None:
-        return list(_section_servers(section.name, section.body, settings))
     key = (section.name, settings, "".join([line.raw for line in section.body]))
-    kept = cache.kept(SECTION_SERVERS)
-    servers = kept.get(key)
-    if servers is None:
-        servers = tuple(_section_servers(section.name, section.body, settings))
-        kept.put(key, servers)
-    return list(servers)
+    return list(cache.kept(SECTION_SERVERS).get_or_make(key, _section_servers, section.name, section.body, settings))
 
 
-def _section_servers(backend: str, body: list[Line], settings: ProxySettings) -> Iterator[Server]:
+def _section_servers(backend: str, body: list[Line], settings: ProxySettings) -> tuple[Server, ...]:
+    servers: list[Server] = []
     for index, line, flags in _server_lines(body, settings.server_defaults):
         words = line.words
-        if words[0] == "server":
-            yield _server(backend, words[1], words[2], words[3:], flags, False, index)
-        else:
-            params = words[4:]
-            for name in template_names(words[1], words[2]):
-                yield _server(backend, name, words[3], params, flags, True, index)
-
-
-def _server(
-    backend: str,
-    name: str,
-    address: str,
-    params: tuple[str, ...],
-    defaults: ServerFlags,
-    template: bool,
-    index: int,
-) -> Server:
-    host, port = split_address(address)
-    f = defaults.apply(params)
-    return Server(
-        backend=backend,
-        name=name,
-        address=host,
-        port=port,
-        params=params,
-        check=f.check,
-        backup=f.backup,
-        disabled=f.disabled,
-        observe=f.observe,
-        track=f.track,
-        weight=f.weight,
-        template=template,
-        line_index=index,
-        cookie=f.cookie,
-    )
+        template = words[0] == "server-template"
+        names = template_names(words[1], words[2]) if template else [words[1]]
+        address, params = (words[3], words[4:]) if template else (words[2], words[3:])
+        host, port = split_address(address)
+        f = flags.apply(params)
+        for name in names:
+            servers.append(Server(
+                backend=backend, name=name, address=host, port=port, params=params, check=f.check, backup=f.backup,
+                disabled=f.disabled, observe=f.observe, track=f.track, weight=f.weight, template=template,
+                line_index=index, cookie=f.cookie,
+            ))
+    return tuple(servers)

@@ -47,15 +47,18 @@ PLAIN = Routing()
 
 def routing_of(settings: ProxySettings, body: Sequence[Line], backend: str) -> Routing:
     hashing = _hash_of(settings)
-    if settings.hash_type[:1] == ("consistent",) and hashing:
+    consistent = settings.hash_type[:1] == ("consistent",)
+    if consistent and hashing is not None:
         balance_factor = any(line.words[:1] == ("hash-balance-factor",) for line in body)
-        if hashing["hash_function"] is None or balance_factor or any(_hash_keys(line.words) for line in body):
-            hashing = {}
+        if hashing[1] is None or balance_factor or any(_hash_keys(line.words) for line in body):
+            hashing = None
+    hash_key, hash_function = hashing or (None, None)
     return Routing(
         cookie=_cookie_expr(settings) if settings.mode == "http" else None,
         sticks=_stick_exprs(body, backend),
-        consistent=bool(hashing) and settings.hash_type[:1] == ("consistent",),
-        **hashing,  # type: ignore[arg-type]
+        hash_key=hash_key,
+        hash_function=hash_function,
+        consistent=hashing is not None and consistent,
     )
 
 
@@ -94,40 +97,40 @@ def _stick_exprs(body: Sequence[Line], backend: str) -> tuple[str, ...]:
     return tuple(exprs)
 
 
-def _hash_of(settings: ProxySettings) -> dict[str, str | None]:
-    none: dict[str, str | None] = {}
+def _hash_of(settings: ProxySettings) -> tuple[str, str | None] | None:
+    """(the key HAProxy hashes, the converter that hashes it like HAProxy), or None."""
     kind, *rest = settings.hash_type or ("map-based",)
     if kind not in ("map-based", "consistent") or settings.balance == ():
-        return none
+        return None
     function = rest[0] if rest and rest[0] in (*_HASH_FUNCTIONS, "none") else "sdbm"
     if function == "none":
-        return none
+        return None
     # `hash-type consistent` alone means sdbm with avalanche (cfgparse-listen.c).
     avalanche = "avalanche" in rest or (kind == "consistent" and not rest)
     converter = f"{function}(1)" if avalanche else function
     algo, *options = settings.balance
     if algo == "uri":
         if "len" in options or "depth" in options:
-            return none
+            return None
         whole, path_only = "whole" in options, "path-only" in options
         key = ("pathq" if whole else "path") if path_only else ("url" if whole else "url,field(1,?)")
-        return {"hash_key": key, "hash_function": converter}
+        return key, converter
     if algo == "source" and not options and not avalanche:
         # get_server_sh() XORs the address's 32-bit words and ignores the hash function: for
         # IPv4 that is the address as an integer (an IPv6 address casts to no integer, and
         # such a request is drawn instead).
-        return {"hash_key": "src", "hash_function": None}
+        return "src", None
     if algo.startswith("hdr(") and algo.endswith(")") and not options:
         name = algo[4:-1]
-        return {"hash_key": f"req.hdr({name},1)", "hash_function": converter} if _SAFE_ARG.match(name) else none
+        return (f"req.hdr({name},1)", converter) if _SAFE_ARG.match(name) else None
     if algo == "url_param" and len(options) == 1 and _SAFE_ARG.match(options[0]):
-        return {"hash_key": f"url_param({options[0]})", "hash_function": converter}
+        return f"url_param({options[0]})", converter
     if algo.startswith("rdp-cookie(") and algo.endswith(")") and not options:
         name = algo[11:-1]
-        return {"hash_key": f"req.rdp_cookie({name})", "hash_function": converter} if _SAFE_ARG.match(name) else none
+        return (f"req.rdp_cookie({name})", converter) if _SAFE_ARG.match(name) else None
     if algo == "hash" and len(options) == 1 and _SAFE_EXPR.match(options[0]):
-        return {"hash_key": options[0], "hash_function": converter}
-    return none
+        return options[0], converter
+    return None
 
 
 def server_ids(servers: Iterable[tuple[str, Sequence[str]]]) -> dict[str, int]:
@@ -159,11 +162,7 @@ def server_map(servers: Sequence[Server], up: Iterable[str]) -> list[str]:
     """The map-based server map of a worker that sees `up` usable (lb_map.c), primaries only:
     index `hash % len(map)` is the server a hash picks."""
     usable = set(up)
-    weights = [effective_weight(s) for s in servers]
-    divisor = 0
-    for w in weights:
-        divisor = gcd(divisor, w)
-    divisor = divisor or 1
+    divisor = gcd(*(effective_weight(s) for s in servers)) or 1
     eweight = {s.name: (effective_weight(s) + divisor - 1) // divisor for s in servers}
     chosen = [s for s in servers if not s.backup and s.name in usable and eweight[s.name] > 0]
     if not chosen:

@@ -13,7 +13,6 @@ health, an operator's maint, drain or weight (docs/runtime-changes.md).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 from collections.abc import Collection, Iterator
@@ -24,7 +23,7 @@ from .answers import ROW_TEXT, ServerKey, is_servers_state, servers_state_parts,
 from .api import CLIError, MasterCLI
 from .config import Config, Section
 from .lexer import Line, parse_line, quote_word
-from .resolution import PROXY_KINDS, Server, is_ip
+from .resolution import PROXY_KINDS, Server, is_ip, same_host
 from .routing import effective_weight
 
 log = logging.getLogger(__name__)
@@ -32,15 +31,6 @@ log = logging.getLogger(__name__)
 # A state file with no server: HAProxy loads it without a warning (an empty or missing
 # file makes every start log one).
 EMPTY_STATE = "1\n"
-
-
-def _same_ip(a: str, b: str) -> bool:
-    if a == b:
-        return True  # the usual case, without parsing either
-    try:
-        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
-    except ValueError:
-        return False
 
 
 def _config_identity(server: Server) -> tuple[str, int | None, bool, int]:
@@ -58,7 +48,7 @@ def _carries_over(
     if port != str(after.port if after.port is not None else 0):
         return False
     if is_ip(after.address):
-        return _same_ip(address, after.address)
+        return same_host(address, after.address)
     return True  # a host name: the file holds what it resolved to
 
 

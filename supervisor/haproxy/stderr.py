@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .answers import ServerKey, validate_name
+from .answers import ServerKey
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ def parse_server_event(line: str) -> ServerEvent | None:
         return None
     pid, backend, server, rest = m.groups()
     try:
-        validate_name("backend", backend)
-        validate_name("server", server)
+        ServerKey.checked(backend, server)
     except ValueError:
         return None
     change = next((c for prefix, c in _CHANGES if rest.startswith(prefix)), "CHANGED")

@@ -270,9 +270,8 @@ class MasterProcess:
                 how = reap(self._child)
                 self._child = None
                 raise MasterError(f"haproxy master pid={child.pid} exited while starting ({how}); see its messages")
-            ready, why = await ready_worker(self.cli, child.pid, ports)
-            if ready is not None:
-                procs = ready
+            procs, why = await ready_worker(self.cli, child.pid, ports)
+            if procs is not None:
                 break
             if time.monotonic() > deadline:
                 kill_group(child.pid)

@@ -27,8 +27,8 @@ _BC_OP = struct.Struct("=BBH")  # struct inet_diag_bc_op: code, yes, no
 _MSG = struct.Struct("=BBBB48sIIIII")
 _SOCKID = struct.Struct(">HH16s16s")  # sport, dport (big endian), src, dst; then if, cookie
 _DPORT, _DPORT_AT = struct.Struct(">H"), 6  # idiag_dport, in inet_diag_msg
-# struct tcp_info, as far as read: state .. backoff (bytes 0-4), rto at 8, unacked at 24, rtt at 68.
-_TCPI_BACKOFF_AT, _TCPI_RTO_AT, _TCPI_UNACKED_AT, _TCPI_RTT_AT = 4, 8, 24, 68
+# struct tcp_info, as far as read: rto at 8, rtt at 68.
+_TCPI_RTO_AT, _TCPI_RTT_AT = 8, 68
 _TCPI_LAST_DATA_SENT_AT, _TCPI_LAST_DATA_RECV_AT = 44, 52  # ms since
 _TCPI_DATA_SEGS_IN_AT = 152  # segments that carried data in (Linux 4.6 and later)
 # A bytecode longer than this would overflow its jumps' 16 bits: dump by state alone then.
@@ -58,8 +58,6 @@ class DiagSocket:
     inode: int
     rto_ms: float | None = None  # from tcp_info, when asked for
     rtt_ms: float | None = None
-    unacked: int | None = None
-    backoff: int | None = None
     sent_ago_ms: int | None = None  # since data was last sent, and received
     received_ago_ms: int | None = None
     data_segs_in: int | None = None  # segments with data received: 0 on a connection never answered
@@ -110,7 +108,6 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
             info = offset + _ATTR.size
             tcp_info.update(
                 rto_ms=_u32(data, info + _TCPI_RTO_AT) / 1000, rtt_ms=_u32(data, info + _TCPI_RTT_AT) / 1000,
-                unacked=_u32(data, info + _TCPI_UNACKED_AT), backoff=data[info + _TCPI_BACKOFF_AT],
                 sent_ago_ms=_u32(data, info + _TCPI_LAST_DATA_SENT_AT),
                 received_ago_ms=_u32(data, info + _TCPI_LAST_DATA_RECV_AT),
             )
@@ -128,7 +125,7 @@ def tcp_sockets(
 ) -> Iterator[DiagSocket]:
     """The TCP sockets of this network namespace in one of `states` (TCP_* numbers), toward one
     of `ports` if given (filtered by the kernel up to MAX_FILTERED_PORTS; past that, here).
-    `info`: with their tcp_info (RTO, RTT, unacknowledged segments)."""
+    `info`: with their tcp_info (RTO, RTT, data last sent and received)."""
     mask = 0
     for state in states:
         mask |= 1 << state

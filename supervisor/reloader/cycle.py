@@ -74,8 +74,8 @@ class ReloadHooks(Protocol):
     async def refresh(self) -> None: ...
 
 
-# (current generation, new effective model, the effective config) -> what the worker now runs.
-RuntimeApply = Callable[[Generation, Config, Effective], Awaitable[RuntimeOutcome]]
+# (current generation, new effective model) -> what the worker now runs.
+RuntimeApply = Callable[[Generation, Config], Awaitable[RuntimeOutcome]]
 # (current generation, next effective model, state file) -> saved. Runs just before a reload so
 # the new worker starts with the current worker's server states (maint, DOWN, weights).
 SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
@@ -503,7 +503,7 @@ class Reloader:
         model = effective.effective_model
         if action == "runtime" and current is not None and self.runtime_apply is not None:
             try:
-                outcome = await self.runtime_apply(current, model, effective)
+                outcome = await self.runtime_apply(current, model)
             except Exception:
                 log.exception("runtime apply raised; reloading instead")
             else:

@@ -23,6 +23,8 @@ from ..config import Config
 from ..guard import is_guarded
 from .plan import RuntimePlan, ServerAdd, ServerChange, loaded_slot_table, ordered_commands, slot_map_commands
 
+log = logging.getLogger(__package__)
+
 # What `set server ... addr` answers when it took. 2.6 and 2.8: `no need to change the addr, port
 # changed from 'a' to 'b' by 'stats socket command'` (either part may say changed or no need);
 # 3.0 on: `IP changed from 'a' to 'b', port changed from ... by ...`, either part alone, or
@@ -176,13 +178,8 @@ async def _apply_steps(
                 continue
             refused = Refusal(plans[i][0], command, reason, tuple(accepted[i]))
             stopped[i] = refused
-            log.warning(
-                "worker %d refused %r: %s; %s",
-                worker_pid,
-                command,
-                reason,
-                "server left in maint" if refused.left_in_maint else "server left as it was",
-            )
+            log.warning("worker %d refused %r: %s; %s", worker_pid, command, reason,
+                        "server left in maint" if refused.left_in_maint else "server left as it was")
         step += 1
     for i, (change, _) in enumerate(plans):
         if i in stopped:
@@ -190,9 +187,6 @@ async def _apply_steps(
         else:
             result.applied.append(change)
     return list(stopped.values())
-
-
-log = logging.getLogger(__package__)
 
 
 REMOVE_POLL_S = 0.1
@@ -207,12 +201,12 @@ def _needs_experimental_mode(answer: str | None) -> bool:
 
 
 async def send_commands(
-    cli: MasterCLI, pid: int, commands: Sequence[str], line_limit: int, prefix: Sequence[str] = ()
+    cli: MasterCLI, pid: int, commands: Sequence[str], prefix: Sequence[str] = ()
 ) -> list[str | None]:
     """One answer per command to worker `pid`. The master session's mode (`prefix`, such as
     `experimental-mode on`) rides with each command on a line of its own."""
     if not prefix:
-        answers, _ = await send_step(cli, pid, commands, line_limit)
+        answers, _ = await send_step(cli, pid, commands, DEFAULT_LINE_LIMIT)
         return answers
     return [(await send_line(cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
 
@@ -222,7 +216,7 @@ class MembershipResult:
     """What apply_membership() did. Not ok: `why` is the reason for the reload that follows.
     `made`: the added servers are in service (the removes failed). `pending`: removed servers
     in maint at the placeholder whose `del server` is still refused (key -> the answer), for
-    hook.py; `mode`: what this worker's lines began with (`experimental-mode on`, if asked)."""
+    hook.py; `mode`: what this worker's lines begin with (`experimental-mode on`, if asked)."""
 
     ok: bool = True
     why: str = ""
@@ -238,62 +232,46 @@ class MembershipResult:
 
 
 class _Sender:
-    """One worker's commands, as few `;` lines as fit, every answer returned in order."""
+    """One membership change in one worker: its commands, as few `;` lines as fit, every answer
+    returned in order, and how its removes wait."""
 
-    def __init__(self, cli: MasterCLI, worker_pid: int, line_limit: int, result: MembershipResult) -> None:
-        self.cli, self.pid, self.line_limit, self.result = cli, worker_pid, line_limit, result
-        self.prefix: list[str] = []  # `experimental-mode on`, once a worker asked for it
+    def __init__(
+        self, cli: MasterCLI, worker_pid: int, result: MembershipResult, remove_wait_s: float, background: bool
+    ) -> None:
+        self.cli, self.pid, self.result = cli, worker_pid, result
+        self.remove_wait_s, self.background = remove_wait_s, background
 
     async def send(self, commands: Sequence[str]) -> list[str | None]:
         self.result.commands_sent += len(commands)
-        return await send_commands(self.cli, self.pid, commands, self.line_limit, self.prefix)
+        return await send_commands(self.cli, self.pid, commands, self.result.mode)
 
 
 async def apply_membership(
-    cli: MasterCLI,
-    worker_pid: int,
-    plan: RuntimePlan,
-    new: Config,
-    *,
-    remove_wait_s: float,
-    line_limit: int = DEFAULT_LINE_LIMIT,
-    background: bool = True,
+    cli: MasterCLI, worker_pid: int, plan: RuntimePlan, new: Config, *, remove_wait_s: float, background: bool
 ) -> MembershipResult:
     """Add and remove servers in one worker, make before break: the adds readied, the in-place
     changes, the worker's slot table, only then the removes (`_remove`; docs/removals.md)."""
-    pid = int(worker_pid)
     result = MembershipResult()
-    sender = _Sender(cli, pid, line_limit, result)
-    try:
-        return await _membership(sender, plan, new, remove_wait_s, background)
-    finally:
-        result.mode = list(sender.prefix)
-
-
-async def _membership(
-    sender: _Sender, plan: RuntimePlan, new: Config, remove_wait_s: float, background: bool
-) -> MembershipResult:
-    cli, pid, line_limit, result = sender.cli, sender.pid, sender.line_limit, sender.result
-    backends = plan.backends
-    table = await _slot_table_commands(cli, pid, new, backends)
+    sender = _Sender(cli, int(worker_pid), result, remove_wait_s, background)
+    table = await _slot_table_commands(cli, sender.pid, new, plan.backends)
     if isinstance(table, str):
         return _failed(result, table)
-    why = await _add(sender, plan.adds, result, plan.present)
+    why = await _add(sender, plan.adds, plan.present)
     if why:
-        await _take_back(sender, result.added, remove_wait_s, background)
+        await _take_back(sender)
         return _failed(result, why)
     if plan.changes:
-        applied = await apply_changes(cli, pid, plan.changes, line_limit=line_limit)
+        applied = await apply_changes(cli, sender.pid, plan.changes)
         result.commands_sent += applied.commands_sent
         if not applied.ok:
-            await _take_back(sender, result.added, remove_wait_s, background)
+            await _take_back(sender)
             return _failed(result, f"{len(applied.refused)} in-place server changes refused")
     result.made = True
     table_answers = await sender.send(table)
     for command, answer in zip(table, table_answers, strict=True):
-        if answer is None or answer.strip():
-            return _failed(result, f"slot table: {command!r} refused: {(answer or 'no answer').strip()}")
-    why = await _remove(sender, [r.key for r in plan.removes], remove_wait_s, result, background)
+        if (reason := refusal(command, answer)) is not None:
+            return _failed(result, f"slot table: {command!r} refused: {reason}")
+    why = await _remove(sender, [r.key for r in plan.removes], result)
     if why:
         return _failed(result, why)
     return result
@@ -319,28 +297,27 @@ async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: 
     return slot_map_commands(path, held, new, backends)
 
 
-async def _add(
-    sender: _Sender, adds: Sequence[ServerAdd], result: MembershipResult, present: Sequence[ServerAdd] = ()
-) -> str:
+async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[ServerAdd]) -> str:
     """Add every server in maint, then step by step its checks and `state ready` (also those
     `present` in the worker already); the first refusal, or ''."""
+    result = sender.result
     result.added.extend(add.key for add in present)
     answers = await sender.send([a.add_command for a in adds])
     if any(_needs_experimental_mode(a) for a in answers):
-        sender.prefix = ["experimental-mode on"]
+        result.mode = ["experimental-mode on"]
         log.info("worker %d: `add server` needs experimental-mode on this HAProxy: enabled", sender.pid)
         retry = [i for i, a in enumerate(answers) if _needs_experimental_mode(a)]
         for i, answer in zip(retry, await sender.send([adds[i].add_command for i in retry]), strict=True):
             answers[i] = answer
     why = ""
     for add, answer in zip(adds, answers, strict=True):
-        if refusal(add.add_command, answer) is None:
+        reason = refusal(add.add_command, answer)
+        if reason is None:
             result.added.append(add.key)
             continue
-        if answer is not None and answer.strip().startswith("Already exists a server with the same name"):
+        if reason.startswith("Already exists a server with the same name"):
             result.held_already = True
-        if not why:
-            why = f"`{add.add_command}` refused: {(answer or 'no answer').strip() or 'empty answer'}"
+        why = why or f"`{add.add_command}` refused: {reason}"
     if why:
         return why
     sequences = [add.ready_commands for add in (*adds, *present)]
@@ -356,32 +333,34 @@ async def _add(
         step += 1
 
 
-async def _take_back(sender: _Sender, keys: list[str], wait_s: float, background: bool) -> None:
-    """Undo adds after a refusal, best effort: what is still refused is pending, like any removal."""
-    if keys:
+async def _take_back(sender: _Sender) -> None:
+    """Undo the adds after a refusal, best effort: what is still refused is pending, like any removal."""
+    if sender.result.added:
         undone = MembershipResult()
-        leftover = await _remove(sender, list(keys), wait_s, undone, background)
+        leftover = await _remove(sender, list(sender.result.added), undone)
         sender.result.pending.update(undone.pending)
         if leftover:
             log.warning("worker %d: servers added before a refusal not all deleted: %s", sender.pid, leftover)
 
 
-async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: MembershipResult, background: bool) -> str:
+async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) -> str:
     """Servers to maint, then `del server`, which HAProxy refuses while connections are attached:
-    the refused get the placeholder address and one more try; then, `background`, they are
-    pending, else it is tried until `wait_s`, their sessions shut down, and a little longer.
+    the refused get the placeholder address and one more try; then, in the background, they are
+    pending, else it is tried for remove_wait_s, their sessions shut down, and a little longer.
     What is still refused then, or ''."""
     if not keys:
         return ""
-    answers = await sender.send([f"set server {key} state maint" for key in keys])
-    refused = [(k, a) for k, a in zip(keys, answers, strict=True) if refusal("state", a) is not None]
-    if any(a is not None and a.strip() == "No such server." for _, a in refused):
+    maint = [f"set server {key} state maint" for key in keys]
+    answers = await sender.send(maint)
+    refused = [(c, reason) for c, a in zip(maint, answers, strict=True) if (reason := refusal(c, a)) is not None]
+    if any(reason == "No such server." for _, reason in refused):
         result.held_already = True
     if refused:
-        key, answer = refused[0]
-        return f"`set server {key} state maint` refused: {(answer or 'no answer').strip()}"
+        command, reason = refused[0]
+        return f"`{command}` refused: {reason}"
     left = list(keys)
     loop = asyncio.get_running_loop()
+    wait_s = sender.remove_wait_s
     deadline = loop.time() + wait_s
     shut = purged = False
     last = ""
@@ -409,7 +388,7 @@ async def _remove(sender: _Sender, keys: list[str], wait_s: float, result: Membe
                     log.warning("worker %d refused %r: %s", sender.pid, command, (answer or "no answer").strip())
             purged = True
             continue
-        if background:
+        if sender.background:
             # In maint at the placeholder: it routes nothing, the change is live.
             result.pending.update({key: last_answer[key] for key in left})
             return ""

@@ -20,13 +20,12 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import Protocol
 
 from ...master.processes import is_alive, socket_inodes
 from ...master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, SockDiagError, tcp_sockets
-from ...state import PendingRemoval
+from ...state import Generation, PendingRemoval
 from ..answers import ServerState, is_servers_state, parse_servers_state
-from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, on_process
+from ..api import CLIError, MasterCLI, on_process
 from ..config import Config
 from ..resolution import is_ip
 from ..server_state import clear_server_state, save_server_state
@@ -41,6 +40,8 @@ from .apply import (
     send_commands,
 )
 from .plan import RuntimePlan, completed_plan, runtime_plan
+
+log = logging.getLogger(__package__)
 
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
@@ -109,12 +110,10 @@ class PendingRemovals:
         self,
         cli: MasterCLI,
         remove_wait_s: float,
-        current_pid: Callable[[], int | None] | None = None,
-        line_limit: int = DEFAULT_LINE_LIMIT,
-        publish: Publish | None = None,
+        current_pid: Callable[[], int | None] | None,
+        publish: Publish | None,
     ) -> None:
-        self.cli, self.remove_wait_s = cli, remove_wait_s
-        self.current_pid, self.line_limit = current_pid, line_limit
+        self.cli, self.remove_wait_s, self.current_pid = cli, remove_wait_s, current_pid
         self.prefix: dict[int, list[str]] = {}  # a worker's `experimental-mode on`, if it asked for it
         self._removals: dict[str, PendingRemoval] = {}
         self.removals: Mapping[str, PendingRemoval] = MappingProxyType(self._removals)
@@ -207,12 +206,12 @@ class PendingRemovals:
                 log.info("worker %d: sessions still on %d removed servers after %gs: shutting them down",
                          pid, len(shut), self.remove_wait_s)
                 shutdown = [f"shutdown sessions server {r.key}" for r in shut]
-                await send_commands(self.cli, pid, shutdown, self.line_limit, self.prefix.get(pid, ()))
+                await send_commands(self.cli, pid, shutdown, self.prefix.get(pid, ()))
                 for removal in shut:
                     if removal.key in self._removals:
                         self._removals[removal.key] = replace(self._removals[removal.key], sessions_shut_down=True)
             commands = [f"del server {r.key}" for r in removals]
-            answers = await send_commands(self.cli, pid, commands, self.line_limit, self.prefix.get(pid, ()))
+            answers = await send_commands(self.cli, pid, commands, self.prefix.get(pid, ()))
             after = time.monotonic()
             for removal, command, answer in zip(removals, commands, answers, strict=True):
                 if removal.key not in self._removals:
@@ -230,21 +229,6 @@ class PendingRemovals:
             self._changed()
 
 
-log = logging.getLogger(__package__)
-
-
-class _Generation(Protocol):
-    @property
-    def model(self) -> Config: ...
-
-    @property
-    def worker_pid(self) -> int | None: ...
-
-
-class _Effective(Protocol):
-    effective_model: Config
-
-
 @dataclass(frozen=True)
 class RuntimeOutcome:
     """What a runtime apply left the current worker running. `applied`: the whole change is
@@ -256,14 +240,13 @@ class RuntimeOutcome:
 
 
 class RuntimeApplier:
-    """`runtime_apply(current, new_model, effective) -> RuntimeOutcome` for the reloader. Servers
+    """`runtime_apply(current, new_model) -> RuntimeOutcome` for the reloader. Servers
     whose sequence was refused are remembered in `forget`: the next server-state save leaves
     them out, so the reload starts them from the config, not in the maint left here."""
 
     def __init__(
         self,
         cli: MasterCLI,
-        line_limit: int = DEFAULT_LINE_LIMIT,
         remove_wait_s: float = 10.0,
         *,
         background: bool = True,
@@ -271,7 +254,6 @@ class RuntimeApplier:
         current_pid: Callable[[], int | None] | None = None,
     ) -> None:
         self.cli = cli
-        self.line_limit = line_limit
         self.remove_wait_s = remove_wait_s
         self.background = background
         self.forget: set[str] = set()
@@ -279,36 +261,25 @@ class RuntimeApplier:
         # Workers this daemon has changed servers in: what they hold is what their model says.
         self._known_workers: set[int] = set()
         # Removals whose `del server` HAProxy still refuses; `run()` retries them.
-        self.pending = PendingRemovals(cli, remove_wait_s, current_pid, line_limit, publish_removals)
+        self.pending = PendingRemovals(cli, remove_wait_s, current_pid, publish_removals)
 
-    async def run(self) -> None:
-        """The background retries of pending removals (a task for as long as the daemon runs)."""
-        await self.pending.run()
-
-    async def resume_pending(self, current: _Generation | None) -> list[str]:
+    async def resume_pending(self, current: Generation | None) -> list[str]:
         """After adopting a master: the removals an earlier daemon left pending in the current
         worker (left_pending), held and retried like the applier's own; their keys."""
         if current is None or current.worker_pid is None:
             return []
         pid = current.worker_pid
-        try:
-            answer = await self.cli.on(pid, "show servers state")
-        except CLIError as exc:
-            log.warning("worker %d: cannot read its servers for pending removals: %s", pid, exc)
+        held = await self._servers_state(pid, "show servers state")
+        if isinstance(held, str):
+            log.warning("worker %d: %s, for pending removals", pid, held)
             return []
-        if not is_servers_state(answer):
-            log.warning("worker %d: `show servers state` answered: %s", pid, answer.strip()[:200] or "nothing")
-            return []
-        keys = left_pending(parse_servers_state(answer), current.model)
+        keys = left_pending(held, current.model)
         if keys:
             self.pending.hold(pid, dict.fromkeys(keys, LEFT_BY_EARLIER_DAEMON))
         return keys
 
-    async def __call__(
-        self, current: _Generation, new_model: Config, effective: _Effective | None = None
-    ) -> RuntimeOutcome:
-        # Compare effective with effective: the generation's model is the effective config.
-        new = effective.effective_model if effective is not None else new_model
+    async def __call__(self, current: Generation, new: Config) -> RuntimeOutcome:
+        # `new` is an effective config, like the generation's model: they compare line for line.
         if current.worker_pid is None:
             return RuntimeOutcome(False)
         plan = runtime_plan(current.model, new)
@@ -320,7 +291,7 @@ class RuntimeApplier:
             return await self._apply_membership(current, plan, new)
         if not changes:
             return RuntimeOutcome(True, new)
-        result = await apply_changes(self.cli, current.worker_pid, changes, line_limit=self.line_limit)
+        result = await apply_changes(self.cli, current.worker_pid, changes)
         self.last_result = result
         for change in result.applied:
             self.forget.discard(change.key)
@@ -333,7 +304,7 @@ class RuntimeApplier:
         )
         return RuntimeOutcome(True, new) if result.ok else RuntimeOutcome(False)
 
-    async def _apply_membership(self, current: _Generation, plan: RuntimePlan, new: Config) -> RuntimeOutcome:
+    async def _apply_membership(self, current: Generation, plan: RuntimePlan, new: Config) -> RuntimeOutcome:
         assert current.worker_pid is not None
         pid = current.worker_pid
         back = [a.key for a in plan.adds if self.pending.holds(pid, a.key)]
@@ -378,34 +349,40 @@ class RuntimeApplier:
 
     async def _membership(self, pid: int, plan: RuntimePlan, new: Config) -> MembershipResult:
         return await apply_membership(
-            self.cli, pid, plan, new, remove_wait_s=self.remove_wait_s, line_limit=self.line_limit,
-            background=self.background,
+            self.cli, pid, plan, new, remove_wait_s=self.remove_wait_s, background=self.background
         )
 
     async def _completed(self, pid: int, plan: RuntimePlan, new: Config) -> RuntimePlan | str:
-        held = []
+        held: list[ServerState] = []
         for backend in sorted(plan.backends):
-            try:
-                answer = await self.cli.execute(on_process(pid, f"show servers state {backend}"))
-            except CLIError as exc:
-                return f"cannot read its servers: {exc}"
-            if not is_servers_state(answer):
-                return f"`show servers state {backend}` answered: {answer.strip()[:200] or 'nothing'}"
-            held += parse_servers_state(answer)
+            servers = await self._servers_state(pid, f"show servers state {backend}")
+            if isinstance(servers, str):
+                return servers
+            held += servers
         # An add held in maint at the placeholder is a removal an earlier daemon left pending
         # (the name came back): delete it, and add it afresh.
         adding = {a.key for a in plan.adds}
         stale = [s for s in held if s.key in adding and _at_placeholder(s)]
         if stale:
             commands = [f"del server {s.key}" for s in stale]
-            answers = await send_commands(self.cli, pid, commands, self.line_limit)
+            answers = await send_commands(self.cli, pid, commands)
             gone = {s.key for s, c, a in zip(stale, commands, answers, strict=True) if deleted(c, a, asked_before=True)}
             log.info("worker %d: %d of %d servers left at the placeholder by an earlier removal deleted before "
                      "they are added again", pid, len(gone), len(stale))
             held = [s for s in held if s.key not in gone]
         return completed_plan(plan, held, new)
 
-    async def save_server_state(self, current: _Generation, new_model: Config, path: Path) -> bool:
+    async def _servers_state(self, pid: int, command: str) -> list[ServerState] | str:
+        """Worker `pid`'s answer to `command` (`show servers state [<backend>]`), or why there is none."""
+        try:
+            answer = await self.cli.execute(on_process(pid, command))
+        except CLIError as exc:
+            return f"cannot read its servers: {exc}"
+        if not is_servers_state(answer):
+            return f"`{command}` answered: {answer.strip()[:200] or 'nothing'}"
+        return parse_servers_state(answer)
+
+    async def save_server_state(self, current: Generation, new_model: Config, path: Path) -> bool:
         """Before a reload to `new_model`: save the current worker's state, minus what must not carry over."""
         if current.worker_pid is None:
             clear_server_state(path)

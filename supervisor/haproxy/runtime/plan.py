@@ -22,10 +22,18 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..answers import ServerKey, ServerState, parse_map_list, validate_name
+from ..answers import ServerKey, ServerState, parse_map_list
 from ..config import Config, Section
 from ..guard import COOKIE_ROW, SLOT_TABLE_PREFIX, STICK_ROW, persistence_rows, slot_table
-from ..resolution import BACKEND_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, is_ip, section_servers
+from ..resolution import (
+    BACKEND_KINDS,
+    SERVER_KEYWORDS_WITH_ARG,
+    Server,
+    is_ip,
+    same_host,
+    section_servers,
+    split_address,
+)
 from ..routing import effective_weight
 
 # Flags a fresh dynamic server starts without: `no-<flag>` after nothing that set it says
@@ -53,11 +61,9 @@ class ServerAdd:
     check: bool
     agent: bool
     enabled: bool
-    primary: bool
 
     def __post_init__(self) -> None:
-        validate_name("backend", self.backend)
-        validate_name("server", self.server)
+        ServerKey.checked(self.backend, self.server)
         for word in (self.address, *self.params):
             if not word or any(c in word for c in ";\n\r\t #"):
                 raise ValueError(f"{self.key}: `{word}` cannot go on a CLI line")
@@ -87,8 +93,7 @@ class ServerRemove:
     server: str
 
     def __post_init__(self) -> None:
-        validate_name("backend", self.backend)
-        validate_name("server", self.server)
+        ServerKey.checked(self.backend, self.server)
 
     @property
     def key(self) -> ServerKey:
@@ -123,7 +128,6 @@ def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _ServerLine:
-    name: str
     skeleton: Words  # the line without what the Runtime API sets in place
     context: tuple[Words, ...]  # the backend's default-server lines before it
 
@@ -138,7 +142,7 @@ def _server_lines(section: Section) -> dict[str, _ServerLine] | str:
         elif words[:1] == ("server",) and len(words) >= 3:
             if words[1] in lines:
                 return f"{section.kind} {section.name}: two servers named {words[1]}"
-            lines[words[1]] = _ServerLine(words[1], _without_runtime_fields(words), tuple(context))
+            lines[words[1]] = _ServerLine(_without_runtime_fields(words), tuple(context))
     return lines
 
 
@@ -206,7 +210,6 @@ def _add_of(section: Section, server: Server, inherited: Words, context: tuple[W
             check=server.check,
             agent="agent-check" in params,
             enabled=not server.disabled,
-            primary=not server.backup,
         )
     except ValueError as exc:
         return str(exc)
@@ -255,28 +258,15 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
 
 
-def validate_address(address: str) -> str:
-    """An IPv4 or IPv6 literal, or a host name (letters, digits, `-` and `.`), or ValueError."""
-    try:
-        ipaddress.ip_address(address)
-        return address
-    except ValueError:
-        pass
-    if not _HOSTNAME.match(address):
+def _validate_address(address: str) -> None:
+    """An IPv4 or IPv6 literal, or a host name (letters, digits, `-` and `.`), else ValueError."""
+    if not is_ip(address) and not _HOSTNAME.match(address):
         raise ValueError(f"invalid server address {address!r}: not an IP address or a host name")
-    return address
 
 
 def _validate_int(kind: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"invalid server {kind} {value!r}: must be an integer from {low} to {high}")
-
-
-def _same_host(a: str, b: str) -> bool:
-    try:
-        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
-    except ValueError:
-        return a.lower() == b.lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,10 +285,9 @@ class ServerChange:
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        validate_name("backend", self.backend)
-        validate_name("server", self.server)
-        validate_address(self.from_address)
-        validate_address(self.to_address)
+        ServerKey.checked(self.backend, self.server)
+        _validate_address(self.from_address)
+        _validate_address(self.to_address)
         for port in (self.from_port, self.to_port):
             if port is not None:
                 _validate_int("port", port, 1, 65535)
@@ -313,7 +302,7 @@ class ServerChange:
 
     @property
     def address_changed(self) -> bool:
-        return self.from_port != self.to_port or not _same_host(self.from_address, self.to_address)
+        return self.from_port != self.to_port or not same_host(self.from_address, self.to_address)
 
     @property
     def weight_changed(self) -> bool:
@@ -460,13 +449,6 @@ class RuntimePlan:
         return {a.backend for a in (*self.adds, *self.present)} | {r.backend for r in self.removes}
 
 
-def _endpoint(address: str) -> tuple[str, int | None]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return address, None
-    return host.strip("[]"), int(port)
-
-
 def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> RuntimePlan | str:
     """The plan against what the worker holds (`show servers state` of the plan's backends),
     for a change a daemon killed in the middle of it left half made (docs/removals.md): an add
@@ -480,7 +462,7 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
         state = holds.get(add.key)
         if state is None:
             adds.append(add)
-        elif (state.address, state.port) == _endpoint(add.address):
+        elif (state.address, state.port) == split_address(add.address):
             present.append(add)
         else:
             return f"{add.key}: the worker holds it at {state.address}:{state.port}, not {add.address}"
