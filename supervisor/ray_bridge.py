@@ -130,7 +130,7 @@ class AdminRelay:
                 line = await reader.readline()
             if line.strip():
                 await self._relay(line if line.endswith(b"\n") else line + b"\n", worker, writer)
-        except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        except (TimeoutError, OSError, ValueError) as exc:
             log.debug("admin socket client: %s", exc)
         finally:
             for stream in (worker[1], writer):

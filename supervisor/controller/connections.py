@@ -316,10 +316,8 @@ async def read_first_line(reader: asyncio.StreamReader, idle_s: float) -> bytes 
     than LINE_LIMIT. IdleTimeout when it does not come in time."""
     async with idle_timeout(idle_s):
         try:
-            return await reader.readuntil(b"\n")
-        except asyncio.IncompleteReadError as partial:
-            return partial.partial  # no newline before EOF: HAProxy judges it
-        except asyncio.LimitOverrunError:
+            return await reader.readline()  # one without a newline before EOF: HAProxy judges it
+        except ValueError:  # longer than LINE_LIMIT, the reader's limit
             return None
 
 
@@ -360,10 +358,8 @@ async def pipe_through(
                 else:
                     while True:
                         try:
-                            line = await reader.readuntil(b"\n")
-                        except asyncio.IncompleteReadError as partial:
-                            line = partial.partial
-                        except asyncio.LimitOverrunError:
+                            line = await reader.readline()
+                        except ValueError:  # longer than LINE_LIMIT
                             refused.append(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
                             break
                         if not line:

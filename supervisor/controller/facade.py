@@ -131,7 +131,7 @@ class MasterFacade:
             await writer.drain()
         except IdleTimeout:
             log.debug("controller master socket: idle for %gs: closed", self.idle_timeout_s)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             log.warning("controller master socket: connection ended: %s", exc or type(exc).__name__)
         finally:
             writer.close()

@@ -86,7 +86,7 @@ class RuntimeRelay:
             await self._serve_one(reader, writer)
         except IdleTimeout:
             log.debug("controller runtime socket: idle for %gs: closed", self.idle_timeout_s)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             log.warning("controller runtime socket: connection ended: %s", exc or type(exc).__name__)
         finally:
             self._connections.discard(task)
@@ -206,12 +206,7 @@ class RuntimeRelay:
 async def read_payload(reader: asyncio.StreamReader) -> bytes:
     """The payload after a `<<` line: its lines up to and including the empty one that ends it."""
     lines = []
-    while True:
-        try:
-            part = await reader.readuntil(b"\n")
-        except asyncio.IncompleteReadError as partial:
-            lines.append(partial.partial)
-            break
+    while part := await reader.readline():
         lines.append(part)
         if part in (b"\n", b"\r\n"):
             break
