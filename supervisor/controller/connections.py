@@ -183,6 +183,7 @@ log = logging.getLogger(__name__)
 # A first line longer than this is refused with one line (HAProxy's own limit, tune.bufsize,
 # is 16 KiB by default; the controller cuts its lines at 16,000 bytes).
 LINE_LIMIT = 1 << 20
+LONG_LINE = f"a line longer than {LINE_LIMIT} bytes is refused"
 # How long the rest of a refused line is read and dropped before the connection closes.
 DISCARD_S = 1.0
 # HAProxy's `stats maxconn` when neither it nor the socket's `maxconn` is set.
@@ -360,7 +361,7 @@ async def pipe_through(
                         try:
                             line = await reader.readline()
                         except ValueError:  # longer than LINE_LIMIT
-                            refused.append(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
+                            refused.append(error_line(LONG_LINE))
                             break
                         if not line:
                             break
