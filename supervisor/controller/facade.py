@@ -96,8 +96,8 @@ class MasterFacade:
     """A unix socket at `listen` in front of HAProxy's master socket at `upstream`."""
 
     def __init__(
-        self, listen: Path, upstream: Path, reload_now: ReloadNow, idle_timeout_s: float = 10.0,
-        socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
+        self, listen: Path, upstream: Path, reload_now: ReloadNow, idle_timeout_s: float, socket_mode: int,
+        socket_owner: tuple[int, int] | None,
     ) -> None:
         self.listen = listen
         self.upstream = upstream

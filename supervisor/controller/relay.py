@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ..haproxy.answers import parse_servers_state, validate_name
 from .connections import (
-    HAPROXY_STATS_MAXCONN,
     LONG_LINE,
     Address,
     IdleTimeout,
@@ -52,9 +51,8 @@ class RuntimeRelay:
     """A unix socket at `listen` in front of HAProxy's runtime socket at `upstream`."""
 
     def __init__(
-        self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None,
-        capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN, queue_wait_s: float = 20.0,
-        idle_timeout_s: float = 10.0, socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
+        self, listen: Path, upstream: Path, on_service: ServiceCallback, capacity: Callable[[], int],
+        queue_wait_s: float, idle_timeout_s: float, socket_mode: int, socket_owner: tuple[int, int] | None,
     ) -> None:
         self.listen = listen
         self.upstream = upstream
@@ -98,9 +96,8 @@ class RuntimeRelay:
             await refuse_long_line(reader, writer, error_answer(LONG_LINE))
             return
         commands = parse_line(line.rstrip(b"\n"))
-        if self.on_service is not None:
-            for key, in_service in service_changes(commands).items():
-                self.on_service(key, in_service)
+        for key, in_service in service_changes(commands).items():
+            self.on_service(key, in_service)
         order = safe_order(commands)
         waits = address_waits(commands, order)
         prefix = session_prefix(commands)
