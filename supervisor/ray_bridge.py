@@ -468,7 +468,7 @@ class Bridge:
         writer.close()
         return None
 
-    async def _first_status(self) -> dict[str, Any]:
+    async def _wait_for_the_daemon(self) -> None:
         nobody = await self._nobody_listens()
         if nobody is not None:
             raise BridgeError(
@@ -490,7 +490,6 @@ class Bridge:
                 f"the daemon at {self.url} watches {watched}, not {self.settings.haproxy.config} "
                 f"({self.settings.source}): another daemon's settings?"
             )
-        return doc
 
     async def _until(self, decide: Callable[[dict[str, Any]], Verdict], deadline: float) -> Verdict:
         """Poll /status until `decide(doc)` is not Waiting; the last Waiting at the deadline."""
@@ -513,7 +512,7 @@ class Bridge:
             )
         text, config = self._read_config()
         admin_path, mode = self.admin_socket(config)
-        await self._first_status()
+        await self._wait_for_the_daemon()
         deadline = time.monotonic() + STARTUP_LIMIT_S
         reason = hold_back_reason(self.run.replaces, config, self._in_place())
         if reason is not None:
