@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,7 +33,7 @@ from yarl import URL
 from .binary import BRIDGE_NAME, names_the_bridge, resolve_binary
 from .effective import sha256_text
 from .eventloop import wait_set
-from .files import UnreadableFile, bind_unix_private, read_regular, write_new
+from .files import bind_unix_private, read_regular, write_new
 from .haproxy.config import Config
 from .haproxy.global_policy import first_stats_socket
 from .haproxy.handoff import HANDOFF_SERVER
@@ -73,7 +73,7 @@ def _is_hand_off_row(line: bytes) -> bool:
     return (len(csv) > 2 and csv[1] == _HAND_OFF_SERVER) or (len(words) > 4 and words[3] == _HAND_OFF_SERVER)
 
 
-def socket_mode(words: tuple[str, ...] | list[str]) -> int:
+def socket_mode(words: tuple[str, ...]) -> int:
     """The file mode a `stats socket` line asks for (`mode 666`); else HAProxy's usual 0600."""
     for i, word in enumerate(words[:-1]):
         if word == "mode":
@@ -130,7 +130,7 @@ class AdminRelay:
                 line = await reader.readline()
             if line.strip():
                 await self._relay(line if line.endswith(b"\n") else line + b"\n", worker, writer)
-        except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        except (TimeoutError, OSError, ValueError) as exc:
             log.debug("admin socket client: %s", exc)
         finally:
             for stream in (worker[1], writer):
@@ -158,25 +158,18 @@ class AdminRelay:
         reader, writer = worker
         writer.write(line)
         await writer.drain()
-        if asks_show_info(line):
-            async with asyncio.timeout(IDLE_TIMEOUT_S):
-                answer = await reader.read()
-            client.write(with_pid(answer, self.pid))
-            await client.drain()
-            return
-        unfinished = b""  # a line cut by the chunk's end: filtered once whole
+        edit = (lambda lines: with_pid(lines, self.pid)) if asks_show_info(line) else without_hand_off_rows
+        unfinished = b""  # a line cut by the chunk's end: edited once whole
         while True:  # `show stat` of a big config: passed on as it comes
             async with asyncio.timeout(IDLE_TIMEOUT_S):
                 chunk = await reader.read(1 << 16)
-            if not chunk:
-                client.write(without_hand_off_rows(unfinished))
-                await client.drain()
-                return
             data = unfinished + chunk
-            whole = data.rfind(b"\n") + 1
+            whole = data.rfind(b"\n") + 1 if chunk else len(data)
             unfinished = data[whole:]
-            client.write(without_hand_off_rows(data[:whole]))
+            client.write(edit(data[:whole]))
             await client.drain()
+            if not chunk:
+                return
 
 
 class UsageError(ValueError):
@@ -213,7 +206,7 @@ IGNORED = frozenset({"-db", "-dR", "-dr", "-q", "-V", "-W", "-Ws", "-dV", "-dW",
 IGNORED_WITH_ARGUMENT = frozenset({"-p", "-S", "-L", "-N", "-m", "-C"})
 
 
-def parse_argv(args: list[str] | tuple[str, ...]) -> Run | PassThrough:
+def parse_argv(args: list[str]) -> Run | PassThrough:
     """Ray's argument forms (and HAProxy's other read-only ones); UsageError for anything else."""
     if not args or any(a in QUERIES for a in args):
         return PassThrough(tuple(args))
@@ -353,7 +346,6 @@ def hold_back_reason(replaces: bool, mine: Config, in_place: Config | None) -> s
     )
 
 
-PROG = BRIDGE_NAME
 SETTINGS_ENV = "HAPROXY_SUPERVISOR_SETTINGS"
 DEFAULT_SETTINGS = Path("/etc/haproxy-supervisor/config.yaml")
 # Ray gives HAProxy RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S (30 s) to answer, then SIGKILLs it;
@@ -367,7 +359,7 @@ QUIET_FOR_S = 1.0
 # The config handed to the daemon: the daemon's user reads it (it is no secret to it).
 CONFIG_MODE = 0o644
 
-log = logging.getLogger(PROG)
+log = logging.getLogger(BRIDGE_NAME)
 
 
 class BridgeError(Exception):
@@ -388,17 +380,16 @@ def exec_real_binary(settings: Settings, args: tuple[str, ...]) -> None:
         raise BridgeError(f"cannot run {binary}: {exc.strerror or exc}") from None
 
 
+# HAProxy's time units, in milliseconds: its default unit.
+TIME_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
 def hard_stop_after_s(config: Config) -> float | None:
     """The config's `hard-stop-after`, in seconds: no old worker outlives it."""
     line = config.global_setting("hard-stop-after")
-    if line is None or len(line.words) < 2:
-        return None
-    text = line.words[1]
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
-    for unit in sorted(units, key=len, reverse=True):
-        if text.endswith(unit) and text[: -len(unit)].isdigit():
-            return int(text[: -len(unit)]) * units[unit]
-    return int(text) / 1000 if text.isdigit() else None  # HAProxy's default unit is ms
+    words = line.words if line is not None else ()
+    found = re.fullmatch(r"([0-9]+)(ms|s|m|h|d)?", words[1]) if len(words) > 1 else None
+    return None if found is None else int(found[1]) * TIME_UNITS_MS[found[2] or "ms"] / 1000
 
 
 class Bridge:
@@ -415,7 +406,7 @@ class Bridge:
     def _read_config(self) -> tuple[str, Config]:
         try:
             text = decode_text(read_regular(self.run.config, self.settings.haproxy.max_config_bytes))
-        except (OSError, UnreadableFile) as exc:
+        except OSError as exc:
             raise BridgeError(f"cannot read {self.run.config}: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise BridgeError(f"{self.run.config}: {exc}") from None
@@ -448,11 +439,9 @@ class Bridge:
         """Write Ray's config where the daemon watches, in one rename; None when it is there already."""
         target = self.settings.haproxy.config
         data = text.encode()
-        try:
+        with contextlib.suppress(OSError):
             if read_regular(target, self.settings.haproxy.max_config_bytes) == data:
                 return None
-        except (OSError, UnreadableFile):
-            pass
         written_at = datetime.now(UTC)
         try:
             write_new(target, data, CONFIG_MODE)
@@ -479,7 +468,7 @@ class Bridge:
         writer.close()
         return None
 
-    async def _first_status(self) -> dict[str, Any]:
+    async def _wait_for_the_daemon(self) -> None:
         nobody = await self._nobody_listens()
         if nobody is not None:
             raise BridgeError(
@@ -501,11 +490,10 @@ class Bridge:
                 f"the daemon at {self.url} watches {watched}, not {self.settings.haproxy.config} "
                 f"({self.settings.source}): another daemon's settings?"
             )
-        return doc
 
-    async def _until(self, decide: Any, deadline: float) -> Any:
+    async def _until(self, decide: Callable[[dict[str, Any]], Verdict], deadline: float) -> Verdict:
         """Poll /status until `decide(doc)` is not Waiting; the last Waiting at the deadline."""
-        verdict: Any = Waiting("no answer from the daemon yet")
+        verdict: Verdict = Waiting("no answer from the daemon yet")
         while time.monotonic() < deadline:
             try:
                 verdict = decide(await self.status())
@@ -524,7 +512,7 @@ class Bridge:
             )
         text, config = self._read_config()
         admin_path, mode = self.admin_socket(config)
-        await self._first_status()
+        await self._wait_for_the_daemon()
         deadline = time.monotonic() + STARTUP_LIMIT_S
         reason = hold_back_reason(self.run.replaces, config, self._in_place())
         if reason is not None:
@@ -547,14 +535,13 @@ class Bridge:
             verdict.worker_pid, "it" if reason is None else "the config it kept", verdict.generation,
             admin_path, os.getpid(),
         )
-        stopped = asyncio.ensure_future(self.stop.wait())
-        soft = asyncio.ensure_future(self.soft_stop.wait())
-        await asyncio.wait([stopped, soft], return_when=asyncio.FIRST_COMPLETED)
+        waits = [asyncio.ensure_future(event.wait()) for event in (self.stop, self.soft_stop)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         relay.close()
-        stopped.cancel()
+        for waiting in waits:
+            waiting.cancel()
         if not self.soft_stop.is_set():
             return 0
-        soft.cancel()
         # A bridge that held its config back stands for the config the daemon kept.
         return await self._drain(verdict.rendered_sha256, hard_stop_after_s(config))
 
@@ -624,7 +611,7 @@ async def _run(settings: Settings, run: Run, signals: Signals) -> int:
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     signals = Signals()  # first: until then SIGUSR1's default action would kill the bridge
     environ = os.environ if environ is None else environ
-    logging.basicConfig(level=logging.INFO, format=f"{PROG}[{os.getpid()}]: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=f"{BRIDGE_NAME}[{os.getpid()}]: %(message)s", stream=sys.stderr)
     args = sys.argv[1:] if argv is None else argv
     try:
         invocation = parse_argv(args)
@@ -634,7 +621,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         assert isinstance(invocation, Run)
         return asyncio.run(_run(settings, invocation, signals))
     except (UsageError, SettingsError, BridgeError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(f"{BRIDGE_NAME}: {exc}", file=sys.stderr)
         return 1
     finally:
         # Python's finalisation puts SIG_DFL back for signals it handles, and Ray may signal

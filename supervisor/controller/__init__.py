@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..files import mode_bits, owner_ids
 from ..settings import Settings
-from ..state import ReloadRecord
-from .connections import HAPROXY_STATS_MAXCONN
-from .facade import MasterFacade
+from .facade import MasterFacade, ReloadNow
 from .relay import RuntimeRelay
 
 if TYPE_CHECKING:
@@ -22,12 +20,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def steer_on_service(marks: Callable[[], Marks | None]) -> Callable[[str, bool], None]:
-    """A server the controller takes out of service is known-dead to the old workers at once
-    (they refuse server commands: steering is the one road to them); put back, it is unmarked."""
+class ControllerSockets:
+    """The sockets the settings ask for; `start()` binds them, `run()` serves until cancelled."""
 
-    def on_service(key: str, in_service: bool) -> None:
-        component = marks()
+    def __init__(
+        self, settings: Settings, reload_now: ReloadNow, marks: Callable[[], Marks | None], capacity: Callable[[], int],
+    ) -> None:
+        self.marks = marks
+        c = settings.controller
+        mode, owner = mode_bits(c.socket_mode), owner_ids(c.socket_owner) if c.socket_owner else None
+        self.servers: list[RuntimeRelay | MasterFacade] = []
+        if c.runtime_socket is not None:
+            self.servers.append(RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, self._on_service,
+                                             capacity, c.queue_timeout_s, c.idle_timeout_s, mode, owner))
+        if c.master_socket is not None:
+            self.servers.append(MasterFacade(c.master_socket, settings.haproxy.master_socket_path, reload_now,
+                                             c.idle_timeout_s, mode, owner))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.servers)
+
+    def _on_service(self, key: str, in_service: bool) -> None:
+        """A server the controller takes out of service is known-dead to the old workers at once
+        (they refuse server commands: steering is the one road to them); put back, it is unmarked."""
+        component = self.marks()
         try:
             if component is None or not component.has_server(key):
                 return
@@ -39,37 +56,9 @@ def steer_on_service(marks: Callable[[], Marks | None]) -> Callable[[str, bool],
         except ValueError as exc:  # a name the master CLI could not carry
             log.warning("controller runtime socket: %s", exc)
 
-    return on_service
-
-
-class ControllerSockets:
-    """The sockets the settings ask for; `start()` binds them, `run()` serves until cancelled."""
-
-    def __init__(
-        self, settings: Settings, reload_now: Callable[[], Awaitable[ReloadRecord | None]],
-        marks: Callable[[], Marks | None], capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN,
-    ) -> None:
-        c = settings.controller
-        mode, owner = mode_bits(c.socket_mode), owner_ids(c.socket_owner) if c.socket_owner else None
-        self.relay = (
-            RuntimeRelay(c.runtime_socket, settings.haproxy.stats_socket, steer_on_service(marks), capacity,
-                         c.queue_timeout_s, c.idle_timeout_s, mode, owner)
-            if c.runtime_socket is not None else None
-        )
-        self.facade = (
-            MasterFacade(c.master_socket, settings.haproxy.master_socket_path, reload_now, c.idle_timeout_s,
-                         mode, owner)
-            if c.master_socket is not None else None
-        )
-
-    @property
-    def enabled(self) -> bool:
-        return self.relay is not None or self.facade is not None
-
     async def start(self) -> None:
-        for server in (self.relay, self.facade):
-            if server is not None:
-                await server.start()
+        for server in self.servers:
+            await server.start()
 
     async def run(self) -> None:
         try:
@@ -78,7 +67,5 @@ class ControllerSockets:
             await self.close()
 
     async def close(self) -> None:
-        for server in (self.relay, self.facade):
-            if server is not None:
-                await server.close()
-
+        for server in self.servers:
+            await server.close()

@@ -23,8 +23,6 @@ from ..files import bind_unix_private
 from ..haproxy.answers import ServerKey
 from ..haproxy.config import Config
 
-PAYLOAD_MARK = b"<<"
-
 
 class Effect(Enum):
     """What a command does to one server's place in the balancing."""
@@ -175,7 +173,7 @@ def session_prefix(commands: list[Command]) -> int:
 
 def has_payload(line: bytes) -> bool:
     """Whether the payload that follows a line belongs to it (HAProxy's `<<` at its end)."""
-    return line.rstrip(b"\r").endswith(PAYLOAD_MARK)
+    return line.rstrip(b"\r").endswith(b"<<")
 
 
 log = logging.getLogger(__name__)
@@ -183,6 +181,7 @@ log = logging.getLogger(__name__)
 # A first line longer than this is refused with one line (HAProxy's own limit, tune.bufsize,
 # is 16 KiB by default; the controller cuts its lines at 16,000 bytes).
 LINE_LIMIT = 1 << 20
+LONG_LINE = f"a line longer than {LINE_LIMIT} bytes is refused"
 # How long the rest of a refused line is read and dropped before the connection closes.
 DISCARD_S = 1.0
 # HAProxy's `stats maxconn` when neither it nor the socket's `maxconn` is set.
@@ -195,11 +194,9 @@ CHUNK = 1 << 16
 def stats_socket_capacity(config: Config | None, path: Path) -> int:
     """How many connections HAProxy accepts at once on its stats socket at `path`: the
     socket's own `maxconn`, else global `stats maxconn`, else HAProxy's default."""
-    if config is None:
-        return HAPROXY_STATS_MAXCONN
     capacity = HAPROXY_STATS_MAXCONN
     socket_maxconn = None
-    for section in config.sections:
+    for section in config.sections if config is not None else ():
         if section.kind != "global":
             continue
         for line in section.body:
@@ -267,8 +264,7 @@ class UpstreamSlots:
                 turn.set_result(None)
 
 
-async def connect_unix(path: Path, patience_s: float, limit: int = CHUNK,
-                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect_unix(path: Path, patience_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A connection to the unix socket at `path`, retried while its listener's queue is full:
     asyncio's open_unix_connection takes that EAGAIN for a connect in progress and hands back
     a socket that never connected."""
@@ -290,7 +286,7 @@ async def connect_unix(path: Path, patience_s: float, limit: int = CHUNK,
         except BaseException:
             sock.close()
             raise
-        return await asyncio.open_unix_connection(sock=sock, limit=limit)
+        return await asyncio.open_unix_connection(sock=sock, limit=CHUNK)
 
 
 class IdleTimeout(Exception):
@@ -316,10 +312,8 @@ async def read_first_line(reader: asyncio.StreamReader, idle_s: float) -> bytes 
     than LINE_LIMIT. IdleTimeout when it does not come in time."""
     async with idle_timeout(idle_s):
         try:
-            return await reader.readuntil(b"\n")
-        except asyncio.IncompleteReadError as partial:
-            return partial.partial  # no newline before EOF: HAProxy judges it
-        except asyncio.LimitOverrunError:
+            return await reader.readline()  # one without a newline before EOF: HAProxy judges it
+        except ValueError:  # longer than LINE_LIMIT, the reader's limit
             return None
 
 
@@ -360,11 +354,9 @@ async def pipe_through(
                 else:
                     while True:
                         try:
-                            line = await reader.readuntil(b"\n")
-                        except asyncio.IncompleteReadError as partial:
-                            line = partial.partial
-                        except asyncio.LimitOverrunError:
-                            refused.append(error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
+                            line = await reader.readline()
+                        except ValueError:  # longer than LINE_LIMIT
+                            refused.append(error_line(LONG_LINE))
                             break
                         if not line:
                             break
@@ -417,7 +409,7 @@ def error_line(message: str) -> bytes:
 
 
 async def start_unix_server(
-    serve: Callable, path: Path, mode: int = 0o660, owner: tuple[int, int] | None = None,
+    serve: Callable, path: Path, mode: int, owner: tuple[int, int] | None
 ) -> asyncio.AbstractServer:
     """Listen at `path`, replacing a socket a previous daemon left there. The socket's file
     has `mode` (never wider while it is being made) and, when given, `owner` (uid, gid): the

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..state import ReloadRecord
 from .connections import (
-    LINE_LIMIT,
+    LONG_LINE,
     IdleTimeout,
     connect_unix,
     error_line,
@@ -84,8 +84,8 @@ def refusal(command: bytes) -> bytes:
 
 
 def master_line_check(line: bytes) -> bytes | None:
-    """For a session relayed as it is: the refusal that ends it at a later line with a command
-    not to pass (`reload` included: the daemon answers a line of its own)."""
+    """None when HAProxy's master may have every command of the line as it is; else the refusal
+    of the first that may not, which ends a relayed session (a later `reload` included)."""
     for command in split_line(line.rstrip(b"\r\n")):
         if classify_master_command(command) is not MasterCommand.PASS:
             return refusal(command)
@@ -96,8 +96,8 @@ class MasterFacade:
     """A unix socket at `listen` in front of HAProxy's master socket at `upstream`."""
 
     def __init__(
-        self, listen: Path, upstream: Path, reload_now: ReloadNow, idle_timeout_s: float = 10.0,
-        socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
+        self, listen: Path, upstream: Path, reload_now: ReloadNow, idle_timeout_s: float, socket_mode: int,
+        socket_owner: tuple[int, int] | None,
     ) -> None:
         self.listen = listen
         self.upstream = upstream
@@ -121,17 +121,20 @@ class MasterFacade:
         try:
             line = await read_first_line(reader, self.idle_timeout_s)
             if line is None:
-                await refuse_long_line(reader, writer, error_line(f"a line longer than {LINE_LIMIT} bytes is refused"))
+                await refuse_long_line(reader, writer, error_line(LONG_LINE))
                 return
-            commands = split_line(line.rstrip(b"\r\n"))
-            if all(classify_master_command(c) is MasterCommand.PASS for c in commands):
-                await self._pipe(line, reader, writer)
+            if master_line_check(line) is None:
+                await pipe_through(
+                    "controller master socket", self.upstream, self._connect,
+                    lambda exc: error_line(f"{self.upstream}: {exc.strerror or exc}"), line, reader, writer,
+                    self.idle_timeout_s, master_line_check,
+                )
                 return
-            writer.write(await self._answer(commands))
+            writer.write(await self._answer(split_line(line.rstrip(b"\r\n"))))
             await writer.drain()
         except IdleTimeout:
             log.debug("controller master socket: idle for %gs: closed", self.idle_timeout_s)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             log.warning("controller master socket: connection ended: %s", exc or type(exc).__name__)
         finally:
             writer.close()
@@ -162,7 +165,7 @@ class MasterFacade:
                     finally:
                         up_writer.close()
             except (OSError, TimeoutError) as exc:
-                answers.append(f"haproxy-supervisor: {self.upstream}: {exc or 'timed out'}\n".encode())
+                answers.append(error_line(f"{self.upstream}: {exc or 'timed out'}"))
         return b"".join(answers)
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -175,10 +178,3 @@ class MasterFacade:
                 if loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.05)
-
-    async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await pipe_through(
-            "controller master socket", self.upstream, self._connect,
-            lambda exc: f"haproxy-supervisor: {self.upstream}: {exc.strerror or exc}\n".encode(), first, reader, writer,
-            self.idle_timeout_s, master_line_check,
-        )

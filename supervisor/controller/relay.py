@@ -17,8 +17,7 @@ from pathlib import Path
 
 from ..haproxy.answers import parse_servers_state, validate_name
 from .connections import (
-    HAPROXY_STATS_MAXCONN,
-    LINE_LIMIT,
+    LONG_LINE,
     Address,
     IdleTimeout,
     QueueTimeout,
@@ -52,9 +51,8 @@ class RuntimeRelay:
     """A unix socket at `listen` in front of HAProxy's runtime socket at `upstream`."""
 
     def __init__(
-        self, listen: Path, upstream: Path, on_service: ServiceCallback | None = None,
-        capacity: Callable[[], int] = lambda: HAPROXY_STATS_MAXCONN, queue_wait_s: float = 20.0,
-        idle_timeout_s: float = 10.0, socket_mode: int = 0o660, socket_owner: tuple[int, int] | None = None,
+        self, listen: Path, upstream: Path, on_service: ServiceCallback, capacity: Callable[[], int],
+        queue_wait_s: float, idle_timeout_s: float, socket_mode: int, socket_owner: tuple[int, int] | None,
     ) -> None:
         self.listen = listen
         self.upstream = upstream
@@ -86,7 +84,7 @@ class RuntimeRelay:
             await self._serve_one(reader, writer)
         except IdleTimeout:
             log.debug("controller runtime socket: idle for %gs: closed", self.idle_timeout_s)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             log.warning("controller runtime socket: connection ended: %s", exc or type(exc).__name__)
         finally:
             self._connections.discard(task)
@@ -95,32 +93,36 @@ class RuntimeRelay:
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         line = await read_first_line(reader, self.idle_timeout_s)
         if line is None:
-            await refuse_long_line(reader, writer, error_answer(f"a line longer than {LINE_LIMIT} bytes is refused"))
+            await refuse_long_line(reader, writer, error_answer(LONG_LINE))
             return
         commands = parse_line(line.rstrip(b"\n"))
-        changes = service_changes(commands)
-        if self.on_service is not None:
-            for key, in_service in changes.items():
-                self.on_service(key, in_service)
+        for key, in_service in service_changes(commands).items():
+            self.on_service(key, in_service)
         order = safe_order(commands)
         waits = address_waits(commands, order)
-        if (order == sorted(order) and not waits) or not line.endswith(b"\n"):
-            await self._pipe(line, reader, writer)
-            return
+        prefix = session_prefix(commands)
+        untouched = (order == sorted(order) and not waits) or not line.endswith(b"\n")
         payload = b""
-        if has_payload(line.rstrip(b"\n")):
+        if not untouched and has_payload(line.rstrip(b"\n")):
             async with idle_timeout(self.idle_timeout_s):
                 payload = await read_payload(reader)
-        texts = [c.text for c in commands]
-        prefix = session_prefix(commands)
         try:
             # One connection at a time for the whole line: once begun, its commands follow
             # each other instead of each waiting behind every caller that came meanwhile.
             async with self.slots.held():
-                answer = await self._send_in_order(texts, order, prefix, payload, waits)
+                if untouched:
+                    await pipe_through(
+                        "controller runtime socket", self.upstream,
+                        lambda: connect_unix(self.upstream, COMMAND_TIMEOUT_S),
+                        lambda exc: unreachable_answer(prefix, self.upstream, exc), line, reader, writer,
+                        self.idle_timeout_s,
+                    )
+                    return
+                answer = await self._send_in_order([c.text for c in commands], order, prefix, payload, waits)
         except QueueTimeout as exc:
             answer = b"\n" * prefix + error_answer(str(exc))
-        log.info("controller runtime socket: %d commands sent in a safe order", len(texts))
+        if not untouched:
+            log.info("controller runtime socket: %d commands sent in a safe order", len(commands))
         writer.write(answer)
         await writer.drain()
 
@@ -189,29 +191,11 @@ class RuntimeRelay:
             finally:
                 writer.close()
 
-    async def _pipe(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        prefix = session_prefix(parse_line(first.rstrip(b"\n")))
-        try:
-            async with self.slots.held():
-                await pipe_through(
-                    "controller runtime socket", self.upstream, lambda: connect_unix(self.upstream, COMMAND_TIMEOUT_S),
-                    lambda exc: unreachable_answer(prefix, self.upstream, exc), first, reader, writer,
-                    self.idle_timeout_s,
-                )
-        except QueueTimeout as exc:
-            writer.write(b"\n" * prefix + error_answer(str(exc)))
-            await writer.drain()
-
 
 async def read_payload(reader: asyncio.StreamReader) -> bytes:
     """The payload after a `<<` line: its lines up to and including the empty one that ends it."""
     lines = []
-    while True:
-        try:
-            part = await reader.readuntil(b"\n")
-        except asyncio.IncompleteReadError as partial:
-            lines.append(partial.partial)
-            break
+    while part := await reader.readline():
         lines.append(part)
         if part in (b"\n", b"\r\n"):
             break
