@@ -167,8 +167,8 @@ class Reloader:
         self._status_sent = ""
         state.publish_paths(str(settings.haproxy.config), str(settings.haproxy.effective_config))
 
-    def changed(self, now: float | None = None) -> None:
-        self.scheduler.changed(time.monotonic() if now is None else now)
+    def changed(self) -> None:
+        self.scheduler.changed(time.monotonic())
         if self.state.convergence.converged:
             self.state.publish_unconverged("a change is pending", transient=True)
         self._wake.set()
@@ -178,16 +178,6 @@ class Reloader:
         self.scheduler.writing = True
         if self.state.convergence.converged:
             self.state.publish_unconverged("a change is being written", transient=True)
-
-    def cli_answered(self) -> None:
-        """The master CLI answered: after a failure, a pending attempt to converge runs now."""
-        if not self._cli_failed:
-            return
-        self._cli_failed = False
-        if self.scheduler.answered_again(time.monotonic()):
-            self.state.publish_next_attempt(utcnow())
-            log.info("master CLI answers again: attempt %d now", self.state.convergence.attempts)
-            self._wake.set()
 
     async def run(self) -> None:
         h = self.settings.haproxy
@@ -249,26 +239,22 @@ class Reloader:
             log.warning("converge: attempt %d, not converged for %.1fs: %s",
                         convergence.attempts, convergence.unconverged_s(utcnow()), convergence.reason)
         attempt: Attempt | None = None
+        started = time.monotonic()
         try:
-            attempt = await self._guarded(self._attempt(force=cause == "forced", reason=reason))
+            attempt = await self._attempt(force=cause == "forced", reason=reason)
+        except Exception as exc:  # on I/O or a bug: logged and recorded; HAProxy serves the last good config
+            if isinstance(exc, OSError) and exc.errno in EXPECTED_IO_ERRORS:
+                error = io_error_line(exc)
+                log.error("reload failed: %s", error)
+            else:
+                error = f"{type(exc).__name__}: {exc}"
+                log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+            attempt = Attempt(self._record("failed", started, error))
         finally:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(attempt.record if attempt else None)
         self.assess(attempt)
-
-    async def _guarded(self, cycle: Awaitable[Attempt | None]) -> Attempt | None:
-        """A cycle failing on I/O or a bug is logged and recorded; HAProxy serves the last good config."""
-        started = time.monotonic()
-        try:
-            return await cycle
-        except Exception as exc:
-            if isinstance(exc, OSError) and exc.errno in EXPECTED_IO_ERRORS:
-                error = io_error_line(exc)
-                log.error("reload failed: %s", error)
-                return Attempt(self._record("failed", started, error))
-            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
-            return Attempt(self._record("failed", started, f"{type(exc).__name__}: {exc}"))
 
     async def _housekeeping(self) -> None:
         """Between reloads: settle an unconfirmed reload, prune generations whose worker is gone,
@@ -299,7 +285,12 @@ class Reloader:
             log.debug("housekeeping: %s", exc)
             self._cli_failed = True
             return
-        self.cli_answered()
+        if self._cli_failed:
+            self._cli_failed = False
+            if self.scheduler.answered_again(time.monotonic()):  # a pending attempt to converge runs now
+                self.state.publish_next_attempt(utcnow())
+                log.info("master CLI answers again: attempt %d now", self.state.convergence.attempts)
+                self._wake.set()
         await self._settle(procs)
         self.book.observe(procs)
         self.cap.enforce(procs, self.state.generations)
@@ -425,7 +416,14 @@ class Reloader:
                 log.exception("runtime apply raised; reloading instead")
             else:
                 if outcome.applied:
-                    return await self._runtime_applied(current, outcome.runs or model, effective, inputs, started)
+                    generation = self.book.applied_at_runtime(current, outcome.runs or model, effective, inputs,
+                                                              whole=True)
+                    record = self._record("runtime_applied", started)
+                    log.info("reload runtime_applied generation=%d worker=%s duration_ms=%d",
+                             generation.number, generation.worker_pid, record.duration_ms)
+                    await call_hook(self.hooks, "refresh")
+                    self.notifier.status(summary_line(self.state, self.book.old_count()))
+                    return Attempt(record)
                 if outcome.runs is not None:
                     # The new servers went in before it fell back to a reload (a `del server`
                     # refused): the worker runs them, plus removed ones left in maint. Its
@@ -454,17 +452,6 @@ class Reloader:
             log.info("reload still unconfirmed after %.1fs, and no new worker listed: sending it again",
                      time.monotonic() - held.sent)
         return None
-
-    async def _runtime_applied(
-        self, current: Generation, runs: Config, effective: Effective, inputs: str, started: float
-    ) -> Attempt:
-        generation = self.book.applied_at_runtime(current, runs, effective, inputs, whole=True)
-        record = self._record("runtime_applied", started)
-        log.info("reload runtime_applied generation=%d worker=%s duration_ms=%d",
-                 generation.number, generation.worker_pid, record.duration_ms)
-        await call_hook(self.hooks, "refresh")
-        self.notifier.status(summary_line(self.state, self.book.old_count()))
-        return Attempt(record)
 
     async def _save_server_state(self, model: Config) -> None:
         current = self.state.current
