@@ -196,7 +196,7 @@ class Reloader:
         content = self.content
         while True:
             await asyncio.sleep(CONTENT_CHECK_S)
-            if self.scheduler.pending or self._cycling or not content.stale():
+            if self.scheduler.pending or self._cycling or content.stat_key() == content.key:  # a stat: on the loop
                 continue
             key, sha = await off_the_loop(content.look)
             if self.scheduler.pending or self._cycling:
