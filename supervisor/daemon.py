@@ -43,32 +43,22 @@ EXIT_OK, EXIT_CRASHED, EXIT_REFUSED, EXIT_DETACHED = 0, 1, 2, 3
 class DaemonActions:
     """What the status server may ask the daemon to do (`build_app(state, settings, actions)`)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self._daemon = daemon
+    def __init__(self, reloader: Reloader, displaced: OldWorkers) -> None:
+        self.reloader, self.displaced = reloader, displaced
 
     async def reload_now(self) -> ReloadRecord | None:
-        assert self._daemon.reloader is not None
-        return await self._daemon.reloader.reload_now(reason="POST /reload")
-
-    def _displaced(self) -> OldWorkers:
-        displaced = self._daemon.displaced
-        if displaced is None:
-            raise NotImplementedError("the displaced-worker component is not running")
-        return displaced
+        return await self.reloader.reload_now(reason="POST /reload")
 
     async def mark_dead(self, backend: str, server: str) -> None:
         # Recorded at once; the displaced-worker loop wakes and pushes within milliseconds.
-        self._displaced().mark_dead(ServerKey.checked(backend, server))
+        self.displaced.mark_dead(ServerKey.checked(backend, server))
 
     async def unmark_dead(self, backend: str, server: str) -> None:
-        self._displaced().unmark_dead(ServerKey.checked(backend, server))
+        self.displaced.unmark_dead(ServerKey.checked(backend, server))
 
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in the config an old worker still runs."""
-        key = ServerKey.of(backend, server)
-        if self._daemon.displaced is not None:
-            return self._daemon.displaced.has_server(key)
-        return any(key in g.model.server_map() for g in self._daemon.state.generations.values())
+        return self.displaced.has_server(ServerKey.of(backend, server))
 
 
 class Daemon:
@@ -148,16 +138,12 @@ class Daemon:
             ensure_private_dir(settings.haproxy.runtime_dir)
             # Before anything else in runtime_dir is read, written or removed, for our whole life.
             self.runtime_lock.acquire()
-        except RuntimeDirInUse as exc:
-            log.error("%s", exc.strerror)
-            return EXIT_REFUSED
-        except OSError as exc:
-            log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
-            return EXIT_CRASHED
-        try:
             prepare_runtime_dir(settings)
             for stale in remove_stale_checks(settings.haproxy.runtime_dir):
                 log.info("removed %s: left by a daemon killed during `haproxy -c`", stale)
+        except RuntimeDirInUse as exc:
+            log.error("%s", exc.strerror)
+            return EXIT_REFUSED
         except OSError as exc:
             log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
             return EXIT_CRASHED
@@ -203,7 +189,7 @@ class Daemon:
         self._reloader_built.set()
         self.reloader.runtime_lock = self.runtime_lock
         # Bound before anything says READY=1: a daemon that cannot report must not start.
-        status = StatusServer(settings, self.state, DaemonActions(self))
+        status = StatusServer(settings, self.state, DaemonActions(self.reloader, displaced))
         try:
             await status.start()
         except StatusServerError as exc:
