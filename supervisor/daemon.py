@@ -76,8 +76,6 @@ class Daemon:
         self._signal_tasks: set[asyncio.Task[Any]] = set()
         self.runtime_lock = RuntimeDirLock(settings.haproxy.runtime_dir)
 
-    # ------------------------------------------------------------ signals
-
     def handle_stop(self, name: str) -> None:
         if self._stop.is_set():
             log.info("%s: already stopping", name)
@@ -106,8 +104,6 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.handle_reload)
         loop.add_signal_handler(signal.SIGQUIT, self.handle_detach)
 
-    # ------------------------------------------------------------ callbacks
-
     async def handle_master_started(self, procs: ProcList) -> None:
         assert self.reloader is not None
         await self.reloader.on_master_started(procs)
@@ -123,8 +119,6 @@ class Daemon:
         """How many connections the running config's stats socket accepts, for the relay."""
         current = self.state.current
         return stats_socket_capacity(current.model if current else None, self.settings.haproxy.stats_socket)
-
-    # ------------------------------------------------------------ main
 
     async def run(self) -> int:
         try:
@@ -180,11 +174,10 @@ class Daemon:
             publish_removals=state.publish_pending_removals,
             current_pid=lambda: state.current.worker_pid if state.current is not None else None,
         )
-        runtime_apply = applier if settings.reload.runtime_apply else None
-        save_state = applier.save_server_state if settings.reload.preserve_server_state else None
         self.reloader = Reloader(
             settings, self.state, self.cli, self.master, displaced, self.notifier,
-            runtime_apply=runtime_apply, save_server_state=save_state,
+            runtime_apply=applier if settings.reload.runtime_apply else None,
+            save_server_state=applier.save_server_state if settings.reload.preserve_server_state else None,
         )
         self._reloader_built.set()
         self.reloader.runtime_lock = self.runtime_lock

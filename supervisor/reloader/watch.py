@@ -288,9 +288,7 @@ class FileWatch:
         for event in parse_events(data):
             directory = self._by_wd.get(event.wd)
             interest = None if directory is None else self.plan.directories.get(directory)
-            is_link = bool(event.mask & IN_CREATE) and directory is not None and os.path.islink(
-                directory / event.name
-            )
+            is_link = bool(event.mask & IN_CREATE) and directory is not None and os.path.islink(directory / event.name)
             meaning = classify(interest, event.mask, event.name, is_link)
             if meaning not in ("ignore", "writing"):
                 log.debug("watch: %s %s/%s (mask %#x)", meaning, directory, event.name, event.mask)
