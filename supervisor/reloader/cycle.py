@@ -496,7 +496,8 @@ class Reloader:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
                     answer = await self.cli.reload()
                 if answer.success is False:
-                    attempt = self._reload_failed(before, answer.log or "reload answered Success=0", started, True)
+                    error = answer.log or "reload answered Success=0"
+                    attempt = self._reload_failed(before, error, started, refused=True)
             except (CLIError, TimeoutError) as exc:
                 # 2.6 closes the connection as the master re-executes; `show proc` decides.
                 log.debug("reload command: %s", exc or "timed out")
@@ -551,7 +552,7 @@ class Reloader:
                 return self._reload_failed(before, (
                     f"HAProxy could not load the new config (show proc: failed={after.master_failed}); "
                     "its reason is in HAProxy's own log lines on the daemon's stderr"
-                ), started, True)
+                ), started, refused=True)
             if time.monotonic() > deadline:
                 self.unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(), ports)
                 error = f"no new worker in `show proc` within reload.timeout_s={self.settings.reload.timeout_s:g}s"
