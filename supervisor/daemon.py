@@ -43,32 +43,22 @@ EXIT_OK, EXIT_CRASHED, EXIT_REFUSED, EXIT_DETACHED = 0, 1, 2, 3
 class DaemonActions:
     """What the status server may ask the daemon to do (`build_app(state, settings, actions)`)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self._daemon = daemon
+    def __init__(self, reloader: Reloader, displaced: OldWorkers) -> None:
+        self.reloader, self.displaced = reloader, displaced
 
     async def reload_now(self) -> ReloadRecord | None:
-        assert self._daemon.reloader is not None
-        return await self._daemon.reloader.reload_now(reason="POST /reload")
-
-    def _displaced(self) -> OldWorkers:
-        displaced = self._daemon.displaced
-        if displaced is None:
-            raise NotImplementedError("the displaced-worker component is not running")
-        return displaced
+        return await self.reloader.reload_now(reason="POST /reload")
 
     async def mark_dead(self, backend: str, server: str) -> None:
         # Recorded at once; the displaced-worker loop wakes and pushes within milliseconds.
-        self._displaced().mark_dead(ServerKey.checked(backend, server))
+        self.displaced.mark_dead(ServerKey.checked(backend, server))
 
     async def unmark_dead(self, backend: str, server: str) -> None:
-        self._displaced().unmark_dead(ServerKey.checked(backend, server))
+        self.displaced.unmark_dead(ServerKey.checked(backend, server))
 
     def has_server(self, backend: str, server: str) -> bool:
         """In the current config or in the config an old worker still runs."""
-        key = ServerKey.of(backend, server)
-        if self._daemon.displaced is not None:
-            return self._daemon.displaced.has_server(key)
-        return any(key in g.model.server_map() for g in self._daemon.state.generations.values())
+        return self.displaced.has_server(ServerKey.of(backend, server))
 
 
 class Daemon:
@@ -85,8 +75,6 @@ class Daemon:
         self._detach = False
         self._signal_tasks: set[asyncio.Task[Any]] = set()
         self.runtime_lock = RuntimeDirLock(settings.haproxy.runtime_dir)
-
-    # ------------------------------------------------------------ signals
 
     def handle_stop(self, name: str) -> None:
         if self._stop.is_set():
@@ -116,8 +104,6 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.handle_reload)
         loop.add_signal_handler(signal.SIGQUIT, self.handle_detach)
 
-    # ------------------------------------------------------------ callbacks
-
     async def handle_master_started(self, procs: ProcList) -> None:
         assert self.reloader is not None
         await self.reloader.on_master_started(procs)
@@ -134,8 +120,6 @@ class Daemon:
         current = self.state.current
         return stats_socket_capacity(current.model if current else None, self.settings.haproxy.stats_socket)
 
-    # ------------------------------------------------------------ main
-
     async def run(self) -> int:
         try:
             return await self._run()
@@ -148,16 +132,12 @@ class Daemon:
             ensure_private_dir(settings.haproxy.runtime_dir)
             # Before anything else in runtime_dir is read, written or removed, for our whole life.
             self.runtime_lock.acquire()
-        except RuntimeDirInUse as exc:
-            log.error("%s", exc.strerror)
-            return EXIT_REFUSED
-        except OSError as exc:
-            log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
-            return EXIT_CRASHED
-        try:
             prepare_runtime_dir(settings)
             for stale in remove_stale_checks(settings.haproxy.runtime_dir):
                 log.info("removed %s: left by a daemon killed during `haproxy -c`", stale)
+        except RuntimeDirInUse as exc:
+            log.error("%s", exc.strerror)
+            return EXIT_REFUSED
         except OSError as exc:
             log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
             return EXIT_CRASHED
@@ -194,16 +174,15 @@ class Daemon:
             publish_removals=state.publish_pending_removals,
             current_pid=lambda: state.current.worker_pid if state.current is not None else None,
         )
-        runtime_apply = applier if settings.reload.runtime_apply else None
-        save_state = applier.save_server_state if settings.reload.preserve_server_state else None
         self.reloader = Reloader(
             settings, self.state, self.cli, self.master, displaced, self.notifier,
-            runtime_apply=runtime_apply, save_server_state=save_state,
+            runtime_apply=applier if settings.reload.runtime_apply else None,
+            save_server_state=applier.save_server_state if settings.reload.preserve_server_state else None,
         )
         self._reloader_built.set()
         self.reloader.runtime_lock = self.runtime_lock
         # Bound before anything says READY=1: a daemon that cannot report must not start.
-        status = StatusServer(settings, self.state, DaemonActions(self))
+        status = StatusServer(settings, self.state, DaemonActions(self.reloader, displaced))
         try:
             await status.start()
         except StatusServerError as exc:

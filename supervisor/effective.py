@@ -102,23 +102,20 @@ def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Co
         config = inject_server_state(config, settings.haproxy.server_state_file)
     table = None
     unguarded = config
-    if settings.old_workers.guard:
-        # The injections above leave every server's name and `backup` flag as they were:
-        # the table is the rendered config's.
-        try:
+    try:
+        if settings.old_workers.guard:
+            # The injections above leave every server's name and `backup` flag as they were:
+            # the table is the rendered config's.
             config, table = inject_guard_and_table(config, settings.haproxy.steer_map, settings.haproxy.runtime_dir)
-        except ValueError as exc:  # a runtime_dir no map() argument can name
-            raise SettingsError(str(exc)) from None
-    if settings.old_workers.hand_off:
-        used = reserved_names_used(rendered)
-        if used:
-            names = ", ".join(used)
-            raise RenderedConfigError(f"{settings.haproxy.config}: {names}: reserved for old_workers.hand_off")
-        # After the guard: the slot table names no hand-off server.
-        try:
+        if settings.old_workers.hand_off:
+            used = reserved_names_used(rendered)
+            if used:
+                names = ", ".join(used)
+                raise RenderedConfigError(f"{settings.haproxy.config}: {names}: reserved for old_workers.hand_off")
+            # After the guard: the slot table names no hand-off server.
             config = inject_handoff(config, eligible_backends(unguarded), settings.haproxy.runtime_dir)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+    except ValueError as exc:  # a runtime_dir no map() argument can name
+        raise SettingsError(str(exc)) from None
     return config, table
 
 
@@ -253,10 +250,9 @@ class ConfigCheck:
     steering). `source`: the rendered config's path and text, which the messages then name
     instead of the copy checked (None: `<effective config>`)."""
 
-    tmp: Path | None  # the copy checked; None: through a pipe, `stdin` (no room for a copy)
+    tmp: Path | None  # the copy checked; None: `text` through a pipe (no room for a copy)
     proc: asyncio.subprocess.Process | None
     error: str | None
-    stdin: bytes | None = None
     text: str = ""
     source: tuple[Path, str] | None = None
 
@@ -265,7 +261,7 @@ class ConfigCheck:
         try:
             if self.proc is None:
                 return False, self.error or "haproxy -c did not start"
-            out, _ = await self.proc.communicate(self.stdin)
+            out, _ = await self.proc.communicate(self.text.encode() if self.tmp is None else None)
             checked = STDIN_PATH if self.tmp is None else str(self.tmp)
             message = out.decode(errors="replace").strip()
             if self.source is not None and checked in message:
@@ -297,20 +293,13 @@ STDIN_PATH = "/dev/stdin"
 NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
-def check_owner(path: Path) -> int | None:
-    """The PID that made a check copy (`.validate.<pid>.<random>.cfg`); None for another name."""
-    middle = path.name[len(CHECK_PREFIX):-len(CHECK_SUFFIX)]
-    pid, _, _ = middle.partition(".")
-    return int(pid) if pid.isdigit() else None
-
-
 def remove_stale_checks(directory: Path) -> list[Path]:
     """Delete the copies `haproxy -c` was checking when the process that made it was killed.
     A copy whose maker still runs is left alone: a `check` may be validating it right now."""
     removed = []
     for path in directory.glob(f"{CHECK_PREFIX}*{CHECK_SUFFIX}"):
-        owner = check_owner(path)
-        if owner is not None and owner != os.getpid() and is_alive(owner):
+        maker, _, _ = path.name[len(CHECK_PREFIX):-len(CHECK_SUFFIX)].partition(".")  # .validate.<pid>.<random>.cfg
+        if maker.isdigit() and int(maker) != os.getpid() and is_alive(int(maker)):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -350,4 +339,4 @@ async def start_check(binary: str, text: str, directory: Path, source: tuple[Pat
         if tmp is not None:
             tmp.unlink(missing_ok=True)
         raise
-    return ConfigCheck(tmp, proc, None, text.encode() if tmp is None else None, text, source)
+    return ConfigCheck(tmp, proc, None, text, source)

@@ -85,17 +85,13 @@ def read_regular(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
         os.close(fd)
 
 
-def ensure_private_dir(path: Path, mode: int = DIR_MODE) -> None:
-    """Create `path` (and its parents) with `mode`, or check that an existing one is safe:
+def ensure_private_dir(path: Path) -> None:
+    """Create `path` (and its parents) with DIR_MODE, or check that an existing one is safe:
     a directory owned by this user and writable by no one else. UnsafeDirectory otherwise."""
     with contextlib.suppress(FileExistsError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(path, mode)
-        os.chmod(path, mode)  # mkdir's mode went through the umask
-    check_private_dir(path)
-
-
-def check_private_dir(path: Path) -> None:
+        os.mkdir(path, DIR_MODE)
+        os.chmod(path, DIR_MODE)  # mkdir's mode went through the umask
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         info = os.stat(path)  # a symlink to a directory of our own is fine: the target is checked
@@ -135,20 +131,18 @@ def write_new(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
         raise
 
 
-def create_if_missing(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+def create_if_missing(path: Path, data: bytes) -> None:
     """Put `data` at `path` unless a regular file is already there. Anything else at that
     name (a planted symlink, dangling or not) is replaced, never followed."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if stat.S_ISREG(os.lstat(path).st_mode):
             return
-    except FileNotFoundError:
-        pass
-    write_new(path, data, mode)
+    write_new(path, data)
 
 
-def write_atomically(path: Path, text: str, mode: int = FILE_MODE) -> None:
-    """Replace `path` with `text`, never through a symlink, with `mode` whatever the umask."""
-    write_new(path, text.encode(), mode)
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text`, never through a symlink, with FILE_MODE whatever the umask."""
+    write_new(path, text.encode())
 
 
 def bind_unix_private(path: Path, mode: int) -> socket.socket:
@@ -287,16 +281,12 @@ def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
         return data
 
 
-LOCK_NAME = "daemon.lock"
-
-
 class RuntimeDirInUse(OSError):
     """Another process holds the runtime_dir's lock; `holder` is its PID when known."""
 
     def __init__(self, path: Path, holder: int | None) -> None:
         who = f"the daemon with PID {holder}" if holder is not None else "another process"
         super().__init__(errno.EWOULDBLOCK, f"{path} is locked by {who}: one daemon per runtime_dir")
-        self.path = path
         self.holder = holder
 
 
@@ -325,7 +315,7 @@ class RuntimeDirLock:
     """`acquire()` once at start-up; the lock lasts until `release()` or the process ends."""
 
     def __init__(self, runtime_dir: Path) -> None:
-        self.path = runtime_dir / LOCK_NAME
+        self.path = runtime_dir / "daemon.lock"
         self._fd: int | None = None
 
     @property

@@ -93,88 +93,6 @@ class Unconfirmed:
     ports: set[int]  # the config's listening ports: a new worker is ready once it listens on them
 
 
-@dataclass(frozen=True)
-class Confirmed:
-    """How a reload ended while it was waited for."""
-
-    verdict: Verdict
-    after: ProcList | None
-    error: str | None = None
-    refused: bool = False  # HAProxy could not load the config
-    cli_failed: bool = False  # a `show proc` went unanswered on the way
-
-
-@dataclass(frozen=True)
-class Settled:
-    """What a later `show proc` says of the unconfirmed reload. loading: a new worker is listed
-    but not ready yet, so nothing else may be sent; pending: no verdict yet; ok and failed: the
-    reload `of` is decided, and no longer held."""
-
-    verdict: Literal["loading", "pending", "ok", "failed"]
-    of: Unconfirmed | None = None
-
-
-class Confirmation:
-    """Confirms a reload from `show proc`, and holds one HAProxy has not confirmed (`unconfirmed`)."""
-
-    def __init__(self, cli: MasterCLI, master: MasterProcess, timeout_s: float) -> None:
-        self.cli = cli
-        self.master = master
-        self.timeout_s = timeout_s
-        self.unconfirmed: Unconfirmed | None = None
-
-    async def show_proc_until(self, deadline: float) -> ProcList:
-        """`show proc`, given up at `deadline`: a stopped master accepts a connection and never answers."""
-        try:
-            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
-                return await self.cli.show_proc()
-        except TimeoutError:
-            raise CLIError("show proc: no answer within reload.timeout_s") from None
-
-    async def confirm(self, before: ProcList, deadline: float, ports: set[int]) -> Confirmed:
-        after: ProcList | None = None
-        cli_failed = False
-        while True:
-            if not self.master.alive:
-                return Confirmed("failed", after, "haproxy master exited during the reload", cli_failed=cli_failed)
-            try:
-                after = await self.show_proc_until(deadline)
-                verdict = confirm_reload(before, after)
-                worker = after.current_worker
-                if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
-                    verdict = "pending"  # 3.1+ lists the new worker before it has loaded and bound
-            except CLIError:
-                cli_failed = True
-                verdict = "pending"
-            if verdict == "ok":
-                return Confirmed("ok", after, cli_failed=cli_failed)
-            if verdict == "failed":
-                assert after is not None
-                return Confirmed("failed", after, (
-                    f"HAProxy could not load the new config (show proc: failed={after.master_failed}); "
-                    "its reason is in HAProxy's own log lines on the daemon's stderr"
-                ), refused=True, cli_failed=cli_failed)
-            if time.monotonic() > deadline:
-                return Confirmed("unknown", after, (
-                    f"no new worker in `show proc` within reload.timeout_s={self.timeout_s:g}s"
-                ), cli_failed=cli_failed)
-            await asyncio.sleep(CONFIRM_POLL_S)
-
-    async def settle(self, procs: ProcList) -> Settled | None:
-        """Decide the unconfirmed reload, if any, from a later `show proc` (master.lock held)."""
-        held = self.unconfirmed
-        if held is None:
-            return None
-        verdict = confirm_reload(held.before, procs)
-        worker = procs.current_worker
-        if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, held.ports):
-            return Settled("loading")
-        if verdict == "pending":
-            return Settled("pending")
-        self.unconfirmed = None
-        return Settled("ok" if verdict == "ok" else "failed", held)
-
-
 async def load_whole(settings: Settings) -> Effective:
     """The rendered config's effective config, read once its writer is done: while a writer
     holds its lock or the file open for writing, wait (the change stays not converged)."""
@@ -229,7 +147,6 @@ class Reloader:
         self.problems = RecurringConditions(log, logging.ERROR)  # keyed by what fails, caused by the error
         self.disk = ConfigOnDisk(settings, self.problems)
         self.book = GenerationBook(state, GenerationStore(settings.haproxy.runtime_dir), self.disk, self.problems)
-        self.confirmation = Confirmation(cli, master, reload.timeout_s)
         self.cap = OldWorkerCap(settings.old_workers.max)
         self.recovery = Recovery(settings, master, self.book, self.disk)
         self.hold = TransientHold(reload.transient_hold_ms / 1000)
@@ -237,6 +154,7 @@ class Reloader:
         self.content = ContentCheck(settings.haproxy.config)
         self.content.commit(*self.content.look())
         self.runtime_lock: RuntimeDirLock | None = None  # the daemon's, renewed when runtime_dir is made again
+        self.unconfirmed: Unconfirmed | None = None
         self._cycling = False  # a cycle is under way (it reads the rendered config)
         self._wake = asyncio.Event()
         # What the node should run: (effective sha256, watched files' digest) of the rendered config.
@@ -248,8 +166,8 @@ class Reloader:
         self._listed_at = 0.0  # monotonic, housekeeping's last `show proc`; 0: list at the next round
         self._status_sent = ""
 
-    def changed(self, now: float | None = None) -> None:
-        self.scheduler.changed(time.monotonic() if now is None else now)
+    def changed(self) -> None:
+        self.scheduler.changed(time.monotonic())
         if self.state.convergence.converged:
             self.state.publish_unconverged("a change is pending", transient=True)
         self._wake.set()
@@ -259,16 +177,6 @@ class Reloader:
         self.scheduler.writing = True
         if self.state.convergence.converged:
             self.state.publish_unconverged("a change is being written", transient=True)
-
-    def cli_answered(self) -> None:
-        """The master CLI answered: after a failure, a pending attempt to converge runs now."""
-        if not self._cli_failed:
-            return
-        self._cli_failed = False
-        if self.scheduler.answered_again(time.monotonic()):
-            self.state.publish_next_attempt(utcnow())
-            log.info("master CLI answers again: attempt %d now", self.state.convergence.attempts)
-            self._wake.set()
 
     async def run(self) -> None:
         h = self.settings.haproxy
@@ -287,7 +195,7 @@ class Reloader:
         content = self.content
         while True:
             await asyncio.sleep(CONTENT_CHECK_S)
-            if self.scheduler.pending or self._cycling or not content.stale():
+            if self.scheduler.pending or self._cycling or content.stat_key() == content.key:  # a stat: on the loop
                 continue
             key, sha = await off_the_loop(content.look)
             if self.scheduler.pending or self._cycling:
@@ -330,26 +238,22 @@ class Reloader:
             log.warning("converge: attempt %d, not converged for %.1fs: %s",
                         convergence.attempts, convergence.unconverged_s(utcnow()), convergence.reason)
         attempt: Attempt | None = None
+        started = time.monotonic()
         try:
-            attempt = await self._guarded(self._attempt(force=cause == "forced", reason=reason))
+            attempt = await self._attempt(force=cause == "forced", reason=reason)
+        except Exception as exc:  # on I/O or a bug: logged and recorded; HAProxy serves the last good config
+            if isinstance(exc, OSError) and exc.errno in EXPECTED_IO_ERRORS:
+                error = io_error_line(exc)
+                log.error("reload failed: %s", error)
+            else:
+                error = f"{type(exc).__name__}: {exc}"
+                log.exception("reload failed: the cycle raised %s", type(exc).__name__)
+            attempt = Attempt(self._record("failed", started, error))
         finally:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(attempt.record if attempt else None)
         self.assess(attempt)
-
-    async def _guarded(self, cycle: Awaitable[Attempt | None]) -> Attempt | None:
-        """A cycle failing on I/O or a bug is logged and recorded; HAProxy serves the last good config."""
-        started = time.monotonic()
-        try:
-            return await cycle
-        except Exception as exc:
-            if isinstance(exc, OSError) and exc.errno in EXPECTED_IO_ERRORS:
-                error = io_error_line(exc)
-                log.error("reload failed: %s", error)
-                return Attempt(self._record("failed", started, error))
-            log.exception("reload failed: the cycle raised %s", type(exc).__name__)
-            return Attempt(self._record("failed", started, f"{type(exc).__name__}: {exc}"))
 
     async def _housekeeping(self) -> None:
         """Between reloads: settle an unconfirmed reload, prune generations whose worker is gone,
@@ -370,7 +274,7 @@ class Reloader:
         if not self.settings.haproxy.master_socket_path.exists():
             await self._recover_runtime_dir()
             return
-        at_rest = self.confirmation.unconfirmed is None and not self._cli_failed
+        at_rest = self.unconfirmed is None and not self._cli_failed
         if at_rest and time.monotonic() - self._listed_at < LISTING_AT_REST_S:
             return
         self._listed_at = time.monotonic()
@@ -380,13 +284,16 @@ class Reloader:
             log.debug("housekeeping: %s", exc)
             self._cli_failed = True
             return
-        self.cli_answered()
-        settled = await self.confirmation.settle(procs)
-        if settled is not None:
-            await self._settled(settled, procs)
+        if self._cli_failed:
+            self._cli_failed = False
+            if self.scheduler.answered_again(time.monotonic()):  # a pending attempt to converge runs now
+                self.state.publish_next_attempt(utcnow())
+                log.info("master CLI answers again: attempt %d now", self.state.convergence.attempts)
+                self._wake.set()
+        await self._settle(procs)
         self.book.observe(procs)
         self.cap.enforce(procs, self.state.generations)
-        if self.confirmation.unconfirmed is None:
+        if self.unconfirmed is None:
             self.disk.write_back()
 
     async def reload_now(self, reason: str = "requested", force: bool = True) -> ReloadRecord | None:
@@ -474,7 +381,7 @@ class Reloader:
         return attempt
 
     async def _change(self, effective: Effective, inputs: str, force: bool, reason: str, started: float) -> Attempt:
-        if self.confirmation.unconfirmed is not None:
+        if self.unconfirmed is not None:
             waiting = await self._settle_first(started)
             if waiting is not None:
                 return waiting
@@ -508,7 +415,14 @@ class Reloader:
                 log.exception("runtime apply raised; reloading instead")
             else:
                 if outcome.applied:
-                    return await self._runtime_applied(current, outcome.runs or model, effective, inputs, started)
+                    generation = self.book.applied_at_runtime(current, outcome.runs or model, effective, inputs,
+                                                              whole=True)
+                    record = self._record("runtime_applied", started)
+                    log.info("reload runtime_applied generation=%d worker=%s duration_ms=%d",
+                             generation.number, generation.worker_pid, record.duration_ms)
+                    await call_hook(self.hooks, "refresh")
+                    self.notifier.status(summary_line(self.state, self.book.old_count()))
+                    return Attempt(record)
                 if outcome.runs is not None:
                     # The new servers went in before it fell back to a reload (a `del server`
                     # refused): the worker runs them, plus removed ones left in maint. Its
@@ -522,35 +436,21 @@ class Reloader:
         HAProxy's to give), else None."""
         loading = True
         try:
-            procs = await self.confirmation.show_proc_until(started + self.settings.reload.timeout_s)
+            procs = await self._show_proc_until(started + self.settings.reload.timeout_s)
         except CLIError as exc:
             self._cli_failed = True
             error = f"HAProxy has not settled the previous reload: {exc}"
         else:
-            settled = await self.confirmation.settle(procs)
-            if settled is not None:
-                await self._settled(settled, procs)
-            loading = settled is not None and settled.verdict == "loading"
+            loading = await self._settle(procs)
             error = "HAProxy is still loading the previous reload (its new worker is not ready yet)"
         if loading:
             log.warning("reload unknown: %s", error)
             return Attempt(self._record("unknown", started, error))
-        held = self.confirmation.unconfirmed
+        held = self.unconfirmed
         if held is not None:
             log.info("reload still unconfirmed after %.1fs, and no new worker listed: sending it again",
                      time.monotonic() - held.sent)
         return None
-
-    async def _runtime_applied(
-        self, current: Generation, runs: Config, effective: Effective, inputs: str, started: float
-    ) -> Attempt:
-        generation = self.book.applied_at_runtime(current, runs, effective, inputs, whole=True)
-        record = self._record("runtime_applied", started)
-        log.info("reload runtime_applied generation=%d worker=%s duration_ms=%d",
-                 generation.number, generation.worker_pid, record.duration_ms)
-        await call_hook(self.hooks, "refresh")
-        self.notifier.status(summary_line(self.state, self.book.old_count()))
-        return Attempt(record)
 
     async def _save_server_state(self, model: Config) -> None:
         current = self.state.current
@@ -574,13 +474,13 @@ class Reloader:
     ) -> Attempt:
         deadline = started + self.settings.reload.timeout_s
         try:
-            before = await self.confirmation.show_proc_until(deadline)
+            before = await self._show_proc_until(deadline)
         except CLIError as exc:
             self._cli_failed = True
             log.error("reload failed: %s", exc)
             return Attempt(self._record("failed", started, str(exc)))
         plan = await call_hook(self.hooks, "before_reload", plan)
-        confirmed = Confirmed("pending", None)
+        attempt: Attempt | None = None
         try:
             await self._save_server_state(model)
             self.notifier.reloading(f"reloading: {reason}")
@@ -595,40 +495,74 @@ class Reloader:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
                     answer = await self.cli.reload()
                 if answer.success is False:
-                    confirmed = Confirmed("failed", None, answer.log or "reload answered Success=0", refused=True)
+                    error = answer.log or "reload answered Success=0"
+                    attempt = self._reload_failed(before, error, started, refused=True)
             except (CLIError, TimeoutError) as exc:
                 # 2.6 closes the connection as the master re-executes; `show proc` decides.
                 log.debug("reload command: %s", exc or "timed out")
-            if confirmed.verdict == "pending":
-                confirmed = await self.confirmation.confirm(before, deadline, bind_ports(model))
-                self._cli_failed |= confirmed.cli_failed
-            after = confirmed.after
-            if confirmed.verdict == "ok" and after is not None and after.current_worker is not None:
+            if attempt is None:
+                attempt = await self._confirm(before, deadline, effective, model, inputs, started)
+        finally:
+            await call_hook(self.hooks, "after_reload", plan, attempt is not None and attempt.record.result == "ok")
+        self.notifier.ready(summary_line(self.state, self.book.old_count()))
+        if attempt.record.result == "ok":
+            settle_after_reload()  # after the old workers are steered, never before
+        return attempt
+
+    async def _show_proc_until(self, deadline: float) -> ProcList:
+        """`show proc`, given up at `deadline`: a stopped master accepts a connection and never answers."""
+        try:
+            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                return await self.cli.show_proc()
+        except TimeoutError:
+            raise CLIError("show proc: no answer within reload.timeout_s") from None
+
+    async def _verdict(self, before: ProcList, after: ProcList, ports: set[int]) -> Verdict | Literal["loading"]:
+        """confirm_reload(), or "loading" while the new worker it lists is not ready: 3.1+ lists
+        a new worker before it has loaded and bound."""
+        verdict = confirm_reload(before, after)
+        worker = after.current_worker
+        if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
+            return "loading"
+        return verdict
+
+    async def _confirm(
+        self, before: ProcList, deadline: float, effective: Effective, model: Config, inputs: str, started: float
+    ) -> Attempt:
+        """The reload sent, as `show proc` tells of it by `deadline`; unknown past it: HAProxy
+        may still be loading it, and the reload is held `unconfirmed`."""
+        ports = bind_ports(model)
+        while True:
+            if not self.master.alive:
+                return self._reload_failed(before, "haproxy master exited during the reload", started)
+            try:
+                after = await self._show_proc_until(deadline)
+                verdict = await self._verdict(before, after, ports)
+            except CLIError:
+                self._cli_failed = True
+                verdict = "pending"
+            if verdict == "ok":
                 generation = self._worker_runs(effective, inputs, after)
                 record = self._record("ok", started)
                 log.info("reload ok generation=%d worker=%s duration_ms=%d",
                          generation.number, generation.worker_pid, record.duration_ms)
-                attempt = Attempt(record)
-            elif confirmed.verdict == "unknown":
-                self.confirmation.unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(),
-                                                            bind_ports(model))
-                error = confirmed.error or "unconfirmed"
+                return Attempt(record)
+            if verdict == "failed":
+                return self._reload_failed(before, (
+                    f"HAProxy could not load the new config (show proc: failed={after.master_failed}); "
+                    "its reason is in HAProxy's own log lines on the daemon's stderr"
+                ), started, refused=True)
+            if time.monotonic() > deadline:
+                self.unconfirmed = Unconfirmed(before, effective, inputs, time.monotonic(), ports)
+                error = f"no new worker in `show proc` within reload.timeout_s={self.settings.reload.timeout_s:g}s"
                 record = self._record("unknown", started, error)
                 log.warning("reload unknown duration_ms=%d: %s; HAProxy may still be loading it: %s keeps the "
                             "new config and `show proc` settles it",
                             record.duration_ms, error, self.settings.haproxy.effective_config)
-                attempt = Attempt(record)
-            else:
-                attempt = self._reload_failed(before, confirmed, started)
-        finally:
-            await call_hook(self.hooks, "after_reload", plan, confirmed.verdict == "ok")
-        self.notifier.ready(summary_line(self.state, self.book.old_count()))
-        if confirmed.verdict == "ok":
-            settle_after_reload()  # after the old workers are steered, never before
-        return attempt
+                return Attempt(record)
+            await asyncio.sleep(CONFIRM_POLL_S)
 
-    def _reload_failed(self, before: ProcList, confirmed: Confirmed, started: float) -> Attempt:
-        error = confirmed.error or "reload failed"
+    def _reload_failed(self, before: ProcList, error: str, started: float, refused: bool = False) -> Attempt:
         restored = self.book.reload_failed()
         current = before.current_worker
         record = self._record("failed", started, error)
@@ -638,7 +572,7 @@ class Reloader:
             self.settings.haproxy.effective_config,
             "restored to the last good config" if restored else "to be restored to the last good config",
         )
-        return Attempt(record, refused=confirmed.refused)
+        return Attempt(record, refused=refused)
 
     def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
         """One cycle's outcome, timed from the monotonic `started`, published."""
@@ -659,7 +593,7 @@ class Reloader:
         runs = None if current is None else (current.effective_sha256, current.inputs_sha256)
         judgement = judge_convergence(Facts(
             master_up=self.master.up, master_socket_ok=self.state.master_socket_ok,
-            unconfirmed=self.confirmation.unconfirmed is not None, change_pending=self.scheduler.pending,
+            unconfirmed=self.unconfirmed is not None, change_pending=self.scheduler.pending,
             runs_goal=runs_goal(self._goal, runs), converged=convergence.converged,
             retry_set=self.scheduler.retry_at is not None, attempt=attempt,
             master_socket=str(self.settings.haproxy.master_socket_path),
@@ -690,29 +624,34 @@ class Reloader:
             log.warning("not converged for %.1fs: %s; attempt %d in %.1fs",
                         convergence.unconverged_s(utcnow()), convergence.reason, convergence.attempts, delay)
 
-    async def _settled(self, settled: Settled, procs: ProcList) -> None:
-        """A reload HAProxy did not confirm in time is decided by a later `show proc`."""
-        held = settled.of
+    async def _settle(self, procs: ProcList) -> bool:
+        """Decide the reload HAProxy did not confirm in time, if any, from a later `show proc`
+        (master.lock held). True while its new worker is listed but not ready: nothing may be sent."""
+        held = self.unconfirmed
         if held is None:
-            return
-        waited = time.monotonic() - held.sent
-        if settled.verdict == "ok":
+            return False
+        verdict = await self._verdict(held.before, procs, held.ports)
+        if verdict in ("loading", "pending"):
+            return verdict == "loading"
+        self.unconfirmed = None
+        if verdict == "ok":
             generation = self._worker_runs(held.effective, held.inputs, procs)
             log.info("reload settled ok generation=%d worker=%s: confirmed %.1fs after it was sent",
-                     generation.number, generation.worker_pid, waited)
+                     generation.number, generation.worker_pid, time.monotonic() - held.sent)
             await call_hook(self.hooks, "after_reload", None, True)
-            return
+            return False
         error = f"HAProxy could not load the new config (show proc: failed={procs.master_failed})"
         log.error("reload settled failed: %s", error)
         self.book.reload_failed()
         self.assess(Attempt(self._record("failed", held.sent, error), refused=True))
+        return False
 
     async def on_master_started(self, procs: ProcList) -> Generation | None:
         """A master we started runs the effective config on disk (master.lock held, no reload yet)."""
         if procs.current_worker is None:
             return None
         # It started on the disk's config: the unconfirmed reload's, no longer held.
-        held, self.confirmation.unconfirmed = self.confirmation.unconfirmed, None
+        held, self.unconfirmed = self.unconfirmed, None
         generation = self.recovery.master_started(
             procs, None if held is None else LoadedConfig.of(held.effective, held.inputs))
         self.cap.enforce(procs, self.state.generations)

@@ -185,9 +185,9 @@ def confirm_reload(before: ProcList, after: ProcList) -> Verdict:
 Retry = Literal["leave", "stop", "backoff"]
 
 
-def runs_goal(goal: tuple[str, str | None] | None, current: tuple[str, str | None] | None) -> bool:
-    """Does the current worker run the goal? Both are (effective sha256, watched files' digest)."""
-    return goal is not None and current is not None and goal == current
+def runs_goal(goal: Runs | None, current: Runs | None) -> bool:
+    """Does the current worker run the goal (known)?"""
+    return goal is not None and goal == current
 
 
 @dataclass(frozen=True)

@@ -68,17 +68,6 @@ class Snapshot:
     pending: PendingReload | None = None
 
 
-def record_of(generation: Generation) -> GenerationRecord:
-    return GenerationRecord(
-        generation.number,
-        generation.worker_pid,
-        generation.effective_sha256,
-        generation.rendered_sha256,
-        generation.started_at,
-        generation.inputs_sha256,
-    )
-
-
 def encode(snapshot: Snapshot) -> str:
     workers: dict[str, dict[str, object]] = {}
     unattached: list[dict[str, object]] = []
@@ -232,6 +221,7 @@ class GenerationStore:
             log.warning("%s: ignored: %s", self.index, exc)
             return None
 
+
 def old_workers_over_max(procs: ProcList, max_old: int) -> list[Proc]:
     """The old workers beyond `max_old`, oldest first (the most reloads ago, then lowest PID)."""
     olds = sorted(procs.old_workers, key=lambda p: (-p.reloads, p.pid))
@@ -329,7 +319,8 @@ class GenerationBook:
         self.persist()
 
     def persist(self) -> None:
-        records = tuple(record_of(g) for g in self.state.generations.values())
+        records = tuple(GenerationRecord(g.number, g.worker_pid, g.effective_sha256, g.rendered_sha256, g.started_at,
+                                         g.inputs_sha256) for g in self.state.generations.values())
         snapshot = Snapshot(records, self.state.current_generation, self.last_number, self.pending)
         if snapshot == self._persisted:
             return
@@ -364,15 +355,14 @@ class OldWorkerCap:
         self.limit = limit
         self._terminated: set[int] = set()  # old workers we sent SIGTERM, until they are gone
 
-    def enforce(self, procs: ProcList, generations: dict[int, Generation]) -> list[int]:
-        limit = self.limit
+    def enforce(self, procs: ProcList, generations: dict[int, Generation]) -> None:
         self._terminated &= {p.pid for p in procs.old_workers}
-        victims = [p for p in old_workers_over_max(procs, limit) if p.pid not in self._terminated]
+        victims = [p for p in old_workers_over_max(procs, self.limit) if p.pid not in self._terminated]
         by_pid = {g.worker_pid: n for n, g in generations.items()}
         for proc in victims:
             log.warning(
                 "old worker pid=%d generation=%s SIGTERM: %d old workers alive > old_workers.max=%d, oldest first",
-                proc.pid, by_pid.get(proc.pid), len(procs.old_workers), limit,
+                proc.pid, by_pid.get(proc.pid), len(procs.old_workers), self.limit,
             )
             self._terminated.add(proc.pid)
             try:
@@ -381,7 +371,6 @@ class OldWorkerCap:
                     os.kill(proc.pid, signal.SIGTERM)
             except (ProcessLookupError, psutil.NoSuchProcess):
                 pass
-        return [p.pid for p in victims]
 
 
 @dataclass(frozen=True)
@@ -436,9 +425,9 @@ class ConfigOnDisk:
                 raise
         self._on_disk_sha = effective.sha256
 
-    def file_holds(self, text: str | None) -> None:
-        """The file holds `text` (read, or written by an earlier daemon); None: not known."""
-        self._on_disk_sha = None if text is None else sha256_text(text)
+    def file_holds(self, text: str) -> None:
+        """The file holds `text` (read, or written by an earlier daemon)."""
+        self._on_disk_sha = sha256_text(text)
 
     def previous(self) -> str | None:
         """The effective config on disk, as an earlier run left it."""

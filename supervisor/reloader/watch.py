@@ -62,51 +62,6 @@ def parse_events(data: bytes) -> list[Event]:
     return events
 
 
-class Inotify:
-    """One inotify descriptor; `start(callback)` calls back with each read's events on the loop."""
-
-    def __init__(self) -> None:
-        self._lib = libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.inotify_init1.argtypes = [ctypes.c_int]
-        libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-        libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
-        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
-        self.fd: int = fd
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def add(self, directory: Path, mask: int) -> int:
-        wd = self._lib.inotify_add_watch(self.fd, os.fsencode(directory), mask | IN_ONLYDIR | IN_DONT_FOLLOW)
-        if wd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(directory))
-        return wd
-
-    def remove(self, wd: int) -> None:
-        self._lib.inotify_rm_watch(self.fd, wd)  # EINVAL for a watch the kernel dropped already
-
-    def start(self, callback: Callable[[list[Event]], None]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.fd, self._readable, callback)
-
-    def _readable(self, callback: Callable[[list[Event]], None]) -> None:
-        try:
-            data = os.read(self.fd, 65536)
-        except BlockingIOError:
-            return
-        callback(parse_events(data))
-
-    def close(self) -> None:
-        if self._loop is not None:
-            self._loop.remove_reader(self.fd)
-            self._loop = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
 ENTRY_EVENTS = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
 SELF_EVENTS = IN_DELETE_SELF | IN_MOVE_SELF
 MAX_LINKS = 40  # the kernel's own limit on symlinks in one path (ELOOP past it)
@@ -125,7 +80,7 @@ class Interest:
     ignore: set[str] = field(default_factory=set)  # entries never to count (runtime_dir inside a watched one)
 
     def mask(self) -> int:
-        mask = SELF_EVENTS
+        mask = SELF_EVENTS | IN_ONLYDIR | IN_DONT_FOLLOW  # the directory itself, never through a symlink
         if self.path_names:
             mask |= ENTRY_EVENTS
         if self.file_names or self.every_file:
@@ -283,15 +238,23 @@ def inputs_digest(paths: Sequence[Path]) -> str:
 
 
 class FileWatch:
-    """The watches of one plan, kept in step with it: each event either means nothing, a change
-    (`changed()`), or that a path may read elsewhere now (re-plan, then a change)."""
+    """The watches of one plan on one inotify descriptor (libc's, read on the event loop), kept in
+    step with the plan: each event either means nothing, a change (`changed()`), or that a path
+    may read elsewhere now (re-plan, then a change)."""
 
     def __init__(self, files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
                  changed: Callable[[], None], writing: Callable[[], None]) -> None:
         self.files, self.directories, self.ignore = list(files), list(directories), list(ignore)
         self.changed = changed
         self.writing = writing
-        self.notify = Inotify()
+        self._lib = libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.inotify_init1.argtypes = [ctypes.c_int]
+        libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+        self.fd: int = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
         self.plan = WatchPlan()
         self._by_wd: dict[int, Path] = {}
         self._reported_missing: list[Path] = []
@@ -301,12 +264,13 @@ class FileWatch:
         plan = plan_watches(self.files, self.directories, self.ignore)
         by_wd: dict[int, Path] = {}
         for directory, interest in plan.directories.items():
-            try:
-                by_wd[self.notify.add(directory, interest.mask())] = directory
-            except OSError as exc:  # gone since the walk: the event that removed it re-plans
-                log.debug("watch: %s: %s", directory, exc.strerror or exc)
+            wd = self._lib.inotify_add_watch(self.fd, os.fsencode(directory), interest.mask())
+            if wd < 0:  # gone since the walk: the event that removed it re-plans
+                log.debug("watch: %s: %s", directory, os.strerror(ctypes.get_errno()))
+            else:
+                by_wd[wd] = directory
         for wd in set(self._by_wd) - set(by_wd):
-            self.notify.remove(wd)
+            self._lib.inotify_rm_watch(self.fd, wd)  # EINVAL for a watch the kernel dropped already
         self.plan, self._by_wd = plan, by_wd
         if plan.missing != self._reported_missing:
             if plan.missing:
@@ -315,14 +279,16 @@ class FileWatch:
         log.info("watching %s", ", ".join(f"{p} -> {r}" if p != r else str(p) for p, r in plan.resolved.items())
                  or "nothing yet")
 
-    def events(self, events: list[Event]) -> None:
+    def readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
         replan = change = writing = False
-        for event in events:
+        for event in parse_events(data):
             directory = self._by_wd.get(event.wd)
             interest = None if directory is None else self.plan.directories.get(directory)
-            is_link = bool(event.mask & IN_CREATE) and directory is not None and os.path.islink(
-                directory / event.name
-            )
+            is_link = bool(event.mask & IN_CREATE) and directory is not None and os.path.islink(directory / event.name)
             meaning = classify(interest, event.mask, event.name, is_link)
             if meaning not in ("ignore", "writing"):
                 log.debug("watch: %s %s/%s (mask %#x)", meaning, directory, event.name, event.mask)
@@ -336,15 +302,12 @@ class FileWatch:
         elif writing:
             self.writing()
 
-    def close(self) -> None:
-        self.notify.close()
-
 
 async def watch_changes(files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
                         changed: Callable[[], None], writing: Callable[[], None]) -> None:
     """Call `changed()` for each completed change to a watched path, and `writing()` while one
-    is being written, for ever (inotify, read on the event loop). A path that does not resolve
-    yet is waited for, and its appearing counts."""
+    is being written, for ever. A path that does not resolve yet is waited for, and its
+    appearing counts."""
     try:
         watch = FileWatch(files, directories, ignore, changed, writing)
     except OSError as exc:  # out of inotify instances (fs.inotify.max_user_instances)
@@ -352,12 +315,14 @@ async def watch_changes(files: Sequence[Path], directories: Sequence[Path], igno
                   exc.strerror or exc)
         await asyncio.Event().wait()
         return
+    loop = asyncio.get_running_loop()
     try:
         watch.replan()
-        watch.notify.start(watch.events)
+        loop.add_reader(watch.fd, watch.readable)
         await asyncio.Event().wait()
     finally:
-        watch.close()
+        loop.remove_reader(watch.fd)
+        os.close(watch.fd)
 
 
 def content_news(look: str | None, previous: str | None, read: str | None) -> bool:
@@ -381,10 +346,6 @@ class ContentCheck:
         except OSError:
             return None
         return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-
-    def stale(self) -> bool:
-        """Has the stat changed since the last look? Cheap: on the loop."""
-        return self.stat_key() != self.key
 
     def look(self) -> tuple[tuple[int, ...] | None, str | None]:
         """(stat, sha256) now; off the loop, the file may be big."""
