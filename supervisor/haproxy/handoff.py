@@ -204,7 +204,8 @@ def _handed_off_body(
     use_at = next((i for i, b in enumerate(body) if b.words[:1] == ("use-server",)), None)
     use_server = [line(f"use-server {HANDOFF_SERVER} if {test}")]
     if use_at is None:
-        body[rules_at + 1 + len(rules) : rules_at + 1 + len(rules)] = use_server
+        after_rules = rules_at + 1 + len(rules)  # the marker, then the rules
+        body[after_rules:after_rules] = use_server
     else:
         use_at = _before_comments(body, use_at)
         body[use_at:use_at] = use_server
