@@ -46,10 +46,35 @@ def short_tmpdir(prefix: str = "hs-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
+def _port_slice() -> range:
+    """This process's ports: below the kernel's ephemeral range, so no outgoing connection can
+    take one between the test choosing it and HAProxy binding it, and split between pytest-xdist
+    workers, so two workers never choose the same one."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    start, end = (10000, low) if low - 10000 >= 4000 else (high + 1, 65536)
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    size = (end - start) // count
+    return range(start + index * size, start + (index + 1) * size)
+
+
+_next_port = 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nothing holds, not handed out before by this process's cycle."""
+    global _next_port
+    ports = _port_slice()
+    for _ in range(len(ports)):
+        port = ports[_next_port % len(ports)]
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {ports.start}-{ports.stop - 1}")
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02, what: str = "condition"):

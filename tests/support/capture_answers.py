@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rigs.harness import free_port
 from supervisor.haproxy.answers import parse_show_proc
 from supervisor.haproxy.api import MasterCLI
 
@@ -101,12 +102,6 @@ CASES: list[tuple[str, list[str]]] = [
                                              "@set server b/n2 addr 127.0.0.1 port 2"]),
     ("unknown pid", ["@!999999 show info"]),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def version_of(binary: str) -> str:
