@@ -12,7 +12,8 @@ what holds it, and for how long, is one subject.
   at once (`finished`).
 - The cyclic collector kept out of reloads (docs/architecture.md): a full collection walks
   every live generation's models, so what is alive is frozen after each reload
-  (`settle_after_reload`), and the collector is paused during the cycle (`collector_paused`).
+  (`settle_after_reload`, which also returns the reload's free heap pages to the kernel),
+  and the collector is paused during the cycle (`collector_paused`).
   The models are acyclic (tests/test_gcpolicy.py): reference counting still frees them.
 """
 
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TypeVar
 
 from .state import State
@@ -113,9 +115,25 @@ class LoopLag:
 
 
 def settle_after_reload() -> None:
-    """Collect the young garbage (cheap), then freeze everything still alive."""
+    """Collect the young garbage (cheap), freeze everything still alive, and give the kernel
+    back the heap pages the reload's transient copies of the config left free."""
     gc.collect(1)
     gc.freeze()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim: glibc keeps freed blocks' pages inside its heap, so the resident
+    size stays at a reload's peak; trimming releases every whole free page. None elsewhere
+    (musl has no such call)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 @contextlib.contextmanager

@@ -207,3 +207,20 @@ async def test_runtime_apply_false_reloads_with_hooks_around(rundir: Path):
         assert hooks.checking == [True, True, True]
         assert hooks.collecting == [False, False, False]  # eventloop.collector_paused: paused in the cycle
         assert state.reloads.last is not None and "notaport" in (state.reloads.last.error or "")
+
+
+async def test_the_first_generation_shares_its_lines_with_the_next(rundir: Path):
+    # The master's first worker runs the config the daemon built, not a parse of its own:
+    # at 100,000 servers a second parse kept alive for generation 1 held a whole config's lines.
+    async with running(rundir, apply_at_runtime=False) as rig:
+        state = rig.state
+        assert state.current is not None and state.current.number == 1
+        first = state.current.model.backend("app")
+        write_atomic(rig.rendered, RENDERED.format(front=rig.front, port=9).replace("    hard-stop-after 5s\n",
+                                                                                     "    hard-stop-after 6s\n"))
+        await wait_until(lambda: state.reloads.ok == 1)
+        assert state.current.number == 2
+        second = state.current.model.backend("app")
+        assert first is not None and second is not None
+        assert first.body[0].raw == second.body[0].raw
+        assert first.body[0] is second.body[0]

@@ -382,10 +382,17 @@ class LoadedConfig:
     rendered_sha256: str
     inputs_sha256: str | None
     slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss
+    # The build's model when there was one: a master start on it parses nothing, and its
+    # generation shares the lines and servers of the generations after it.
+    model: Config | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, effective: Effective, inputs: str | None) -> LoadedConfig:
-        return cls(effective.text, effective.sha256, effective.rendered_sha256, inputs, effective.slot_table)
+        return cls(effective.text, effective.sha256, effective.rendered_sha256, inputs, effective.slot_table,
+                   effective.effective_model)
+
+    def parsed(self) -> Config:
+        return self.model if self.model is not None else Config.parse(self.text)
 
 
 class ConfigOnDisk:

@@ -107,7 +107,7 @@ class Recovery:
             loaded = disk.loaded_text(disk.previous() or "", "", self._unknown_inputs())
         disk.worker_runs(loaded)
         # The workers of a previous master are gone: their generations are pruned.
-        generation = self.book.worker_started(worker.pid, Config.parse(loaded.text), loaded, procs)
+        generation = self.book.worker_started(worker.pid, loaded.parsed(), loaded, procs)
         log.info("generation started generation=%d worker=%d (master start)", generation.number, worker.pid)
         return generation
 
