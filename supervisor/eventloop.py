@@ -119,6 +119,11 @@ def settle_after_reload() -> None:
     back the heap pages the reload's transient copies of the config left free."""
     gc.collect(1)
     gc.freeze()
+    give_back_free_heap()
+
+
+def give_back_free_heap() -> None:
+    """After a burst of big transient objects (a config's copies, a 100,000-row CLI answer)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 

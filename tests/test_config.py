@@ -7,7 +7,7 @@ import random
 import pytest
 
 from supervisor.haproxy.config import CHUNKS, SERVER_FLAGS, Config
-from supervisor.haproxy.lexer import ConfigCache, parse_line
+from supervisor.haproxy.lexer import ConfigCache, content_key, parse_line
 from supervisor.haproxy.resolution import SECTION_SERVERS, split_address, template_names
 from tests.conftest import corpus_files
 from tests.support import reference_build as reference
@@ -255,11 +255,12 @@ def test_caches_keep_only_what_the_last_two_parses_used():
         Config.parse(f"backend b{i}\n  server s 127.0.0.1:{i}\n", cache).server_flags_by_backend()
     lines = set(cache.lines.current) | set(cache.lines.previous)
     assert lines == {"backend b3\n", "  server s 127.0.0.1:3\n", "backend b4\n", "  server s 127.0.0.1:4\n"}
+    # Keyed by digests: a cache of a 100,000-server config's runs holds no second copy of its text.
     assert set(cache.kept(CHUNKS).current) | set(cache.kept(CHUNKS).previous) == {
-        "backend b3\n  server s 127.0.0.1:3\n", "backend b4\n  server s 127.0.0.1:4\n"
+        content_key("backend b3\n  server s 127.0.0.1:3\n"), content_key("backend b4\n  server s 127.0.0.1:4\n")
     }
     bodies = {body for _, body in [*cache.kept(SERVER_FLAGS).current, *cache.kept(SERVER_FLAGS).previous]}
-    assert bodies == {"  server s 127.0.0.1:3\n", "  server s 127.0.0.1:4\n"}
+    assert bodies == {content_key("  server s 127.0.0.1:3\n"), content_key("  server s 127.0.0.1:4\n")}
 
 
 def test_a_parse_without_the_cache_leaves_it_as_it_was():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from .lexer import ConfigCache, Line, Section, Slot, parse_line
+from .lexer import ConfigCache, Line, Section, Slot, body_key, content_key, parse_line
 from .resolution import (
     BACKEND_KINDS,
     BUILT_IN,
@@ -53,7 +53,7 @@ class Config:
         for end in [*(m.end() for m in _CHUNK_START.finditer(text)), len(text)]:
             chunk = text[start:end]
             start = end
-            lead, headed = kept.get_or_make(chunk, _parse_chunk, chunk, cache)
+            lead, headed = kept.get_or_make(content_key(chunk), _parse_chunk, chunk, cache)
             section.body.extend(lead)
             for header, body in headed:
                 section = Section(header, list(body))
@@ -117,7 +117,7 @@ class Config:
             flags = settings.server_defaults
             # Nothing else goes into the flags: an edited line or `default-server` gives
             # another key, never a stale entry.
-            key = (flags, "".join([line.raw for line in section.body]))
+            key = (flags, body_key(section.body))
             lines = kept.get_or_make(key, server_line_flags, section.body, flags)
             result.append((section, list(lines)))
         return result
@@ -160,11 +160,11 @@ _CHUNK_START = re.compile(r"\n(?=(?:backend|listen|frontend|defaults)[ \t\r\n#])
 
 Chunk = tuple[tuple[Line, ...], tuple[tuple[Line, tuple[Line, ...]], ...]]
 
-# A run of whole lines -> its parse: most sections of the next config are the same text, and
+# A run of whole lines (its content_key) -> its parse: most sections of the next config are the same text, and
 # a lookup of a section is cheaper than one per line.
-CHUNKS: Slot[str, Chunk] = Slot("chunks")
-# (the defaults' flags, a backend body's text) -> server_line_flags() of that body.
-SERVER_FLAGS: Slot[tuple[ServerFlags, str], list[tuple[int, ServerFlags]]] = Slot("server flags")
+CHUNKS: Slot[bytes, Chunk] = Slot("chunks")
+# (the defaults' flags, a backend body's key) -> server_line_flags() of that body.
+SERVER_FLAGS: Slot[tuple[ServerFlags, bytes], list[tuple[int, ServerFlags]]] = Slot("server flags")
 
 
 def _parse_chunk(text: str, cache: ConfigCache) -> Chunk:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, Section
-from .lexer import Line, Slot, parse_line
+from .lexer import Line, Slot, body_key, parse_line
 from .resolution import ProxySettings, ServerFlags, server_line_flags, template_names
 from .routing import BUCKET_BITS, PLAIN, Routing, routing_of, server_ids
 
@@ -145,8 +145,8 @@ class GuardPlan:
     redispatch: tuple[str, ...] = ()  # guard_redispatch()'s line, if it goes in
 
 
-# (what applies to a backend, its name, its body's text) -> where the guard goes in it.
-GUARD_PLANS: Slot[tuple[ProxySettings, str, str], GuardPlan] = Slot("guard plans")
+# (what applies to a backend, its name, its body's key) -> where the guard goes in it.
+GUARD_PLANS: Slot[tuple[ProxySettings, str, bytes], GuardPlan] = Slot("guard plans")
 
 
 def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> GuardPlan:
@@ -246,12 +246,12 @@ def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path
 
 
 def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
-    # (settings, name, body text) -> its plan: nothing else goes into it, so an edited line
+    # (settings, name, body key) -> its plan: nothing else goes into it, so an edited line
     # gives another key, never a stale plan.
     kept = config.cache.kept(GUARD_PLANS)
     plans: list[tuple[Section, str, GuardPlan]] = []
     for section, settings in config.each_backend_with_settings():
-        key = (settings, section.name, "".join([line.raw for line in section.body]))
+        key = (settings, section.name, body_key(section.body))
         plan = kept.get_or_make(key, _guard_plan, section.body, settings, section.name)
         plans.append((section, settings.mode, plan))
     return plans

@@ -22,7 +22,7 @@ from pathlib import Path
 from .answers import HANDOFF_SERVER, validate_name
 from .config import Config
 from .guard import GUARD_MARKER, is_guarded, primary_names
-from .lexer import Line, Section, Slot, parse_line
+from .lexer import Line, Section, Slot, body_key, parse_line
 from .resolution import BACKEND_KINDS, BUILT_IN, RULE_KEYWORDS, ProxySettings, server_line_flags
 
 HANDOFF_FRONTEND = "_hs_handoff"
@@ -48,8 +48,8 @@ def socket_path(runtime_dir: Path) -> Path:
     return runtime_dir / "handoff.sock"
 
 
-# (what applies to a backend, its body's text) -> whether it is eligible.
-ELIGIBLE: Slot[tuple[ProxySettings, str], bool] = Slot("hand-off eligibility")
+# (what applies to a backend, its body's key) -> whether it is eligible.
+ELIGIBLE: Slot[tuple[ProxySettings, bytes], bool] = Slot("hand-off eligibility")
 
 
 def eligible_backends(config: Config) -> list[str]:
@@ -67,7 +67,7 @@ def eligible_backends(config: Config) -> list[str]:
             last_defaults = settings
         if section.kind not in BACKEND_KINDS or settings.mode != "http" or _bars_the_hand_off(settings):
             continue
-        key = (settings, "".join([line.raw for line in section.body]))
+        key = (settings, body_key(section.body))
         eligible = kept.get(key)
         if eligible is None:
             eligible = _eligible(section.body, settings)

@@ -8,7 +8,8 @@ keeps with a Slot of its own: this, the lowest layer, knows none of their types.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -139,6 +140,17 @@ class Section:
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+
+
+def content_key(text: str) -> bytes:
+    """What a cache of things made from `text` keys them by: a 128-bit BLAKE2b digest, so the
+    cache holds 16 bytes where a copy of the text would hold a whole config's worth."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def body_key(lines: Iterable[Line]) -> bytes:
+    """content_key() of a section's body."""
+    return content_key("".join([line.raw for line in lines]))
 
 
 class RecentlyUsed(Generic[_K, _V]):

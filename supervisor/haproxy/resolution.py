@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .answers import HANDOFF_SERVER, ServerKey
-from .lexer import ConfigCache, Line, Section, Slot
+from .lexer import ConfigCache, Line, Section, Slot, body_key
 
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
 BACKEND_KINDS = frozenset({"backend", "listen"})
@@ -370,14 +370,14 @@ def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySetting
         yield section, settings
 
 
-# (a backend's name, what applies to it, its body's text) -> its servers.
-SECTION_SERVERS: Slot[tuple[str, ProxySettings, str], tuple[Server, ...]] = Slot("section servers")
+# (a backend's name, what applies to it, its body's key) -> its servers.
+SECTION_SERVERS: Slot[tuple[str, ProxySettings, bytes], tuple[Server, ...]] = Slot("section servers")
 
 
 def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache) -> list[Server]:
     """The servers of a backend/listen section that `settings` apply to, shared through `cache`
     by consecutive configs that share the section, instead of made again at each reload."""
-    key = (section.name, settings, "".join([line.raw for line in section.body]))
+    key = (section.name, settings, body_key(section.body))
     return list(cache.kept(SECTION_SERVERS).get_or_make(key, _section_servers, section.name, section.body, settings))
 
 

@@ -19,6 +19,7 @@ from ..eventloop import finished, sliced
 from ..haproxy.api import DEFAULT_LINE_LIMIT
 from ..haproxy.config import Config, Section
 from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
+from ..haproxy.lexer import content_key
 from ..haproxy.resolution import Server, is_ip, section_servers
 from ..haproxy.routing import routing_of
 from ..state import Generation
@@ -39,8 +40,7 @@ def at(backend: str, address: str) -> At:
 class SectionDigest:
     """One backend or listen section's servers, as the decisions need them; equal by `key`."""
 
-    key: str  # the section's text and what applies to it from its defaults, minus the slot table's name
-    fingerprint: bytes = field(compare=False)  # a hash of `key`, for the config's key
+    key: bytes  # content_key() of the section's text and what applies to it, minus the slot table's name
     name: str = field(compare=False)
     servers: tuple[Server, ...] = field(compare=False)
     by_name: dict[str, Server] = field(compare=False)
@@ -54,14 +54,13 @@ class SectionDigest:
     hashing: str = field(compare=False)  # "", "map-based" or "consistent": its guard reproduces a hash
 
     @classmethod
-    def of(cls, key: str, servers: list[Server], section: Section, all_backups: bool, hashing: str) -> SectionDigest:
+    def of(cls, key: bytes, servers: list[Server], section: Section, all_backups: bool, hashing: str) -> SectionDigest:
         at_keys: dict[At, list[str]] = {}
         for s in servers:
             if not s.disabled:
                 at_keys.setdefault(at(s.backend, s.endpoint), []).append(s.key)
         return cls(
             key=key,
-            fingerprint=hashlib.blake2b(key.encode(), digest_size=16).digest(),
             name=section.name,
             servers=tuple(servers),
             by_name={s.name: s for s in servers},
@@ -104,7 +103,7 @@ class Sections:
     RECENT_CONFIGS = 3  # whole configs remembered by their sha256: the next one, the current one
 
     def __init__(self) -> None:
-        self._by_key: dict[str, SectionDigest] = {}
+        self._by_key: dict[bytes, SectionDigest] = {}
         self._by_sha256: dict[str, ConfigDigest] = {}
 
     def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
@@ -140,7 +139,7 @@ class Sections:
             text = header + "".join([line.raw for line in section.body])
             # Every reload that moves a replica names a new slot table in every guarded
             # section; the digest does not depend on the name, and must stay shared.
-            key = inherited + (_SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text)
+            key = content_key(inherited + (_SLOT_TABLE_NAME.sub("", text) if SLOT_TABLE_PREFIX in text else text))
             digest = self._by_key.get(key)
             if digest is None:
                 servers = section_servers(section, settings, model.cache)
@@ -153,7 +152,7 @@ class Sections:
             if looked >= self.SLICE or made >= self.NEW_SLICE:
                 looked = made = 0
                 yield
-        fingerprint = hashlib.blake2b(b"".join(sd.fingerprint for sd in sections.values()), digest_size=16)
+        fingerprint = hashlib.blake2b(b"".join(sd.key for sd in sections.values()), digest_size=16)
         return ConfigDigest(
             key=fingerprint.hexdigest(),
             sections=sections,

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from ..binary import chash_node_keys
 from ..effective import Effective
-from ..eventloop import wait_set
+from ..eventloop import give_back_free_heap, wait_set
 from ..haproxy.answers import ProcList, ServerKey
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.stderr import ServerEvent
@@ -121,6 +121,7 @@ class OldWorkers:
                         self.state.publish_state_reads(len(views))
                         self.rounds.own_views(self._workers, views)
                         self._wake.set()
+                        give_back_free_heap()  # each answer was the size of a whole config
                     if time.monotonic() >= self._stats_at:
                         self._stats_at = time.monotonic() + self.STATS_INTERVAL_S
                         await self._interruptible(update_stats(self.cli, self.state))
