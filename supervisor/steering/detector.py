@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from ..eventloop import next_tick, sliced
+from ..eventloop import give_back_free_heap, next_tick, sliced
 from ..haproxy.answers import ServerKey
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.handoff import HANDOFF_FRONTEND
@@ -367,7 +367,8 @@ class StalledDetector:
             for g in sorted(self.state.generations.values(), key=lambda g: g.number)
             if g is current or g.worker_pid in self.state.old_workers
         }
-        if self._current is None or self._current.sha256 != current.effective_sha256:
+        rebuilt = self._current is None or self._current.sha256 != current.effective_sha256
+        if rebuilt:
             self._current = await sliced(ServerIndex.building(current))
         now = self._current
         self._by_sha = {sha: i for sha, i in self._by_sha.items() if sha in running}
@@ -385,6 +386,8 @@ class StalledDetector:
             watched = await sliced(merging(indexes))
             self._watched_shas.update(added)
         self._watched = watched
+        if rebuilt or added:
+            give_back_free_heap()  # an index of every server, built after each reload
         return now, watched
 
     async def poll(self) -> None:
