@@ -24,9 +24,16 @@ server's address, so the checks pass and the servers stay UP: the daemon then he
 state lines instead of polling, and reads the current worker's states only as a safety net.
 The figures add the full state reads over the idle phase.
 
+With --failing-checks every server is health checked and nothing listens: in each new current
+worker every check fails, the whole fleet of servers goes DOWN at once (a Ray cluster torn
+down under the proxy), and the daemon pushes that to every old worker. The figures add the
+daemon's CPU in the MASS_DOWN_S seconds right after the last reload, and the dead servers it
+counts at their end.
+
     python -m bench.daemon_idle                          # 16 old workers, 10,000 servers
     python -m bench.daemon_idle --workers 5 --servers 1000
     python -m bench.daemon_idle --checks                 # the same, every server checked
+    python -m bench.daemon_idle --failing-checks         # every check failing: the mass DOWN
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from rigs.harness import free_port
 
 IDLE_S = 30.0
 SETTLE_S = 22.0  # longer than the lag gauge's window (10 to 20 s)
+MASS_DOWN_S = 30.0
 
 
 async def request(sock: Path, method: str, path: str) -> tuple[int, str]:
@@ -146,13 +154,15 @@ def longest_callback_ms(log: Path, start: float, end: float) -> float:
     return 1000 * max(held)
 
 
-async def run(workers: int, servers: int, posts: int, checks: bool = False, detector: bool = True) -> dict[str, Any]:
+async def run(
+    workers: int, servers: int, posts: int, checks: bool = False, detector: bool = True, failing: bool = False
+) -> dict[str, Any]:
     directory = runtime_tmpdir("hsi-")
     callbacks = directory / "callbacks.log"
     cpu_totals = directory / "callbacks-cpu.json"
     front = free_port()
     base = rendered(servers, front, {})
-    if checks:
+    if checks or failing:
         base = with_checks(base)
     daemon = Daemon(directory, base, {
         "old_workers": {"guard": True}, "reload": {"timeout_s": 60}, "detector": {"enabled": detector},
@@ -171,6 +181,13 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False, dete
             await asyncio.sleep(0.05)  # accepted by the current worker before it is replaced
             daemon.write(base.replace("maxconn 2000", f"maxconn {2001 + i}"))
             await daemon.wait_generation(i + 2, timeout=120)
+        if failing:
+            process = psutil.Process(daemon.pid)
+            cpu = process.cpu_times()
+            await asyncio.sleep(MASS_DOWN_S)
+            after = process.cpu_times()
+            figures["mass_down_cpu_s"] = after.user + after.system - cpu.user - cpu.system
+            figures["mass_down_dead"] = await metric(sock, "haproxy_supervisor_dead_servers")
 
         async def all_old() -> bool:
             return await metric(sock, "haproxy_supervisor_old_workers") == workers
@@ -216,7 +233,7 @@ async def run(workers: int, servers: int, posts: int, checks: bool = False, dete
         moved = {server: 1 for server in drained(servers, 0)}
         drain = rendered(servers, front, moved).replace("maxconn 2000", f"maxconn {2001 + workers}")
         drain_started = time.monotonic()
-        daemon.write(with_checks(drain) if checks else drain)
+        daemon.write(with_checks(drain) if checks or failing else drain)
         await daemon.wait_generation(workers + 2, timeout=120)
 
         async def steered() -> bool:
@@ -261,10 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", type=int, default=10000, help="servers in the rendered config")
     parser.add_argument("--posts", type=int, default=20, help="servers marked dead and back, one after another")
     parser.add_argument("--checks", action="store_true", help="health checks on every server (all UP)")
+    parser.add_argument("--failing-checks", action="store_true",
+                        help="health checks on every server, none answered (all DOWN: the mass DOWN)")
     parser.add_argument("--detector", choices=("on", "off"), default="on",
                         help="the stalled-connection detector (detector.enabled), to compare its cost")
     args = parser.parse_args(argv or [])
-    f = asyncio.run(run(args.workers, args.servers, args.posts, args.checks, args.detector == "on"))
+    f = asyncio.run(run(args.workers, args.servers, args.posts, args.checks, args.detector == "on",
+                        args.failing_checks))
+    if args.failing_checks:
+        print(f"mass DOWN: daemon CPU {f['mass_down_cpu_s']:.2f} s in the {MASS_DOWN_S:.0f} s after the last "
+              f"reload, {f['mass_down_dead']:.0f} dead servers counted at its end", flush=True)
     print(
         f"daemon at rest: {args.workers} old workers, {args.servers} servers"
         f"{', every one health checked' if args.checks else ''}, detector {args.detector}\n"
