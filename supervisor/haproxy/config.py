@@ -160,8 +160,8 @@ _CHUNK_START = re.compile(r"\n(?=(?:backend|listen|frontend|defaults)[ \t\r\n#])
 
 Chunk = tuple[tuple[Line, ...], tuple[tuple[Line, tuple[Line, ...]], ...]]
 
-# A run of whole lines (its content_key) -> its parse: most sections of the next config are the same text, and
-# a lookup of a section is cheaper than one per line.
+# A run of whole lines (its content_key) -> its parse: most sections of the next config are
+# the same text, and a lookup of a section is cheaper than one per line.
 CHUNKS: Slot[bytes, Chunk] = Slot("chunks")
 # (the defaults' flags, a backend body's key) -> server_line_flags() of that body.
 SERVER_FLAGS: Slot[tuple[ServerFlags, bytes], list[tuple[int, ServerFlags]]] = Slot("server flags")
