@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -46,6 +47,7 @@ def short_tmpdir(prefix: str = "hs-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
+@functools.cache
 def _port_slice() -> range:
     """This process's ports: below the kernel's ephemeral range, so no outgoing connection can
     take one between the test choosing it and HAProxy binding it, and split between pytest-xdist
