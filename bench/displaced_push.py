@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 
@@ -62,9 +62,10 @@ from supervisor.effective import (
     off_the_loop,
     prepare_runtime_dir,
     start_effective_check,
-    write_effective,
+    write_slot_table,
 )
 from supervisor.eventloop import collector_paused, settle_after_reload
+from supervisor.files import write_atomically
 from supervisor.haproxy.api import CLIError, MasterCLI
 from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
@@ -127,7 +128,7 @@ class Bench:
         model = effective.effective_model  # what the reloader uses
         built = time.monotonic()
         # What the reloader does: check the config, and work the steering out meanwhile.
-        check = await start_effective_check(haproxy_binary(), effective, self.rundir)
+        check = await start_effective_check(replace(self.settings.haproxy, binary=haproxy_binary()), effective)
         spawned = time.monotonic()
         plan = await displaced.prepare(effective)
         prepared = time.monotonic()
@@ -144,7 +145,8 @@ class Bench:
         # When HAProxy answered the last push of the make-before-break (bookkeeping after it excluded).
         last = displaced.rounds.last_push
         answered = last["steered_at"] if last is not push_record else steered
-        write_effective(self.settings.haproxy.effective_config, effective)
+        write_slot_table(effective.slot_table)
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
         reload_start = time.monotonic()
         with contextlib.suppress(CLIError):
             await cli.reload()
@@ -207,7 +209,8 @@ class Bench:
         prepare_runtime_dir(self.settings)
         text = rendered(self.servers, self.front, self.moved)
         effective = build_effective(self.settings, text)
-        write_effective(self.settings.haproxy.effective_config, effective)
+        write_slot_table(effective.slot_table)
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
         self.master = Master(self.settings.haproxy.effective_config, self.rundir)
         try:
             cli = MasterCLI(self.master.socket, timeout=30)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rigs.harness import Backend, HAProxyMaster, KeepAliveClient, backends, free_port
-from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
+from supervisor.effective import build_effective, prepare_runtime_dir, write_slot_table
+from supervisor.files import write_atomically
 from supervisor.haproxy.answers import ServerState, parse_servers_state, parse_show_proc
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
@@ -132,7 +133,8 @@ class Rig:
         outcome = await self.applier(self.generation, new_model)
         if not outcome.applied:
             return False
-        write_effective(self.settings.haproxy.effective_config, effective)
+        write_slot_table(effective.slot_table)
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
         self.generation = replace(self.generation, model=outcome.runs or new_model,
                                   effective_sha256=effective.sha256, rendered_sha256=effective.rendered_sha256)
         return True
@@ -147,7 +149,8 @@ class Rig:
             path.write_text(self.master.command(f"@!{self.worker} show servers state"))
         elif self.settings.reload.preserve_server_state:
             assert await self.applier.save_server_state(self.generation, new_model, path)
-        write_effective(self.settings.haproxy.effective_config, effective)
+        write_slot_table(effective.slot_table)
+        write_atomically(self.settings.haproxy.effective_config, effective.text)
         pid = self.master.reload()
         self.generation = Generation(
             self.generation.number + 1, new_model, effective.sha256, effective.rendered_sha256, utcnow(), pid

@@ -11,9 +11,9 @@ from . import __version__
 from .binary import require_executable, with_resolved_binary
 from .effective import (
     RenderedConfigError,
+    check_effective,
     load_effective,
     prepare_runtime_dir,
-    start_effective_check,
     write_slot_table,
 )
 from .files import WriterBusy
@@ -53,11 +53,7 @@ def cmd_check(settings: Settings) -> int:
               f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAILED
     h = settings.haproxy
-
-    async def check() -> tuple[bool, str]:
-        return await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
-
-    ok, message = asyncio.run(check())
+    ok, message = asyncio.run(check_effective(h, effective))
     if ok:
         print(f"{h.config}: effective config is valid")
         return EXIT_OK

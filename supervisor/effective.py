@@ -1,8 +1,5 @@
-"""From the rendered config on disk to a validated effective config.
-
-The rendered file belongs to the controller and is never written to; the
-effective config (rendered + injections) lives in runtime_dir.
-"""
+"""From the rendered config on disk to a validated effective config (rendered + injections),
+which lives in runtime_dir; the rendered file is the controller's, never written to."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from .files import (
     DEFAULT_MAX_READ_BYTES,
@@ -28,7 +25,6 @@ from .files import (
     ensure_private_dir,
     read_regular,
     read_whole,
-    write_atomically,
 )
 from .haproxy.config import Config, inject_observe
 from .haproxy.global_policy import RefusedGlobal, move_stats_socket, supervised_global
@@ -38,7 +34,7 @@ from .haproxy.handoff import map_path as handoff_map
 from .haproxy.lexer import ConfigCache
 from .haproxy.server_state import inject_server_state
 from .master.processes import is_alive
-from .settings import Settings, SettingsError, decode_text
+from .settings import HAProxySettings, Settings, SettingsError, decode_text
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +44,7 @@ SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class RenderedConfigError(Exception):
-    """The rendered config cannot be read. One line, names the file. `missing`: there is no
-    file at the path (yet)."""
+    """The rendered config cannot be read: one line naming the file. `missing`: no file there (yet)."""
 
     def __init__(self, message: str, missing: bool = False) -> None:
         super().__init__(message)
@@ -60,7 +55,6 @@ class RenderedConfigError(Exception):
 class Effective:
     rendered_text: str
     rendered_sha256: str
-    model: Config  # the parsed rendered config, before the global policy and the injections
     text: str  # the effective config
     # The effective config as a model: the same thing Config.parse(text) gives (injections edit
     # whole lines through parse_line), kept so a 10,000-server config is not parsed twice more.
@@ -138,7 +132,7 @@ def build_effective(settings: Settings, rendered_text: str, cache: ConfigCache =
     if settings.haproxy.move_stats_socket:
         supervised, _ = move_stats_socket(supervised, settings.haproxy.stats_socket)
     effective, table = effective_config_and_table(supervised, settings)
-    return Effective(rendered_text, sha256_text(rendered_text), model, effective.render(), effective, table)
+    return Effective(rendered_text, sha256_text(rendered_text), effective.render(), effective, table)
 
 
 def load_effective(settings: Settings) -> Effective:
@@ -163,18 +157,6 @@ def write_slot_table(table: SlotTable | None) -> None:
     Its name is its content's hash: a file already there holds the same text."""
     if table is not None:
         create_if_missing(table.path, table.text.encode())
-
-
-class NamesSlotTable(Protocol):
-    text: str
-    slot_table: SlotTable | None
-
-
-def write_effective(path: Path, effective: NamesSlotTable) -> None:
-    """Write an effective config after the slot table it names: a config on disk never names a
-    file that is not there (a config just checked has its table: `write_atomically` will do)."""
-    write_slot_table(effective.slot_table)
-    write_atomically(path, effective.text)
 
 
 # A slot table younger than this is left alone: a `check` may be validating the config naming it.
@@ -277,14 +259,15 @@ class ConfigCheck:
                 self.tmp.unlink(missing_ok=True)
 
 
-async def start_effective_check(
-    binary: str, effective: Effective, directory: Path, rendered: Path | None = None,
-) -> ConfigCheck:
-    """start_check() on an effective config, once the slot table it names is on disk (the
-    check opens it). With `rendered` (the rendered config's path) the messages name its lines."""
+async def start_effective_check(h: HAProxySettings, effective: Effective) -> ConfigCheck:
+    """start_check() on an effective config once the slot table it names (the check opens it)
+    is on disk; the messages name the rendered config's lines."""
     write_slot_table(effective.slot_table)
-    source = (rendered, effective.rendered_text) if rendered is not None else None
-    return await start_check(binary, effective.text, directory, source)
+    return await start_check(h.binary, effective.text, h.runtime_dir, (h.config, effective.rendered_text))
+
+
+async def check_effective(h: HAProxySettings, effective: Effective) -> tuple[bool, str]:
+    return await (await start_effective_check(h, effective)).verdict()
 
 
 CHECK_PREFIX, CHECK_SUFFIX = ".validate.", ".cfg"

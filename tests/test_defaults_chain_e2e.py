@@ -16,7 +16,8 @@ import dataclasses
 import pytest
 
 from rigs.harness import HAProxyMaster, KeepAliveClient, backends, free_port
-from supervisor.effective import build_effective, prepare_runtime_dir, write_effective
+from supervisor.effective import build_effective, prepare_runtime_dir, write_slot_table
+from supervisor.files import write_atomically
 from supervisor.haproxy.answers import parse_servers_state
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.guard import guard_rules
@@ -68,7 +69,8 @@ async def _fail_fast_in_old_worker(rundir, chain_blind: bool) -> list[tuple[int,
             for http_rule, tcp_rule in zip(http_rules, tcp_rules, strict=True):
                 text = text.replace(http_rule, tcp_rule)
             effective = dataclasses.replace(effective, text=text)
-        write_effective(settings.haproxy.effective_config, effective)
+        write_slot_table(effective.slot_table)
+        write_atomically(settings.haproxy.effective_config, effective.text)
         master = HAProxyMaster(settings.haproxy.effective_config, rundir).start()
         clients: list[KeepAliveClient] = []
         try:

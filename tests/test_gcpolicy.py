@@ -12,6 +12,7 @@ import pytest
 from rigs.wholes import known_dead_servers, steer_entries
 from supervisor.effective import build_effective
 from supervisor.eventloop import collector_paused, settle_after_reload
+from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.steering.dead import Sections
 
@@ -39,7 +40,7 @@ def test_a_generations_models_and_digests_are_freed_by_reference_counting(tmp_pa
             effective = build_effective(settings, text)
             model = effective.effective_model
             digest = cache.digest(model)
-            dead = known_dead_servers(model, effective.model, [], set())
+            dead = known_dead_servers(model, Config.parse(text), [], set())
             steer_entries(digest, dead, "fail-fast")
             del effective, model, digest
 

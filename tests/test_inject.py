@@ -132,7 +132,7 @@ def assert_builds_like_the_reference(settings: Settings, text: str) -> None:
     effective = build_effective(settings, text)
     assert effective.text == expected_text
     assert effective.effective_model.render() == expected_text
-    assert effective.model.render() == text
+    assert Config.parse(effective.rendered_text).render() == text
     assert line_fields(effective.effective_model) == line_fields(expected_model)
 
 

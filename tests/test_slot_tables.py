@@ -3,6 +3,7 @@ config that may be loaded again names them."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -11,11 +12,12 @@ from supervisor.effective import (
     SLOT_TABLE_GRACE_S,
     build_effective,
     remove_stale_slot_tables,
-    write_effective,
     write_slot_table,
 )
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.guard import SlotTable
+from supervisor.logs import RecurringConditions
+from supervisor.reloader.records import ConfigOnDisk, LoadedConfig
 from supervisor.settings import HAProxySettings, Settings
 
 RENDERED = "backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n  server bk 10.0.0.9:80 backup\n"
@@ -26,7 +28,8 @@ def test_the_effective_config_names_the_table_written_before_it(tmp_path: Path):
     effective = build_effective(settings, RENDERED)
     table = effective.slot_table
     assert table is not None and f"map({table.path})" in effective.text
-    write_effective(settings.haproxy.effective_config, effective)
+    disk = ConfigOnDisk(settings, RecurringConditions(logging.getLogger(__name__), logging.ERROR))
+    disk.worker_runs(LoadedConfig.of(effective, None))
     assert table.path.read_text() == "b_0 s1\nb_1 s2\n"
     assert settings.haproxy.effective_config.read_text() == effective.text
 

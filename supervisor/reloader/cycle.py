@@ -392,8 +392,7 @@ class Reloader:
         if action == "skip":
             log.info("reload skipped_unchanged sha256=%s reason=%s", effective.sha256[:12], reason)
             return Attempt(self._record("skipped_unchanged", started))
-        h = self.settings.haproxy
-        check = await start_effective_check(h.binary, effective, h.runtime_dir, h.config)
+        check = await start_effective_check(self.settings.haproxy, effective)
         # `haproxy -c` takes a core of its own for a while (a quarter of a second at 10,000
         # servers): work out the steering the next config needs meanwhile, so that only its
         # pushes are left once the check passes. Nothing is pushed before the verdict.

@@ -17,14 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from ..effective import (
-    Effective,
-    remove_stale_slot_tables,
-    sha256_text,
-    write_atomically,
-    write_effective,
-)
-from ..files import ensure_private_dir
+from ..effective import Effective, remove_stale_slot_tables, sha256_text, write_slot_table
+from ..files import ensure_private_dir, write_atomically
 from ..haproxy.answers import Proc, ProcList
 from ..haproxy.config import Config
 from ..haproxy.guard import SLOT_TABLE_PREFIX, SlotTable
@@ -449,7 +443,8 @@ class ConfigOnDisk:
         if loaded is None or loaded.sha256 == self._on_disk_sha:
             return
         try:
-            write_effective(self.path, loaded)
+            write_slot_table(loaded.slot_table)  # first: a config on disk never names a missing table
+            write_atomically(self.path, loaded.text)
             self._on_disk_sha = loaded.sha256
         except OSError as exc:
             error = io_error_line(exc)

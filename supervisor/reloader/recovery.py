@@ -9,13 +9,13 @@ import logging
 from ..effective import (
     Effective,
     RenderedConfigError,
+    check_effective,
     load_effective,
     off_the_loop,
     prepare_runtime_dir,
     read_rendered,
     sha256_text,
     start_check,
-    start_effective_check,
 )
 from ..files import RuntimeDirLock
 from ..haproxy.answers import ProcList
@@ -37,10 +37,6 @@ class Recovery:
     def __init__(self, settings: Settings, master: MasterProcess, book: GenerationBook, disk: ConfigOnDisk) -> None:
         self.settings, self.master, self.book, self.disk = settings, master, book, disk
 
-    async def _check(self, effective: Effective) -> tuple[bool, str]:
-        h = self.settings.haproxy
-        return await (await start_effective_check(h.binary, effective, h.runtime_dir, h.config)).verdict()
-
     async def take_back(self, pid: int) -> ProcList | None:
         """Our master `pid` lives but its socket file is gone: the rendered config, once valid,
         goes on disk for it to re-execute on, and it is adopted. MasterError when there is no
@@ -53,7 +49,7 @@ class Recovery:
         except Exception as exc:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config cannot be "
                               f"used ({exc}): refusing to start a second HAProxy") from None
-        ok, message = await self._check(effective)
+        ok, message = await check_effective(self.settings.haproxy, effective)
         if not ok:
             raise MasterError(f"haproxy master pid={pid} lost its socket and the rendered config is invalid "
                               f"({one_line(message, 200)}): refusing to start a second HAProxy")
@@ -63,7 +59,7 @@ class Recovery:
     async def first_start(self, effective: Effective, inputs: str) -> tuple[ReloadResult, str] | None:
         """No master yet: validate, write the effective config, let the master start on it; else
         (result, error): invalid, or it cannot be written (a full or read-only runtime_dir)."""
-        ok, message = await self._check(effective)
+        ok, message = await check_effective(self.settings.haproxy, effective)
         if not ok:
             log.error("initial config invalid: %s", one_line(message))
             return "invalid", message

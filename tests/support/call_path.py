@@ -146,7 +146,7 @@ async def _followed(directory: Path) -> list[tuple[str | None, str, str]]:
             for name in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
                 value = frame.f_locals.get(name)
                 if isinstance(value, Effective) and marker in value.text:
-                    new_config.update({id(value), id(value.model), id(value.effective_model)})
+                    new_config.update({id(value), id(value.effective_model)})
                 elif isinstance(value, Generation) and id(value.model) in new_config:
                     new_config.add(id(value))
                 handed = handed or (value is not None and id(value) in new_config)
