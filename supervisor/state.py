@@ -1,10 +1,6 @@
-"""What the daemon knows, in one place: a read model that each owner publishes into.
-
-A field is written only by a `publish_*` method here, each called by the one component that
-owns that fact; status, the page and /metrics only read. A `Generation` is a value: a change
-to what a worker runs is a new value published in its place. Touched only from the event
-loop, so no locks; nothing here does I/O.
-"""
+"""What the daemon knows, in one place: a field is written only by a `publish_*` method here,
+each called by the one component that owns that fact; status, the page and /metrics only read.
+A `Generation` is a value, replaced whole on change. Event loop only: no locks, no I/O."""
 
 from __future__ import annotations
 

@@ -75,20 +75,20 @@ def test_the_next_render_that_puts_them_back_is_not_transient():
 
 
 @pytest.mark.parametrize(("steps", "waits"), [
-    # (sha, transient, now) in turn -> the waits
-    ([("b", True, 10.0), ("b", True, 12.0), ("b", True, 15.0)], [5.0, 3.0, 0.0]),
-    ([("b", True, 10.0), ("a", False, 11.0)], [5.0, 0.0]),  # the next render undid it
-    ([("b", True, 10.0), ("c", True, 13.0), ("c", True, 15.5)], [5.0, 2.0, 0.0]),  # in a row: from the first
-    ([("b", True, 10.0), ("b", True, 15.0), ("c", True, 16.0)], [5.0, 0.0, 5.0]),  # applied, then a new one
-    ([("b", True, 10.0), ("a", False, 11.0), ("b", True, 12.0)], [5.0, 0.0, 5.0]),
+    # (render, now) in turn -> the waits; each render over RAY, the config that runs
+    ([(REBUILDING, 10.0), (REBUILDING, 12.0), (REBUILDING, 15.0)], [5.0, 3.0, 0.0]),
+    ([(REBUILDING, 10.0), (RAY, 11.0)], [5.0, 0.0]),  # the next render undid it
+    ([(REBUILDING, 10.0), (REBUILDING, 13.0), (REBUILDING, 15.5)], [5.0, 2.0, 0.0]),  # in a row: from the first
+    ([(REBUILDING, 10.0), (REBUILDING, 15.0), (REBUILDING, 16.0)], [5.0, 0.0, 5.0]),  # applied, then a new one
+    ([(REBUILDING, 10.0), (RAY, 11.0), (REBUILDING, 12.0)], [5.0, 0.0, 5.0]),
 ])
 def test_transient_hold_waits_from_the_first_of_a_row(steps, waits):
-    hold = TransientHold(5.0)
-    assert [hold.wait_s(sha, transient, now) for sha, transient, now in steps] == waits
+    hold, running = TransientHold(5.0), Config.parse(RAY)
+    assert [hold.check(running, Config.parse(new), now)[0] for new, now in steps] == waits
 
 
 def test_transient_hold_zero_never_waits_and_a_forced_cycle_is_not_held():
-    assert TransientHold(0).check(Config.parse(RAY), Config.parse(REBUILDING), "b", 1.0) == (0.0, None)
-    assert TransientHold(5).check(None, Config.parse(REBUILDING), "b", 1.0) == (0.0, None)
-    wait, why = TransientHold(5).check(Config.parse(RAY), Config.parse(REBUILDING), "b", 1.0)
+    assert TransientHold(0).check(Config.parse(RAY), Config.parse(REBUILDING), 1.0) == (0.0, None)
+    assert TransientHold(5).check(None, Config.parse(REBUILDING), 1.0) == (0.0, None)
+    wait, why = TransientHold(5).check(Config.parse(RAY), Config.parse(REBUILDING), 1.0)
     assert wait == 5.0 and why is not None

@@ -1,8 +1,6 @@
-"""The `Reloader`, read top to bottom the way gunicorn's Arbiter is: its tasks watch the inputs,
-run each cycle when it is due, and look after the master between reloads. One cycle, with
-master.lock held: settle a reload still unconfirmed, decide (skip, runtime apply, reload),
-`haproxy -c` it, then apply it at runtime or reload, confirm it from `show proc`, and record
-what runs. The parts it holds own their fields and return what they find; the Reloader acts."""
+"""The `Reloader`: its tasks watch the inputs, run each cycle when due, and look after the master
+between reloads. A cycle, master.lock held: settle a reload still unconfirmed, decide (skip,
+runtime apply, reload), `haproxy -c`, apply or reload, confirm from `show proc`, record what runs."""
 
 from __future__ import annotations
 
@@ -188,10 +186,8 @@ class Reloader:
             tg.create_task(self._content_check())
 
     async def _content_check(self) -> None:
-        """Every CONTENT_CHECK_S: a stat of the rendered config through its symlinks, and a hash
-        when the stat changed. A content no event told of (a path component swapped where no
-        watch could see it, a filesystem without inotify) is a change all the same. While a
-        change is pending or a cycle runs, it waits: that cycle reads the file anyway."""
+        """A content no event told of (a path component swapped where no watch could see it, no
+        inotify) is a change all the same. Idle while a change is pending or a cycle reads the file."""
         content = self.content
         while True:
             await asyncio.sleep(CONTENT_CHECK_S)
@@ -305,10 +301,7 @@ class Reloader:
         future = self._requested.get(kind)
         if future is None:
             future = self._requested[kind] = asyncio.get_running_loop().create_future()
-            if force:
-                self.scheduler.forced = True
-            else:
-                self.scheduler.asked = True
+            setattr(self.scheduler, kind, True)  # .forced or .asked
             self._wake.set()
         else:
             log.info("reload requested (%s): joins the reload already due", reason)
@@ -347,7 +340,7 @@ class Reloader:
         if not self.master.wanted:
             return await self._first_start(effective, inputs, started)
         current = None if force or self.state.current is None else self.state.current.model
-        wait, why = self.hold.check(current, effective.effective_model, effective.sha256, time.monotonic())
+        wait, why = self.hold.check(current, effective.effective_model, time.monotonic())
         if wait > 0:
             log.info("reload held %.1fs for the next render: %s", wait, why)
             self.scheduler.retry_at = time.monotonic() + wait
@@ -393,9 +386,8 @@ class Reloader:
             log.info("reload skipped_unchanged sha256=%s reason=%s", effective.sha256[:12], reason)
             return Attempt(self._record("skipped_unchanged", started))
         check = await start_effective_check(self.settings.haproxy, effective)
-        # `haproxy -c` takes a core of its own for a while (a quarter of a second at 10,000
-        # servers): work out the steering the next config needs meanwhile, so that only its
-        # pushes are left once the check passes. Nothing is pushed before the verdict.
+        # `haproxy -c` takes a core of its own for a while: work out the next config's steering
+        # meanwhile, so only its pushes are left once the check passes; none before the verdict.
         plan = None
         try:
             plan = await call_hook(self.hooks, "prepare", effective)
@@ -430,9 +422,8 @@ class Reloader:
         return await self._reload(effective, model, inputs, reason, started, plan)
 
     async def _settle_first(self, started: float) -> Attempt | None:
-        """A second reload must not be sent while HAProxy may still be loading the first: settle
-        it. An attempt when it cannot be (nothing sent, nothing failed: the outcome is still
-        HAProxy's to give), else None."""
+        """A second reload must not be sent while HAProxy may still load the first: settle it. An
+        attempt when it cannot be (nothing sent, nothing failed: the outcome is HAProxy's), else None."""
         loading = True
         try:
             procs = await self._show_proc_until(started + self.settings.reload.timeout_s)
@@ -581,7 +572,9 @@ class Reloader:
         """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation."""
         worker = after.current_worker
         assert worker is not None
-        generation = self.book.reload_runs(worker.pid, effective, inputs, after)
+        loaded = LoadedConfig.of(effective, inputs)
+        generation = self.book.worker_started(worker.pid, effective.effective_model, loaded, after)
+        self.disk.worker_runs(loaded)
         self.cap.enforce(after, self.state.generations)
         return generation
 

@@ -123,26 +123,21 @@ class TransientHold:
     which usually undoes it; renders in a row wait `hold_s` from the first of them."""
 
     hold_s: float
-    held: str | None = None  # the effective sha256 held last
-    since: float = 0.0  # when the first of the transient renders in a row came
+    since: float | None = None  # when the first of the transient renders in a row came
 
-    def wait_s(self, sha256: str, transient: bool, now: float) -> float:
-        """How long the render of `sha256` should still wait; 0: go on with it."""
-        if not transient or self.hold_s <= 0:
-            self.held = None
-            return 0.0
-        if self.held is None:
+    def check(self, running: Config | None, new: Config, now: float) -> tuple[float, str | None]:
+        """(how long `new` should still wait over `running`, why); 0: go on with it. `running`
+        is None for a forced cycle, or when nothing runs."""
+        why = None if running is None or self.hold_s <= 0 else transient_render(running, new)
+        if why is None:
+            self.since = None
+            return 0.0, None
+        if self.since is None:
             self.since = now
-        self.held = sha256
         left = max(self.since + self.hold_s - now, 0.0)
         if left == 0:
-            self.held = None  # it goes on now: a later transient render is held anew
-        return left
-
-    def check(self, running: Config | None, new: Config, sha256: str, now: float) -> tuple[float, str | None]:
-        """(how long to wait, why) for `new` over `running` (None: a forced cycle, or nothing runs)."""
-        why = None if running is None or self.hold_s <= 0 else transient_render(running, new)
-        return self.wait_s(sha256, why is not None, now), why
+            self.since = None  # it goes on now: a later transient render is held anew
+        return left, why
 
 
 Action = Literal["skip", "runtime", "reload"]
