@@ -1,10 +1,9 @@
 """`haproxy-supervisor run`: wire the components, handle signals, talk to systemd.
 
-SIGTERM / SIGINT: stop HAProxy gracefully, exit 0. SIGHUP: reload now, even when
-nothing changed. SIGQUIT: exit at once (status 3) and leave HAProxy running, so the
-next `run` adopts it: how to restart or upgrade the daemon alone. A crash of the
-daemon itself (an exception escaping a task) also leaves HAProxy running, exit 1.
-"""
+SIGTERM / SIGINT: stop HAProxy gracefully, exit 0. SIGHUP: reload now, even when nothing
+changed. SIGQUIT: exit at once (status 3) and leave HAProxy running for the next `run` to
+adopt: how to restart or upgrade the daemon alone. A crash of the daemon itself (an exception
+escaping a task) also leaves HAProxy running, exit 1."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ class DaemonActions:
         return await self.reloader.reload_now(reason="POST /reload")
 
     async def mark_dead(self, backend: str, server: str) -> None:
-        # Recorded at once; the displaced-worker loop wakes and pushes within milliseconds.
+        # Recorded at once; the displaced-worker loop wakes and pushes.
         self.displaced.mark_dead(ServerKey.checked(backend, server))
 
     async def unmark_dead(self, backend: str, server: str) -> None:
@@ -222,11 +221,11 @@ class Daemon:
                 ),
                 group.create_task(LoopLag(self.state).run(), name="event loop lag"),
                 group.create_task(applier.pending.run(), name="pending removals"),
+                group.create_task(displaced.run(), name="displaced"),
+                group.create_task(StalledDetector(settings.detector, self.state, self.cli, displaced.wake).run(),
+                                  name="stalled-connection detector"),
+                group.create_task(status.run(), name="status"),
             ]
-            tasks.append(group.create_task(displaced.run(), name="displaced"))
-            detector = StalledDetector(settings.detector, self.state, self.cli, displaced.wake)
-            tasks.append(group.create_task(detector.run(), name="stalled-connection detector"))
-            tasks.append(group.create_task(status.run(), name="status"))
             if controller.enabled:
                 tasks.append(group.create_task(controller.run(), name="controller sockets"))
             if adopted is None:

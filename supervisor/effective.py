@@ -57,13 +57,13 @@ class Effective:
     rendered_sha256: str
     text: str  # the effective config
     # The effective config as a model: the same thing Config.parse(text) gives (injections edit
-    # whole lines through parse_line), kept so a 10,000-server config is not parsed twice more.
+    # whole lines through parse_line), kept so a big config is not parsed twice more.
     effective_model: Config
     slot_table: SlotTable | None = None  # the file the guard rules name; None with the guard off
 
     @cached_property
     def sha256(self) -> str:
-        # Read several times per reload; hashing a 10,000-server config once is enough.
+        # Read several times per reload; hashing a big config once is enough.
         return sha256_text(self.text)
 
 
@@ -136,8 +136,7 @@ def build_effective(settings: Settings, rendered_text: str, cache: ConfigCache =
 
 
 def load_effective(settings: Settings) -> Effective:
-    """Read the rendered config once its writer is done with it and build its effective config
-    (RenderedConfigError when it cannot be read, WriterBusy while it is being written)."""
+    """build_effective() on the rendered config once its writer is done (else WriterBusy)."""
     h = settings.haproxy
     return build_effective(settings, read_rendered(h.config, h.max_config_bytes, whole=True))
 
@@ -260,8 +259,7 @@ class ConfigCheck:
 
 
 async def start_effective_check(h: HAProxySettings, effective: Effective) -> ConfigCheck:
-    """start_check() on an effective config once the slot table it names (the check opens it)
-    is on disk; the messages name the rendered config's lines."""
+    """start_check() once the slot table it names (the check opens it) is on disk."""
     write_slot_table(effective.slot_table)
     return await start_check(h.binary, effective.text, h.runtime_dir, (h.config, effective.rendered_text))
 

@@ -164,11 +164,8 @@ class Convergence:
         return max(0.0, (now - self.unconverged_since).total_seconds())
 
     def reached(self) -> None:
-        self.unconverged_since = None
-        self.reason = None
-        self.transient = True
-        self.attempts = 0
-        self.next_attempt_at = None
+        self.unconverged_since = self.next_attempt_at = self.reason = None
+        self.transient, self.attempts = True, 0
 
     def missed(self, reason: str, transient: bool, now: datetime | None = None) -> None:
         if self.unconverged_since is None:

@@ -101,12 +101,8 @@ class ReloadScheduler:
         return due[0]
 
     def clear(self) -> None:
-        self.writing = False
-        self.first_change = None
-        self.last_change = None
-        self.forced = False
-        self.asked = False
-        self.retry_at = None
+        self.writing = self.forced = self.asked = False
+        self.first_change = self.last_change = self.retry_at = None
 
 
 RETRY_FIRST_S = 0.5
@@ -147,8 +143,7 @@ Runs = tuple[str, str | None]
 
 
 def decide_change(current: Runs | None, goal: Runs, *, force: bool, runtime_apply: bool) -> Action:
-    """skip: the current worker runs the goal and nothing is forced. runtime: only the config
-    changed (the watched files are as loaded) and a runtime apply is plugged in. reload: else."""
+    """runtime when only the config changed (the watched files are as loaded) and one is plugged in."""
     if current == goal and not force:
         return "skip"
     if runtime_apply and current is not None and not force and current[1] == goal[1]:
@@ -160,8 +155,7 @@ Verdict = Literal["ok", "failed", "pending", "unknown"]
 
 
 def confirm_reload(before: ProcList, after: ProcList) -> Verdict:
-    """Did the reload take? ok: a current worker that was not there before. failed: the
-    master's `[failed: N]` grew, or it reloaded with failures and no new worker."""
+    """Did the reload take? ok: a current worker not there before; failed: HAProxy counted a failure."""
     if after.master is None:
         return "pending"
     known = {p.pid for p in (*before.workers, *before.old_workers)}

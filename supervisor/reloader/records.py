@@ -94,10 +94,9 @@ def _decode_pending(entry: object) -> PendingReload | None:
         return None
     try:
         inputs = entry.get("inputs_sha256")
-        return PendingReload(
-            str(entry["effective_sha256"]), str(entry["rendered_sha256"]),
-            None if inputs is None else str(inputs), int(entry["master_pid"]), int(entry["master_reloads"]),
-        )
+        return PendingReload(str(entry["effective_sha256"]), str(entry["rendered_sha256"]),
+                             None if inputs is None else str(inputs), int(entry["master_pid"]),
+                             int(entry["master_reloads"]))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -116,12 +115,8 @@ def decode(text: str) -> Snapshot:
         entries += [(None, e) for e in doc.get("unattached", [])]
         for pid, e in entries:
             started = datetime.fromisoformat(str(e["started_at"]).replace("Z", "+00:00"))
-            records.append(
-                GenerationRecord(
-                    int(e["generation"]), pid, str(e["effective_sha256"]), str(e["rendered_sha256"]),
-                    started, e.get("inputs_sha256"),
-                )
-            )
+            records.append(GenerationRecord(int(e["generation"]), pid, str(e["effective_sha256"]),
+                                            str(e["rendered_sha256"]), started, e.get("inputs_sha256")))
         current = doc.get("current_generation")
         current = int(current) if current is not None else None
         last = int(doc.get("last_generation") or max((r.number for r in records), default=0))
@@ -228,10 +223,7 @@ class GenerationBook:
 
     def __init__(self, state: State, store: GenerationStore, disk: ConfigOnDisk,
                  problems: RecurringConditions) -> None:
-        self.state = state
-        self.store = store
-        self.disk = disk
-        self.problems = problems
+        self.state, self.store, self.disk, self.problems = state, store, disk, problems
         self.last_number = 0
         self.pending: PendingReload | None = None  # the reload sent and not yet decided, as recorded
         self.last_procs: ProcList | None = None  # the last `show proc` answer observed
@@ -365,7 +357,7 @@ class LoadedConfig:
     """The effective config on disk that the current worker runs (the last good one)."""
 
     text: str
-    sha256: str  # compared every housekeeping round: a 50 MB config is hashed once, not every second
+    sha256: str  # compared every housekeeping round: a big config is hashed once, not every second
     rendered_sha256: str
     inputs_sha256: str | None
     slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss

@@ -167,13 +167,8 @@ def plan_watches(files: Sequence[Path], directories: Sequence[Path], ignore: Ite
             here = Path(dirpath)
             interest = plan.at(here)
             interest.every_file = True
-            kept = []
-            for sub in dirnames:
-                if here / sub in ignored:
-                    interest.ignore.add(sub)
-                else:
-                    kept.append(sub)
-            dirnames[:] = kept
+            interest.ignore.update(sub for sub in dirnames if here / sub in ignored)
+            dirnames[:] = [sub for sub in dirnames if sub not in interest.ignore]
     return plan
 
 
