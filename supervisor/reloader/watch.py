@@ -209,9 +209,9 @@ def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[P
 
 
 def inputs_digest(paths: Sequence[Path]) -> str:
-    """sha256 over every file under haproxy.watch (maps, certificates, includes): a change there
-    needs a reload even when the effective config is the same. Kubernetes' `..` internals are
-    skipped: the visible names resolve through them."""
+    """sha256 over every file under haproxy.watch (maps, certificates): a change there needs a reload
+    even when the effective config is the same. Kubernetes' `..` internals, which the visible names
+    resolve through, are skipped."""
     h = hashlib.sha256()
     for root in sorted(paths):
         if root.is_dir():
@@ -233,9 +233,8 @@ def inputs_digest(paths: Sequence[Path]) -> str:
 
 
 class FileWatch:
-    """The watches of one plan on one inotify descriptor (libc's, read on the event loop), kept in
-    step with the plan: each event either means nothing, a change (`changed()`), or that a path
-    may read elsewhere now (re-plan, then a change)."""
+    """The watches of one plan on one inotify descriptor (libc's, read on the event loop): each event
+    means nothing, a change (`changed()`), or that a path may read elsewhere now (re-plan, change)."""
 
     def __init__(self, files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
                  changed: Callable[[], None], writing: Callable[[], None]) -> None:
@@ -300,9 +299,8 @@ class FileWatch:
 
 async def watch_changes(files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
                         changed: Callable[[], None], writing: Callable[[], None]) -> None:
-    """Call `changed()` for each completed change to a watched path, and `writing()` while one
-    is being written, for ever. A path that does not resolve yet is waited for, and its
-    appearing counts."""
+    """Call `changed()` for each completed change to a watched path, `writing()` while one is being
+    written, for ever; a path that does not resolve yet is waited for, and its appearing counts."""
     try:
         watch = FileWatch(files, directories, ignore, changed, writing)
     except OSError as exc:  # out of inotify instances (fs.inotify.max_user_instances)
@@ -327,8 +325,7 @@ def content_news(look: str | None, previous: str | None, read: str | None) -> bo
 
 class ContentCheck:
     """The safety net under the watches: the rendered config as HAProxy would read it (through
-    every symlink), looked at every few seconds. A stat first; the content is hashed only when
-    the stat changed."""
+    every symlink), looked at every second; hashed only when its stat changed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
