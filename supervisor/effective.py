@@ -162,10 +162,10 @@ def write_slot_table(table: SlotTable | None) -> None:
 SLOT_TABLE_GRACE_S = 60.0
 
 
-def remove_stale_slot_tables(directory: Path, keep: SlotTable | None, now: float | None = None) -> list[Path]:
+def remove_stale_slot_tables(directory: Path, keep: SlotTable | None) -> list[Path]:
     """Delete the slot tables no config on disk needs any more: only the running config's is
     read again (a master restarted on it); old workers loaded theirs when they started."""
-    now = time.time() if now is None else now
+    now = time.time()
     removed: list[Path] = []
     for path in directory.glob(f"{SLOT_TABLE_PREFIX}*.map"):
         if keep is not None and path == keep.path:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from rigs.harness import ROOT
-from supervisor.effective import RenderedConfigError, prepare_runtime_dir, read_rendered, write_atomically
-from supervisor.files import UnsafeDirectory, ensure_private_dir, read_regular
+from supervisor.effective import RenderedConfigError, prepare_runtime_dir, read_rendered
+from supervisor.files import UnsafeDirectory, ensure_private_dir, read_regular, write_atomically
 from supervisor.settings import load_settings
 
 NOBODY = 65534

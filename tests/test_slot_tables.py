@@ -57,8 +57,8 @@ def test_stale_tables_go_the_running_one_and_young_ones_stay(tmp_path: Path):
     unrelated.write_text("")
     os.utime(unrelated, (old, old))
 
-    assert remove_stale_slot_tables(tmp_path, running, now) == [other.path]
+    assert remove_stale_slot_tables(tmp_path, running) == [other.path]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.path.name, young.path.name, "steer.map"])
     # with the guard off nothing is running from a table: every old one goes
     os.utime(young.path, (old, old))
-    assert sorted(remove_stale_slot_tables(tmp_path, None, now)) == sorted([running.path, young.path])
+    assert sorted(remove_stale_slot_tables(tmp_path, None)) == sorted([running.path, young.path])

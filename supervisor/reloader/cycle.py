@@ -572,9 +572,7 @@ class Reloader:
         """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation."""
         worker = after.current_worker
         assert worker is not None
-        loaded = LoadedConfig.of(effective, inputs)
-        generation = self.book.worker_started(worker.pid, effective.effective_model, loaded, after)
-        self.disk.worker_runs(loaded)
+        generation = self.book.reload_runs(worker.pid, effective, inputs, after)
         self.cap.enforce(after, self.state.generations)
         return generation
 

@@ -243,6 +243,13 @@ class GenerationBook:
             self.observe(procs)
         return generation
 
+    def reload_runs(self, pid: int, effective: Effective, inputs: str, procs: ProcList) -> Generation:
+        """The reload's new worker `pid` runs `effective`: its generation, and the disk kept that."""
+        loaded = LoadedConfig.of(effective, inputs)
+        generation = self.worker_started(pid, effective.effective_model, loaded, procs)
+        self.disk.worker_runs(loaded)
+        return generation
+
     def kept(self, record: GenerationRecord, model: Config) -> Generation:
         """A generation recorded by an earlier daemon whose worker still lives."""
         generation = Generation(record.number, model, record.effective_sha256, record.rendered_sha256,
