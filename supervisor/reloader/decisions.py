@@ -143,7 +143,7 @@ Runs = tuple[str, str | None]
 
 
 def decide_change(current: Runs | None, goal: Runs, *, force: bool, runtime_apply: bool) -> Action:
-    """runtime when only the config changed (the watched files are as loaded) and one is plugged in."""
+    """runtime when only the config changed (the watched files are as loaded) and a runtime apply is plugged in."""
     if current == goal and not force:
         return "skip"
     if runtime_apply and current is not None and not force and current[1] == goal[1]:

@@ -209,9 +209,9 @@ def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[P
 
 
 def inputs_digest(paths: Sequence[Path]) -> str:
-    """sha256 over every file under haproxy.watch (maps, certificates): a change there needs a reload
-    even when the effective config is the same. Kubernetes' `..` internals, which the visible names
-    resolve through, are skipped."""
+    """sha256 over every file under haproxy.watch (maps, certificates, includes): a change there
+    needs a reload even when the effective config is the same. Kubernetes' `..` internals are
+    skipped: the visible names resolve through them."""
     h = hashlib.sha256()
     for root in sorted(paths):
         if root.is_dir():
