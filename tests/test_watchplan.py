@@ -133,5 +133,5 @@ def test_events_are_parsed_from_one_read():
 
     data = packed(1, IN_CLOSE_WRITE, b"haproxy.cfg") + packed(2, IN_IGNORED, b"") + packed(3, IN_MOVED_TO, b"..data")
     assert parse_events(data) == [
-        Event(1, IN_CLOSE_WRITE, 0, "haproxy.cfg"), Event(2, IN_IGNORED, 0, ""), Event(3, IN_MOVED_TO, 0, "..data"),
+        Event(1, IN_CLOSE_WRITE, "haproxy.cfg"), Event(2, IN_IGNORED, ""), Event(3, IN_MOVED_TO, "..data"),
     ]

@@ -45,7 +45,6 @@ _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
 class Event:
     wd: int
     mask: int
-    cookie: int
     name: str  # "" for an event on the watched directory itself
 
 
@@ -54,11 +53,11 @@ def parse_events(data: bytes) -> list[Event]:
     events = []
     offset = 0
     while offset + _HEADER.size <= len(data):
-        wd, mask, cookie, length = _HEADER.unpack_from(data, offset)
+        wd, mask, _, length = _HEADER.unpack_from(data, offset)  # the cookie, which pairs moves, is unused
         offset += _HEADER.size
         raw = data[offset : offset + length]
         offset += length
-        events.append(Event(wd, mask, cookie, os.fsdecode(raw.split(b"\0", 1)[0])))
+        events.append(Event(wd, mask, os.fsdecode(raw.split(b"\0", 1)[0])))
     return events
 
 
