@@ -165,9 +165,7 @@ def prunable(generations: dict[int, Generation], procs: ProcList, current: int |
     if procs.master is None:
         return []
     live = {p.pid for p in (*procs.workers, *procs.old_workers)}
-    return sorted(
-        n for n, g in generations.items() if n != current and (g.worker_pid is None or g.worker_pid not in live)
-    )
+    return sorted(n for n, g in generations.items() if n != current and g.worker_pid not in live)
 
 
 class GenerationStore:
