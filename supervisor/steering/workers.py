@@ -28,7 +28,7 @@ from ..state import Generation, State
 from .dead import ConfigDigest, Digests, LiveView, live_view
 from .handoff import HandOffs
 from .live import LiveRead, LiveStates, live_read_interval, read_states, read_unusable, update_stats
-from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
+from .plan import Planner, Steering, nothing_steered
 from .rounds import Ahead, PushRounds, WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
@@ -60,9 +60,7 @@ class ReloadPlan:
 
     next: ConfigDigest  # the config the reload sends
     leaving_pid: int | None  # the worker about to become old
-    basis: Basis | None = None  # what `plans` were made under
-    plans: Mapping[int, Steering] = field(default_factory=dict)  # by PID, worked out in prepare
-    ahead: Mapping[int, Ahead] = field(default_factory=dict)  # their pushes, by PID
+    ahead: Mapping[int, Ahead] = field(default_factory=dict)  # the pushes to its plans, by PID
     effective: Effective | None = None  # the config the reload sends, for the hand-off
 
 
@@ -72,7 +70,6 @@ class OldWorkers:
     STATS_INTERVAL_S = 5.0  # old workers' connections and memory, for status: the page refreshes every 5 s
     LIST_INTERVAL_S = 2.0  # at rest (nothing woke the steering) `show proc` is asked this often
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
-    RECENT_ROUNDS = 2  # rounds' plans kept: around a reload the next config's and the poll's take turns
 
     def __init__(
         self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
@@ -93,7 +90,6 @@ class OldWorkers:
         # steers by it too, or it would undo the make-before-break.
         self._reloading: ReloadPlan | None = None
         self._dead_key: object = None  # what state.dead_servers was last made from
-        self._rounds: dict[Basis, dict[int, Steering]] = {}  # the last rounds' plans by PID, per basis
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -156,9 +152,9 @@ class OldWorkers:
             if judged:
                 with contextlib.suppress(CLIError):
                     view = await self._live_view(latest, leaving, reuse=True)
-                    plans = await self._plan(latest, view, judged, remember=False)
+                    plans = await self._plan(latest, view, judged)
                     ahead = await self.rounds.work_ahead(self._workers, plans)
-                    return ReloadPlan(latest, leaving, (latest.key, view), plans, ahead, effective=effective)
+                    return ReloadPlan(latest, leaving, ahead, effective=effective)
             return ReloadPlan(latest, leaving, effective=effective)
 
     async def before_reload(self, plan: ReloadPlan | None) -> ReloadPlan | None:
@@ -192,7 +188,6 @@ class OldWorkers:
     async def refresh(self) -> None:
         """Recompute and push now: a runtime change altered the current config in place."""
         self._digests = Digests()  # the current config changed in place; a runtime apply took the reload's place
-        self._rounds = {}
         await self.sync(fresh=True)
 
     def on_server_event(self, event: ServerEvent) -> None:
@@ -310,27 +305,14 @@ class OldWorkers:
             await self.rounds.sweep(self._workers.values())
 
     async def _plan(
-        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]],
-        remember: bool = True,
+        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
     ) -> dict[int, Steering]:
-        """The planner's plans, one worker at a time, the event loop let run in between; one made
-        under the same basis for the same worker content (a recent round's, or the reload's
-        prepare's) is taken as it is. `remember`: keep these among the recent rounds'."""
-        basis: Basis = (latest.key, view)
-        last = self._rounds.get(basis, {})
-        reloading = self._reloading
-        if reloading is not None and reloading.basis == basis:
-            last = {**reloading.plans, **last}
-        plans = reused_plans(last, judged)
+        """The planner's plans (a recent one for the same basis and worker content, such as the
+        reload's prepare's, taken as it is), one worker at a time, the event loop let run in between."""
+        plans: dict[int, Steering] = {}
         for pid, worker in judged.items():
-            if pid not in plans:
-                plans.update(self._planner.plan(latest, view, {pid: worker}))
-                await asyncio.sleep(0)
-        if remember:
-            self._rounds.pop(basis, None)
-            self._rounds[basis] = plans  # most recent last
-            while len(self._rounds) > self.RECENT_ROUNDS:
-                del self._rounds[next(iter(self._rounds))]
+            plans.update(self._planner.plan(latest, view, {pid: worker}))
+            await asyncio.sleep(0)
         return plans
 
     async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
