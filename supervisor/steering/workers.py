@@ -1,8 +1,6 @@
-"""The I/O shell: keeps every old worker's steer map equal to its plan, through the master CLI.
-
-Each round lists the workers (`show proc`), plans (plan.py) and pushes what differs
-(rounds.py). The current worker's map stays empty, except while it is about to become old
-(make-before-break), and is emptied again if the reload fails.
+"""Keeps every old worker's steer map equal to its plan: each round lists the workers, plans
+and pushes what differs. The current worker's map stays empty, except while it is about to
+become old (make-before-break), and is emptied again if the reload fails.
 """
 
 from __future__ import annotations
@@ -36,15 +34,14 @@ R = TypeVar("R")
 
 
 def worker_generations(procs: ProcList, generations: Mapping[int, Generation]) -> dict[int, int | None]:
-    """Every worker PID of `show proc` (current and old) -> the generation it runs, or None."""
+    """Every worker PID of `show proc` -> the generation it runs, or None."""
     by_pid = {g.worker_pid: n for n, g in generations.items() if g.worker_pid is not None}
     return {p.pid: by_pid.get(p.pid) for p in (*procs.workers, *procs.old_workers)}
 
 
 def next_poll_in(now: float, poll_s: float, due_at: list[float], busy: bool) -> float:
-    """How long the poll loop sleeps: one poll while something is under way (a push to verify or
-    retry, a worker not asked yet, a state read owed), else until the earliest periodic look is
-    due, and never less than a poll. At rest nothing that finds nothing wakes it."""
+    """How long the poll loop sleeps: one poll while something is under way, else until the
+    earliest periodic look is due. At rest nothing that finds nothing wakes it."""
     if busy or not due_at:
         return poll_s
     return max(poll_s, min(due_at) - now)
@@ -65,21 +62,17 @@ class ReloadPlan:
 
 
 class OldWorkers:
-    """Keeps every old worker steered away from the servers known to be dead."""
-
     STATS_INTERVAL_S = 5.0  # old workers' connections and memory, for status: the page refreshes every 5 s
     LIST_INTERVAL_S = 2.0  # at rest (nothing woke the steering) `show proc` is asked this often
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
 
-    def __init__(
-        self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, state: State, cli: MasterCLI) -> None:
         self.settings = settings
         self.state = state
         self.cli = cli
         self.poll_s = settings.old_workers.poll_interval_ms / 1000
         self.safety_net_s = settings.old_workers.state_read_interval_s
-        self.rounds = PushRounds(settings, state, cli, reconcile_interval_s)
+        self.rounds = PushRounds(settings, state, cli)
         self._workers: dict[int, WorkerRecord] = {}
         self._digests = Digests()
         self._planner = Planner(settings.old_workers.no_backup, chash_node_keys(settings.haproxy.binary))
@@ -99,7 +92,6 @@ class OldWorkers:
         self.handoffs = HandOffs(settings, state, cli) if settings.old_workers.hand_off else None
 
     async def run(self) -> None:
-        """Poll, steer, verify and reconcile until cancelled."""
         failing_since: float | None = None
         # Polled every poll_interval_ms: a lasting failure (descriptors run out) is one line, not four a second.
         failing = RecurringCondition(log, logging.WARNING, "old workers: the master CLI keeps failing: %s")
@@ -186,8 +178,8 @@ class OldWorkers:
         return True
 
     async def refresh(self) -> None:
-        """Recompute and push now: a runtime change altered the current config in place."""
-        self._digests = Digests()  # the current config changed in place; a runtime apply took the reload's place
+        """Recompute and push now: a runtime apply changed the current config in place."""
+        self._digests = Digests()
         await self.sync(fresh=True)
 
     def on_server_event(self, event: ServerEvent) -> None:
@@ -214,7 +206,6 @@ class OldWorkers:
         self._wake.set()
 
     def has_server(self, key: str) -> bool:
-        """Whether the current config or one an old worker runs has this server."""
         return self._digests.has_server(key, self.state.generations.values())
 
     async def sync(self, fresh: bool = False, reuse: bool = False) -> None:
@@ -240,7 +231,7 @@ class OldWorkers:
         return any(w.wanted is not None and not w.in_sync() for w in self._workers.values())
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
-        """The workers that get a plan (old ones, the one about to become old): (digest, servers it skips)."""
+        """The old workers and the one about to become old: (digest, servers it skips) by PID."""
         judged = {}
         for worker in self._workers.values():
             generation = self._generation_of(worker)
@@ -295,7 +286,6 @@ class OldWorkers:
         if self.handoffs is not None:
             old = {w.pid: g for w in self._workers.values() if not w.current and (g := self._generation_of(w))}
             await self.handoffs.round(old, current, reloading.effective if reloading is not None else None)
-        # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:
             self._dead_key = dead_key
@@ -329,7 +319,6 @@ class OldWorkers:
         return time.monotonic() >= self._live_due_at()
 
     def _live_due_at(self) -> float:
-        """When the current worker's states are to be read again (0: now)."""
         current = self.state.current
         if self._live is None or current is None or self._live_stale or current.worker_pid != self._live.pid:
             return 0.0
