@@ -115,7 +115,7 @@ class Sections:
         return found
 
     # Between two turns of the event loop: SLICE sections found, or NEW_SLICE digested anew
-    # (their servers made, about ten times the work: a drain brings a hundred at once).
+    # (their servers made, far more work: a drain brings many at once).
     SLICE = 200
     NEW_SLICE = 20
 

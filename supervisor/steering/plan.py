@@ -182,8 +182,7 @@ def section_entries(
 
 
 # The most of a draw's slots that may be overridden: the guard draws three times, so at most
-# this cubed of the requests take an override (a fallback spread by weighted rendezvous),
-# which keeps every share within 3 points of its weight's.
+# this cubed of the requests take an override (a fallback spread by weighted rendezvous).
 MAX_OVERRIDDEN = 1 / 3
 
 

@@ -232,12 +232,11 @@ class OldWorkers:
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
         """The old workers and the one about to become old: (digest, servers it skips) by PID."""
-        judged = {}
-        for worker in self._workers.values():
-            generation = self._generation_of(worker)
-            if generation is not None and (not worker.current or worker.pid == leaving):
-                judged[worker.pid] = (self._digests.of(generation), worker.unusable or frozenset())
-        return judged
+        return {
+            w.pid: (self._digests.of(g), w.unusable or frozenset())
+            for w in self._workers.values()
+            if (not w.current or w.pid == leaving) and (g := self._generation_of(w)) is not None
+        }
 
     def _generation_of(self, worker: WorkerRecord) -> Generation | None:
         return self.state.generations.get(worker.generation) if worker.generation is not None else None
