@@ -71,7 +71,9 @@ class DaemonParts:
         relay = StderrRelay(settings.haproxy.stderr_fifo, forward_fd=log_fd)
         relay.open()
         master = MasterProcess(settings, state, cli, stderr=relay)
-        displaced = OldWorkers(settings, state, steering_cli, reconcile_interval_s)
+        displaced = OldWorkers(settings, state, steering_cli)
+        if reconcile_interval_s is not None:
+            displaced.rounds.RECONCILE_INTERVAL_S = reconcile_interval_s
         relay.subscribe(displaced.on_server_event)
         reloader = Reloader(settings, state, cli, master, displaced)
         master.on_started = reloader.on_master_started

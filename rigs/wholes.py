@@ -22,7 +22,7 @@ from supervisor.haproxy.guard import (
 from supervisor.haproxy.routing import ID_TIMES_4096, NodeKeys
 from supervisor.haproxy.runtime.plan import ServerChange, runtime_plan
 from supervisor.haproxy.server_state import server_state_parts
-from supervisor.steering.dead import At, ConfigDigest, Sections, at, by_backend_of, dead_groups, endpoint, live_view
+from supervisor.steering.dead import At, ConfigDigest, Sections, at, by_backend_of, dead_groups, live_view
 from supervisor.steering.live import LiveStates, LiveTally
 from supervisor.steering.mapdiff import Phase, diff_phases
 from supervisor.steering.plan import NoBackup, section_entries
@@ -132,7 +132,7 @@ def summarize_states(states: Iterable[ServerState]) -> LiveStates:
     up: set[At] = set()
     by_key: dict[str, bool | None] = {}
     for st in states:
-        where = at(st.backend, endpoint(st.address, st.port))
+        where = at(st.backend, f"{st.address}:{st.port}" if st.port is not None else st.address)
         (up if st.alive else down).add(where)
         by_key[st.key] = st.alive
     return LiveStates(frozenset(down - up), frozenset(), by_key)

@@ -1,9 +1,7 @@
-"""Which servers are dead, per generation, by the three rules of
-docs/steering.md#known-dead-servers; servers matched by backend and address.
+"""Which servers are dead, per generation, by the three rules of docs/steering.md#known-dead-servers.
 
-A section's digest is interned by its content: consecutive configs differ in a few
-backends, so fifty generations hold one copy of each distinct section, and every cache
-downstream is keyed by that content. `Digests` holds every config in use, digested once.
+Section digests are interned by content: consecutive configs differ in a few backends, so
+fifty generations share one copy of each section, and every cache downstream keys on it.
 """
 
 from __future__ import annotations
@@ -26,10 +24,6 @@ from ..state import Generation
 from .live import At, LiveStates
 
 DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
-
-
-def endpoint(address: str, port: int | None) -> str:
-    return f"{address}:{port}" if port is not None else address
 
 
 def at(backend: str, address: str) -> At:
@@ -107,11 +101,10 @@ class Sections:
         self._by_sha256: dict[str, ConfigDigest] = {}
 
     def digest(self, model: Config, sha256: str | None = None) -> ConfigDigest:
-        """The config's digest; `sha256` (of its effective text) finds one seen lately."""
+        """`sha256` (of its effective text) finds one seen lately."""
         return finished(self.digesting(model, sha256))
 
     def digesting(self, model: Config, sha256: str | None = None) -> Generator[None, None, ConfigDigest]:
-        """digest(), yielding between slices of sections."""
         found = self._by_sha256.pop(sha256, None) if sha256 is not None else None
         if found is None:
             found = yield from self._digest(model)
@@ -122,7 +115,7 @@ class Sections:
         return found
 
     # Between two turns of the event loop: SLICE sections found, or NEW_SLICE digested anew
-    # (their servers made, about ten times the work: a drain brings a hundred at once).
+    # (their servers made, far more work: a drain brings many at once).
     SLICE = 200
     NEW_SLICE = 20
 
@@ -130,7 +123,6 @@ class Sections:
         sections: dict[str, SectionDigest] = {}
         applied: dict[object, str] = {}  # one ProxySettings serves hundreds of backends: one repr
         looked = made = 0
-        # Resolved as the walk goes: resolving them all up front is a slice's work.
         for section, settings in model.each_backend_with_settings():
             inherited = applied.get(settings)
             if inherited is None:
@@ -165,7 +157,6 @@ class Sections:
         )
 
     def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
-        """Forget the sections none of these configs holds."""
         kept = list(digests)
         used = {sd.key for d in kept for sd in d.section_set}
         self._by_key = {k: v for k, v in self._by_key.items() if k in used}
@@ -191,7 +182,7 @@ class LiveView:
 
     @functools.cached_property
     def by_backend(self) -> dict[str, tuple[frozenset[At], frozenset[str]]]:
-        """Per backend: its endpoints in `down` or `operator_at`, and its keys in `operator`."""
+        """Per backend: its endpoints in `down` or `operator_at`, its keys in `operator`."""
         wheres: dict[str, set[At]] = {}
         for where in self.down | self.operator_at:
             wheres.setdefault(where.partition(" ")[0], set()).add(where)
@@ -207,24 +198,25 @@ def live_view(
     worker has no verdict yet (right after a reload). `suspect_at`: the detector's suspects."""
     operator = frozenset(operator_dead)
     down = set(live.down) | (previous_down & live.pending) | set(suspect_at)
+    # The live state shows the resolved address: carry the verdict over by name. Only for
+    # host names: during a make-before-break the live states come from the worker that
+    # runs the older config, where the same name may sit at another address.
+    alive: set[At] = set()
     for s in latest.named_hosts:
-        # The live state shows the resolved address: carry the verdict over by name. Only for
-        # host names: during a make-before-break the live states come from the worker that
-        # runs the older config, where the same name may sit at another address.
         verdict = live.alive_by_key.get(s.key)
         where = at(s.backend, s.endpoint)
         if verdict is False or (verdict is None and where in previous_down):
             down.add(where)
-    for s in latest.named_hosts:
-        if live.alive_by_key.get(s.key):
-            down.discard(at(s.backend, s.endpoint))
+        elif verdict:
+            alive.add(where)
+    down -= alive
     operator_at = frozenset(at(s.backend, s.endpoint) for k in operator if (s := latest.server(k)) is not None)
     return LiveView(frozenset(down), operator, operator_at)
 
 
 @functools.lru_cache(maxsize=16)
 def changed_backends(old_latest: ConfigDigest, new_latest: ConfigDigest) -> frozenset[str]:
-    """The backends whose section differs between two configs (or is in one only)."""
+    """The backends whose section differs between two configs, or is in one only."""
     return frozenset(s.name for s in old_latest.section_set ^ new_latest.section_set)
 
 
@@ -265,7 +257,6 @@ class Digests:
         self._of_generation: dict[tuple[int, str], ConfigDigest] = {}
 
     async def of_effective(self, effective: Effective) -> ConfigDigest:
-        """The next config's digest, the event loop let run between its slices."""
         return await sliced(self.sections.digesting(effective.effective_model, effective.sha256))
 
     def of(self, generation: Generation) -> ConfigDigest:
@@ -276,15 +267,13 @@ class Digests:
         return digest
 
     def has_server(self, key: str, generations: Iterable[Generation]) -> bool:
-        """Whether some generation's config has this "backend/server" (one not digested yet is first)."""
         return any(self.of(generation).server(key) is not None for generation in generations)
 
     def keep_only(self, generations: Iterable[Generation], latest: ConfigDigest) -> list[ConfigDigest]:
         """Forget every config but these and `latest`; the digests kept."""
         keep = {(g.number, g.effective_sha256) for g in generations}
-        gone = [k for k in self._of_generation if k not in keep]
-        for key in gone:
-            del self._of_generation[key]
+        gone = self._of_generation.keys() - keep
+        self._of_generation = {k: v for k, v in self._of_generation.items() if k in keep}
         kept = [latest, *self._of_generation.values()]
         if gone:
             self.sections.keep_only(kept)

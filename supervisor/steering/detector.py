@@ -1,10 +1,6 @@
-"""The stalled-connection detector (docs/steering.md#stalled-connections): which servers are
-suspect, from the kernel's view of the workers' sockets toward them (pure), and
-StalledDetector, their owner: it polls sock_diag, sets suspects `health down`, publishes
-them for the steering and destroys the sockets that would wait on them.
-
-A vanished node never answers: a connect to it stays in SYN-SENT, data sent to it stays
-unacknowledged. Both show in sock_diag long before a `timeout connect` or a check concludes.
+"""The stalled-connection detector (docs/steering.md#stalled-connections): a vanished node
+never answers, so a connect to it stays in SYN-SENT and data sent to it unacknowledged, which
+sock_diag shows long before a `timeout connect` or a check concludes.
 """
 
 from __future__ import annotations
@@ -49,8 +45,6 @@ RTT_FACTOR = 8
 
 @dataclass(frozen=True)
 class Stall:
-    """One worker socket that is stalled: why, and for at least how long."""
-
     endpoint: Endpoint
     why: str  # "connect" (SYN-SENT) or "retransmit" (established, data unacknowledged)
     age_ms: float  # a lower bound, from the kernel's timer (and first sight)
@@ -59,8 +53,6 @@ class Stall:
 
 @dataclass(frozen=True)
 class Suspect:
-    """A server the detector holds to be unreachable."""
-
     key: str  # "backend/server"
     endpoint: Endpoint
     why: str
@@ -68,9 +60,8 @@ class Suspect:
 
 
 def stall_of(sock: DiagSocket, first_seen_ago_ms: float = 0.0) -> Stall | None:
-    """Is this socket stalled, and since when at least? The current retransmit interval has
-    lasted rto - expires; with retransmissions behind it, the intervals before (each half the
-    next) at least another rto/2."""
+    """The current retransmit interval has lasted rto - expires; with retransmissions behind
+    it, the intervals before (each half the next) at least another rto/2."""
     if sock.timer != TIMER_RETRANSMIT:
         return None
     if sock.state == TCP_SYN_SENT:
@@ -96,7 +87,6 @@ def suspects(
     floor_ms: float,
     now: float,
 ) -> dict[str, Suspect]:
-    """The servers at an endpoint with a stall older than its threshold, by "backend/server"."""
     found: dict[str, Suspect] = {}
     for stall in stalls:
         keys = servers.get(stall.endpoint)
@@ -114,10 +104,10 @@ def suspects(
 
 
 def left_in(suspect_keys: Iterable[str], backends: Mapping[str, tuple[str, ...]], dead: Set[str]) -> set[str]:
-    """The suspects the current worker keeps routing to: those of a backend in which every
-    server (backups included) is suspect or known dead. A live server with a full accept queue
-    stalls connects as a vanished one does: taking a backend's last one out would turn a slow
-    answer into a sure 503 (Envoy's panic mode)."""
+    """The suspects of a backend in which every server (backups included) is suspect or known
+    dead: the current worker keeps routing to them. A live server with a full accept queue
+    stalls connects as a vanished one does: taking the last one out turns a slow answer into
+    a sure 503 (Envoy's panic mode)."""
     suspect = set(suspect_keys)
     kept: set[str] = set()
     for backend, keys in by_backend_of(suspect).items():
@@ -127,9 +117,8 @@ def left_in(suspect_keys: Iterable[str], backends: Mapping[str, tuple[str, ...]]
 
 
 def idle(sock: DiagSocket) -> bool:
-    """An established connection with nothing in flight either way: a pooled idle one. Empty
-    queues are not enough: a request acknowledged and not yet answered has them too, so its
-    last data must have come in after its last data went out."""
+    """A pooled idle connection. Empty queues are not enough: a request acknowledged and not
+    yet answered has them too, so its last data must have come in after its last went out."""
     if sock.state != TCP_ESTABLISHED or sock.wqueue or sock.rqueue or sock.data_segs_in == 0:
         return False
     return sock.sent_ago_ms is None or sock.received_ago_ms is None or sock.received_ago_ms <= sock.sent_ago_ms
@@ -182,7 +171,7 @@ CAP_NET_ADMIN = 12
 
 
 def has_net_admin() -> bool:
-    """Does this process hold CAP_NET_ADMIN (effective): may it destroy others' sockets?"""
+    """May this process destroy others' sockets?"""
     with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
         for line in status:
             if line.startswith("CapEff:"):
@@ -210,7 +199,6 @@ class ServerIndex:
 
     @classmethod
     def building(cls, generation: Generation) -> Generator[None, None, ServerIndex]:
-        """The index, yielding between slices of backends."""
         by_endpoint: dict[Endpoint, list[str]] = {}
         checked: set[str] = set()
         families: set[int] = set()
@@ -238,7 +226,6 @@ class ServerIndex:
 
 
 def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
-    """Several configs' servers in one index, yielding between slices of endpoints."""
     by_endpoint: dict[Endpoint, dict[str, None]] = {}
     for index in indexes:
         for n, (endpoint, keys) in enumerate(index.by_endpoint.items()):
@@ -253,7 +240,8 @@ def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
 
 
 class StalledDetector:
-    """Finds the servers the workers' sockets say are unreachable, and acts on them."""
+    """Sets suspects `health down`, publishes them for the steering and destroys the sockets
+    that would wait on them."""
 
     def __init__(
         self, settings: DetectorSettings, state: State, cli: MasterCLI, wake_steering: Callable[[], None] = lambda: None
@@ -327,7 +315,6 @@ class StalledDetector:
         self._look = loop.call_at(next_tick(loop.time(), interval_ms or poll), look)
 
     def _at_rest(self) -> bool:
-        """Nothing for a poll to do: the configs last indexed, nothing stalled or suspect, TCP counters still."""
         if self._first_seen or self._held or not self._indexes_unchanged():
             return False
         answer = self._seen_answer
@@ -349,7 +336,6 @@ class StalledDetector:
         return self._seen_answer
 
     def _indexes_unchanged(self) -> bool:
-        """The generations and old workers are those last indexed (a generation changed is replaced)."""
         state, (current, generations, old) = self.state, self._seen
         return (
             state.current is current
@@ -530,7 +516,7 @@ class StalledDetector:
         index: ServerIndex, steered: dict[int, frozenset[str]], own: dict[int, dict[Endpoint, tuple[str, ...]]],
     ) -> None:
         """Destroy the stalled sockets to_abort() names, and idle pooled connections to suspects."""
-        # A suspect left in is still routed (detector.left_in): its connections are the backend's only way.
+        # A suspect left in is still routed: its connections are the backend's only way.
         held_at = {s.endpoint for key, (s, _) in self._held.items() if key not in self._left_in}
         targets: list[tuple[DiagSocket, str]] = [
             (stall.socket, "aborted" if why == "suspect" else "aborted (known dead)")

@@ -1,6 +1,5 @@
-"""Each old worker's hand-off map (haproxy/handoff.py) brought to what it needs, once, and read
-back: after a reload the new old worker, after a daemon restart every old worker found alive.
-A worker whose push failed, or whose read-back differs, is tried again at the next round."""
+"""Each old worker's hand-off map (haproxy/handoff.py) pushed once and read back; a worker whose
+push failed, or whose read-back differs, is tried again at the next round."""
 
 from __future__ import annotations
 
@@ -37,8 +36,6 @@ class _Worker:
 
 
 class HandOffs:
-    """The old workers' hand-off maps, by PID."""
-
     def __init__(self, settings: Settings, state: State, cli: MasterCLI) -> None:
         self.state = state
         self.cli = cli

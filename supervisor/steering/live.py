@@ -1,7 +1,6 @@
-"""The current worker's evidence, read through the master CLI: its server states (rule (b) of
-dead.py) boiled down per endpoint, parsed in parts so that a big answer never holds the event
-loop for long; what each old worker skips itself; the old workers' connections and memory.
-When a read is due: docs/steering.md#known-dead-servers.
+"""What the workers say through the master CLI: the current worker's server states (rule (b)
+of dead.py), parsed in parts so that a big answer never holds the event loop; what each old
+worker skips itself; the old workers' connections and memory.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ At = str
 
 @dataclass(frozen=True)
 class LiveStates:
-    """The current worker's `show servers state`, boiled down to evidence per endpoint."""
 
     down: frozenset[At] = frozenset()  # endpoints where servers are DOWN or MAINT and none is alive
     pending: frozenset[At] = frozenset()  # endpoints whose only servers have not been checked yet
@@ -55,8 +53,8 @@ _CHECK_UNKNOWN = "0"  # the check result before the first check concluded
 
 
 class LiveTally:
-    """`show servers state` boiled down to LiveStates, fed in parts: the verdict waits for the
-    last part, since an endpoint is down only if no part shows a server alive there."""
+    """Fed in parts: the verdict waits for the last part, since an endpoint is down only if no
+    part shows a server alive there."""
 
     def __init__(self) -> None:
         self.down: set[tuple[str, str, str]] = set()
@@ -124,7 +122,6 @@ class LiveRead:
 
 
 async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
-    """One worker's `show servers state`, asked for and parsed."""
     started = time.monotonic()
     answer = await cli.on(pid, "show servers state")
     if not is_servers_state(answer):
@@ -139,8 +136,8 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
 
 
 async def read_unusable(cli: MasterCLI, unasked: Iterable[int], budget: int = 4) -> dict[int, LiveRead]:
-    """Ask a few old workers not asked yet which servers they skip themselves (DOWN or MAINT in
-    their own view), by PID. Off the critical path: a worker is steered with what is known."""
+    """Which servers a few old workers skip themselves (DOWN or MAINT in their own view). Off
+    the critical path: a worker is steered with what is known."""
 
     async def one(pid: int) -> LiveRead | None:
         with contextlib.suppress(CLIError):
@@ -153,7 +150,6 @@ async def read_unusable(cli: MasterCLI, unasked: Iterable[int], budget: int = 4)
 
 
 async def update_stats(cli: MasterCLI, state: State) -> None:
-    """Each old worker's current connections (`show info`) and resident memory, for status."""
     pids = list(state.old_workers)
     if not pids:
         return

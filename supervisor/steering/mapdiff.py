@@ -1,8 +1,6 @@
-"""From the entries a worker holds to the phased changes that make them its plan, and those
-changes as lines for the master CLI, with the answers to them read.
-
-Map changes go in phases so that no request ever sees a half state (a count promising slots
-not there yet, or an override removed before the count that needs it).
+"""The phased changes from the entries a worker holds to its plan, as master CLI lines.
+Phases keep any request from seeing a half state (a count promising slots not there yet, or
+an override removed before the count that needs it).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from .plan import FAIL_FAST, Entries
 
 @dataclass(frozen=True)
 class Phase:
-    """Map changes that may be applied in any order, even on parallel connections."""
+    """Map changes that may go in any order, even on parallel connections."""
 
     adds: tuple[tuple[str, str], ...] = ()
     sets: tuple[tuple[str, str], ...] = ()
@@ -113,12 +111,10 @@ def _hops(
     slot_sets: Iterable[tuple[str, str]],
     slots_gone: Iterable[str],
 ) -> tuple[dict[str, str], dict[str, set[str]]]:
-    """The hops diff_phases() adds in phase 0, and per backend the servers that overrides
-    stop pointing to but that get no hop (those overrides must change in the routing phases).
-
-    A server that overrides stop pointing to is one the worker must leave. Its hop goes to
-    the new target of one of those overrides, else to any target the backend keeps; none
-    where a left-over hop holds the key, or where the backend keeps no target.
+    """The hops of phase 0, and per backend the servers that overrides stop pointing to but
+    that get no hop (those overrides must change in the routing phases). A hop goes to the new
+    target of one of those overrides, else to any target the backend keeps; none where a
+    left-over hop holds the key, or where the backend keeps no target.
     """
     targets: dict[str, set[str]] = {}
     for key, value in desired.items():
@@ -167,8 +163,7 @@ def valid_entry(key: str, value: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class BackendDelta:
-    """The map changes that turn some entries `before` into `after`, in the phases of
-    diff_phases(), each phase's adds rendered as payload text: a drain changes the same
+    """diff_phases() with each phase's adds rendered as payload text: a drain changes the same
     backends in dozens of workers, which reuse one delta (backend_delta)."""
 
     phases: tuple[Phase, ...]
@@ -192,7 +187,6 @@ class BackendDelta:
 
 @functools.lru_cache(maxsize=1 << 16)
 def backend_delta(before: Entries, after: Entries) -> BackendDelta:
-    """BackendDelta.between() for one backend's entries, remembered by their content."""
     return BackendDelta.between(dict(before), dict(after))
 
 
@@ -200,7 +194,7 @@ PHASES = range(5)
 
 
 def _payload(phase: Phase) -> tuple[str, ...]:
-    """A phase's adds as payload text, one string per backend, in order."""
+    """One string per backend, in order."""
     groups: dict[str, list[str]] = {}
     for key, value in phase.adds:
         groups.setdefault(backend_of_key(key), []).append(f"{key} {value}\n")
@@ -230,13 +224,11 @@ def phase_lines(
 
 
 def _rank_lines(head: str, commands: list[str], groups: Iterable[str], limit: int) -> tuple[list[str], list[str]]:
-    """One rank's lines (its commands batched, its payloads), and those of the counts held back."""
     payloads, late = payload_lines(head, groups, limit)
     return batch_lines(commands, limit) + payloads, payload_lines(head, late, limit)[0] if late else []
 
 
 def _commands(pid: int, path: str, phase: Phase) -> list[str]:
-    """A phase's sets and deletes, one command each."""
     return [
         *(on_process(pid, f"set map {path} {k} {v}") for k, v in phase.sets),
         *(on_process(pid, f"del map {path} {k}") for k in phase.dels),
@@ -297,9 +289,9 @@ def delta_lines(
 
 
 def answer_problem(line: str, answer: str) -> str | None:
-    """What is wrong with the master CLI's answer to one of our map-changing lines, or None.
-    Each command that succeeds answers an empty line; fewer than commands means the master
-    dropped the connection part-way (re-executing on a reload, for one)."""
+    """What is wrong with the answer to one of our map-changing lines, or None. Each command
+    that succeeds answers an empty line; fewer means the master dropped the connection
+    part-way (re-executing on a reload, for one)."""
     if answer.strip():
         return answer.strip().splitlines()[0]
     commands = line.split("\n", 1)[0].count(";") + 1
@@ -314,8 +306,8 @@ def is_whole_answer(show_map_answer: str) -> bool:
 
 
 def map_entries(show_map_answer: str) -> dict[str, str]:
-    """A map's content from `show map <file>`. A key held twice with different values reads
-    as "" so that a diff rewrites it (`set map` sets every entry of a key)."""
+    """A key held twice with different values reads as "" so that a diff rewrites it (`set
+    map` sets every entry of a key)."""
     entries: dict[str, str] = {}
     for key, value in parse_show_map(show_map_answer):
         if key in entries and entries[key] != value:

@@ -1,11 +1,7 @@
-"""One round's plan: what every worker's steer map must hold (each backend's entries, given
-its dead servers; docs/steering.md#what-an-old-worker-is-told), memoised by content.
-
-A worker's wanted map depends only on the config it runs, the latest config, the live view
-and the servers the worker itself sees down, each with a content key. A new plan is worked
-out from the last one for the same worker content, looking only at the backends whose
-section differs between the two latest configs or whose evidence changed. The map's layout
-is the guard's (haproxy/guard.py).
+"""What every worker's steer map must hold (docs/steering.md#what-an-old-worker-is-told),
+memoised by content: the config it runs, the latest config, the live view and the servers it
+sees down itself. A new plan is worked out from the last one for the same worker content,
+looking only at the backends whose section or evidence changed.
 """
 
 from __future__ import annotations
@@ -69,19 +65,7 @@ class Steering:
         return sorted(key for backend, keys in self.groups.items() if backend in self.parts for key in keys)
 
     def entries(self) -> dict[str, str]:
-        """The whole map."""
         return {key: value for part in self.parts.values() for key, value in part}
-
-
-def reused_plans(
-    last: Mapping[int, Steering], workers: Mapping[int, tuple[ConfigDigest, frozenset[str]]]
-) -> dict[int, Steering]:
-    """The plans of a round under the same basis that still hold: same config, same servers skipped."""
-    return {
-        pid: steering
-        for pid, (digest, unusable) in workers.items()
-        if (steering := last.get(pid)) is not None and steering.source == (digest.key, unusable)
-    }
 
 
 def nothing_steered(digest: ConfigDigest, latest: ConfigDigest, basis: Basis) -> Steering:
@@ -116,7 +100,6 @@ class Planner:
         return plans
 
     def keep_only(self, digests: Iterable[ConfigDigest]) -> None:
-        """Forget the plans of configs no worker runs any more."""
         keys = {d.key for d in digests}
         if any(k[0] not in keys for k in self._recent):
             self._recent = {k: v for k, v in self._recent.items() if k[0] in keys}
@@ -164,10 +147,9 @@ def section_entries(
     unusable: frozenset[str],
     node_keys: NodeKeys = ID_TIMES_4096,
 ) -> Entries:
-    """One backend's entries (docs/steering.md#what-an-old-worker-is-told). `dead` and
-    `unusable` (servers the worker itself sees DOWN or in maintenance) may hold other
-    backends' keys too. Overrides are chosen by rendezvous hashing, a rank no other server's
-    fate changes: a second drain adds entries without changing those there."""
+    """One backend's entries; `dead` and `unusable` (what the worker sees DOWN or in MAINT
+    itself) may hold other backends' keys. Overrides are chosen by rendezvous hashing, a rank
+    no other server's fate changes: a second drain adds entries, changing none already there."""
     if not section.guarded:
         return ()
     backend = section.name
@@ -200,8 +182,7 @@ def section_entries(
 
 
 # The most of a draw's slots that may be overridden: the guard draws three times, so at most
-# this cubed of the requests take an override (a fallback spread by weighted rendezvous),
-# which keeps every share within 3 points of its weight's.
+# this cubed of the requests take an override (a fallback spread by weighted rendezvous).
 MAX_OVERRIDDEN = 1 / 3
 
 
@@ -212,10 +193,8 @@ def weighted_draws(live: list[Server], slots: int) -> list[str]:
     if len(live) < 2:
         return []
     weights = [effective_weight(s) for s in live]
-    divisor = 0
-    for w in weights:
-        divisor = math.gcd(divisor, w)
-    units = [w // max(divisor, 1) for w in weights]
+    divisor = max(math.gcd(*weights), 1)
+    units = [w // divisor for w in weights]
     overridden = slots - len(live)
     k = 1
     while overridden > MAX_OVERRIDDEN * (slots + k * sum(units) - len(live)):

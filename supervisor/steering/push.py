@@ -34,12 +34,12 @@ GONE = "Can't find the target PID"  # the master's answer for a worker that exit
 
 
 class PushError(Exception):
-    """A push or its read-back did not give the map we wanted. One line."""
+    """A push or its read-back did not give the map we wanted (one line)."""
 
 
 @dataclass(frozen=True)
 class PushOutcome:
-    """What one push did, for rounds.py to apply to the worker's record."""
+    """What one push did, for rounds.py to apply."""
 
     held: Mapping[str, Entries] | None  # what its map holds now; None: unknown (read it before the next try)
     sent: int = 0  # changes sent
@@ -60,7 +60,6 @@ class Outgoing:
 
 
 def outgoing(pid: int, map_path: str, wanted: Steering, deltas: Sequence[BackendDelta]) -> Outgoing:
-    """The lines that carry `deltas` (not empty) to worker `pid`, whose plan is `wanted`."""
     if sum(d.singles for d in deltas) > REPLACE_ABOVE:
         return Outgoing(len(wanted.entries()), replace=True)
     limit = wanted.digest.limit
@@ -71,15 +70,15 @@ def outgoing(pid: int, map_path: str, wanted: Steering, deltas: Sequence[Backend
 
 @dataclass(frozen=True)
 class Steered:
-    """A push after its first stage: the outcome if it is over, else the tidy-up still to send."""
+    """A push after its first stage."""
 
     outcome: PushOutcome  # what the push did if nothing is left to send
     tidy: Sequence[list[str]] = ()  # lines of the later phases, rank after rank
 
 
 async def steer(cli: MasterCLI, map_path: str, pid: int, wanted: Steering, going: Outgoing | None) -> Steered:
-    """Steer one worker to `wanted`: its routing phases sent and answered, or its whole map
-    replaced. `going`: its push (None: its map is unknown, read it first)."""
+    """Its routing phases sent and answered, or its whole map replaced. `going`: None when its
+    map is unknown (read it first)."""
     read_at: float | None = None
     pushed = False
     try:
@@ -101,7 +100,6 @@ async def steer(cli: MasterCLI, map_path: str, pid: int, wanted: Steering, going
 
 
 async def tidy(cli: MasterCLI, pid: int, steered: Steered) -> PushOutcome:
-    """The push's second stage: the later phases' lines, rank after rank."""
     try:
         for lines in steered.tidy:
             await send(cli, pid, lines)
@@ -131,8 +129,6 @@ async def send(cli: MasterCLI, pid: int, lines: list[str]) -> None:
 
 
 async def read_back(cli: MasterCLI, map_path: str, pids: list[int]) -> list[dict[str, str] | Exception]:
-    """Each worker's map, read at once, or why it could not be read."""
-
     async def one(pid: int) -> dict[str, str] | Exception:
         try:
             return await read_map(cli, map_path, pid)
@@ -178,7 +174,6 @@ def stuck_sessions(show_sess_answer: str, dead: frozenset[str], frontend: str | 
 
 
 async def end_stuck_streams(cli: MasterCLI, pid: int, dead: frozenset[str], frontend: str | None = None) -> int:
-    """`shutdown session` for a worker's stuck_sessions(); how many."""
     ids = stuck_sessions(await cli.on(pid, "show sess"), dead, frontend)
     if ids:
         await cli.execute_many([on_process(pid, f"shutdown session {i}") for i in ids])

@@ -1,7 +1,6 @@
-"""The push rounds and their bookkeeping: every map that differs from its plan pushed at
-once, maps read back to verify a push and to repair drift, failures backed off (the map then
-unknown, read before the next push), and each old worker's push record kept for the status
-API. What is kept per worker is a WorkerRecord; only PushRounds changes one.
+"""The push rounds: every map that differs from its plan pushed at once, read back to verify
+a push and repair drift, failures backed off (the map then unknown, read before the next
+push). Only PushRounds changes a WorkerRecord.
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ log = logging.getLogger("supervisor.steering")
 
 @dataclass
 class WorkerRecord:
-    """One worker: what its map holds and needs, and how its pushes went."""
-
     pid: int
     generation: int | None
     current: bool = False
@@ -61,7 +58,6 @@ class WorkerRecord:
         self.wanted = steering
 
     def deltas(self) -> list[BackendDelta] | None:
-        """The changes its map needs, per backend (None: its map is unknown)."""
         return map_deltas(self.held, self.wanted, self.pending)
 
     def in_sync(self) -> bool:
@@ -84,8 +80,8 @@ def pending_after(before: Steering | None, after: Steering | None, pending: set[
 def map_deltas(
     held: Mapping[str, Entries] | None, wanted: Steering | None, pending: Collection[str] | None
 ) -> list[BackendDelta] | None:
-    """The changes a map holding `held` needs to be `wanted`, per backend, looking only at
-    `pending` (None: every backend). None: the map is unknown, or nothing is wanted."""
+    """Per backend, looking only at `pending` (None: every backend). None: the map is unknown,
+    or nothing is wanted."""
     if held is None or wanted is None:
         return None
     parts = wanted.parts
@@ -115,11 +111,7 @@ class PushRounds:
     MAX_BACKOFF_S = 5.0
     UNREAD_LIMIT = 3  # read-backs in a row cut off (the master re-executing) before one counts as failed
 
-    def __init__(
-        self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
-    ) -> None:
-        if reconcile_interval_s is not None:
-            self.RECONCILE_INTERVAL_S = reconcile_interval_s
+    def __init__(self, settings: Settings, state: State, cli: MasterCLI) -> None:
         self.settings = settings
         self.state = state
         self.cli = cli
@@ -135,7 +127,6 @@ class PushRounds:
         current_pid: int | None,
         live: LiveRead | None,
     ) -> None:
-        """The workers `show proc` lists, with the generations they run; others' records dropped."""
         for pid in [pid for pid in workers if pid not in generations]:
             del workers[pid]
         for pid, generation in generations.items():
@@ -155,19 +146,18 @@ class PushRounds:
             self.record(worker, "failed", refused)
 
     def own_views(self, workers: Mapping[int, WorkerRecord], reads: Mapping[int, LiveRead]) -> None:
-        """Old workers' own views (read_unusable's answers): the servers they skip themselves."""
+        """Old workers' own views (read_unusable's answers)."""
         for pid, read in reads.items():
             worker = workers.get(pid)
             if worker is not None:
                 worker.unusable, worker.unusable_at = read.states.unusable, read.at
 
     def server_changed(self, worker: WorkerRecord) -> None:
-        """HAProxy wrote that one of an old worker's servers changed: ask its view again."""
         worker.unusable = None
 
     async def push_all(self, workers: Collection[WorkerRecord], ahead: Mapping[int, Ahead] | None = None) -> None:
         """Push to every worker whose map differs from its plan (and is not backing off), all at
-        once: every worker steered first, then every map tidied. `ahead`: from work_ahead()."""
+        once: every worker steered first, then every map tidied."""
         started = time.monotonic()
         due: list[tuple[WorkerRecord, asyncio.Task[Steered]]] = []
         try:
@@ -224,7 +214,7 @@ class PushRounds:
         self, workers: Mapping[int, WorkerRecord], plans: Mapping[int, Steering]
     ) -> dict[int, Ahead]:
         """Each worker's push to its next plan, worked out while `haproxy -c` checks the next
-        config, by PID: push_all takes it if neither changed meanwhile."""
+        config: push_all takes it if neither changed meanwhile."""
         found: dict[int, Ahead] = {}
         for pid, plan in plans.items():
             worker = workers.get(pid)
@@ -241,7 +231,6 @@ class PushRounds:
     def _worked_out(
         self, worker: WorkerRecord, wanted: Steering, ahead: Ahead | None
     ) -> tuple[list[BackendDelta] | None, Outgoing | None]:
-        """The changes a worker's map needs and the push that carries them, as worked out ahead if it holds."""
         if ahead is not None and ahead.held is worker.held and ahead.wanted is wanted:
             return ahead.deltas, ahead.going
         deltas = worker.deltas()
@@ -263,14 +252,12 @@ class PushRounds:
         self.record(worker, "ok")
 
     def reconcile_due_at(self, workers: Mapping[int, WorkerRecord]) -> float | None:
-        """When the next map is due for its reconcile (None: no map to verify)."""
         return min((w.verified_at + self.RECONCILE_INTERVAL_S for w in workers.values() if _verifiable(w)),
                    default=None)
 
     async def verify_some(self, workers: Mapping[int, WorkerRecord], poll_s: float, lock: asyncio.Lock) -> bool:
-        """Read back the maps just pushed, then those verified longest ago: each map at least
-        every RECONCILE_INTERVAL_S, a bounded number per poll, applied under `lock`. True when
-        a map differs and a round should push again now."""
+        """Read back the maps just pushed, then those verified longest ago: each at least every
+        RECONCILE_INTERVAL_S, a bounded number per poll. True when a map differs: push again now."""
         now = time.monotonic()
         # Read back with the one that is due, the maps whose turn is near: the reconciles then
         # come in batches at rest, not one wake each.
@@ -293,8 +280,8 @@ class PushRounds:
     def _apply_read_back(
         self, worker: WorkerRecord, pushes: int, held: Mapping[str, Entries], got: dict[str, str] | Exception
     ) -> bool:
-        """True when the map read back (`got`, or why it could not be read) differs from what was
-        pushed; `pushes` and `held`: the worker's push count and map when the read was decided on."""
+        """True when `got` differs from what was pushed; `pushes` and `held`: the worker's push
+        count and map when the read was decided on."""
         if worker.pushes != pushes or worker.held is not held:
             return False  # pushed again meanwhile: this read proves nothing
         if isinstance(got, Exception):
@@ -332,18 +319,15 @@ class PushRounds:
         self.record(worker, "failed", error)
 
     def record(self, worker: WorkerRecord, result: PushStateName, error: str | None = None) -> None:
-        """How a worker's push went, published at the end of the step."""
         steered = worker.wanted.steered if result == "ok" and worker.wanted is not None else ()
         self._news[worker.pid] = PushNews(result, error, steered)
 
     def publish(self) -> None:
-        """The step's push records, into State at once."""
         if self._news or self._failures:
             self.state.publish_pushes(self._news, self._failures)
             self._news, self._failures = {}, 0
 
     async def sweep(self, workers: Collection[WorkerRecord]) -> None:
-        """End the streams of old workers that still wait on a dead server."""
         for worker in workers:
             dead = worker.wanted.dead if worker.wanted is not None else frozenset()
             if not dead or worker.swept == dead or worker.current or not worker.in_sync():

@@ -1,8 +1,6 @@
-"""The I/O shell: keeps every old worker's steer map equal to its plan, through the master CLI.
-
-Each round lists the workers (`show proc`), plans (plan.py) and pushes what differs
-(rounds.py). The current worker's map stays empty, except while it is about to become old
-(make-before-break), and is emptied again if the reload fails.
+"""Keeps every old worker's steer map equal to its plan: each round lists the workers, plans
+and pushes what differs. The current worker's map stays empty, except while it is about to
+become old (make-before-break), and is emptied again if the reload fails.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from ..state import Generation, State
 from .dead import ConfigDigest, Digests, LiveView, live_view
 from .handoff import HandOffs
 from .live import LiveRead, LiveStates, live_read_interval, read_states, read_unusable, update_stats
-from .plan import Basis, Planner, Steering, nothing_steered, reused_plans
+from .plan import Planner, Steering, nothing_steered
 from .rounds import Ahead, PushRounds, WorkerRecord
 
 log = logging.getLogger("supervisor.steering")
@@ -36,15 +34,14 @@ R = TypeVar("R")
 
 
 def worker_generations(procs: ProcList, generations: Mapping[int, Generation]) -> dict[int, int | None]:
-    """Every worker PID of `show proc` (current and old) -> the generation it runs, or None."""
+    """Every worker PID of `show proc` -> the generation it runs, or None."""
     by_pid = {g.worker_pid: n for n, g in generations.items() if g.worker_pid is not None}
     return {p.pid: by_pid.get(p.pid) for p in (*procs.workers, *procs.old_workers)}
 
 
 def next_poll_in(now: float, poll_s: float, due_at: list[float], busy: bool) -> float:
-    """How long the poll loop sleeps: one poll while something is under way (a push to verify or
-    retry, a worker not asked yet, a state read owed), else until the earliest periodic look is
-    due, and never less than a poll. At rest nothing that finds nothing wakes it."""
+    """How long the poll loop sleeps: one poll while something is under way, else until the
+    earliest periodic look is due. At rest nothing that finds nothing wakes it."""
     if busy or not due_at:
         return poll_s
     return max(poll_s, min(due_at) - now)
@@ -60,29 +57,22 @@ class ReloadPlan:
 
     next: ConfigDigest  # the config the reload sends
     leaving_pid: int | None  # the worker about to become old
-    basis: Basis | None = None  # what `plans` were made under
-    plans: Mapping[int, Steering] = field(default_factory=dict)  # by PID, worked out in prepare
-    ahead: Mapping[int, Ahead] = field(default_factory=dict)  # their pushes, by PID
+    ahead: Mapping[int, Ahead] = field(default_factory=dict)  # the pushes to its plans, by PID
     effective: Effective | None = None  # the config the reload sends, for the hand-off
 
 
 class OldWorkers:
-    """Keeps every old worker steered away from the servers known to be dead."""
-
     STATS_INTERVAL_S = 5.0  # old workers' connections and memory, for status: the page refreshes every 5 s
     LIST_INTERVAL_S = 2.0  # at rest (nothing woke the steering) `show proc` is asked this often
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
-    RECENT_ROUNDS = 2  # rounds' plans kept: around a reload the next config's and the poll's take turns
 
-    def __init__(
-        self, settings: Settings, state: State, cli: MasterCLI, reconcile_interval_s: float | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, state: State, cli: MasterCLI) -> None:
         self.settings = settings
         self.state = state
         self.cli = cli
         self.poll_s = settings.old_workers.poll_interval_ms / 1000
         self.safety_net_s = settings.old_workers.state_read_interval_s
-        self.rounds = PushRounds(settings, state, cli, reconcile_interval_s)
+        self.rounds = PushRounds(settings, state, cli)
         self._workers: dict[int, WorkerRecord] = {}
         self._digests = Digests()
         self._planner = Planner(settings.old_workers.no_backup, chash_node_keys(settings.haproxy.binary))
@@ -93,7 +83,6 @@ class OldWorkers:
         # steers by it too, or it would undo the make-before-break.
         self._reloading: ReloadPlan | None = None
         self._dead_key: object = None  # what state.dead_servers was last made from
-        self._rounds: dict[Basis, dict[int, Steering]] = {}  # the last rounds' plans by PID, per basis
         self._reads: set[asyncio.Future[object]] = set()  # the poll's reads under way
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -103,7 +92,6 @@ class OldWorkers:
         self.handoffs = HandOffs(settings, state, cli) if settings.old_workers.hand_off else None
 
     async def run(self) -> None:
-        """Poll, steer, verify and reconcile until cancelled."""
         failing_since: float | None = None
         # Polled every poll_interval_ms: a lasting failure (descriptors run out) is one line, not four a second.
         failing = RecurringCondition(log, logging.WARNING, "old workers: the master CLI keeps failing: %s")
@@ -156,9 +144,9 @@ class OldWorkers:
             if judged:
                 with contextlib.suppress(CLIError):
                     view = await self._live_view(latest, leaving, reuse=True)
-                    plans = await self._plan(latest, view, judged, remember=False)
+                    plans = await self._plan(latest, view, judged)
                     ahead = await self.rounds.work_ahead(self._workers, plans)
-                    return ReloadPlan(latest, leaving, (latest.key, view), plans, ahead, effective=effective)
+                    return ReloadPlan(latest, leaving, ahead, effective=effective)
             return ReloadPlan(latest, leaving, effective=effective)
 
     async def before_reload(self, plan: ReloadPlan | None) -> ReloadPlan | None:
@@ -190,9 +178,8 @@ class OldWorkers:
         return True
 
     async def refresh(self) -> None:
-        """Recompute and push now: a runtime change altered the current config in place."""
-        self._digests = Digests()  # the current config changed in place; a runtime apply took the reload's place
-        self._rounds = {}
+        """Recompute and push now: a runtime apply changed the current config in place."""
+        self._digests = Digests()
         await self.sync(fresh=True)
 
     def on_server_event(self, event: ServerEvent) -> None:
@@ -219,7 +206,6 @@ class OldWorkers:
         self._wake.set()
 
     def has_server(self, key: str) -> bool:
-        """Whether the current config or one an old worker runs has this server."""
         return self._digests.has_server(key, self.state.generations.values())
 
     async def sync(self, fresh: bool = False, reuse: bool = False) -> None:
@@ -245,13 +231,12 @@ class OldWorkers:
         return any(w.wanted is not None and not w.in_sync() for w in self._workers.values())
 
     def _judged(self, leaving: int | None) -> dict[int, tuple[ConfigDigest, frozenset[str]]]:
-        """The workers that get a plan (old ones, the one about to become old): (digest, servers it skips)."""
-        judged = {}
-        for worker in self._workers.values():
-            generation = self._generation_of(worker)
-            if generation is not None and (not worker.current or worker.pid == leaving):
-                judged[worker.pid] = (self._digests.of(generation), worker.unusable or frozenset())
-        return judged
+        """The old workers and the one about to become old: (digest, servers it skips) by PID."""
+        return {
+            w.pid: (self._digests.of(g), w.unusable or frozenset())
+            for w in self._workers.values()
+            if (not w.current or w.pid == leaving) and (g := self._generation_of(w)) is not None
+        }
 
     def _generation_of(self, worker: WorkerRecord) -> Generation | None:
         return self.state.generations.get(worker.generation) if worker.generation is not None else None
@@ -300,7 +285,6 @@ class OldWorkers:
         if self.handoffs is not None:
             old = {w.pid: g for w in self._workers.values() if not w.current and (g := self._generation_of(w))}
             await self.handoffs.round(old, current, reloading.effective if reloading is not None else None)
-        # Bookkeeping for the status API, after the pushes.
         dead_key = tuple((s.basis, s.digest.key) for s in plans.values())
         if dead_key != self._dead_key:
             self._dead_key = dead_key
@@ -310,27 +294,14 @@ class OldWorkers:
             await self.rounds.sweep(self._workers.values())
 
     async def _plan(
-        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]],
-        remember: bool = True,
+        self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
     ) -> dict[int, Steering]:
-        """The planner's plans, one worker at a time, the event loop let run in between; one made
-        under the same basis for the same worker content (a recent round's, or the reload's
-        prepare's) is taken as it is. `remember`: keep these among the recent rounds'."""
-        basis: Basis = (latest.key, view)
-        last = self._rounds.get(basis, {})
-        reloading = self._reloading
-        if reloading is not None and reloading.basis == basis:
-            last = {**reloading.plans, **last}
-        plans = reused_plans(last, judged)
+        """The planner's plans (a recent one for the same basis and worker content, such as the
+        reload's prepare's, taken as it is), one worker at a time, the event loop let run in between."""
+        plans: dict[int, Steering] = {}
         for pid, worker in judged.items():
-            if pid not in plans:
-                plans.update(self._planner.plan(latest, view, {pid: worker}))
-                await asyncio.sleep(0)
-        if remember:
-            self._rounds.pop(basis, None)
-            self._rounds[basis] = plans  # most recent last
-            while len(self._rounds) > self.RECENT_ROUNDS:
-                del self._rounds[next(iter(self._rounds))]
+            plans.update(self._planner.plan(latest, view, {pid: worker}))
+            await asyncio.sleep(0)
         return plans
 
     async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
@@ -347,7 +318,6 @@ class OldWorkers:
         return time.monotonic() >= self._live_due_at()
 
     def _live_due_at(self) -> float:
-        """When the current worker's states are to be read again (0: now)."""
         current = self.state.current
         if self._live is None or current is None or self._live_stale or current.worker_pid != self._live.pid:
             return 0.0
