@@ -145,11 +145,10 @@ def address_waits(commands: list[Command], order: list[int]) -> dict[int, Addres
 
 def service_changes(commands: list[Command]) -> dict[str, bool]:
     """Per server the line takes out of service (False) or puts back (True): its last word."""
-    changes: dict[str, bool] = {}
-    for command in commands:
-        if command.server is not None and command.effect in (Effect.OUT_OF_SERVICE, Effect.IN_SERVICE):
-            changes[command.server] = command.effect is Effect.IN_SERVICE
-    return changes
+    return {
+        command.server: command.effect is Effect.IN_SERVICE for command in commands
+        if command.server is not None and command.effect in (Effect.OUT_OF_SERVICE, Effect.IN_SERVICE)
+    }
 
 
 def session_prefix(commands: list[Command]) -> int:

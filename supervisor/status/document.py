@@ -14,7 +14,6 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .. import __version__
 from ..settings import Settings
 from ..state import (
-    Convergence,
     DurationHistogram,
     Generation,
     OldWorker,
@@ -64,6 +63,7 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
     """The /status JSON. Its keys are exactly those documented in docs/status.md."""
     current = state.current
     reloads = state.reloads
+    convergence = state.convergence
     # The daemon resolves the binary into State; until it has, the configured name is the truth.
     binary = state.haproxy_binary if state.haproxy_binary != "haproxy" else settings.haproxy.binary
     return {
@@ -101,7 +101,15 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "effective_path": str(settings.haproxy.effective_config),
             "last_good_sha256": state.last_good_sha256,
         },
-        "convergence": _convergence_json(state.convergence, now),
+        "convergence": {
+            "converged": convergence.converged,
+            "unconverged_s": _seconds(convergence.unconverged_s(now)),
+            "since": rfc3339(convergence.unconverged_since),
+            "reason": convergence.reason,
+            "transient": convergence.transient,
+            "attempts": convergence.attempts,
+            "next_attempt_at": rfc3339(convergence.next_attempt_at),
+        },
         "observe": {"enabled": settings.observe.enabled, "error_limit": settings.observe.error_limit},
         "dead_servers": sorted(state.dead_servers),
         "operator_dead": sorted(state.operator_dead),
@@ -137,18 +145,6 @@ def _pending_json(removal: PendingRemoval, now: datetime) -> dict[str, Any]:
         "tries": removal.tries,
         "last_answer": removal.last_answer,
         "sessions_shut_down": removal.sessions_shut_down,
-    }
-
-
-def _convergence_json(convergence: Convergence, now: datetime) -> dict[str, Any]:
-    return {
-        "converged": convergence.converged,
-        "unconverged_s": _seconds(convergence.unconverged_s(now)),
-        "since": rfc3339(convergence.unconverged_since),
-        "reason": convergence.reason,
-        "transient": convergence.transient,
-        "attempts": convergence.attempts,
-        "next_attempt_at": rfc3339(convergence.next_attempt_at),
     }
 
 
