@@ -420,12 +420,11 @@ class MasterProcess:
             how = reap(self._child)
             for worker in workers:
                 # Workers leave when their master dies; make sure of it for the ones we knew.
-                if psutil.pid_exists(worker):
-                    with contextlib.suppress(psutil.Error):
-                        proc = psutil.Process(worker)
-                        if is_our_master_worker(proc.cmdline(), self.settings):
-                            log.warning("worker pid=%d outlived its master: SIGKILL", worker)
-                            proc.kill()
+                with contextlib.suppress(psutil.Error):  # gone: psutil.NoSuchProcess
+                    proc = psutil.Process(worker)
+                    if is_our_master_worker(proc.cmdline(), self.settings):
+                        log.warning("worker pid=%d outlived its master: SIGKILL", worker)
+                        proc.kill()
             self._mark_down()
             self.settings.haproxy.pid_file.unlink(missing_ok=True)
             log.info("master stopped pid=%d (%s)", pid, how)

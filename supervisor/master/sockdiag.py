@@ -119,9 +119,8 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
 def tcp_sockets(
     family: int, states: Iterable[int], ports: Iterable[int] | None = None, info: bool = False
 ) -> Iterator[DiagSocket]:
-    """The TCP sockets of this network namespace in one of `states` (TCP_* numbers), toward one
-    of `ports` if given (filtered by the kernel up to MAX_FILTERED_PORTS; past that, here).
-    `info`: with their tcp_info (RTO, RTT, data last sent and received)."""
+    """This network namespace's TCP sockets in one of `states`, toward one of `ports` if given
+    (filtered by the kernel up to MAX_FILTERED_PORTS, past that here); `info`: with tcp_info."""
     mask = sum(1 << state for state in set(states))
     wanted = frozenset(ports) if ports is not None else None
     bytecode = port_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""
