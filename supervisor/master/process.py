@@ -135,7 +135,8 @@ class MasterSocketGone(MasterError):
         self.pid = pid
 
 
-# The master CLI can change what every worker routes: its owner and group only, whatever the umask.
+# The master CLI can change what every worker routes: its owner and group only, whatever the
+# umask (HAProxy creates the socket; `-S path,mode,660` is a bind option of its own).
 MASTER_SOCKET_MODE = "660"
 # What HAProxy creates without an explicit mode of its own is never world-accessible.
 CHILD_UMASK = 0o027
