@@ -1,10 +1,5 @@
-"""`haproxy-supervisor status`: fetch GET /status from a running daemon and print it.
-
-The URL is `--url` (http://host:port or unix:/path), else derived from `status.listen`
-of `--config`, else http://127.0.0.1:9180. Unreachable daemon: exit 1, one line. Ages, sizes
-and durations are shown as people read them (`3m 05s`, `1.5 MiB`, `250 ms`), here and on the
-status page.
-"""
+"""`haproxy-supervisor status`: GET /status from `--url`, else from `status.listen` of
+`--config`, else DEFAULT_URL, printed for people (the format_* functions serve the page too)."""
 
 from __future__ import annotations
 
@@ -55,16 +50,15 @@ def format_seconds(value: float) -> str:
 
 
 class StatusFetchError(Exception):
-    """The daemon could not be asked. One line."""
+    """The daemon could not be asked."""
 
 
 def url_from_listen(listen: str) -> str:
-    """The URL a local client uses for a `status.listen` value."""
+    """The URL a local client uses for a `status.listen` value: a wildcard's is loopback."""
     address = listen_address(listen)
     if isinstance(address, str):
         return f"unix:{address}"
     host, port = address
-    # A wildcard listener is reached on loopback.
     host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     if ":" in host:
         host = f"[{host}]"
@@ -133,7 +127,6 @@ def _first(keys: list[str], limit: int = 10) -> str:
 
 
 def format_status(doc: dict[str, Any], recent: int = 5) -> str:
-    """The /status document as a readable report."""
     sup, hap, worker, reloads = doc["supervisor"], doc["haproxy"], doc["worker"], doc["reloads"]
     out = [
         f"supervisor  {sup['version']}  pid {sup['pid']}  up {format_age(sup['uptime_s'])}  "

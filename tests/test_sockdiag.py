@@ -87,7 +87,7 @@ def test_the_kernel_lists_stalled_sockets_by_state_and_port_and_destroys_them():
 
 
 def test_the_port_filter_jumps_stay_inside_the_kernels_bounds():
-    code = port_filter([80, 443, 8080])
+    code = port_filter(frozenset({80, 443, 8080}))
     assert len(code) == 36
     # Each port: a test, its port, a jump to the end; the last test's miss leaves the program.
     ops = [(code[i], code[i + 1], int.from_bytes(code[i + 2:i + 4], "little")) for i in range(0, len(code), 4)]

@@ -1,8 +1,5 @@
-r"""What both controller sockets share (relay.py, facade.py): their listening sockets, the idle
-timeout, the first line read within a limit, a session relayed both ways, and at most as many
-connections to HAProxy as it accepts (`UpstreamSlots`), without asyncio's EAGAIN trap
-(`connect_unix`). And the runtime socket's lines read as commands, pure: `;` separates them
-(`\;` does not), and a `<<` at the end means the payload that follows is the last one's."""
+"""What both controller sockets share (relay.py, facade.py): listening, reading, relaying and
+connecting to HAProxy within its limits; and the runtime socket's lines read as commands."""
 
 from __future__ import annotations
 
@@ -25,8 +22,6 @@ from ..haproxy.config import Config
 
 
 class Effect(Enum):
-    """What a command does to one server's place in the balancing."""
-
     ADDRESS = "address"  # `set server B/S addr ...`: where it points
     OUT_OF_SERVICE = "out of service"  # maint, `disable server`, health or agent down
     IN_SERVICE = "in service"  # ready, `enable server`, health or agent up
@@ -66,7 +61,6 @@ _SET_SERVER_EFFECTS = {
 
 
 def parse_command(text: bytes) -> Command:
-    """A command's target server and effect, when it is a server command."""
     words = text.split()
     if len(words) >= 3 and words[0] in (b"disable", b"enable") and words[1] == b"server":
         return Command(text, _key(words[2]), Effect.OUT_OF_SERVICE if words[0] == b"disable" else Effect.IN_SERVICE)
@@ -87,9 +81,8 @@ def parse_line(line: bytes) -> list[Command]:
 
 
 def safe_order(commands: list[Command]) -> list[int]:
-    """The order to send the commands in, as indexes into `commands`: a server's out-of-service
-    command moves before the run of address changes to it just before (else it serves the
-    placeholder address for a moment: 503 `SC`); every other command keeps its place."""
+    """Indexes into `commands`: a server's out-of-service command moves before the address
+    changes to it just before (else it serves the placeholder address: 503 `SC`)."""
     order = list(range(len(commands)))
     for j, command in enumerate(commands):
         if command.effect is not Effect.OUT_OF_SERVICE or command.server is None:
@@ -110,8 +103,6 @@ def safe_order(commands: list[Command]) -> list[int]:
 
 @dataclass(frozen=True)
 class Address:
-    """Where an address command points a server: what `show servers state` shows once applied."""
-
     server: str
     address: str
     port: int | None  # None: the command keeps the port
@@ -136,9 +127,8 @@ def requested_address(command: Command) -> Address | None:
 
 
 def address_waits(commands: list[Command], order: list[int]) -> dict[int, Address]:
-    """The address commands, by index, next followed (among their server's) by one that puts it
-    in service: from 3.0 HAProxy applies an address later, `state ready` at once, so the
-    change must show before the next command (else 503 `SC` at the old address)."""
+    """The address commands next followed (among their server's) by one putting it in service:
+    from 3.0 HAProxy applies an address later, `state ready` at once (else 503 `SC`)."""
     waits: dict[int, Address] = {}
     for position, index in enumerate(order):
         target = requested_address(commands[index])
@@ -155,16 +145,15 @@ def address_waits(commands: list[Command], order: list[int]) -> dict[int, Addres
 
 def service_changes(commands: list[Command]) -> dict[str, bool]:
     """Per server the line takes out of service (False) or puts back (True): its last word."""
-    changes: dict[str, bool] = {}
-    for command in commands:
-        if command.server is not None and command.effect in (Effect.OUT_OF_SERVICE, Effect.IN_SERVICE):
-            changes[command.server] = command.effect is Effect.IN_SERVICE
-    return changes
+    return {
+        command.server: command.effect is Effect.IN_SERVICE for command in commands
+        if command.server is not None and command.effect in (Effect.OUT_OF_SERVICE, Effect.IN_SERVICE)
+    }
 
 
 def session_prefix(commands: list[Command]) -> int:
-    """How many leading commands set up the session (`set severity-output ...`): each command
-    sent on a connection of its own gets them first, so its answer reads as on the line."""
+    """How many leading commands set up the session (`set severity-output ...`): repeated before
+    each command sent on a connection of its own."""
     count = 0
     while count < len(commands) and commands[count].text.split()[:2] == [b"set", b"severity-output"]:
         count += 1
@@ -178,22 +167,19 @@ def has_payload(line: bytes) -> bool:
 
 log = logging.getLogger(__name__)
 
-# A first line longer than this is refused with one line (HAProxy's own limit, tune.bufsize,
-# is 16 KiB by default; the controller cuts its lines at 16,000 bytes).
+# A longer first line is refused (HAProxy's tune.bufsize is 16 KiB by default; the controller
+# cuts its lines at 16,000 bytes).
 LINE_LIMIT = 1 << 20
 LONG_LINE = f"a line longer than {LINE_LIMIT} bytes is refused"
-# How long the rest of a refused line is read and dropped before the connection closes.
 DISCARD_S = 1.0
 # HAProxy's `stats maxconn` when neither it nor the socket's `maxconn` is set.
 HAPROXY_STATS_MAXCONN = 10
-# How many connections may wait for the daemon's listening sockets to accept them.
 LISTEN_BACKLOG = 4096
 CHUNK = 1 << 16
 
 
 def stats_socket_capacity(config: Config | None, path: Path) -> int:
-    """How many connections HAProxy accepts at once on its stats socket at `path`: the
-    socket's own `maxconn`, else global `stats maxconn`, else HAProxy's default."""
+    """The stats socket's own `maxconn`, else global `stats maxconn`, else HAProxy's default."""
     capacity = HAPROXY_STATS_MAXCONN
     socket_maxconn = None
     for section in config.sections if config is not None else ():
@@ -222,10 +208,6 @@ class UpstreamSlots:
         self.wait_s = wait_s
         self.in_use = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -265,9 +247,8 @@ class UpstreamSlots:
 
 
 async def connect_unix(path: Path, patience_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection to the unix socket at `path`, retried while its listener's queue is full:
-    asyncio's open_unix_connection takes that EAGAIN for a connect in progress and hands back
-    a socket that never connected."""
+    """Retried while the listener's queue is full: asyncio's open_unix_connection takes that
+    EAGAIN for a connect in progress and hands back a socket that never connected."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience_s
     delay = 0.001
@@ -308,8 +289,7 @@ async def idle_timeout(seconds: float) -> AsyncIterator[Callable[[], None]]:
 
 
 async def read_first_line(reader: asyncio.StreamReader, idle_s: float) -> bytes | None:
-    """A connection's first line with its newline (without one at EOF); None for one longer
-    than LINE_LIMIT. IdleTimeout when it does not come in time."""
+    """A connection's first line; None for one longer than LINE_LIMIT."""
     async with idle_timeout(idle_s):
         try:
             return await reader.readline()  # one without a newline before EOF: HAProxy judges it
@@ -328,10 +308,8 @@ async def pipe_through(
     idle_s: float,
     check: Callable[[bytes], bytes | None] | None = None,
 ) -> None:
-    """Send `first` upstream, then copy both ways until HAProxy ends the session, or nothing
-    moved for `idle_s` (IdleTimeout); an upstream that cannot be reached is answered
-    `unreachable(exc)`. `check`: each later line from the client before it goes upstream; what
-    it returns ends the session with that answer."""
+    """Send `first` upstream, then copy both ways until HAProxy ends the session or it idles.
+    `check`: each later client line; an answer it returns ends the session with it."""
     try:
         up_reader, up_writer = await connect()
     except OSError as exc:
@@ -391,8 +369,8 @@ async def pipe_through(
 
 
 async def refuse_long_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: bytes) -> None:
-    """Answer a line too long to read, then take what the caller still sends, for a moment:
-    closed with unread bytes, the socket would be reset and the caller lose the answer."""
+    """Answer, then drop what the caller still sends for a moment: closed with unread bytes,
+    the socket would be reset and the caller lose the answer."""
     writer.write(answer)
     await writer.drain()
     if writer.can_write_eof():
@@ -404,16 +382,14 @@ async def refuse_long_line(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 
 def error_line(message: str) -> bytes:
-    """An error in the master socket's shape: one line."""
     return f"haproxy-supervisor: {message}\n".encode()
 
 
 async def start_unix_server(
     serve: Callable, path: Path, mode: int, owner: tuple[int, int] | None
 ) -> asyncio.AbstractServer:
-    """Listen at `path`, replacing a socket a previous daemon left there. The socket's file
-    has `mode` (never wider while it is being made) and, when given, `owner` (uid, gid): the
-    controller's user, who runs in another container of the pod."""
+    """Listen at `path`, replacing a socket a previous daemon left there; the file has `mode`
+    (never wider while made) and `owner` (uid, gid), the controller's in another container."""
     with contextlib.suppress(FileNotFoundError):
         if path.is_socket():
             path.unlink()

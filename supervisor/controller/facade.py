@@ -1,7 +1,6 @@
 """The master socket an ingress controller reloads through. haproxytech's controller sends
 `reload;quit` and reads `Success=1` or `Success=0`, `--`, then startup messages it scans for
-`[ALERT]`: here `reload` runs the daemon's cycle and answers in that shape. Every line without
-a `reload` goes to HAProxy's master socket untouched, both ways."""
+`[ALERT]`. Every line without a `reload` goes to HAProxy's master socket untouched."""
 
 from __future__ import annotations
 
@@ -33,18 +32,18 @@ log = logging.getLogger(__name__)
 CONNECT_PATIENCE_S = 5.0
 ANSWER_TIMEOUT_S = 60.0
 
-SUCCEEDED = frozenset({"ok", "runtime_applied", "skipped_unchanged"})
+# The successful results of the daemon's cycle, as the answer to `reload` names them.
+DONE = {"ok": "reloaded", "runtime_applied": "applied at runtime", "skipped_unchanged": "unchanged"}
 
 ReloadNow = Callable[[], Awaitable[ReloadRecord | None]]
 
 
 def reload_answer(record: ReloadRecord | None, pid: int) -> bytes:
-    """The answer HAProxy 2.7+ gives to `reload` on its master socket, for the daemon's cycle."""
+    """In the shape HAProxy 2.7+ answers `reload` on its master socket."""
     if record is None:
         return f"Success=0\n--\n[ALERT]    ({pid}) : haproxy-supervisor: stopping, no reload\n\n".encode()
-    if record.result in SUCCEEDED:
-        done = {"ok": "reloaded", "runtime_applied": "applied at runtime", "skipped_unchanged": "unchanged"}
-        return f"Success=1\n--\n[NOTICE]   ({pid}) : haproxy-supervisor: {done[record.result]}\n\n".encode()
+    if record.result in DONE:
+        return f"Success=1\n--\n[NOTICE]   ({pid}) : haproxy-supervisor: {DONE[record.result]}\n\n".encode()
     if record.result == "invalid" and record.error:
         # `haproxy -c`'s own messages: its [ALERT] lines are what the controller looks for.
         messages = record.error if "[ALERT]" in record.error else f"[ALERT]    ({pid}) : {record.error}"
@@ -93,8 +92,6 @@ def master_line_check(line: bytes) -> bytes | None:
 
 
 class MasterFacade:
-    """A unix socket at `listen` in front of HAProxy's master socket at `upstream`."""
-
     def __init__(
         self, listen: Path, upstream: Path, reload_now: ReloadNow, idle_timeout_s: float, socket_mode: int,
         socket_owner: tuple[int, int] | None,
@@ -140,7 +137,6 @@ class MasterFacade:
             writer.close()
 
     async def _answer(self, commands: list[bytes]) -> bytes:
-        """Each command in turn, `reload` by the daemon, the others by HAProxy; a refusal ends it."""
         answers: list[bytes] = []
         for command in commands:
             if command.split() == [b"quit"]:

@@ -1,10 +1,6 @@
 """The runtime socket an ingress controller dials, relayed to HAProxy's `stats socket`. A line
-already in a safe order, and all after it, goes through untouched. A line with a server whose
-address changes before it goes out of (or into) service is sent a command per connection: out
-of service first, an address change seen applied before the server is put in service, the
-answers put back in the controller's order. Servers taken out of service are known-dead to
-the old workers first (`on_service`). At most as many connections reach HAProxy as it accepts
-(`UpstreamSlots`); a line that waited its bound is answered `[3]:` and never sent."""
+in a safe order, and all after it, goes through untouched; any other is sent a command per
+connection in a safe order, answers put back in the controller's order."""
 
 from __future__ import annotations
 
@@ -40,7 +36,6 @@ log = logging.getLogger(__name__)
 
 # client-native waits 30 s for an answer; a command of ours must not outlast it.
 COMMAND_TIMEOUT_S = 30.0
-# How long a server may take to show an address change before it is put in service anyway.
 ADDRESS_WAIT_S = 1.0
 ADDRESS_POLL_S = 0.002
 
@@ -48,8 +43,6 @@ ServiceCallback = Callable[[str, bool], None]  # ("backend/server", in service?)
 
 
 class RuntimeRelay:
-    """A unix socket at `listen` in front of HAProxy's runtime socket at `upstream`."""
-
     def __init__(
         self, listen: Path, upstream: Path, on_service: ServiceCallback, capacity: Callable[[], int],
         queue_wait_s: float, idle_timeout_s: float, socket_mode: int, socket_owner: tuple[int, int] | None,
@@ -129,7 +122,6 @@ class RuntimeRelay:
     async def _send_in_order(
         self, texts: list[bytes], order: list[int], prefix: int, payload: bytes, waits: dict[int, Address]
     ) -> bytes:
-        """Each command on a connection of its own, after the session's; answers in `texts` order."""
         head = b";".join(texts[:prefix])
         try:
             head_answer = await self._roundtrip(head + b"\n") if prefix else b""
@@ -156,7 +148,7 @@ class RuntimeRelay:
         return head_answer + b"".join(answers[i] for i in range(prefix, len(texts)))
 
     async def _wait_address(self, target: Address) -> None:
-        """Until the server shows the address it was given (HAProxy 3.0 applies it later)."""
+        """HAProxy 3.0 applies an address later: until the server shows it."""
         backend, _, server = target.server.partition("/")
         try:
             line = f"show servers state {validate_name('backend', backend)}\n".encode()
@@ -181,7 +173,7 @@ class RuntimeRelay:
             await asyncio.sleep(ADDRESS_POLL_S)
 
     async def _roundtrip(self, data: bytes) -> bytes:
-        """One line to HAProxy on a connection of its own; the caller holds a slot."""
+        """The caller holds a slot."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
             reader, writer = await connect_unix(self.upstream, COMMAND_TIMEOUT_S)
             try:
@@ -193,7 +185,7 @@ class RuntimeRelay:
 
 
 async def read_payload(reader: asyncio.StreamReader) -> bytes:
-    """The payload after a `<<` line: its lines up to and including the empty one that ends it."""
+    """The payload after a `<<` line, up to and including the empty line that ends it."""
     lines = []
     while part := await reader.readline():
         lines.append(part)
@@ -203,7 +195,7 @@ async def read_payload(reader: asyncio.StreamReader) -> bytes:
 
 
 def error_answer(message: str) -> bytes:
-    """An error as HAProxy answers under `set severity-output number`: client-native's failure."""
+    """As HAProxy answers under `set severity-output number`: client-native's failure."""
     return f"[3]: haproxy-supervisor: {message}\n\n".encode()
 
 

@@ -1,11 +1,7 @@
-"""The HAProxy master process: start, adopt, watch, restart with backoff, stop, the way
-gunicorn's Arbiter owns its workers. HAProxy runs in master-worker mode in the foreground
-(`-W`), in a session of its own, so a Ctrl-C on the daemon's terminal reaches the daemon only.
-Its stderr is the daemon's FIFO (haproxy/stderr.py), non-blocking on HAProxy's side: after a
-daemon crash its messages are lost, and HAProxy is never stalled. Adopted or our child, the
-master is watched through a pidfd: no thread, no polling. SIGUSR1 soft-stops it, SIGTERM
-hard-stops it; its workers exit when it dies. A worker is ready once it answers on the master
-CLI and listens on every port its config binds (sock_diag).
+"""The HAProxy master process: start, adopt, watch (a pidfd), restart with backoff, stop.
+It runs in master-worker mode (`-W`) in a session of its own, so a Ctrl-C on the daemon's
+terminal reaches the daemon only. Its stderr is the daemon's FIFO (haproxy/stderr.py),
+non-blocking on HAProxy's side: after a daemon crash its messages are lost, HAProxy never stalls.
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ from .sockdiag import TCP_LISTEN, tcp_sockets
 
 
 def bind_ports(config: Config) -> set[int]:
-    """The TCP ports the config's `bind` lines listen on (literal ports; ranges, unix and the
-    like are left out: they cannot be checked this simply)."""
+    """The literal TCP ports of the config's `bind` lines (ranges, unix and the like left out)."""
     ports: set[int] = set()
     for section in config.sections:
         if section.kind not in ("frontend", "listen"):
@@ -69,7 +64,7 @@ def bind_ports(config: Config) -> set[int]:
 
 
 def listening_ports(pid: int) -> set[int] | None:
-    """The TCP ports process `pid` holds a listening socket on; None when the kernel cannot say."""
+    """None when the kernel cannot say."""
     try:
         listening = {
             found.inode: found.sport
@@ -83,8 +78,8 @@ def listening_ports(pid: int) -> set[int] | None:
 
 
 async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
-    """Does the worker answer `@!<pid>` on the master CLI, and listen on every port in `ports`?
-    From 3.1 on `show proc` lists a new worker before it has loaded its config and bound."""
+    """Does the worker answer `@!<pid>` and listen on every port in `ports`? From 3.1 on `show
+    proc` lists a new worker before it has loaded its config and bound."""
     try:
         infos = show_info_by_pid(await cli.on(pid, "show info", timeout=2))
     except CLIError:
@@ -98,7 +93,6 @@ async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
 
 
 def config_ports(path: Path) -> set[int]:
-    """The ports the effective config at `path` binds: what a ready worker listens on."""
     try:
         return bind_ports(Config.parse(path.read_text()))
     except (OSError, UnicodeDecodeError):
@@ -106,7 +100,7 @@ def config_ports(path: Path) -> set[int]:
 
 
 async def ready_worker(cli: MasterCLI, master_pid: int, ports: set[int]) -> tuple[ProcList | None, str]:
-    """`show proc` when it lists `master_pid` with a current worker that is ready, else why not."""
+    """`show proc` when it lists `master_pid` with a ready current worker, else why not."""
     try:
         procs = await cli.show_proc()
     except CLIError as exc:
@@ -157,16 +151,14 @@ def master_command(settings: Settings) -> list[str]:
 
 
 def next_backoff(previous: float | None, uptime_s: float | None) -> float:
-    """At once after a master that ran for HEALTHY_UPTIME_S (no crash loop: every second waited
-    is a second without a listener); then 1 s, 2 s, 4 s ... up to 30 s."""
+    """At once after a master that ran HEALTHY_UPTIME_S (no crash loop: a second waited is a
+    second without a listener); then doubling."""
     if previous is None or (uptime_s is not None and uptime_s >= HEALTHY_UPTIME_S):
         return 0.0
     return min(max(previous * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
 
 
 class MasterProcess:
-    """Start or adopt the master, notice its death, restart it with backoff, stop it gracefully."""
-
     def __init__(
         self,
         settings: Settings,
@@ -209,7 +201,7 @@ class MasterProcess:
         self._wanted.set()
 
     def _stderr_end(self) -> int | None:
-        """The FIFO's write end for a master about to start; None: it inherits ours."""
+        """None: the master inherits our stderr."""
         if self.stderr is None:
             return None
         try:
@@ -286,9 +278,8 @@ class MasterProcess:
         return procs
 
     async def adopt(self) -> ProcList | None:
-        """Take over the master a previous daemon started for this runtime_dir (found by the
-        socket it holds), or None. MasterError when it lives but its socket does not answer:
-        a second HAProxy beside it would bind the same ports twice."""
+        """Take over the master a previous daemon started for this runtime_dir, or None.
+        MasterError when its socket does not answer: a second HAProxy would bind the same ports."""
         h = self.settings.haproxy
         pid = find_master(self.settings)
         recorded = read_pid_file(h.pid_file)
@@ -331,17 +322,15 @@ class MasterProcess:
         return procs
 
     async def reexec(self, before: ProcList | None) -> ProcList | None:
-        """Make our master re-execute (master.lock held): it reads its config, binds its socket
-        again (the one road back once its file was deleted) and starts a worker. `show proc`
-        once the new worker is listed, else None."""
+        """Make our master re-execute (master.lock held): it binds its socket again (the one road
+        back once its file was deleted). `show proc` once the new worker is listed, else None."""
         if self.pid is None or not self.alive:
             return None
         known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()
         return await self._reexec(self.pid, known)
 
     async def take_back(self, pid: int) -> ProcList | None:
-        """Adopt master `pid`, whose socket file was removed while no daemon ran, once the
-        config it is to load is on disk: it re-executes and is adopted like any other."""
+        """Re-execute and adopt master `pid`, whose socket file was removed while no daemon ran."""
         try:
             known = {child.pid for child in psutil.Process(pid).children()}
         except psutil.Error:
@@ -372,7 +361,6 @@ class MasterProcess:
         return None
 
     async def run(self) -> None:
-        """Keep the master running once it is wanted: restart it with backoff when it dies."""
         await self._wanted.wait()
         delay: float | None = None
         while not self.stopping:
@@ -433,12 +421,11 @@ class MasterProcess:
             how = reap(self._child)
             for worker in workers:
                 # Workers leave when their master dies; make sure of it for the ones we knew.
-                if psutil.pid_exists(worker):
-                    with contextlib.suppress(psutil.Error):
-                        proc = psutil.Process(worker)
-                        if is_our_master_worker(proc.cmdline(), self.settings):
-                            log.warning("worker pid=%d outlived its master: SIGKILL", worker)
-                            proc.kill()
+                with contextlib.suppress(psutil.Error):  # gone: psutil.NoSuchProcess
+                    proc = psutil.Process(worker)
+                    if is_our_master_worker(proc.cmdline(), self.settings):
+                        log.warning("worker pid=%d outlived its master: SIGKILL", worker)
+                        proc.kill()
             self._mark_down()
             self.settings.haproxy.pid_file.unlink(missing_ok=True)
             log.info("master stopped pid=%d (%s)", pid, how)

@@ -1,7 +1,5 @@
-"""Processes as the kernel shows them (/proc): whether one lives, when it started, which
-sockets it holds; its end, waited for through a pidfd (Linux 5.3+), or brought about;
-`WorkerExits`, an old worker's exit noticed without asking the master; and which process is
-our master (by the master socket it holds) and which are its workers (by argv)."""
+"""Processes as /proc shows them, their end waited for through a pidfd (Linux 5.3+), and which
+are our master (by the master socket it holds) and its workers (by argv)."""
 
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ from ..settings import Settings
 
 
 def socket_inodes(pid: int) -> set[int]:
-    """The inodes of the sockets process `pid` holds (its /proc/<pid>/fd links `socket:[N]`)."""
     inodes: set[int] = set()
     with contextlib.suppress(OSError), os.scandir(f"/proc/{pid}/fd") as fds:
         for fd in fds:
@@ -49,7 +46,6 @@ def is_alive(pid: int) -> bool:
 
 
 def process_started_at(pid: int) -> datetime | None:
-    """When a process started (wall clock), or None if it is gone or hidden."""
     try:
         return datetime.fromtimestamp(psutil.Process(pid).create_time(), UTC)
     except psutil.Error:
@@ -57,7 +53,7 @@ def process_started_at(pid: int) -> datetime | None:
 
 
 def watch_exit(pid: int) -> asyncio.Future[None]:
-    """Done once process `pid` has exited, our child or not (its pidfd turns readable)."""
+    """Done once process `pid` has exited, our child or not."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     try:
@@ -88,7 +84,6 @@ def describe_exit(returncode: int | None) -> str:
 
 
 def reap(child: subprocess.Popen[bytes] | None) -> str:
-    """Collect an exited child's status and describe it (no status for a process not our child)."""
     code = None
     if child is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -102,20 +97,19 @@ def send_signal(pid: int, sig: signal.Signals) -> None:
 
 
 def kill_group(pid: int) -> None:
-    """SIGKILL the session `pid` leads: a master we just started, and its workers with it."""
+    """A master we just started, and its workers with it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
 
 class WorkerExits:
-    """Calls `exited()` when any watched process exits."""
+    """Calls `exited()` when any watched process exits: an old worker's exit noticed at once."""
 
     def __init__(self, exited: Callable[[], None]) -> None:
         self._exited = exited
         self._fds: dict[int, int] = {}
 
     def watch_only(self, pids: Iterable[int]) -> None:
-        """Watch these processes, and no other."""
         wanted = set(pids)
         for pid in [pid for pid in self._fds if pid not in wanted]:
             self._forget(pid)
@@ -156,9 +150,8 @@ def _arg_after(args: Sequence[str], flag: str) -> str | None:
 
 
 def is_our_master(cmdline: Sequence[str], settings: Settings) -> bool:
-    """Is this argv a master-worker HAProxy started for our runtime_dir? For telling our
-    workers apart: a master is found by its socket, since from 3.2 on its argv after a reload
-    reads like a worker's."""
+    """Is this argv a master-worker HAProxy for our runtime_dir? Only for telling our workers
+    apart: from 3.2 on a master's argv after a reload reads like a worker's."""
     if len(cmdline) < 2 or "haproxy" not in Path(cmdline[0]).name or "-W" not in cmdline:
         return False
     socket_arg = _arg_after(cmdline, "-S")
@@ -215,9 +208,8 @@ def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int
 
 
 def find_masters(settings: Settings) -> list[int]:
-    """PIDs of the live processes holding the listening socket bound at
-    `haproxy.master_socket_path` (its file removed since too), oldest first. From /proc only,
-    never argv or the pid file: it works when the socket no longer answers."""
+    """Live processes holding the listening socket bound at `haproxy.master_socket_path` (its file
+    removed since too), oldest first. From /proc only: it works when the socket does not answer."""
     try:
         net_unix = Path("/proc/net/unix").read_text()
     except OSError:

@@ -64,15 +64,11 @@ class DiagSocket:
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_filter(ports: frozenset[int]) -> bytes:
-    return port_filter(ports)
-
-
-def port_filter(ports: Iterable[int]) -> bytes:
+def port_filter(ports: frozenset[int]) -> bytes:
     """Bytecode that accepts a socket whose destination port is one of `ports`. Per port: a
     D_EQ test (its port in the next op) that goes on to a jump to the end when it matches and
     to the next test when it does not; the last test's miss jumps past the end: refused."""
-    wanted = sorted(set(ports))
+    wanted = sorted(ports)
     ops: list[bytes] = []
     total = 12 * len(wanted)
     for i, port in enumerate(wanted):
@@ -123,14 +119,11 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
 def tcp_sockets(
     family: int, states: Iterable[int], ports: Iterable[int] | None = None, info: bool = False
 ) -> Iterator[DiagSocket]:
-    """The TCP sockets of this network namespace in one of `states` (TCP_* numbers), toward one
-    of `ports` if given (filtered by the kernel up to MAX_FILTERED_PORTS; past that, here).
-    `info`: with their tcp_info (RTO, RTT, data last sent and received)."""
-    mask = 0
-    for state in states:
-        mask |= 1 << state
+    """This network namespace's TCP sockets in one of `states`, toward one of `ports` if given
+    (filtered by the kernel up to MAX_FILTERED_PORTS, past that here); `info`: with tcp_info."""
+    mask = sum(1 << state for state in set(states))
     wanted = frozenset(ports) if ports is not None else None
-    bytecode = _cached_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""
+    bytecode = port_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""
     if wanted is not None and not wanted:
         return
     ext = 1 << (_INET_DIAG_INFO - 1) if info else 0

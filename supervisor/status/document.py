@@ -14,7 +14,6 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .. import __version__
 from ..settings import Settings
 from ..state import (
-    Convergence,
     DurationHistogram,
     Generation,
     OldWorker,
@@ -64,6 +63,7 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
     """The /status JSON. Its keys are exactly those documented in docs/status.md."""
     current = state.current
     reloads = state.reloads
+    convergence = state.convergence
     # The daemon resolves the binary into State; until it has, the configured name is the truth.
     binary = state.haproxy_binary if state.haproxy_binary != "haproxy" else settings.haproxy.binary
     return {
@@ -101,7 +101,15 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
             "effective_path": str(settings.haproxy.effective_config),
             "last_good_sha256": state.last_good_sha256,
         },
-        "convergence": _convergence_json(state.convergence, now),
+        "convergence": {
+            "converged": convergence.converged,
+            "unconverged_s": _seconds(convergence.unconverged_s(now)),
+            "since": rfc3339(convergence.unconverged_since),
+            "reason": convergence.reason,
+            "transient": convergence.transient,
+            "attempts": convergence.attempts,
+            "next_attempt_at": rfc3339(convergence.next_attempt_at),
+        },
         "observe": {"enabled": settings.observe.enabled, "error_limit": settings.observe.error_limit},
         "dead_servers": sorted(state.dead_servers),
         "operator_dead": sorted(state.operator_dead),
@@ -137,18 +145,6 @@ def _pending_json(removal: PendingRemoval, now: datetime) -> dict[str, Any]:
         "tries": removal.tries,
         "last_answer": removal.last_answer,
         "sessions_shut_down": removal.sessions_shut_down,
-    }
-
-
-def _convergence_json(convergence: Convergence, now: datetime) -> dict[str, Any]:
-    return {
-        "converged": convergence.converged,
-        "unconverged_s": _seconds(convergence.unconverged_s(now)),
-        "since": rfc3339(convergence.unconverged_since),
-        "reason": convergence.reason,
-        "transient": convergence.transient,
-        "attempts": convergence.attempts,
-        "next_attempt_at": rfc3339(convergence.next_attempt_at),
     }
 
 
@@ -200,85 +196,67 @@ class StateCollector(Collector):
         state, now = self.state, self.clock()
         reloads = state.reloads
         workers = list(state.old_workers.values())
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
 
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_up", "1 while the HAProxy master runs (what /healthz reports), else 0.",
-            value=1 if state.master_up else 0,
+        yield from self._scalars(
+            (gauge, "haproxy_supervisor_up",
+             "1 while the HAProxy master runs (what /healthz reports), else 0.", int(state.master_up)),
+            (gauge, "haproxy_supervisor_ready", "1 while /readyz says 200, else 0.",
+             int(not_ready_reason(state, self.grace_s, now) is None)),
+            (gauge, "haproxy_supervisor_converged",
+             "1 while the current worker runs the effective config built from the rendered config, else 0.",
+             int(state.convergence.converged)),
+            (gauge, "haproxy_supervisor_unconverged_seconds",
+             "Seconds the node has not run the rendered config; 0 when converged.",
+             state.convergence.unconverged_s(now)),
         )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_ready", "1 while /readyz says 200, else 0.",
-            value=1 if not_ready_reason(state, self.grace_s, now) is None else 0,
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_converged",
-            "1 while the current worker runs the effective config built from the rendered config, else 0.",
-            value=1 if state.convergence.converged else 0,
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_unconverged_seconds",
-            "Seconds the node has not run the rendered config; 0 when converged.",
-            value=state.convergence.unconverged_s(now),
-        )
-        family = CounterMetricFamily(
-            "haproxy_supervisor_reloads", "Config changes handled, by result.", labels=["result"],
-        )
+        family = counter("haproxy_supervisor_reloads", "Config changes handled, by result.", labels=["result"])
         for result in RELOAD_RESULTS:
             family.add_metric([result], getattr(reloads, result))
         yield family
-        yield CounterMetricFamily(
-            "haproxy_supervisor_runtime_applies",
-            "Changes applied through the Runtime API without a reload.",
+        yield counter(
+            "haproxy_supervisor_runtime_applies", "Changes applied through the Runtime API without a reload.",
             value=reloads.runtime_applied,
         )
-        generation = GaugeMetricFamily(
+        generation = gauge(
             "haproxy_supervisor_config_generation", "Generation number of the config the current worker runs.",
         )
         if state.current_generation is not None:
             generation.add_metric([], state.current_generation)
         yield generation
-        yield GaugeMetricFamily(
+        yield gauge(
             "haproxy_supervisor_old_workers", "Old (soft-stopped, draining) HAProxy workers alive.", value=len(workers),
         )
         if self.old_workers_max is not None:
             # Exported so that an alert can compare against the node's own cap, whatever it is set to.
-            yield GaugeMetricFamily(
+            yield gauge(
                 "haproxy_supervisor_old_workers_max",
                 "old_workers.max: past it the oldest old workers are sent SIGTERM.",
                 value=self.old_workers_max,
             )
         ages = [age for w in workers if (age := w.age_s(now)) is not None]
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_old_worker_oldest_age_seconds",
-            "Age of the oldest old worker; 0 when there is none.",
-            value=max(ages, default=0.0),
+        yield from self._scalars(
+            (gauge, "haproxy_supervisor_old_worker_oldest_age_seconds",
+             "Age of the oldest old worker; 0 when there is none.",
+             max(ages, default=0.0)),
+            (gauge, "haproxy_supervisor_old_worker_connections",
+             "Connections held by old workers, summed (unknown counts left out).",
+             sum(w.connections or 0 for w in workers)),
+            (gauge, "haproxy_supervisor_old_worker_rss_bytes",
+             "Resident memory of old workers, summed (unknown sizes left out).",
+             sum(w.rss_bytes or 0 for w in workers)),
+            (gauge, "haproxy_supervisor_steered_servers",
+             "Distinct backend/server pairs that at least one old worker is steered away from.",
+             len({key for w in workers for key in w.steered})),
+            (gauge, "haproxy_supervisor_pending_removals",
+             "Servers removed from the config that a worker still holds in maint (routing nothing): the current "
+             "worker, `del server` refused while connections are attached and retried in the background; an old "
+             "worker, until it holds no connection to the server.",
+             len(state.pending_removals)),
+            (gauge, "haproxy_supervisor_dead_servers", "Servers known dead, for any reason (operator included).",
+             len(state.dead_servers)),
         )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_old_worker_connections",
-            "Connections held by old workers, summed (unknown counts left out).",
-            value=sum(w.connections or 0 for w in workers),
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_old_worker_rss_bytes",
-            "Resident memory of old workers, summed (unknown sizes left out).",
-            value=sum(w.rss_bytes or 0 for w in workers),
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_steered_servers",
-            "Distinct backend/server pairs that at least one old worker is steered away from.",
-            value=len({key for w in workers for key in w.steered}),
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_pending_removals",
-            "Servers removed from the config that a worker still holds in maint (routing nothing): the current "
-            "worker, `del server` refused while connections are attached and retried in the background; an old "
-            "worker, until it holds no connection to the server.",
-            value=len(state.pending_removals),
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_dead_servers", "Servers known dead, for any reason (operator included).",
-            value=len(state.dead_servers),
-        )
-        suspects = GaugeMetricFamily(
+        suspects = gauge(
             "haproxy_supervisor_suspect_servers",
             "Servers the stalled-connection detector holds unreachable (a connect stalled in SYN-SENT, or data "
             "retransmitted and not acknowledged), by why.", labels=["why"],
@@ -286,16 +264,14 @@ class StateCollector(Collector):
         for why in ("connect", "retransmit"):
             suspects.add_metric([why], sum(1 for s in state.suspect_servers.values() if s.why == why))
         yield suspects
-        yield CounterMetricFamily(
-            "haproxy_supervisor_stalled_sockets_aborted",
-            "Workers' stalled sockets to suspect servers, and old workers' connects to known-dead ones, destroyed "
-            "(SOCK_DESTROY), so HAProxy retries at once.",
-            value=state.stalled_aborted,
-        )
-        yield CounterMetricFamily(
-            "haproxy_supervisor_idle_connections_closed",
-            "Workers' idle pooled connections to suspect servers destroyed, so no request is sent on one.",
-            value=state.idle_closed,
+        yield from self._scalars(
+            (counter, "haproxy_supervisor_stalled_sockets_aborted",
+             "Workers' stalled sockets to suspect servers, and old workers' connects to known-dead ones, destroyed "
+             "(SOCK_DESTROY), so HAProxy retries at once.",
+             state.stalled_aborted),
+            (counter, "haproxy_supervisor_idle_connections_closed",
+             "Workers' idle pooled connections to suspect servers destroyed, so no request is sent on one.",
+             state.idle_closed),
         )
         yield HistogramMetricFamily(
             "haproxy_supervisor_push_duration_seconds",
@@ -303,39 +279,32 @@ class StateCollector(Collector):
             buckets=_histogram_buckets(state.push_duration),
             sum_value=state.push_duration.sum,
         )
-        yield CounterMetricFamily(
-            "haproxy_supervisor_push_failures", "Pushes to old workers that failed.", value=state.push_failures,
-        )
-        yield CounterMetricFamily(
-            "haproxy_supervisor_server_state_reads",
-            "Full `show servers state` reads of a worker (the current one's evidence, an old one's own view).",
-            value=state.server_state_reads,
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_server_events",
-            "1 when HAProxy's server state changes are heard on the master's stderr, else 0 (polled).",
-            value=int(state.server_events),
-        )
-        yield CounterMetricFamily(
-            "haproxy_supervisor_master_restarts", "Times the HAProxy master was restarted after it died.",
-            value=state.master_restarts,
-        )
-        yield CounterMetricFamily(
-            "haproxy_supervisor_write_failures",
-            "Writes of best-effort files (server state, generations record) that failed; HAProxy ran on without them.",
-            value=state.write_failures,
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_writes_failing",
-            "Best-effort files whose last write failed (`writes.failing` in /status).",
-            value=len(state.write_failing),
-        )
-        yield GaugeMetricFamily(
-            "haproxy_supervisor_event_loop_lag_seconds",
-            "The worst delay of the daemon's event loop over the last 10 to 20 s: how late any task ran.",
-            value=state.event_loop_lag_s,
+        yield from self._scalars(
+            (counter, "haproxy_supervisor_push_failures", "Pushes to old workers that failed.", state.push_failures),
+            (counter, "haproxy_supervisor_server_state_reads",
+             "Full `show servers state` reads of a worker (the current one's evidence, an old one's own view).",
+             state.server_state_reads),
+            (gauge, "haproxy_supervisor_server_events",
+             "1 when HAProxy's server state changes are heard on the master's stderr, else 0 (polled).",
+             int(state.server_events)),
+            (counter, "haproxy_supervisor_master_restarts", "Times the HAProxy master was restarted after it died.",
+             state.master_restarts),
+            (counter, "haproxy_supervisor_write_failures",
+             "Writes of best-effort files (server state, generations record) that failed; HAProxy ran on without them.",
+             state.write_failures),
+            (gauge, "haproxy_supervisor_writes_failing",
+             "Best-effort files whose last write failed (`writes.failing` in /status).",
+             len(state.write_failing)),
+            (gauge, "haproxy_supervisor_event_loop_lag_seconds",
+             "The worst delay of the daemon's event loop over the last 10 to 20 s: how late any task ran.",
+             state.event_loop_lag_s),
         )
 
+    @staticmethod
+    def _scalars(*metrics: tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, float]) -> Iterator[Metric]:
+        """One unlabelled sample each: (family, name, help, value)."""
+        for family, name, documentation, value in metrics:
+            yield family(name, documentation, value=value)
 
 def metrics_registry(
     state: State, clock: Callable[[], datetime] = utcnow, grace_s: float = float("inf"),

@@ -28,7 +28,7 @@ log = logging.getLogger(__package__)
 
 
 class StatusServerError(Exception):
-    """The status listener could not be set up. One line naming the address and the problem."""
+    """One line naming the address and the problem."""
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -54,7 +54,7 @@ def _remove_stale_socket(path: Path) -> None:
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
-    """A listening-ready unix socket whose file never has a wider mode than 0660 (docs/status.md)."""
+    """Its file never has a wider mode than 0660 (docs/status.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_socket(path)
     sock = bind_unix_private(path, 0o660)
@@ -63,9 +63,8 @@ def bind_unix_socket(path: Path) -> socket.socket:
 
 
 class ConnectionGuard:
-    """The status listener's limits on clients, against a slowloris flood: at most `limit`
-    connections, each given `header_timeout_s` to send a request's headers. At the limit, a
-    new connection closes the oldest one that has not sent a request yet, else is refused."""
+    """Against a slowloris flood: at most `limit` connections, each given `header_timeout_s` for
+    its headers. At the limit, a new one closes the oldest yet to send a request, else is refused."""
 
     def __init__(self, limit: int, header_timeout_s: float) -> None:
         self.limit = limit
@@ -101,7 +100,6 @@ class ConnectionGuard:
         self.stop_timer(handler)
 
     def stop_timer(self, handler: RequestHandler) -> None:
-        """Its request's headers are in (or it is gone): its header timer stops."""
         timer = self.waiting.pop(handler, None)
         if timer is not None:
             timer.cancel()
@@ -113,8 +111,8 @@ class ConnectionGuard:
 
 
 class _GuardedHandler(RequestHandler):
-    """aiohttp's connection handler under a ConnectionGuard, answering the requests aiohttp's
-    own parser refuses (a header over 8 KiB, for one) with `{"error": ...}`, no traceback."""
+    """Under a ConnectionGuard, answering what aiohttp's parser refuses (a header over 8 KiB,
+    for one) with `{"error": ...}`, no traceback."""
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         super().__init__(manager, **options)
@@ -147,7 +145,7 @@ class _GuardedHandler(RequestHandler):
 
 
 def _descriptor_budget(limit: int) -> int:
-    """The connection limit, kept to a quarter of the file descriptors this process may open."""
+    """At most a quarter of the file descriptors this process may open."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or limit <= soft // 4:
         return limit
@@ -168,8 +166,7 @@ def _accepting(server: asyncio.Server | None) -> bool:
 
 
 class StatusListener:
-    """The listening socket of the status app, and the runner serving it: bound by `open()`,
-    bound again by `bind()` once it is `dead` (an accept() failed, or `probe()` said so)."""
+    """The status app's socket and runner: bound by `open()`, again by `bind()` once `dead`."""
 
     def __init__(self, app: web.Application, listen: str, limits: StatusSettings) -> None:
         self.app = app
@@ -187,7 +184,6 @@ class StatusListener:
         self._restore_exception_handler: Callable[[], None] = lambda: None
 
     async def open(self) -> None:
-        """Serve the app on `host:port` or `unix:/path`; StatusServerError when it cannot bind."""
         if isinstance(self.address, str):
             self.app.on_cleanup.append(self._remove_socket_file)
         self.app.on_shutdown.append(self._stop_listening)
@@ -203,7 +199,6 @@ class StatusListener:
         log.info("status: listening on %s", self.listen)
 
     async def bind(self) -> None:
-        """Bind (once dead, again: dying closed it); StatusServerError when it cannot."""
         loop = asyncio.get_running_loop()
         server, guard = self.runner.server, self._guard
         assert server is not None and guard is not None
@@ -233,7 +228,6 @@ class StatusListener:
         self.problem = ""
 
     def probe(self) -> bool:
-        """Whether every listening socket still listens; marks the listener dead when not."""
         if self.dead.is_set():
             return False
         if _accepting(self.server):
@@ -242,10 +236,8 @@ class StatusListener:
         return False
 
     def _accept_failed(self, exc: BaseException) -> bool:
-        """The loop's exception handler: True when it was our listener failing (dealt with)."""
-        if not isinstance(exc, OSError) or self.server is None:
-            return False
-        if _accepting(self.server):
+        """True when it was our listener failing (dealt with)."""
+        if not isinstance(exc, OSError) or self.server is None or _accepting(self.server):
             return False
         self._mark_dead(f"accept() fails: {exc.strerror or exc}")
         return True
@@ -279,10 +271,8 @@ class StatusListener:
 def quiet_loop_errors(
     loop: asyncio.AbstractEventLoop, claimed: Callable[[BaseException], bool] = lambda _: False,
 ) -> Callable[[], None]:
-    """The event loop's exception handler, so that no error repeating in a callback makes a
-    traceback each time: the first one of a kind is logged as asyncio logs it, the repeats at
-    most once a minute with a count. `claimed(exc)` is asked first; True: it was dealt with.
-    Returns the function that puts the previous handler back."""
+    """An event loop exception handler logging the first error of a kind as asyncio does, its
+    repeats once a minute with a count, unless `claimed(exc)`. Returns how to put the old one back."""
     previous = loop.get_exception_handler()
     out_of_resources = RecurringCondition(
         log, logging.ERROR, "status: cannot accept connections: %s; asyncio retries every second",
@@ -314,9 +304,8 @@ def quiet_loop_errors(
 
 
 class StatusServer:
-    """The status app as a daemon component: `start()` binds (StatusServerError when it cannot),
-    `run()` serves until cancelled. A listening socket destroyed under it is noticed, logged
-    once and bound again with a backoff; meanwhile State says the status API is down."""
+    """The status app as a daemon component. A listening socket destroyed under it is noticed,
+    logged once and bound again with a backoff; meanwhile State says the status API is down."""
 
     PROBE_S = 1.0
     REBIND_FIRST_S = 0.1
@@ -367,7 +356,7 @@ class StatusServer:
         log.info("status: listening on %s again", listen)
 
     async def stop(self) -> None:
-        """Close a listener that `start()` bound and `run()` never served (a start cut short)."""
+        """A start cut short: `start()` bound, `run()` never served."""
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await listener.runner.cleanup()

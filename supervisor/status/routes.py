@@ -1,5 +1,4 @@
-"""The aiohttp app: /status, /metrics, /healthz, /readyz, the page, and the operator's actions;
-who may act, bounded request bodies, and every error as one JSON line."""
+"""The aiohttp app: its endpoints, who may act, bounded request bodies, errors as one JSON line."""
 
 from __future__ import annotations
 
@@ -41,8 +40,6 @@ RELOAD_SUCCESS = frozenset({"ok", "runtime_applied", "skipped_unchanged"})
 
 
 class StatusActions(Protocol):
-    """What the daemon lets an operator do through HTTP."""
-
     async def reload_now(self) -> ReloadRecord | None:
         """Reload (forced, even if unchanged). The record of what happened, or None if only queued."""
 
@@ -58,8 +55,6 @@ BODY_TIMEOUT_KEY = web.AppKey("body_timeout_s", float)
 
 
 class _Refused(Exception):
-    """An answer of `{"error": message}` with an HTTP status."""
-
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -68,7 +63,7 @@ class _Refused(Exception):
 
 
 def load_token(token_file: Path | None) -> tuple[bytes | None, str]:
-    """The bearer token, or None with the reason POST/DELETE over TCP are refused."""
+    """The bearer token, or None and why POST/DELETE over TCP are refused."""
     if token_file is None:
         return None, "no status.token_file is configured: POST and DELETE are refused over TCP"
     try:
@@ -136,10 +131,10 @@ async def _bounded_body(request: web.Request, handler: Callable[[web.Request], A
     # read it here so an oversized body is answered 413 on every route, and a body that is
     # announced but never sent (Content-Length: 10^12) does not hold the connection.
     if request.can_read_body:
-        if (request.content_length or 0) > MAX_BODY_BYTES:
-            return error_json(413, f"request body larger than {MAX_BODY_BYTES} bytes", close=True)
         timeout = request.app[BODY_TIMEOUT_KEY]
         try:
+            if (request.content_length or 0) > MAX_BODY_BYTES:
+                raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, request.content_length or 0)
             async with asyncio.timeout(timeout):
                 await request.read()
         except TimeoutError:
@@ -153,7 +148,7 @@ LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost
 
 
 def host_of(header: str) -> str:
-    """The host of a Host header, lowercased, without its port or an IPv6 literal's brackets."""
+    """Lowercased, without its port or an IPv6 literal's brackets."""
     value = header.strip().lower()
     if value.startswith("["):
         return value[1:].partition("]")[0]
@@ -164,9 +159,8 @@ def host_of(header: str) -> str:
 
 
 def host_allowed(header: str, listen_host: str, allowed: Iterable[str]) -> bool:
-    """Whether a request with this Host names this listener. A DNS name that is not ours is how
-    a web page reads the API through DNS rebinding; an IP address is no such name, so any is
-    accepted, as are loopback names, the listen host and `status.allowed_hosts`."""
+    """Whether this Host names this listener: a DNS name not ours is how a web page reads the
+    API through DNS rebinding. Any IP address is accepted, as are loopback names."""
     host = host_of(header)
     if not host or len(host) > 253:
         return False
@@ -265,7 +259,6 @@ class _Endpoints:
                                  status=500)
 
     async def operator_dead(self, request: web.Request, dead: bool) -> web.Response:
-        """POST (`dead`) or DELETE /servers/{backend}/{server}/dead."""
         self.authorize(request)
         try:
             key = ServerKey.checked(request.match_info["backend"], request.match_info["server"])
@@ -281,7 +274,7 @@ class _Endpoints:
 
 
 def build_app(state: State, settings: Settings, actions: StatusActions) -> web.Application:
-    """The status app. The token file is read here, once; an unreadable one is logged."""
+    """The token file is read here, once."""
     listen = listen_address(settings.status.listen)
     middlewares = [_json_errors, _bounded_body]
     if not isinstance(listen, str):
