@@ -32,17 +32,14 @@ class UnreadableFile(OSError):
     """A file that must not or cannot be read; strerror is one line saying why."""
 
 
+_KINDS = {
+    stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+}
+
+
 def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def read_regular(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:

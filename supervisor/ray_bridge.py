@@ -1,14 +1,9 @@
 """haproxy-supervisor-ray-bridge: what Ray Serve runs as its HAProxy (RAY_SERVE_HAPROXY_BINARY_PATH).
 
-Toward Ray it is the HAProxy process Ray thinks it started; the node's daemon runs HAProxy.
-The bridge hands Ray's config to the daemon (an atomic write of the file it watches), waits
-until the daemon's current worker runs it, then answers on Ray's admin socket (`stats socket`)
-as that HAProxy would: every command relayed to the current worker's stats socket, `show info`
-with the bridge's PID on its `Pid:` line. Soft-stopped by Ray (SIGUSR1), it lives on while an
-old worker still serves its config. It never runs HAProxy. See docs/ray-serve.md.
-
-In order: the admin socket's relay; Ray's command lines, read the way HAProxy reads them; the
-bridge's decisions, pure functions of Ray's config and the daemon's /status document; the process.
+It never runs HAProxy: it hands Ray's config to the node's daemon (an atomic write of the file it
+watches), waits until the daemon's current worker runs it, then answers on Ray's admin socket as
+that HAProxy would, `show info` with the bridge's PID. Soft-stopped by Ray (SIGUSR1), it lives on
+while an old worker still serves its config. See docs/ray-serve.md.
 """
 
 from __future__ import annotations
@@ -282,10 +277,9 @@ def _parse_time(value: Any) -> datetime | None:
 
 
 def handover_verdict(doc: dict[str, Any], rendered_sha256: str, written_at: datetime | None) -> Verdict:
-    """Running: the current worker runs this rendered text, the daemon has read nothing newer,
-    and it is converged. Refused: this text is what the daemon read last, and a record after
-    `written_at` (the bridge's write) says `invalid` or `failed` with the config to blame
-    (convergence.transient false): nothing retries it."""
+    """Running: the current worker runs this text, the daemon has read nothing newer, converged.
+    Refused: it is what the daemon read last, and a record after `written_at` says `invalid` or
+    `failed` with the config to blame (convergence.transient false): nothing retries it."""
     worker = doc.get("worker") or {}
     config = doc.get("config") or {}
     convergence = doc.get("convergence") or {}
