@@ -260,18 +260,17 @@ def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
 
 
 class RuntimeDirInUse(OSError):
-    """Another process holds the runtime_dir's lock; `holder` is its PID when known."""
+    """Another process holds the runtime_dir's lock; the message names its PID when known."""
 
     def __init__(self, path: Path, holder: int | None) -> None:
         who = f"the daemon with PID {holder}" if holder is not None else "another process"
         super().__init__(errno.EWOULDBLOCK, f"{path} is locked by {who}: one daemon per runtime_dir")
-        self.holder = holder
 
 
-def lock_holder(path: Path, fd: int | None = None) -> int | None:
+def lock_holder(path: Path, fd: int) -> int | None:
     """The PID that holds the flock on `path`: from /proc/locks, else the PID written in the file."""
     try:
-        info = os.fstat(fd) if fd is not None else os.stat(path)
+        info = os.fstat(fd)
         with open("/proc/locks") as f:
             locks = f.read().splitlines()
     except OSError:
@@ -295,10 +294,6 @@ class RuntimeDirLock:
     def __init__(self, runtime_dir: Path) -> None:
         self.path = runtime_dir / "daemon.lock"
         self._fd: int | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
     def acquire(self) -> None:
         """Take the lock or raise RuntimeDirInUse naming the holder; nothing else in runtime_dir is touched."""

@@ -112,9 +112,6 @@ class Notifier:
     def stopping(self) -> None:
         self.send(STOPPING=1, STATUS="stopping")
 
-    def watchdog(self) -> None:
-        self.send(WATCHDOG=1)
-
     async def run_watchdog(self, unwell: Callable[[], str | None] = lambda: None) -> None:
         """Ping from the event loop itself, so a blocked loop stops the pings; none either while
         `unwell()` names a reason: unrecovered within WatchdogSec, systemd restarts the daemon."""
@@ -128,7 +125,7 @@ class Notifier:
                 if withheld:
                     log.info("systemd watchdog: WATCHDOG=1 again")
                     withheld = False
-                self.watchdog()
+                self.send(WATCHDOG=1)
             elif not withheld:
                 log.error("systemd watchdog: no WATCHDOG=1 while %s", reason)
                 withheld = True

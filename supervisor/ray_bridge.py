@@ -178,7 +178,6 @@ class Run:
     config: Path
     soft_stop: tuple[int, ...] = ()  # -sf: the processes this one replaces (Ray signals them itself)
     hard_stop: tuple[int, ...] = ()  # -st
-    sockets_from: Path | None = None  # -x: where HAProxy would fetch the listening sockets
 
     @property
     def replaces(self) -> bool:
@@ -197,8 +196,8 @@ class PassThrough:
 QUERIES = frozenset({"-v", "-vv", "-c", "-h", "--help", "-cc"})
 # Flags without an argument that only shape how a process that does not exist would run.
 IGNORED = frozenset({"-db", "-dR", "-dr", "-q", "-V", "-W", "-Ws", "-dV", "-dW", "-dM", "-de", "-dp", "-dS", "-dG"})
-# Flags with one argument, ignored with it (`-x` is kept for the record).
-IGNORED_WITH_ARGUMENT = frozenset({"-p", "-S", "-L", "-N", "-m", "-C"})
+# Flags with one argument, ignored with it (`-x`: where HAProxy would fetch the listening sockets).
+IGNORED_WITH_ARGUMENT = frozenset({"-p", "-S", "-L", "-N", "-m", "-C", "-x"})
 
 
 def parse_argv(args: list[str]) -> Run | PassThrough:
@@ -208,7 +207,6 @@ def parse_argv(args: list[str]) -> Run | PassThrough:
     configs: list[Path] = []
     soft: list[int] = []
     hard: list[int] = []
-    sockets_from: Path | None = None
     i = 0
     while i < len(args):
         arg = args[i]
@@ -219,14 +217,11 @@ def parse_argv(args: list[str]) -> Run | PassThrough:
                 pids.append(int(args[i]))
                 i += 1
             continue
-        if arg in ("-f", "-x") or arg in IGNORED_WITH_ARGUMENT:
+        if arg == "-f" or arg in IGNORED_WITH_ARGUMENT:
             if i + 1 >= len(args):
                 raise UsageError(f"option {arg} needs an argument")
-            value = args[i + 1]
             if arg == "-f":
-                configs.append(Path(value))
-            elif arg == "-x":
-                sockets_from = Path(value)
+                configs.append(Path(args[i + 1]))
             i += 2
             continue
         if arg == "-D":
@@ -237,7 +232,7 @@ def parse_argv(args: list[str]) -> Run | PassThrough:
         raise UsageError(f"unknown option {arg!r}")
     if len(configs) != 1:
         raise UsageError(f"the bridge runs exactly one config (-f FILE), got {len(configs)}")
-    return Run(configs[0], tuple(soft), tuple(hard), sockets_from)
+    return Run(configs[0], tuple(soft), tuple(hard))
 
 
 @dataclass(frozen=True)

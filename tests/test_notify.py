@@ -80,7 +80,7 @@ def test_messages_reach_a_real_datagram_socket(rundir: Path, abstract: bool):
         before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         n.ready("generation 1")
         n.reloading("reloading: SIGHUP")
-        n.watchdog()
+        n.send(WATCHDOG=1)
         n.stopping()
         n.close()
         got = receive_all(sock)
