@@ -289,7 +289,7 @@ def lock_holder(path: Path, fd: int) -> int | None:
 
 class RuntimeDirLock:
     """An exclusive flock on `runtime_dir/daemon.lock` for the daemon's life, close-on-exec so
-    HAProxy never holds it; it goes with the process (a kill -9 leaves a file locked at once)."""
+    HAProxy never holds it; it goes with the process: after a kill -9 the next daemon locks it at once."""
 
     def __init__(self, runtime_dir: Path) -> None:
         self.path = runtime_dir / "daemon.lock"

@@ -511,9 +511,7 @@ def _suspects_html(suspects: list[dict[str, Any]], now: datetime) -> str:
             "their stalled sockets aborted; a health check that passes brings one back.</p>")
 
 
-def render_page(
-    doc: dict[str, Any], now: datetime, sizes: Mapping[str, int] | None = None, history: History | None = None,
-) -> str:
+def render_page(doc: dict[str, Any], now: datetime, sizes: Mapping[str, int], history: History) -> str:
     """The page for GET /, every value escaped."""
     sup, hap = doc["supervisor"], doc["haproxy"]
     master = badge("master up", "good") if hap["up"] else badge("master down", "bad")
@@ -523,8 +521,8 @@ def render_page(
         f'supervisor {esc(sup["version"])} · pid {esc(sup["pid"])} · up {esc(format_age(sup["uptime_s"]))}'
         f' · HAProxy {esc(hap["version"])} · master pid {esc(hap["master_pid"])}'
     )
-    damage = damage_by_backend(doc["dead_servers"], doc["operator_dead"], doc["old_workers"], sizes or {})
     old, suspects = doc["old_workers"], doc.get("suspect_servers", [])
+    damage = damage_by_backend(doc["dead_servers"], doc["operator_dead"], old, sizes)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{PAGE_REFRESH_S}">
@@ -542,7 +540,7 @@ def render_page(
 {len(damage):,} backends)</span></h2>{_damage_html(damage, doc)}</section>
 <section id="suspects"><h2>Suspect servers <span class="count">({len(suspects):,})</span>
 </h2>{_suspects_html(suspects, now)}</section>
-<section id="history"><h2>History</h2><div class="charts">{charts_html(history or History(), now)}</div></section>
+<section id="history"><h2>History</h2><div class="charts">{charts_html(history, now)}</div></section>
 <section id="old-workers"><h2>Old workers <span class="count">({esc(len(old))})</span></h2>
 {_old_workers_html(old, now)}</section>
 <section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"], now)}</section>
