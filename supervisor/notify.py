@@ -70,10 +70,10 @@ def summary_line(state: State, old_workers: int | None = None) -> str:
 class Notifier:
     """Sends notify messages to systemd; every method is safe to call when not under systemd."""
 
-    def __init__(self, environ: Mapping[str, str] | None = None, pid: int | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         self.address = notify_address(env.get("NOTIFY_SOCKET", ""))
-        self.watchdog_s = watchdog_interval(env, os.getpid() if pid is None else pid)
+        self.watchdog_s = watchdog_interval(env, os.getpid())
         self._socket: socket.socket | None = None
         self._warned = False
         self.ready_sent = False
@@ -112,7 +112,7 @@ class Notifier:
     def stopping(self) -> None:
         self.send(STOPPING=1, STATUS="stopping")
 
-    async def run_watchdog(self, unwell: Callable[[], str | None] = lambda: None) -> None:
+    async def run_watchdog(self, unwell: Callable[[], str | None]) -> None:
         """Ping from the event loop itself, so a blocked loop stops the pings; none either while
         `unwell()` names a reason: unrecovered within WatchdogSec, systemd restarts the daemon."""
         if self.watchdog_s is None or self.address is None:
