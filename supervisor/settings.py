@@ -314,8 +314,7 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, key, file, base)
+        return _convert(next(a for a in args if a is not type(None)), value, key, file, base)
     if value is None:
         fail("must not be null")
     if origin is Literal:
