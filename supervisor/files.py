@@ -1,23 +1,11 @@
 """Reading and writing the files the daemon trusts, safely.
 
-Reads: only regular files, up to a size limit: a FIFO would block the reader, a device may
-never end, a directory is a mistake; each is refused with one line before a byte is read.
-
-Writes: runtime_dir is the daemon's own, owned by its user and writable by nobody else; files
-get explicit modes (never the umask) and are never written through a symlink (a new file,
-renamed over the old name). And it is one daemon's: `RuntimeDirLock` holds an exclusive
-`flock` on `runtime_dir/daemon.lock` for the daemon's life. Two daemons on one runtime_dir
-would run two masters whose workers share the frontend ports, each removing the other's
-files. The lock goes with the process (a kill -9 leaves a file the next one locks at once);
-close-on-exec, so HAProxy never holds it.
-
-Reads once the writer is done (`read_whole`; the writer's side: docs/inputs.md): a file
-rewritten in place in chunks is valid between them more often than not. It is read only
-while no other process holds an exclusive `flock` or a POSIX write lock on it or on
-`<file>.lock`, or has it open for writing: a read lease (F_SETLEASE F_RDLCK) is refused then,
-and dropped at once when granted (held, it would make a writer's open wait). The shared
-flocks are held during the read; the rest is asked again after it, and the file's stat must
-not have changed. Without the file's ownership or CAP_LEASE the lease question is skipped.
+Reads take only regular files up to a size limit: a FIFO would block, a device may never end.
+Writes go to runtime_dir, the daemon's own (writable by nobody else), with explicit modes and
+never through a symlink. `RuntimeDirLock` keeps it one daemon's: two would run two masters
+sharing the frontend ports, each removing the other's files. `read_whole` reads a file only
+once its writer is done (docs/inputs.md): one rewritten in place in chunks is valid between
+them more often than not. A read lease is dropped at once: held, it makes a writer's open wait.
 """
 
 from __future__ import annotations
@@ -44,22 +32,19 @@ class UnreadableFile(OSError):
     """A file that must not or cannot be read; strerror is one line saying why."""
 
 
+_KINDS = {
+    stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+}
+
+
 def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def read_regular(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
     """The bytes of a regular file no larger than `limit`; UnreadableFile otherwise. Opened
-    non-blocking (a FIFO swapped in after the stat cannot block) and checked again once open."""
+    non-blocking, so a FIFO swapped in after the stat cannot block."""
     try:
         before = os.stat(path)
     except OSError as exc:
@@ -86,8 +71,7 @@ def read_regular(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
 
 
 def ensure_private_dir(path: Path) -> None:
-    """Create `path` (and its parents) with DIR_MODE, or check that an existing one is safe:
-    a directory owned by this user and writable by no one else. UnsafeDirectory otherwise."""
+    """Create `path` with DIR_MODE, or raise UnsafeDirectory unless it is ours and only ours to write."""
     with contextlib.suppress(FileExistsError):
         path.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(path, DIR_MODE)
@@ -111,9 +95,8 @@ class UnsafeDirectory(OSError):
 
 
 def write_new(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
-    """Replace `path` with `data`: written to a new file in the same directory (O_EXCL |
-    O_NOFOLLOW, so no planted name is followed), fsynced, then renamed over `path`. A symlink
-    at `path` is replaced, never written through."""
+    """Replace `path` with `data` by renaming a new, fsynced file over it (O_EXCL | O_NOFOLLOW: no
+    planted name is followed); a symlink at `path` is replaced, never written through."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
@@ -132,8 +115,7 @@ def write_new(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
 
 
 def create_if_missing(path: Path, data: bytes) -> None:
-    """Put `data` at `path` unless a regular file is already there. Anything else at that
-    name (a planted symlink, dangling or not) is replaced, never followed."""
+    """Put `data` at `path` unless a regular file is there; a planted symlink is replaced, not followed."""
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISREG(os.lstat(path).st_mode):
             return
@@ -146,8 +128,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def bind_unix_private(path: Path, mode: int) -> socket.socket:
-    """A unix stream socket bound at `path` whose file never has a wider mode than `mode`:
-    bind() creates it as 0777 & ~umask, so the umask is narrowed around it."""
+    """A unix stream socket at `path` never wider than `mode`: bind() creates it 0777 & ~umask."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         previous = os.umask(0o777 & ~mode)
@@ -163,8 +144,7 @@ def bind_unix_private(path: Path, mode: int) -> socket.socket:
 
 
 def mode_bits(mode: str) -> int:
-    """An octal mode for a socket only its owner and group may use ("0600", "660"); ValueError
-    for another text, or one that lets every user in."""
+    """An octal mode for a socket only its owner and group may use ("0600", "660"); else ValueError."""
     if not (mode.isascii() and 0 < len(mode) <= 4 and all(c in "01234567" for c in mode)):
         raise ValueError(f"must be an octal mode like \"0600\", got {mode!r}")
     if int(mode, 8) & 0o007:
@@ -173,8 +153,7 @@ def mode_bits(mode: str) -> int:
 
 
 def owner_ids(owner: str) -> tuple[int, int]:
-    """The (uid, gid) of "user:group", each a number or a name; ValueError naming the part
-    that does not resolve."""
+    """The (uid, gid) of "user:group", each a number or a name; ValueError naming what does not resolve."""
     user, sep, group = owner.partition(":")
     if not sep or not user or not group:
         raise ValueError(f"must be \"uid:gid\" (numbers or names), got {owner!r}")
@@ -217,7 +196,7 @@ def _posix_write_lock(fd: int) -> int | None:
 
 def open_for_writing(fd: int) -> bool | None:
     """Does any process have this file open for writing? None when the kernel will not say
-    (not the owner and no CAP_LEASE, a filesystem without leases)."""
+    (not the owner and no CAP_LEASE, or a filesystem without leases)."""
     try:
         fcntl.fcntl(fd, F_SETLEASE, fcntl.F_RDLCK)
     except OSError as exc:
@@ -231,8 +210,7 @@ def open_for_writing(fd: int) -> bool | None:
 
 @contextlib.contextmanager
 def _shared_flock(path: Path, required: bool) -> Iterator[int | None]:
-    """A shared flock on `path` for the block; WriterBusy while someone holds it exclusively.
-    A missing file is no lock, unless `required`: then UnreadableFile."""
+    """A shared flock on `path` for the block, or WriterBusy. A missing file is no lock, unless `required`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
@@ -268,8 +246,8 @@ def _stat_key(fd: int) -> tuple[int, ...]:
 
 
 def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
-    """The file's bytes as its writer finished them (the module's docstring): WriterBusy while a
-    writer holds a lock or the file open for writing; UnreadableFile / OSError as `read_regular`."""
+    """The file's bytes, or WriterBusy while a writer holds a lock or has it open for writing. The
+    shared flocks are held during the read; the rest is asked again after it, and the stat compared."""
     with _shared_flock(lock_file(path), required=False) as lock_fd, _shared_flock(path, required=True) as fd:
         assert fd is not None
         _refuse_while_written(path, fd, lock_fd)
@@ -282,19 +260,17 @@ def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
 
 
 class RuntimeDirInUse(OSError):
-    """Another process holds the runtime_dir's lock; `holder` is its PID when known."""
+    """Another process holds the runtime_dir's lock; the message names its PID when known."""
 
     def __init__(self, path: Path, holder: int | None) -> None:
         who = f"the daemon with PID {holder}" if holder is not None else "another process"
         super().__init__(errno.EWOULDBLOCK, f"{path} is locked by {who}: one daemon per runtime_dir")
-        self.holder = holder
 
 
-def lock_holder(path: Path, fd: int | None = None) -> int | None:
-    """The PID that holds the flock on `path`: from /proc/locks (the kernel's word), else the
-    PID the holder wrote into the file."""
+def lock_holder(path: Path, fd: int) -> int | None:
+    """The PID that holds the flock on `path`: from /proc/locks, else the PID written in the file."""
     try:
-        info = os.fstat(fd) if fd is not None else os.stat(path)
+        info = os.fstat(fd)
         with open("/proc/locks") as f:
             locks = f.read().splitlines()
     except OSError:
@@ -312,19 +288,15 @@ def lock_holder(path: Path, fd: int | None = None) -> int | None:
 
 
 class RuntimeDirLock:
-    """`acquire()` once at start-up; the lock lasts until `release()` or the process ends."""
+    """An exclusive flock on `runtime_dir/daemon.lock` for the daemon's life, close-on-exec so
+    HAProxy never holds it; it goes with the process: after a kill -9 the next daemon locks it at once."""
 
     def __init__(self, runtime_dir: Path) -> None:
         self.path = runtime_dir / "daemon.lock"
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def acquire(self) -> None:
-        """Take the lock, or raise RuntimeDirInUse naming the holder (OSError when the file
-        cannot be opened). Nothing else in runtime_dir is touched either way."""
+        """Take the lock or raise RuntimeDirInUse naming the holder; nothing else in runtime_dir is touched."""
         # Held read-only: a descriptor open for writing would stop runtime_dir's filesystem from
         # being remounted read-only (flock needs no write access).
         fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
@@ -347,8 +319,7 @@ class RuntimeDirLock:
                 os.close(pid)
 
     def renew(self) -> None:
-        """runtime_dir was deleted and made again: lock the new file, so that a second daemon
-        started now still finds it taken. The old descriptor keeps the old (unlinked) inode."""
+        """runtime_dir was made again: lock the new file, or a daemon started now would find it free."""
         if self._fd is None:
             return
         with contextlib.suppress(OSError):

@@ -38,10 +38,8 @@ def setup_logging(settings: LoggingSettings) -> None:
 
 
 class RecurringCondition:
-    """A condition that can recur thousands of times a second (a flood, a resource running
-    out, a socket or a disk that keeps failing): logged when it starts and when its cause
-    changes, then at most once per EVERY_S with how often it happened meanwhile, and once
-    when it is over."""
+    """A condition that can recur thousands of times a second (a flood, a failing disk): logged when
+    it starts or its cause changes, then at most once per EVERY_S with a count, and once when over."""
 
     EVERY_S = 60.0
 
@@ -70,18 +68,16 @@ class RecurringCondition:
             self._reported = True
 
     def over(self, message: str, *args: object) -> None:
-        """Say the condition is over, once per report of it. A condition that flaps (a flood at
-        the limit) still makes at most one line a minute: its next start waits for that, unless
-        its cause is a new one."""
+        """Say the condition is over, once per report of it. One that flaps still makes at most one
+        line a minute: its next start waits for that, unless its cause is a new one."""
         if self._reported:
             self.logger.info(message, *args)
             self._reported = False
 
 
 class RecurringConditions:
-    """Recurring conditions by key (one per thing that can fail: a file, a directory), each
-    logged as `RecurringCondition` does, with the wording of its latest occurrence; when one
-    is over, `<key>: works again`."""
+    """A `RecurringCondition` per thing that can fail (a file, a directory), in the wording of its
+    latest occurrence; when one is over, `<key>: works again`."""
 
     def __init__(self, logger: logging.Logger, level: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger
@@ -96,6 +92,5 @@ class RecurringConditions:
         condition.happened(message, cause=cause)
 
     def over(self, key: str) -> None:
-        condition = self._by_key.get(key)
-        if condition is not None:
+        if (condition := self._by_key.get(key)) is not None:
             condition.over("%s: works again", key)

@@ -1,9 +1,5 @@
-"""systemd's notify protocol (sd_notify) without a library.
-
-A message is newline-separated `KEY=VALUE` fields in one datagram sent to the
-AF_UNIX socket named by NOTIFY_SOCKET (a path, or `@name` for the abstract
-namespace). Without NOTIFY_SOCKET every call is a no-op, so the daemon runs the
-same in a terminal, a container or a test.
+"""systemd's notify protocol (sd_notify) without a library: `KEY=VALUE` lines in one datagram
+to NOTIFY_SOCKET. Without it every call is a no-op, so the daemon runs the same anywhere.
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ NOTIFY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 def notify_address(value: str) -> str | bytes | None:
     """NOTIFY_SOCKET -> a sendto() address. `@name` is Linux's abstract namespace (a leading NUL)."""
-    if not value:
-        return None
     if value.startswith("@"):
         return b"\0" + value[1:].encode()
     if value.startswith("/"):
@@ -76,10 +70,10 @@ def summary_line(state: State, old_workers: int | None = None) -> str:
 class Notifier:
     """Sends notify messages to systemd; every method is safe to call when not under systemd."""
 
-    def __init__(self, environ: Mapping[str, str] | None = None, pid: int | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         self.address = notify_address(env.get("NOTIFY_SOCKET", ""))
-        self.watchdog_s = watchdog_interval(env, os.getpid() if pid is None else pid)
+        self.watchdog_s = watchdog_interval(env, os.getpid())
         self._socket: socket.socket | None = None
         self._warned = False
         self.ready_sent = False
@@ -118,13 +112,9 @@ class Notifier:
     def stopping(self) -> None:
         self.send(STOPPING=1, STATUS="stopping")
 
-    def watchdog(self) -> None:
-        self.send(WATCHDOG=1)
-
-    async def run_watchdog(self, unwell: Callable[[], str | None] = lambda: None) -> None:
-        """Ping from the event loop itself, so a blocked loop stops the pings and systemd notices;
-        no ping either while `unwell()` names a reason (the status API cannot serve): if the
-        daemon does not recover within WatchdogSec, systemd restarts it."""
+    async def run_watchdog(self, unwell: Callable[[], str | None]) -> None:
+        """Ping from the event loop itself, so a blocked loop stops the pings; none either while
+        `unwell()` names a reason: unrecovered within WatchdogSec, systemd restarts the daemon."""
         if self.watchdog_s is None or self.address is None:
             return
         log.info("systemd watchdog armed: WATCHDOG=1 every %.3fs", self.watchdog_s)
@@ -135,7 +125,7 @@ class Notifier:
                 if withheld:
                     log.info("systemd watchdog: WATCHDOG=1 again")
                     withheld = False
-                self.watchdog()
+                self.send(WATCHDOG=1)
             elif not withheld:
                 log.error("systemd watchdog: no WATCHDOG=1 while %s", reason)
                 withheld = True

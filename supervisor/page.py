@@ -62,11 +62,8 @@ def backend_sizes(model: Config) -> dict[str, int]:
     """Servers per backend (and listen) section, templates expanded, backups included."""
     sizes: dict[str, int] = {}
     for section, server_lines in model.server_flags_by_backend():
-        count = 0
-        for index, _flags in server_lines:
-            words = section.body[index].words
-            count += 1 if words[0] == "server" else len(template_names(words[1], words[2]))
-        sizes[section.name] = count
+        lines = [section.body[index].words for index, _flags in server_lines]
+        sizes[section.name] = sum(1 if w[0] == "server" else len(template_names(w[1], w[2])) for w in lines)
     return sizes
 
 
@@ -119,9 +116,7 @@ class BackendDamage:
 
     @property
     def tone(self) -> str:
-        if self.share >= 1.0:
-            return "all"
-        return "half" if self.share >= 0.5 else "some"
+        return "all" if self.share >= 1.0 else "half" if self.share >= 0.5 else "some"
 
     @property
     def count(self) -> str:
@@ -434,10 +429,8 @@ def _damage_html(damage: list[BackendDamage], doc: dict[str, Any]) -> str:
         + "</div>"
         for group in groups
     )
-    dead_servers = doc["dead_servers"]
-    names = ""
-    if len(dead_servers) <= PAGE_CHIP_LIMIT:
-        names = f"<p>{chips(dead_servers, frozenset(doc['operator_dead']))}</p>"
+    dead = doc["dead_servers"]
+    names = f"<p>{chips(dead, frozenset(doc['operator_dead']))}</p>" if len(dead) <= PAGE_CHIP_LIMIT else ""
     return (
         f'<div class="backends" id="backends">{rows}</div>{names}'
         '<p class="muted">Worst first; hover a backend for its dead servers (all of them are in /status). '
@@ -518,9 +511,7 @@ def _suspects_html(suspects: list[dict[str, Any]], now: datetime) -> str:
             "their stalled sockets aborted; a health check that passes brings one back.</p>")
 
 
-def render_page(
-    doc: dict[str, Any], now: datetime, sizes: Mapping[str, int] | None = None, history: History | None = None,
-) -> str:
+def render_page(doc: dict[str, Any], now: datetime, sizes: Mapping[str, int], history: History) -> str:
     """The page for GET /, every value escaped."""
     sup, hap = doc["supervisor"], doc["haproxy"]
     master = badge("master up", "good") if hap["up"] else badge("master down", "bad")
@@ -530,8 +521,8 @@ def render_page(
         f'supervisor {esc(sup["version"])} · pid {esc(sup["pid"])} · up {esc(format_age(sup["uptime_s"]))}'
         f' · HAProxy {esc(hap["version"])} · master pid {esc(hap["master_pid"])}'
     )
-    damage = damage_by_backend(doc["dead_servers"], doc["operator_dead"], doc["old_workers"], sizes or {})
-    old = doc["old_workers"]
+    old, suspects = doc["old_workers"], doc.get("suspect_servers", [])
+    damage = damage_by_backend(doc["dead_servers"], doc["operator_dead"], old, sizes)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{PAGE_REFRESH_S}">
@@ -547,9 +538,9 @@ def render_page(
 </div>
 <section id="dead"><h2>Dead servers by backend <span class="count">({len(doc["dead_servers"]):,} servers in
 {len(damage):,} backends)</span></h2>{_damage_html(damage, doc)}</section>
-<section id="suspects"><h2>Suspect servers <span class="count">({len(doc.get("suspect_servers", [])):,})</span>
-</h2>{_suspects_html(doc.get("suspect_servers", []), now)}</section>
-<section id="history"><h2>History</h2><div class="charts">{charts_html(history or History(), now)}</div></section>
+<section id="suspects"><h2>Suspect servers <span class="count">({len(suspects):,})</span>
+</h2>{_suspects_html(suspects, now)}</section>
+<section id="history"><h2>History</h2><div class="charts">{charts_html(history, now)}</div></section>
 <section id="old-workers"><h2>Old workers <span class="count">({esc(len(old))})</span></h2>
 {_old_workers_html(old, now)}</section>
 <section id="reloads"><h2>Reloads</h2>{_reloads_html(doc["reloads"], now)}</section>

@@ -1,14 +1,9 @@
 """haproxy-supervisor-ray-bridge: what Ray Serve runs as its HAProxy (RAY_SERVE_HAPROXY_BINARY_PATH).
 
-Toward Ray it is the HAProxy process Ray thinks it started; the node's daemon runs HAProxy.
-The bridge hands Ray's config to the daemon (an atomic write of the file it watches), waits
-until the daemon's current worker runs it, then answers on Ray's admin socket (`stats socket`)
-as that HAProxy would: every command relayed to the current worker's stats socket, `show info`
-with the bridge's PID on its `Pid:` line. Soft-stopped by Ray (SIGUSR1), it lives on while an
-old worker still serves its config. It never runs HAProxy. See docs/ray-serve.md.
-
-In order: the admin socket's relay; Ray's command lines, read the way HAProxy reads them; the
-bridge's decisions, pure functions of Ray's config and the daemon's /status document; the process.
+It never runs HAProxy: it hands Ray's config to the node's daemon (an atomic write of the file it
+watches), waits until the daemon's current worker runs it, then answers on Ray's admin socket as
+that HAProxy would, `show info` with the bridge's PID. Soft-stopped by Ray (SIGUSR1), it lives on
+while an old worker still serves its config. See docs/ray-serve.md.
 """
 
 from __future__ import annotations
@@ -183,7 +178,6 @@ class Run:
     config: Path
     soft_stop: tuple[int, ...] = ()  # -sf: the processes this one replaces (Ray signals them itself)
     hard_stop: tuple[int, ...] = ()  # -st
-    sockets_from: Path | None = None  # -x: where HAProxy would fetch the listening sockets
 
     @property
     def replaces(self) -> bool:
@@ -202,8 +196,8 @@ class PassThrough:
 QUERIES = frozenset({"-v", "-vv", "-c", "-h", "--help", "-cc"})
 # Flags without an argument that only shape how a process that does not exist would run.
 IGNORED = frozenset({"-db", "-dR", "-dr", "-q", "-V", "-W", "-Ws", "-dV", "-dW", "-dM", "-de", "-dp", "-dS", "-dG"})
-# Flags with one argument, ignored with it (`-x` is kept for the record).
-IGNORED_WITH_ARGUMENT = frozenset({"-p", "-S", "-L", "-N", "-m", "-C"})
+# Flags with one argument, ignored with it (`-x`: where HAProxy would fetch the listening sockets).
+IGNORED_WITH_ARGUMENT = frozenset({"-p", "-S", "-L", "-N", "-m", "-C", "-x"})
 
 
 def parse_argv(args: list[str]) -> Run | PassThrough:
@@ -213,7 +207,6 @@ def parse_argv(args: list[str]) -> Run | PassThrough:
     configs: list[Path] = []
     soft: list[int] = []
     hard: list[int] = []
-    sockets_from: Path | None = None
     i = 0
     while i < len(args):
         arg = args[i]
@@ -224,14 +217,11 @@ def parse_argv(args: list[str]) -> Run | PassThrough:
                 pids.append(int(args[i]))
                 i += 1
             continue
-        if arg in ("-f", "-x") or arg in IGNORED_WITH_ARGUMENT:
+        if arg == "-f" or arg in IGNORED_WITH_ARGUMENT:
             if i + 1 >= len(args):
                 raise UsageError(f"option {arg} needs an argument")
-            value = args[i + 1]
             if arg == "-f":
-                configs.append(Path(value))
-            elif arg == "-x":
-                sockets_from = Path(value)
+                configs.append(Path(args[i + 1]))
             i += 2
             continue
         if arg == "-D":
@@ -242,7 +232,7 @@ def parse_argv(args: list[str]) -> Run | PassThrough:
         raise UsageError(f"unknown option {arg!r}")
     if len(configs) != 1:
         raise UsageError(f"the bridge runs exactly one config (-f FILE), got {len(configs)}")
-    return Run(configs[0], tuple(soft), tuple(hard), sockets_from)
+    return Run(configs[0], tuple(soft), tuple(hard))
 
 
 @dataclass(frozen=True)
@@ -282,10 +272,9 @@ def _parse_time(value: Any) -> datetime | None:
 
 
 def handover_verdict(doc: dict[str, Any], rendered_sha256: str, written_at: datetime | None) -> Verdict:
-    """Running: the current worker runs this rendered text, the daemon has read nothing newer,
-    and it is converged. Refused: this text is what the daemon read last, and a record after
-    `written_at` (the bridge's write) says `invalid` or `failed` with the config to blame
-    (convergence.transient false): nothing retries it."""
+    """Running: the current worker runs this text, the daemon has read nothing newer, converged.
+    Refused: it is what the daemon read last, and a record after `written_at` says `invalid` or
+    `failed` with the config to blame (convergence.transient false): nothing retries it."""
     worker = doc.get("worker") or {}
     config = doc.get("config") or {}
     convergence = doc.get("convergence") or {}

@@ -26,6 +26,16 @@ class SettingsError(Exception):
     """Bad settings. The message is one line and names what is wrong."""
 
 
+class _InRuntimeDir:
+    """A file of the daemon's in `haproxy.runtime_dir`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, settings: HAProxySettings, owner: type | None = None) -> Path:
+        return settings.runtime_dir / self.name
+
+
 @dataclass(frozen=True)
 class HAProxySettings:
     binary: str = "haproxy"
@@ -41,31 +51,12 @@ class HAProxySettings:
     def master_socket_path(self) -> Path:
         return self.master_socket or self.runtime_dir / "master.sock"
 
-    @property
-    def effective_config(self) -> Path:
-        return self.runtime_dir / "haproxy.cfg"
-
-    @property
-    def stats_socket(self) -> Path:
-        """Where the workers' `stats socket` is bound with move_stats_socket."""
-        return self.runtime_dir / "stats.sock"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.runtime_dir / "haproxy.pid"
-
-    @property
-    def steer_map(self) -> Path:
-        return self.runtime_dir / "steer.map"
-
-    @property
-    def server_state_file(self) -> Path:
-        return self.runtime_dir / "server-state"
-
-    @property
-    def stderr_fifo(self) -> Path:
-        """The master's stderr: HAProxy's messages, relayed to the daemon's stderr (haproxy/stderr.py)."""
-        return self.runtime_dir / "haproxy.stderr"
+    effective_config = _InRuntimeDir("haproxy.cfg")
+    stats_socket = _InRuntimeDir("stats.sock")  # where the workers' `stats socket` is with move_stats_socket
+    pid_file = _InRuntimeDir("haproxy.pid")
+    steer_map = _InRuntimeDir("steer.map")
+    server_state_file = _InRuntimeDir("server-state")
+    stderr_fifo = _InRuntimeDir("haproxy.stderr")  # the master's stderr, relayed to ours (haproxy/stderr.py)
 
 
 @dataclass(frozen=True)
@@ -272,20 +263,16 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
 def apply_environment(settings: Settings, environ: Mapping[str, str]) -> Settings:
     """The Ray Serve observe gates override the file: the first variable set of each pair wins."""
     observe = settings.observe
-    for name in OBSERVE_GATE_ENV:
-        if name in environ:
-            value = parse_bool(environ[name])
-            if value is None:
-                raise SettingsError(f"{name}={environ[name]!r}: not a boolean (use 1/0, true/false, yes/no, on/off)")
-            observe = dataclasses.replace(observe, enabled=value)
-            break
-    for name in OBSERVE_LIMIT_ENV:
-        if name in environ:
-            raw = environ[name].strip()
-            if not _is_decimal(raw) or not 0 < int(raw) <= _maximum("observe.error_limit"):
-                raise SettingsError(f"{name}={environ[name]!r}: must be a positive integer")
-            observe = dataclasses.replace(observe, error_limit=int(raw))
-            break
+    if gate := next((name for name in OBSERVE_GATE_ENV if name in environ), None):
+        value = parse_bool(environ[gate])
+        if value is None:
+            raise SettingsError(f"{gate}={environ[gate]!r}: not a boolean (use 1/0, true/false, yes/no, on/off)")
+        observe = dataclasses.replace(observe, enabled=value)
+    if limit := next((name for name in OBSERVE_LIMIT_ENV if name in environ), None):
+        raw = environ[limit].strip()
+        if not _is_decimal(raw) or not 0 < int(raw) <= _maximum("observe.error_limit"):
+            raise SettingsError(f"{limit}={environ[limit]!r}: must be a positive integer")
+        observe = dataclasses.replace(observe, error_limit=int(raw))
     return dataclasses.replace(settings, observe=observe)
 
 
@@ -327,8 +314,7 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, key, file, base)
+        return _convert(next(a for a in args if a is not type(None)), value, key, file, base)
     if value is None:
         fail("must not be null")
     if origin is Literal:
@@ -350,8 +336,8 @@ def _convert(hint: Any, value: Any, key: str, file: Path, base: Path) -> Any:
             fail(f"must be a whole number, got {value!r}")
         if not math.isfinite(value):
             fail(f"must be a finite number, got {value!r}")
-        if value > _maximum(key):
-            fail(f"must be at most {_maximum(key)}, got {value:.3g}")
+        if value > (top := _maximum(key)):
+            fail(f"must be at most {top}, got {value:.3g}")
         if key in _ZERO_ALLOWED and value < 0:
             fail(f"must not be negative, got {value!r}")
         if key not in _ZERO_ALLOWED and value <= 0:

@@ -75,12 +75,12 @@ def test_messages_reach_a_real_datagram_socket(rundir: Path, abstract: bool):
     sock.bind("\0" + name[1:] if abstract else name)
     sock.setblocking(False)
     try:
-        n = Notifier({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "2000000"}, pid=os.getpid())
+        n = Notifier({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "2000000"})
         assert n.address is not None and n.watchdog_s == 1.0
         before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         n.ready("generation 1")
         n.reloading("reloading: SIGHUP")
-        n.watchdog()
+        n.send(WATCHDOG=1)
         n.stopping()
         n.close()
         got = receive_all(sock)

@@ -92,7 +92,8 @@ def test_page_has_no_external_assets():
 
 
 def test_page_of_a_fresh_daemon():
-    html = render_page(status_document(State(started_at=NOW), Settings(), NOW), NOW)
+    state = State(started_at=NOW)
+    html = render_page(status_document(state, Settings(), NOW), NOW, {}, History.of(state))
     assert "No old workers" in html and "No reloads yet" in html and "master down" in html
     assert "No dead servers" in html and "no reloads yet" in html and "no pushes yet" in html
 

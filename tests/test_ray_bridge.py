@@ -45,11 +45,11 @@ SOCK = "/tmp/haproxy-serve/n1/admin.sock"
         pytest.param(["-db", "-f", CFG], Run(Path(CFG)), id="ray-start-reuse-port"),
         pytest.param(
             ["-db", "-f", CFG, "-dR", "-sf", "101", "99", "98", "-x", SOCK],
-            Run(Path(CFG), (101, 99, 98), (), Path(SOCK)),
+            Run(Path(CFG), (101, 99, 98), ()),
             id="ray-reload",
         ),
         pytest.param(["-db", "-f", CFG, "-sf", "101"], Run(Path(CFG), (101,)), id="ray-reload-no-optimised-config"),
-        pytest.param(["-db", "-f", CFG, "-st", "7", "-x", SOCK], Run(Path(CFG), (), (7,), Path(SOCK)), id="hard"),
+        pytest.param(["-db", "-f", CFG, "-st", "7", "-x", SOCK], Run(Path(CFG), (), (7,)), id="hard"),
         pytest.param(["-v"], PassThrough(("-v",)), id="version"),
         pytest.param(["-vv"], PassThrough(("-vv",)), id="build-options"),
         pytest.param(["-c", "-f", CFG], PassThrough(("-c", "-f", CFG)), id="check"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.files import RuntimeDirInUse, RuntimeDirLock, lock_holder
+from supervisor.files import RuntimeDirInUse, RuntimeDirLock
 
 
 def test_a_second_lock_is_refused_and_names_the_holder(tmp_path: Path):
@@ -17,12 +17,12 @@ def test_a_second_lock_is_refused_and_names_the_holder(tmp_path: Path):
     second = RuntimeDirLock(tmp_path)  # another open file description: flock conflicts, as between processes
     with pytest.raises(RuntimeDirInUse) as refused:
         second.acquire()
-    assert refused.value.holder == os.getpid()
     assert f"PID {os.getpid()}" in refused.value.strerror and str(tmp_path) in refused.value.strerror
-    assert not second.held
+    assert second._fd is None  # the refused attempt keeps no descriptor
     first.release()
     second.acquire()  # released: the next one gets it
-    assert second.held
+    with pytest.raises(RuntimeDirInUse):
+        RuntimeDirLock(tmp_path).acquire()
     second.release()
 
 
@@ -30,7 +30,9 @@ def test_the_holder_comes_from_the_kernel_not_only_from_the_file(tmp_path: Path)
     lock = RuntimeDirLock(tmp_path)
     lock.acquire()
     lock.path.write_text("999999\n")  # a stale or forged PID in the file
-    assert lock_holder(lock.path) == os.getpid()
+    with pytest.raises(RuntimeDirInUse) as refused:
+        RuntimeDirLock(tmp_path).acquire()
+    assert f"PID {os.getpid()}" in refused.value.strerror
     lock.release()
 
 
