@@ -124,7 +124,10 @@ def test_opaque_sections_survive_copy_and_edit():
 
 
 def _line_fields(config: Config) -> list[tuple[str, str, list[tuple[str, tuple[str, ...], int]]]]:
-    return [(s.kind, s.name, [(line.raw, line.words, line.code_end) for line in s.lines()]) for s in config.sections]
+    return [
+        (s.kind, s.name, [(line.raw, line.words, line.code_end) for line in filter(None, (s.header, *s.body))])
+        for s in config.sections
+    ]
 
 
 def _variants(text: str) -> list[str]:

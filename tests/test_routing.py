@@ -11,7 +11,7 @@ import pytest
 
 from rigs.wholes import inject_guard, steer_entries
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import SlotTable, slot_table
+from supervisor.haproxy.guard import inject_guard_and_table, slot_table
 from supervisor.haproxy.routing import (
     BUCKET_BITS,
     HASHED_ID,
@@ -188,7 +188,7 @@ def test_the_slot_table_names_home_slots_for_cookies_and_stick_entries(tmp_path:
         "  server s2 10.0.0.2:80\n  server s3 10.0.0.3:80 cookie c1\n"
         "backend plain\n  server p 10.0.0.5:80\n"
     )
-    table = SlotTable.of(Config.parse(text), tmp_path)
+    table = inject_guard_and_table(Config.parse(text), "/run/hs/steer.map", tmp_path)[1]
     rows = table.text.splitlines()
     assert rows[:4] == ["b_0 s1", "b_1 s2", "b_2 s3", "plain_0 p"]
     # the first server with a cookie value takes it (s3's c1 names s1); a backup has no home slot

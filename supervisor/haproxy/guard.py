@@ -174,7 +174,7 @@ def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> Guar
         use_at = (later[-1] + 1) if later else at
     else:
         use_at = first_use_server
-    at, use_at = _above_comments(body, at), _above_comments(body, use_at)
+    at, use_at = above_comments(body, at), above_comments(body, use_at)
     return GuardPlan(tuple(names), rows, routing, at, use_at, indent, slots, guard_redispatch(settings))
 
 
@@ -257,8 +257,8 @@ def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
     return plans
 
 
-def _above_comments(body: list[Line], index: int) -> int:
-    """Move an insertion point above the comment lines that introduce the line it precedes."""
+def above_comments(body: list[Line], index: int) -> int:
+    """An insertion point moved above the comment lines that introduce the line it precedes."""
     while index > 0 and not body[index - 1].words and body[index - 1].raw.strip().startswith("#"):
         index -= 1
     return index
@@ -313,10 +313,6 @@ class SlotTable:
 
     path: Path
     text: str
-
-    @classmethod
-    def of(cls, config: Config, directory: Path) -> SlotTable:
-        return cls.of_plans(_plans(config), directory)
 
     @classmethod
     def of_plans(cls, plans: list[tuple[Section, str, GuardPlan]], directory: Path) -> SlotTable:

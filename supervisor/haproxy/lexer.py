@@ -9,7 +9,7 @@ keeps with a Slot of its own: this, the lowest layer, knows none of their types.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -128,11 +128,6 @@ class Section:
         """The named defaults section a proxy inherits from (`from NAME`), if any."""
         words = self.header.words if self.header is not None else ()
         return next((words[i + 1] for i in range(1, len(words) - 1) if words[i] == "from"), None)
-
-    def lines(self) -> Iterator[Line]:
-        if self.header is not None:
-            yield self.header
-        yield from self.body
 
     def copy(self) -> Section:
         return Section(self.header, list(self.body))
