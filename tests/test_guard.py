@@ -34,7 +34,7 @@ def guarded(text: str, table: str | Path = TABLE) -> str:
 
 
 def body_of(text: str, backend: str) -> list[str]:
-    section = Config.parse(text).backend(backend)
+    section = next((s for s in Config.parse(text).backends() if s.name == backend), None)
     assert section is not None
     return [line.raw.rstrip("\n") for line in section.body]
 

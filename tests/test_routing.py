@@ -32,7 +32,7 @@ MAP, TABLE = "/run/hs/steer.map", "/run/hs/slots-0.map"
 
 def routing(lines: str, mode: str = "http", defaults: str = "") -> Routing:
     config = Config.parse(f"defaults\n  mode {mode}\n{defaults}backend b\n{lines}  server s1 10.0.0.1:80\n")
-    section = config.backend("b")
+    section = next((s for s in config.backends() if s.name == "b"), None)
     assert section is not None
     return routing_of(config.settings_of(section), section.body, "b")
 
@@ -193,7 +193,9 @@ def test_the_slot_table_names_home_slots_for_cookies_and_stick_entries(tmp_path:
     assert rows[:4] == ["b_0 s1", "b_1 s2", "b_2 s3", "plain_0 p"]
     # the first server with a cookie value takes it (s3's c1 names s1); a backup has no home slot
     assert rows[4:] == ["b/cc1 0", "b/cdflt 1", "b/s7 0", "b/s2 1", "b/s3 2"]
-    assert routing_of(Config.parse(text).settings_of(Config.parse(text).backend("plain")), [], "plain") == PLAIN
+    config = Config.parse(text)
+    plain = next(s for s in config.backends() if s.name == "plain")
+    assert routing_of(config.settings_of(plain), [], "plain") == PLAIN
 
 
 @pytest.mark.parametrize("node_keys", [ID_TIMES_4096, HASHED_ID])

@@ -23,7 +23,7 @@ from .answers import HANDOFF_SERVER, validate_name
 from .config import Config
 from .guard import GUARD_MARKER, above_comments, is_guarded, primary_names
 from .lexer import Line, Section, Slot, body_key, parse_line
-from .resolution import BACKEND_KINDS, BUILT_IN, RULE_KEYWORDS, ProxySettings, server_line_flags
+from .resolution import BACKEND_KINDS, BUILT_IN, RULE_KEYWORDS, ProxySettings, resolve, server_line_flags
 
 HANDOFF_FRONTEND = "_hs_handoff"
 HANDOFF_HEADER = "x-hs-backend"
@@ -62,7 +62,7 @@ def eligible_backends(config: Config) -> list[str]:
     kept = config.cache.kept(ELIGIBLE)
     names = []
     last_defaults = BUILT_IN  # what the hand-off frontend, placed last, inherits
-    for section, settings in config.resolved():
+    for section, settings in resolve(config.sections):
         if section.kind == "defaults":
             last_defaults = settings
         if section.kind not in BACKEND_KINDS or settings.mode != "http" or _bars_the_hand_off(settings):

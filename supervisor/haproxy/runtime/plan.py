@@ -1,13 +1,6 @@
 """The plan: does the new config differ from the running one only in what the runtime API can
 change (server addresses, ports, weights, enabled state; servers added and removed by name)?
-Then the changes; else the one-line reason a reload is needed. What qualifies, and the order
-of each server's commands, are in docs/runtime-changes.md.
-
-The order never leaves a server routable where it should not be (`ordered_commands`): a
-disable starts with `state maint`, an enable ends with `state ready`, and a live server's new
-address is swapped in place, never out of rotation (a maint/ready pair would empty a backend
-of one server). A refused command stops that server's sequence, so a server whose sequence
-began with `state maint` stays in maint, and the reloader reloads.
+Then the changes; else the one-line reason a reload is needed (docs/runtime-changes.md).
 
 A dynamic server gets none of the `default-server` settings (checked on 2.6.12), so its
 `add server` line carries what the config resolves for it (`resolved_params`). What
@@ -220,23 +213,16 @@ def slot_map_commands(path: str, held: dict[str, str], config: Config, backends:
     `config` gives `backends`: `set map` / `add map` for new and changed slots and
     persistence rows (a cookie's or a stick entry's home slot moves with its server), then
     `del map` for those that are gone."""
-    wanted = {
-        f"{backend}_{i}": name
-        for backend, names in slot_table(config)
-        if backend in backends
-        for i, name in enumerate(names)
-    }
+    wanted = {f"{backend}_{i}": name for backend, names in slot_table(config) if backend in backends
+              for i, name in enumerate(names)}
     persistence = tuple(f"{b}{row}" for b in backends for row in (COOKIE_ROW, STICK_ROW))
     wanted |= {
         key: slot for key, slot in persistence_rows(config)
         if key.startswith(persistence) and not any(c in key for c in ";\\ \t")
     }
     prefixes = tuple(f"{b}_" for b in backends)
-    commands = [
-        f"{'set' if key in held else 'add'} map {path} {key} {value}"
-        for key, value in wanted.items()
-        if held.get(key) != value
-    ]
+    commands = [f"{'set' if key in held else 'add'} map {path} {key} {value}"
+                for key, value in wanted.items() if held.get(key) != value]
     commands += [
         f"del map {path} {key}" for key in held if key not in wanted and key.startswith(prefixes)
         and key[key.rindex("_") + 1:].isdigit() and key[: key.rindex("_")] in backends
@@ -315,7 +301,10 @@ class ServerChange:
 
 
 def ordered_commands(change: ServerChange) -> list[str]:
-    """The CLI commands for one change, in the only order that never routes wrongly (module doc)."""
+    """The CLI commands for one change, in the only order that never routes wrongly: a disable
+    starts with `state maint`, an enable ends with `state ready`, a live server's new address is
+    swapped in place (a maint/ready pair would empty a backend of one server). A refused command
+    stops the sequence, so a server whose sequence began with `state maint` stays in maint."""
     target = change.key
     weight = [f"set server {target} weight {change.to_weight}"] if change.weight_changed else []
     port = f" port {change.to_port}" if change.to_port is not None else ""
@@ -326,7 +315,7 @@ def ordered_commands(change: ServerChange) -> list[str]:
             return [*weight, f"set server {target} state ready"]
         return weight
     if not change.takes_out and change.was_enabled:
-        return [addr, *weight]  # a live server's new address: swapped in place (module doc)
+        return [addr, *weight]
     # An enable whose address changes starts with `state maint` too: if the address is then
     # refused, the server is known to be in maint, never ready at an address it should not have.
     commands = [f"set server {target} state maint"]
