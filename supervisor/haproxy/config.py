@@ -108,8 +108,6 @@ class Config:
         kept = self.cache.kept(SERVER_FLAGS)
         for section, settings in self.each_backend_with_settings():
             flags = settings.server_defaults
-            # Nothing else goes into the flags: an edited line or `default-server` gives
-            # another key, never a stale entry.
             key = (flags, body_key(section.body))
             lines = kept.get_or_make(key, server_line_flags, section.body, flags)
             result.append((section, list(lines)))

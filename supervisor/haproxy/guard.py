@@ -246,8 +246,6 @@ def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path
 
 
 def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
-    # (settings, name, body key) -> its plan: nothing else goes into it, so an edited line
-    # gives another key, never a stale plan.
     kept = config.cache.kept(GUARD_PLANS)
     plans: list[tuple[Section, str, GuardPlan]] = []
     for section, settings in config.each_backend_with_settings():

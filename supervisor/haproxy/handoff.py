@@ -53,12 +53,9 @@ ELIGIBLE: Slot[tuple[ProxySettings, bytes], bool] = Slot("hand-off eligibility")
 
 
 def eligible_backends(config: Config) -> list[str]:
-    """The backends and listens whose requests an old worker may hand off: `mode http`, with
-    primary servers, none of the rules OWN_RULES names, no server spoken to in HTTP/2 (`proto
-    h2`), and no `option forwardfor` or `originalto` applying (the current worker would add
-    the header again) nor rules of its defaults; none at all when the hand-off frontend would
-    inherit one of those itself.
-    `config`: before the guard."""
+    """The backends and listens (of `config` before the guard) whose requests an old worker may
+    hand off: `mode http`, with primaries, nothing that _bars_the_hand_off() or _eligible()
+    refuses; none at all when the hand-off frontend would inherit a bar itself."""
     kept = config.cache.kept(ELIGIBLE)
     names = []
     last_defaults = BUILT_IN  # what the hand-off frontend, placed last, inherits
@@ -79,6 +76,7 @@ def _bars_the_hand_off(settings: ProxySettings) -> bool:
 
 
 def _eligible(body: list[Line], settings: ProxySettings) -> bool:
+    """None of OWN_RULES, no server spoken to in HTTP/2 (`proto h2`), and primary servers."""
     if any(line.words and line.words[0] in OWN_RULES for line in body):
         return False
     # The hop speaks HTTP/1; what a backend speaks HTTP/2 to (gRPC: trailers) stays with it.
