@@ -269,7 +269,7 @@ async def apply_membership(
     for command, answer in zip(table, table_answers, strict=True):
         if (reason := refusal(command, answer)) is not None:
             return _failed(result, f"slot table: {command!r} refused: {reason}")
-    why = await _remove(sender, [r.key for r in plan.removes], result)
+    why = await _remove(sender, list(plan.removes), result)
     if why:
         return _failed(result, why)
     return result

@@ -80,19 +80,6 @@ class ServerAdd:
         return commands
 
 
-@dataclass(frozen=True, slots=True)
-class ServerRemove:
-    backend: str
-    server: str
-
-    def __post_init__(self) -> None:
-        ServerKey.checked(self.backend, self.server)
-
-    @property
-    def key(self) -> ServerKey:
-        return ServerKey.of(self.backend, self.server)
-
-
 def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
     """Server words as HAProxy applies them, folded into one line for `add server`: each keyword
     once at its last value, `no-X` cancels an earlier X, `enabled`/`disabled` left out."""
@@ -139,7 +126,7 @@ def _server_lines(section: Section) -> dict[str, _ServerLine] | str:
     return lines
 
 
-def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd], list[ServerRemove]] | str:
+def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd], list[ServerKey]] | str:
     """The servers present in both configs, those added and those removed, or why the change
     is more than that: section by section, everything but the backends' `server` lines is the
     same (the slot table's name aside), and every server present in both has the same line but
@@ -149,7 +136,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
         return _first_difference(old_frame, new_frame)
     pairs: list[Pair] = []
     adds: list[ServerAdd] = []
-    removes: list[ServerRemove] = []
+    removes: list[ServerKey] = []
     old_backends, new_backends = running.each_backend_with_settings(), new.each_backend_with_settings()
     for (old_section, old_settings), (new_section, new_settings) in zip(old_backends, new_backends, strict=True):
         old_lines, new_lines = _server_lines(old_section), _server_lines(new_section)
@@ -183,7 +170,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
             if isinstance(added, str):
                 return added
             adds.append(added)
-        removes.extend(ServerRemove(old_section.name, name) for name in old_lines if name not in new_lines)
+        removes.extend(ServerKey.checked(old_section.name, name) for name in old_lines if name not in new_lines)
     return pairs, adds, removes
 
 
@@ -424,7 +411,7 @@ class RuntimePlan:
     changes: list[ServerChange] | None
     why_reload: str = ""
     adds: tuple[ServerAdd, ...] = ()
-    removes: tuple[ServerRemove, ...] = ()
+    removes: tuple[ServerKey, ...] = ()  # checked
     # Adds the worker already holds (a daemon killed in the middle of this change): only
     # their checks and `state ready` are sent.
     present: tuple[ServerAdd, ...] = ()
@@ -435,7 +422,7 @@ class RuntimePlan:
 
     @property
     def backends(self) -> set[str]:
-        return {a.backend for a in (*self.adds, *self.present)} | {r.backend for r in self.removes}
+        return {a.backend for a in (*self.adds, *self.present)} | {key.backend for key in self.removes}
 
 
 def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> RuntimePlan | str:
@@ -455,16 +442,16 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
             present.append(add)
         else:
             return f"{add.key}: the worker holds it at {state.address}:{state.port}, not {add.address}"
-    removes = [r for r in plan.removes if r.key in holds]
-    wanted = set(new.server_map()) | {r.key for r in removes}
-    removes += [ServerRemove(s.backend, s.name) for s in held if s.key not in wanted]
+    removes = [key for key in plan.removes if key in holds]
+    wanted = set(new.server_map()) | set(removes)
+    removes += [ServerKey.checked(s.backend, s.name) for s in held if s.key not in wanted]
     return replace(plan, adds=tuple(adds), removes=tuple(removes), present=tuple(present))
 
 
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:
     """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
     adds: list[ServerAdd] = []
-    removes: list[ServerRemove] = []
+    removes: list[ServerKey] = []
     if config_skeleton(running) != config_skeleton(new):
         found = membership(running, new)
         if isinstance(found, str):
