@@ -178,13 +178,9 @@ def _handed_off_body(
     rules = [f"http-request set-header {HANDOFF_HEADER} %[be_name] if {test}", *rescue_lines(retry_on, test)]
     body[rules_at:rules_at] = [line(HANDOFF_MARKER), *map(line, rules)]
     use_at = next((i for i, b in enumerate(body) if b.words[:1] == ("use-server",)), None)
-    use_server = [line(f"use-server {HANDOFF_SERVER} if {test}")]
-    if use_at is None:
-        after_rules = rules_at + 1 + len(rules)  # the marker, then the rules
-        body[after_rules:after_rules] = use_server
-    else:
-        use_at = above_comments(body, use_at)
-        body[use_at:use_at] = use_server
+    # First of the `use-server` rules, else right after the marker and the rules.
+    use_at = rules_at + 1 + len(rules) if use_at is None else above_comments(body, use_at)
+    body.insert(use_at, line(f"use-server {HANDOFF_SERVER} if {test}"))
     body.append(line(f"server {HANDOFF_SERVER} unix@{socket} {_SERVER_WORDS}"))
     return tuple(body)
 
