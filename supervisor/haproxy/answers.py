@@ -239,14 +239,6 @@ class ServerState:
     def in_maint(self) -> bool:
         return bool(self.admin_state & ADMIN_MAINT_MASK)
 
-    @property
-    def down(self) -> bool:
-        return self.op_state == 0
-
-    @property
-    def alive(self) -> bool:
-        return not self.down and not self.in_maint
-
 
 _STATE_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port", "srv_op_state", "srv_admin_state", "srv_uweight")
 
