@@ -329,7 +329,8 @@ async def staged(
 
                 def down_seen() -> bool:
                     answer = sup.master.command(f"@!{old_pid} show servers state weights_down")
-                    return any(st.name == "down" and not st.alive for st in parse_servers_state(answer))
+                    states = parse_servers_state(answer)
+                    return any(st.name == "down" and (st.op_state == 0 or st.in_maint) for st in states)
 
                 wait_for(down_seen, timeout=10, what="server `down` DOWN")
                 await sup.reload(rendered(front, ports, True, tag))

@@ -133,8 +133,9 @@ def summarize_states(states: Iterable[ServerState]) -> LiveStates:
     by_key: dict[str, bool | None] = {}
     for st in states:
         where = at(st.backend, f"{st.address}:{st.port}" if st.port is not None else st.address)
-        (up if st.alive else down).add(where)
-        by_key[st.key] = st.alive
+        alive = st.op_state != 0 and not st.in_maint
+        (up if alive else down).add(where)
+        by_key[st.key] = alive
     return LiveStates(frozenset(down - up), frozenset(), by_key)
 
 

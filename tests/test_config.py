@@ -61,7 +61,8 @@ def test_rayserve_servers_and_flags():
     assert servers["echo/echo_r1"].check and not servers["echo/echo_r1"].backup
     assert servers["echo/fallback"].backup
     assert servers["echo_via_router/echo_r1"].track == "echo/echo_r1"
-    assert [s.name for s in config.servers(config.backend("wide")) if not s.backup] == ["wide_r1", "wide_r2", "wide_r3"]
+    wide = next(s for s in config.backends() if s.name == "wide")
+    assert [s.name for s in config.servers(wide) if not s.backup] == ["wide_r1", "wide_r2", "wide_r3"]
     assert "h2" in servers["grpc_wide/wide_r1"].params
 
 
@@ -102,8 +103,8 @@ def test_named_defaults_with_from():
     config = Config.parse(text)
     servers = config.server_map()
     assert servers["x/x1"].check and not servers["y/y1"].check
-    assert config.settings_of(config.backend("x")).mode == "http"
-    assert config.settings_of(config.backend("y")).mode == "tcp"
+    x, y = (next(s for s in config.backends() if s.name == name) for name in "xy")
+    assert (config.settings_of(x).mode, config.settings_of(y).mode) == ("http", "tcp")
 
 
 def test_argument_words_are_not_flags():
@@ -116,7 +117,7 @@ def test_opaque_sections_survive_copy_and_edit():
     text = "userlist u\n  user a insecure-password x\nbackend b\n  server s 127.0.0.1:1 check\n"
     config = Config.parse(text)
     copy = config.copy()
-    section = copy.backend("b")
+    section = next((s for s in copy.backends() if s.name == "b"), None)
     section.body[0] = section.body[0].with_appended(" weight 5")
     assert config.render() == text  # the original is untouched
     assert "server s 127.0.0.1:1 check weight 5\n" in copy.render()
@@ -124,7 +125,10 @@ def test_opaque_sections_survive_copy_and_edit():
 
 
 def _line_fields(config: Config) -> list[tuple[str, str, list[tuple[str, tuple[str, ...], int]]]]:
-    return [(s.kind, s.name, [(line.raw, line.words, line.code_end) for line in s.lines()]) for s in config.sections]
+    return [
+        (s.kind, s.name, [(line.raw, line.words, line.code_end) for line in filter(None, (s.header, *s.body))])
+        for s in config.sections
+    ]
 
 
 def _variants(text: str) -> list[str]:

@@ -16,6 +16,7 @@ from rigs.wholes import inject_guard, plan_runtime_apply
 from supervisor.effective import effective_config_and_table
 from supervisor.haproxy.config import Config, inject_observe
 from supervisor.haproxy.guard import slot_table
+from supervisor.haproxy.resolution import resolve
 from supervisor.settings import ObserveSettings, OldWorkerSettings, ReloadSettings, Settings
 from supervisor.steering.dead import Sections
 from tests.conftest import CORPUS, corpus_files
@@ -47,7 +48,7 @@ backend b
 
 def settings_of(text: str, name: str):
     config = Config.parse(text)
-    section = config.backend(name)
+    section = next((s for s in config.backends() if s.name == name), None)
     assert section is not None
     return config.settings_of(section)
 
@@ -55,7 +56,7 @@ def settings_of(text: str, name: str):
 def test_mode_follows_a_from_chain():
     assert settings_of(CHAIN, "be").mode == "http"
     config = Config.parse(CHAIN)
-    assert config.settings_of(config.backend("be")).mode == "http"
+    assert config.settings_of(next(s for s in config.backends() if s.name == "be")).mode == "http"
 
 
 def test_guard_flavour_follows_the_chain():
@@ -101,7 +102,7 @@ def test_defaults_from_without_a_name_and_the_last_line_wins():
         "backend b\n    mode tcp\n    mode http\n    server s 127.0.0.1:1\n    server t 127.0.0.1:2 no-backup\n"
     )
     config = Config.parse(text)
-    assert config.settings_of(config.backend("b")).mode == "http"
+    assert config.settings_of(next(s for s in config.backends() if s.name == "b")).mode == "http"
     servers = config.server_map()
     assert (servers["b/s"].backup, servers["b/s"].weight) == (True, 7)
     assert (servers["b/t"].backup, servers["b/t"].weight) == (False, 7)
@@ -164,7 +165,7 @@ def test_server_state_file_reaches_a_backend_through_its_chain():
 @pytest.mark.parametrize("path", corpus_files(), ids=lambda p: p.name)
 def test_one_pass_agrees_with_the_straightforward_rule_on_the_corpus(path):
     config = Config.parse(path.read_text())
-    proxies = [(s, st) for s, st in config.resolved() if s.kind != "defaults"]
+    proxies = [(s, st) for s, st in resolve(config.sections) if s.kind != "defaults"]
     assert proxies
     for section, settings in proxies:
         assert settings.mode == reference.mode_of(config, section), section.name
@@ -211,7 +212,7 @@ def test_random_chains_agree_with_the_straightforward_rule():
 
 def test_the_chained_template_corpus_resolves_as_haproxy_reads_it():
     config = Config.parse((CORPUS / "templates_chained.cfg").read_text())
-    settings = {s.name: st for s, st in config.resolved() if s.kind != "defaults"}
+    settings = {s.name: st for s, st in resolve(config.sections) if s.kind != "defaults"}
     assert (settings["edge_http"].mode, settings["edge_http"].balance, settings["edge_http"].all_backups) == (
         "http", ("leastconn",), True
     )

@@ -112,7 +112,7 @@ async def test_a_target_the_old_worker_itself_sees_down_is_not_used(rundir):
 
                 async def r2_down() -> bool:
                     answer = await sup.cli.on(first, "show servers state app")
-                    return any(s.name == "r2" and s.down for s in parse_servers_state(answer))
+                    return any(s.name == "r2" and s.op_state == 0 for s in parse_servers_state(answer))
 
                 await sup.until(r2_down, what="r2 DOWN in the first worker")
                 await asyncio.sleep(0.3)  # a poll reads the first worker's view

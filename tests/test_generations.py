@@ -78,8 +78,8 @@ def test_plan_without_any_file():
 
 
 def listing(current: int, *old: int) -> ProcList:
-    return ProcList(Proc(1, "master", 2, "1s", "2.6"), 0, (Proc(current, "worker", 0, "1s", "2.6"),),
-                    tuple(Proc(pid, "worker", 1, "9s", "2.6") for pid in old))
+    return ProcList(Proc(1, "master", 2), 0, (Proc(current, "worker", 0),),
+                    tuple(Proc(pid, "worker", 1) for pid in old))
 
 
 def test_prunable_never_prunes_current():

@@ -10,7 +10,7 @@ import pytest
 from rigs.wholes import guard_block, guarded_backends, inject_guard
 from supervisor.effective import effective_config_and_table
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import GUARD_MARKER, SlotTable, slot_table, slot_table_text
+from supervisor.haproxy.guard import GUARD_MARKER, SlotTable, inject_guard_and_table, slot_table, slot_table_text
 from supervisor.settings import (
     HAProxySettings,
     ObserveSettings,
@@ -25,12 +25,16 @@ MAP = "/run/hs/steer.map"
 TABLE = "/run/hs/slots-0123456789abcdef.map"
 
 
+def table_of(config: Config, directory: Path) -> SlotTable:
+    return inject_guard_and_table(config, MAP, directory)[1]
+
+
 def guarded(text: str, table: str | Path = TABLE) -> str:
     return inject_guard(Config.parse(text), MAP, table).render()
 
 
 def body_of(text: str, backend: str) -> list[str]:
-    section = Config.parse(text).backend(backend)
+    section = next((s for s in Config.parse(text).backends() if s.name == backend), None)
     assert section is not None
     return [line.raw.rstrip("\n") for line in section.body]
 
@@ -163,7 +167,7 @@ def test_effective_config_applies_guard_only_when_on():
     on = Settings(haproxy=HAProxySettings(runtime_dir=Path("/run/hs")), reload=no_state)
     off = Settings(old_workers=OldWorkerSettings(guard=False), reload=no_state)
     assert effective_config_and_table(Config.parse(text), off)[0].render() == text
-    table = SlotTable.of(Config.parse(text), Path("/run/hs"))
+    table = table_of(Config.parse(text), Path("/run/hs"))
     assert effective_config_and_table(Config.parse(text), on)[0].render() == guarded(text, table.path)
 
 
@@ -182,14 +186,14 @@ def test_slot_table_lists_every_primary_in_config_order():
 def test_slot_table_file_is_named_by_the_servers_that_exist():
     base = "backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n"
     run = Path("/run/hs")
-    path = SlotTable.of(Config.parse(base), run).path
+    path = table_of(Config.parse(base), run).path
     assert path.parent == run and path.name.startswith("slots-") and path.suffix == ".map"
     # what a runtime apply changes (address, weight, enabled) keeps the table, and its name
     moved = base.replace("10.0.0.1:80", "10.0.0.9:81 weight 0 disabled")
-    assert SlotTable.of(Config.parse(moved), run) == SlotTable.of(Config.parse(base), run)
+    assert table_of(Config.parse(moved), run) == table_of(Config.parse(base), run)
     # another server set is another file: a config never names a table rewritten for another
     added = base + "  server s3 10.0.0.3:80\n"
-    assert SlotTable.of(Config.parse(added), run).path != path
+    assert table_of(Config.parse(added), run).path != path
 
 
 def _settings(runtime: Path, observe: bool) -> Settings:

@@ -13,7 +13,7 @@ from rigs.wholes import inject_guard
 from supervisor.effective import prepare_runtime_dir, write_slot_table
 from supervisor.haproxy.api import MasterCLI
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import SlotTable
+from supervisor.haproxy.guard import inject_guard_and_table
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.steering.mapdiff import Phase, map_entries, phase_lines
 
@@ -81,7 +81,8 @@ async def test_guard_steers_http_and_tcp_in_an_old_worker_only(rundir):
     with backends("r1", "r2", "r3", "fallback") as b:
         text = RENDERED.format(web=web, raw=raw, **{n: b[n].address for n in b})
         cfg = rundir / "haproxy.cfg"
-        table = SlotTable.of(Config.parse(text), rundir)  # app_0 r1, app_1 r2, app_2 r3; tapp_0 r1, tapp_1 r2
+        # app_0 r1, app_1 r2, app_2 r3; tapp_0 r1, tapp_1 r2
+        table = inject_guard_and_table(Config.parse(text), "/run/hs/steer.map", rundir)[1]
         write_slot_table(table)
         cfg.write_text(inject_guard(Config.parse(text), map_path, table.path).render())
         master = HAProxyMaster(cfg, rundir).start()

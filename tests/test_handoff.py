@@ -55,7 +55,7 @@ def effective(text: str, hand_off: bool = True, guard: bool = True) -> Config:
 
 
 def body_of(config: Config, name: str) -> list[str]:
-    section = config.backend(name)
+    section = next((s for s in config.backends() if s.name == name), None)
     assert section is not None
     return [line.raw.strip() for line in section.body if line.raw.strip()]
 
@@ -153,7 +153,7 @@ def test_injection_writes_the_server_the_rules_and_the_frontend():
     assert f"http-request return status 503 if {{ var(txn.hsv_n) -m int 0 }} !{test}" in body
     words = "weight 0 no-check no-ssl no-backup no-send-proxy send-proxy-v2"
     assert body[-1] == f"server {HANDOFF_SERVER} unix@/run/hs/handoff.sock {words}"
-    ruled = config.backend("ruled")
+    ruled = next((s for s in config.backends() if s.name == "ruled"), None)
     assert ruled is not None and not is_handed_off(ruled)
     assert "http-request return status 503 if { var(txn.hsv_n) -m int 0 }" in body_of(config, "ruled")
     frontend = config.sections[-1]

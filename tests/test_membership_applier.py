@@ -215,7 +215,7 @@ def test_a_change_is_completed_by_what_the_worker_holds(replaced, held, adds, pr
     old, new = replaced
     done = completed_plan(runtime_plan(old, new), held_states(*held), new)
     assert not isinstance(done, str)
-    assert ([a.key for a in done.adds], [a.key for a in done.present], [r.key for r in done.removes]) == (
+    assert ([a.key for a in done.adds], [a.key for a in done.present], list(done.removes)) == (
         adds, present, removes)
 
 

@@ -58,7 +58,7 @@ def test_a_replica_replaced_by_a_new_name_is_one_add_and_one_remove():
     assert p.changes == [] and p.why_reload == ""
     (add,) = p.adds
     (remove,) = p.removes
-    assert (add.key, remove.key) == ("app1/app1_r3", "app1/app1_r1")
+    assert (add.key, remove) == ("app1/app1_r3", "app1/app1_r1")
     # The defaults' default-server (through `from base`) is carried explicitly.
     assert add.add_command == "add server app1/app1_r3 127.0.0.1:9003 inter 500ms weight 7 check"
     assert add.ready_commands == ["enable health app1/app1_r3", "set server app1/app1_r3 state ready"]
@@ -147,7 +147,7 @@ def test_in_place_changes_ride_along():
     p = plan(RAY, new)
     (change,) = p.changes
     assert (change.key, change.to_port, change.to_weight) == ("app1/app1_r2", 9012, 4)
-    assert [a.key for a in p.adds] == ["app1/app1_r3"] and [r.key for r in p.removes] == ["app1/app1_r1"]
+    assert [a.key for a in p.adds] == ["app1/app1_r3"] and list(p.removes) == ["app1/app1_r1"]
 
 
 def test_effective_configs_with_the_guard_qualify_though_the_slot_table_is_renamed(tmp_path: Path):

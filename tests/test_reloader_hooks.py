@@ -215,12 +215,12 @@ async def test_the_first_generation_shares_its_lines_with_the_next(rundir: Path)
     async with running(rundir, apply_at_runtime=False) as rig:
         state = rig.state
         assert state.current is not None and state.current.number == 1
-        first = state.current.model.backend("app")
+        first = next((s for s in state.current.model.backends() if s.name == "app"), None)
         write_atomic(rig.rendered, RENDERED.format(front=rig.front, port=9).replace("    hard-stop-after 5s\n",
                                                                                      "    hard-stop-after 6s\n"))
         await wait_until(lambda: state.reloads.ok == 1)
         assert state.current.number == 2
-        second = state.current.model.backend("app")
+        second = next((s for s in state.current.model.backends() if s.name == "app"), None)
         assert first is not None and second is not None
         assert first.body[0].raw == second.body[0].raw
         assert first.body[0] is second.body[0]

@@ -11,7 +11,7 @@ import pytest
 
 from rigs.wholes import inject_guard, steer_entries
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import SlotTable, slot_table
+from supervisor.haproxy.guard import inject_guard_and_table, slot_table
 from supervisor.haproxy.routing import (
     BUCKET_BITS,
     HASHED_ID,
@@ -32,7 +32,7 @@ MAP, TABLE = "/run/hs/steer.map", "/run/hs/slots-0.map"
 
 def routing(lines: str, mode: str = "http", defaults: str = "") -> Routing:
     config = Config.parse(f"defaults\n  mode {mode}\n{defaults}backend b\n{lines}  server s1 10.0.0.1:80\n")
-    section = config.backend("b")
+    section = next((s for s in config.backends() if s.name == "b"), None)
     assert section is not None
     return routing_of(config.settings_of(section), section.body, "b")
 
@@ -188,12 +188,14 @@ def test_the_slot_table_names_home_slots_for_cookies_and_stick_entries(tmp_path:
         "  server s2 10.0.0.2:80\n  server s3 10.0.0.3:80 cookie c1\n"
         "backend plain\n  server p 10.0.0.5:80\n"
     )
-    table = SlotTable.of(Config.parse(text), tmp_path)
+    table = inject_guard_and_table(Config.parse(text), "/run/hs/steer.map", tmp_path)[1]
     rows = table.text.splitlines()
     assert rows[:4] == ["b_0 s1", "b_1 s2", "b_2 s3", "plain_0 p"]
     # the first server with a cookie value takes it (s3's c1 names s1); a backup has no home slot
     assert rows[4:] == ["b/cc1 0", "b/cdflt 1", "b/s7 0", "b/s2 1", "b/s3 2"]
-    assert routing_of(Config.parse(text).settings_of(Config.parse(text).backend("plain")), [], "plain") == PLAIN
+    config = Config.parse(text)
+    plain = next(s for s in config.backends() if s.name == "plain")
+    assert routing_of(config.settings_of(plain), [], "plain") == PLAIN
 
 
 @pytest.mark.parametrize("node_keys", [ID_TIMES_4096, HASHED_ID])

@@ -224,5 +224,5 @@ def test_config_disabled_flag_alone_is_not_maint():
         "3 app 1 s1 127.0.0.1 0 1 1 1 0 1 0 0 0 0 0 0 - 28011 - 0 0 - - 0\n"
     )
     states = {s.name: s for s in parse_servers_state(header + rows + "\n")}
-    assert not states["slot1"].in_maint and states["slot1"].alive
+    assert not states["slot1"].in_maint and states["slot1"].op_state != 0
     assert states["slot2"].in_maint and states["s1"].in_maint

@@ -15,12 +15,16 @@ from supervisor.effective import (
     write_slot_table,
 )
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.guard import SlotTable
+from supervisor.haproxy.guard import SlotTable, inject_guard_and_table
 from supervisor.logs import RecurringConditions
 from supervisor.reloader.records import ConfigOnDisk, LoadedConfig
 from supervisor.settings import HAProxySettings, Settings
 
 RENDERED = "backend b\n  server s1 10.0.0.1:80\n  server s2 10.0.0.2:80\n  server bk 10.0.0.9:80 backup\n"
+
+
+def table_of(config: Config, directory: Path) -> SlotTable:
+    return inject_guard_and_table(config, "/run/hs/steer.map", directory)[1]
 
 
 def test_the_effective_config_names_the_table_written_before_it(tmp_path: Path):
@@ -35,7 +39,7 @@ def test_the_effective_config_names_the_table_written_before_it(tmp_path: Path):
 
 
 def test_an_existing_table_is_not_rewritten(tmp_path: Path):
-    table = SlotTable.of(Config.parse(RENDERED), tmp_path)
+    table = table_of(Config.parse(RENDERED), tmp_path)
     write_slot_table(table)
     before = table.path.stat().st_mtime_ns
     os.utime(table.path, ns=(before - 10**9, before - 10**9))
@@ -45,9 +49,9 @@ def test_an_existing_table_is_not_rewritten(tmp_path: Path):
 
 def test_stale_tables_go_the_running_one_and_young_ones_stay(tmp_path: Path):
     now = time.time()
-    running = SlotTable.of(Config.parse(RENDERED), tmp_path)
-    other = SlotTable.of(Config.parse(RENDERED + "  server s3 10.0.0.3:80\n"), tmp_path)
-    young = SlotTable.of(Config.parse(RENDERED + "  server s4 10.0.0.4:80\n"), tmp_path)
+    running = table_of(Config.parse(RENDERED), tmp_path)
+    other = table_of(Config.parse(RENDERED + "  server s3 10.0.0.3:80\n"), tmp_path)
+    young = table_of(Config.parse(RENDERED + "  server s4 10.0.0.4:80\n"), tmp_path)
     for table in (running, other, young):
         write_slot_table(table)
     old = now - SLOT_TABLE_GRACE_S - 1

@@ -20,8 +20,7 @@ from tests.support.steering_cases import NEW, OLD, dead_in, digest, live_of, mod
 
 def test_worker_generations_from_show_proc_and_state():
     procs = ProcList(
-        Proc(1, "master", 0, "1s", "2.6"), 0, (Proc(30, "worker", 0, "1s", "2.6"),),
-        (Proc(20, "worker", 1, "9s", "2.6"), Proc(10, "worker", 2, "20s", "2.6")),
+        Proc(1, "master", 0), 0, (Proc(30, "worker", 0),), (Proc(20, "worker", 1), Proc(10, "worker", 2)),
     )
     now = datetime.now(UTC)
     generations = {n: Generation(n, Config.parse(""), "e", "r", now, pid) for n, pid in ((2, 20), (3, 30))}

@@ -62,8 +62,6 @@ class Proc:
     pid: int
     kind: str  # master | worker | program name
     reloads: int  # for a worker: how many reloads ago it was started
-    uptime: str
-    version: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +77,7 @@ class ProcList:
         return min(self.workers, key=lambda p: p.reloads) if self.workers else None
 
 
-_PROC_LINE = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)(?:\s+\[failed:\s*(\d+)\])?\s+(\S+)\s*(\S*)")
+_PROC_LINE = re.compile(r"^(\d+)\s+(\S+)\s+(\d+)(?:\s+\[failed:\s*(\d+)\])?\s+\S+")  # then uptime, version
 
 
 def parse_show_proc(text: str) -> ProcList:
@@ -100,7 +98,7 @@ def parse_show_proc(text: str) -> ProcList:
         m = _PROC_LINE.match(stripped)
         if not m:
             continue
-        proc = Proc(int(m[1]), m[2], int(m[3]), m[5], m[6])
+        proc = Proc(int(m[1]), m[2], int(m[3]))
         if proc.kind == "master":
             master = proc
             failed = int(m[4] or 0)
@@ -240,14 +238,6 @@ class ServerState:
     @property
     def in_maint(self) -> bool:
         return bool(self.admin_state & ADMIN_MAINT_MASK)
-
-    @property
-    def down(self) -> bool:
-        return self.op_state == 0
-
-    @property
-    def alive(self) -> bool:
-        return not self.down and not self.in_maint
 
 
 _STATE_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port", "srv_op_state", "srv_admin_state", "srv_uweight")

@@ -76,23 +76,16 @@ class Config:
     def backends(self) -> Iterator[Section]:
         return (s for s in self.sections if s.kind in BACKEND_KINDS)
 
-    def backend(self, name: str) -> Section | None:
-        return next((s for s in self.backends() if s.name == name), None)
-
-    def resolved(self) -> Iterator[tuple[Section, ProxySettings]]:
-        """Every proxy and defaults section with its ProxySettings (resolution.resolve())."""
-        return resolve(self.sections)
-
     def settings_of(self, proxy: Section) -> ProxySettings:
         """What applies to one section (this walks from the top)."""
-        for section, settings in self.resolved():
+        for section, settings in resolve(self.sections):
             if section is proxy:
                 return settings
         return BUILT_IN
 
     def each_backend_with_settings(self) -> Iterator[tuple[Section, ProxySettings]]:
         """Each backend/listen section with its ProxySettings, resolved as the walk reaches it."""
-        return ((s, settings) for s, settings in self.resolved() if s.kind in BACKEND_KINDS)
+        return ((s, settings) for s, settings in resolve(self.sections) if s.kind in BACKEND_KINDS)
 
     def servers(self, backend: Section | None = None) -> list[Server]:
         """Every server of every backend (or of one), in config order, templates expanded."""
@@ -115,8 +108,6 @@ class Config:
         kept = self.cache.kept(SERVER_FLAGS)
         for section, settings in self.each_backend_with_settings():
             flags = settings.server_defaults
-            # Nothing else goes into the flags: an edited line or `default-server` gives
-            # another key, never a stale entry.
             key = (flags, body_key(section.body))
             lines = kept.get_or_make(key, server_line_flags, section.body, flags)
             result.append((section, list(lines)))

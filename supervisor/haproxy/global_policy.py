@@ -52,8 +52,7 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
             continue
         for line in section.body:
             number += 1
-            words = line.words
-            keyword = words[0] if words else ""
+            words, keyword = line.words, line.keyword
             if keyword in REFUSED_GLOBALS:
                 raise RefusedGlobal(f"line {number}: global `{keyword}` refused: {REFUSED_GLOBALS[keyword]}")
             if _is_stats_socket(line):

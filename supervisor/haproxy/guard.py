@@ -168,13 +168,10 @@ def _guard_plan(body: list[Line], settings: ProxySettings, backend: str) -> Guar
     }
     ranked = list(ranks)
     at = next((i for i in ranked if ranks[i] >= own_rank), ranked[-1] + 1 if ranked else 0)
-    first_use_server = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), None)
-    if first_use_server is None:
-        later = [i for i in ranked if i >= at]
-        use_at = (later[-1] + 1) if later else at
-    else:
-        use_at = first_use_server
-    at, use_at = _above_comments(body, at), _above_comments(body, use_at)
+    # Before the first `use-server`, else after the last rule from `at` on.
+    later = [i for i in ranked if i >= at]
+    use_at = next((i for i in ranked if ranks[i] == _RULE_RANK["use-server"]), later[-1] + 1 if later else at)
+    at, use_at = above_comments(body, at), above_comments(body, use_at)
     return GuardPlan(tuple(names), rows, routing, at, use_at, indent, slots, guard_redispatch(settings))
 
 
@@ -227,13 +224,14 @@ def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
             section.header = parse_line(section.header.raw + newline)
-        block = blocks.get((mode, plan.routing, indent, newline, plan.redispatch))
+        key = (mode, plan.routing, indent, newline, plan.redispatch)
+        block = blocks.get(key)
         if block is None:
 
             def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
                 return [parse_line(f"{indent}{text}{newline}") for text in texts]
 
-            block = blocks[(mode, plan.routing, indent, newline, plan.redispatch)] = (
+            block = blocks[key] = (
                 lines([GUARD_MARKER, *plan.redispatch, *guard_rules(mode, map_text, table_text, plan.routing)]),
                 lines([guard_use_server()]),
                 lines([GUARD_MARKER, guard_use_server()]),
@@ -246,8 +244,6 @@ def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path
 
 
 def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
-    # (settings, name, body key) -> its plan: nothing else goes into it, so an edited line
-    # gives another key, never a stale plan.
     kept = config.cache.kept(GUARD_PLANS)
     plans: list[tuple[Section, str, GuardPlan]] = []
     for section, settings in config.each_backend_with_settings():
@@ -257,8 +253,8 @@ def _plans(config: Config) -> list[tuple[Section, str, GuardPlan]]:
     return plans
 
 
-def _above_comments(body: list[Line], index: int) -> int:
-    """Move an insertion point above the comment lines that introduce the line it precedes."""
+def above_comments(body: list[Line], index: int) -> int:
+    """An insertion point moved above the comment lines that introduce the line it precedes."""
     while index > 0 and not body[index - 1].words and body[index - 1].raw.strip().startswith("#"):
         index -= 1
     return index
@@ -313,10 +309,6 @@ class SlotTable:
 
     path: Path
     text: str
-
-    @classmethod
-    def of(cls, config: Config, directory: Path) -> SlotTable:
-        return cls.of_plans(_plans(config), directory)
 
     @classmethod
     def of_plans(cls, plans: list[tuple[Section, str, GuardPlan]], directory: Path) -> SlotTable:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from .answers import HANDOFF_SERVER, validate_name
 from .config import Config
-from .guard import GUARD_MARKER, is_guarded, primary_names
+from .guard import GUARD_MARKER, above_comments, is_guarded, primary_names
 from .lexer import Line, Section, Slot, body_key, parse_line
-from .resolution import BACKEND_KINDS, BUILT_IN, RULE_KEYWORDS, ProxySettings, server_line_flags
+from .resolution import BACKEND_KINDS, BUILT_IN, RULE_KEYWORDS, ProxySettings, resolve, server_line_flags
 
 HANDOFF_FRONTEND = "_hs_handoff"
 HANDOFF_HEADER = "x-hs-backend"
@@ -53,39 +53,30 @@ ELIGIBLE: Slot[tuple[ProxySettings, bytes], bool] = Slot("hand-off eligibility")
 
 
 def eligible_backends(config: Config) -> list[str]:
-    """The backends and listens whose requests an old worker may hand off: `mode http`, with
-    primary servers, none of the rules OWN_RULES names, no server spoken to in HTTP/2 (`proto
-    h2`), and no `option forwardfor` or `originalto` applying (the current worker would add
-    the header again) nor rules of its defaults; none at all when the hand-off frontend would
-    inherit one of those itself.
-    `config`: before the guard."""
+    """The backends and listens (of `config` before the guard) whose requests an old worker may
+    hand off: `mode http`, with primaries, nothing that _bars_the_hand_off() or _eligible()
+    refuses; none at all when the hand-off frontend would inherit a bar itself."""
     kept = config.cache.kept(ELIGIBLE)
     names = []
     last_defaults = BUILT_IN  # what the hand-off frontend, placed last, inherits
-    for section, settings in config.resolved():
+    for section, settings in resolve(config.sections):
         if section.kind == "defaults":
             last_defaults = settings
         if section.kind not in BACKEND_KINDS or settings.mode != "http" or _bars_the_hand_off(settings):
             continue
-        key = (settings, body_key(section.body))
-        eligible = kept.get(key)
-        if eligible is None:
-            eligible = _eligible(section.body, settings)
-            kept.put(key, eligible)
-        if eligible:
+        if kept.get_or_make((settings, body_key(section.body)), _eligible, section.body, settings):
             names.append(section.name)
     return [] if _bars_the_hand_off(last_defaults) else names
 
 
 def _bars_the_hand_off(settings: ProxySettings) -> bool:
-    """`option forwardfor`/`originalto` or `unique-id-header` (the current worker would add
-    the header again), or
-    its defaults' rules (they would run in both workers; HAProxy refuses the hand-off frontend
-    under the same defaults as a backend)."""
+    """A header the current worker would add again, or its defaults' rules (they would run in
+    both workers; HAProxy refuses the hand-off frontend under the same defaults as a backend)."""
     return settings.adds_headers or settings.defaults_rules
 
 
 def _eligible(body: list[Line], settings: ProxySettings) -> bool:
+    """None of OWN_RULES, no server spoken to in HTTP/2 (`proto h2`), and primary servers."""
     if any(line.words and line.words[0] in OWN_RULES for line in body):
         return False
     # The hop speaks HTTP/1; what a backend speaks HTTP/2 to (gRPC: trailers) stays with it.
@@ -113,10 +104,6 @@ def reserved_names_used(config: Config) -> list[str]:
     return sorted(used)
 
 
-def _handed_off_test(path: str) -> str:
-    return f"{{ be_name,map({path}) -m found }}"
-
-
 def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> Config:
     """`config` (the guard in it or not) with the hand-off in the backends named and its
     frontend last; the same config when none is named. ValueError for a runtime_dir no bind
@@ -128,24 +115,13 @@ def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> C
     for text in (path, socket):
         if not _SAFE_PATH.match(text):
             raise ValueError(f"path {text!r}: only letters, digits and _ . / - can go into a map() argument")
-    test = _handed_off_test(path)
+    test = f"{{ be_name,map({path}) -m found }}"
     result = config.copy()
-    parsed: dict[str, Line] = {}  # the same few lines go into every backend: parsed once each
-
-    def line(text: str) -> Line:
-        found = parsed.get(text)
-        if found is None:
-            found = parsed[text] = parse_line(text)
-        return found
-
     kept = config.cache.kept(HANDED_OFF_BODIES)
     for section, settings in result.each_backend_with_settings():
         if section.name in wanted:
             key = ("".join([b.raw for b in section.body]), settings.retry_on, test, socket)
-            body = kept.get(key)
-            if body is None:
-                body = tuple(_handed_off_body(section, settings.retry_on, test, socket, line))
-                kept.put(key, body)
+            body = kept.get_or_make(key, _handed_off_body, section, settings.retry_on, test, socket, result.cache.line)
             section.body = list(body)
     _end_with_newline(result)
     frontend = Config.parse(
@@ -182,7 +158,7 @@ def rescue_lines(retry_on: tuple[str, ...], test: str) -> list[str]:
 
 def _handed_off_body(
     section: Section, retry_on: tuple[str, ...], test: str, socket: str, parse: Callable[[str], Line]
-) -> list[Line]:
+) -> tuple[Line, ...]:
     body = list(section.body)
     indent = next((line.indent for line in body if line.words), "") or "    "
     newline = "\r\n" if body and body[-1].raw.endswith("\r\n") else "\n"
@@ -198,30 +174,19 @@ def _handed_off_body(
     if body and not body[-1].raw.endswith("\n"):
         body[-1] = parse_line(body[-1].raw + newline)
     first = next((i for i, b in enumerate(body) if _is_rule(b) or b.raw.strip() == GUARD_MARKER), len(body))
-    rules_at = _before_comments(body, first)
+    rules_at = above_comments(body, first)
     rules = [f"http-request set-header {HANDOFF_HEADER} %[be_name] if {test}", *rescue_lines(retry_on, test)]
     body[rules_at:rules_at] = [line(HANDOFF_MARKER), *map(line, rules)]
     use_at = next((i for i, b in enumerate(body) if b.words[:1] == ("use-server",)), None)
-    use_server = [line(f"use-server {HANDOFF_SERVER} if {test}")]
-    if use_at is None:
-        after_rules = rules_at + 1 + len(rules)  # the marker, then the rules
-        body[after_rules:after_rules] = use_server
-    else:
-        use_at = _before_comments(body, use_at)
-        body[use_at:use_at] = use_server
+    # First of the `use-server` rules, else right after the marker and the rules.
+    use_at = rules_at + 1 + len(rules) if use_at is None else above_comments(body, use_at)
+    body.insert(use_at, line(f"use-server {HANDOFF_SERVER} if {test}"))
     body.append(line(f"server {HANDOFF_SERVER} unix@{socket} {_SERVER_WORDS}"))
-    return body
+    return tuple(body)
 
 
 def _is_rule(line: Line) -> bool:
     return bool(line.words) and line.words[0] in (*OWN_RULES, "use_backend", "redirect")
-
-
-def _before_comments(body: list[Line], index: int) -> int:
-    """An insertion point moved above the comment lines (the guard's marker) before it."""
-    while index > 0 and not body[index - 1].words and body[index - 1].raw.strip().startswith("#"):
-        index -= 1
-    return index
 
 
 def _end_with_newline(config: Config) -> None:

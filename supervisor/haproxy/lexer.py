@@ -9,7 +9,7 @@ keeps with a Slot of its own: this, the lowest layer, knows none of their types.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -129,11 +129,6 @@ class Section:
         words = self.header.words if self.header is not None else ()
         return next((words[i + 1] for i in range(1, len(words) - 1) if words[i] == "from"), None)
 
-    def lines(self) -> Iterator[Line]:
-        if self.header is not None:
-            yield self.header
-        yield from self.body
-
     def copy(self) -> Section:
         return Section(self.header, list(self.body))
 
@@ -165,22 +160,14 @@ class RecentlyUsed(Generic[_K, _V]):
     def new_generation(self) -> None:
         self.previous, self.current = self.current, {}
 
-    def get(self, key: _K) -> _V | None:
+    def get_or_make(self, key: _K, make: Callable[..., _V], *args: Any) -> _V:
+        """The value kept for `key`, else make(*args)'s, kept from now on."""
         value = self.current.get(key)
         if value is None:
             value = self.previous.get(key)
-            if value is not None:
-                self.current[key] = value
-        return value
-
-    def put(self, key: _K, value: _V) -> None:
-        self.current[key] = value
-
-    def get_or_make(self, key: _K, make: Callable[..., _V], *args: Any) -> _V:
-        """The value kept for `key`, else make(*args)'s, kept from now on."""
-        value = self.get(key)
-        if value is None:
-            value = self.current[key] = make(*args)
+            if value is None:
+                value = make(*args)
+            self.current[key] = value
         return value
 
 
@@ -207,10 +194,7 @@ class ConfigCache:
 
     def kept(self, slot: Slot[_K, _V]) -> RecentlyUsed[_K, _V]:
         """What `slot` keeps, made on first use."""
-        found = self._kept.get(slot)
-        if found is None:
-            found = self._kept.setdefault(slot, RecentlyUsed())
-        return found
+        return self._kept.setdefault(slot, RecentlyUsed())
 
     def new_generation(self) -> None:
         self.lines.new_generation()

@@ -118,10 +118,12 @@ def _kept_hash(value: ServerFlags | ProxySettings) -> int:
     return kept
 
 
-# The words ServerFlags.apply acts on; every other word of a server line is passed over.
-_FLAG_WORDS = frozenset(
-    {"check", "no-check", "backup", "no-backup", "disabled", "enabled", "observe", "track", "weight", "cookie"}
-)
+# The words ServerFlags.apply acts on that switch a flag: the flag, and its new value.
+_SWITCHES = {
+    "check": ("check", True), "no-check": ("check", False), "backup": ("backup", True), "no-backup": ("backup", False),
+    "disabled": ("disabled", True), "enabled": ("disabled", False), "observe": ("observe", True),
+}
+_FLAG_FIELDS = ("check", "backup", "disabled", "observe", "track", "weight", "cookie")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,38 +156,24 @@ class ServerFlags:
 # walks every word: remember the last few thousand results (pure, and bounded).
 @functools.lru_cache(maxsize=4096)
 def _apply_params(flags: ServerFlags, params: tuple[str, ...]) -> ServerFlags:
-    check, backup, disabled = flags.check, flags.backup, flags.disabled
-    observe, track, weight, cookie = flags.observe, flags.track, flags.weight, flags.cookie
+    fields = dict(zip(_FLAG_FIELDS, flags.compared(), strict=True))
     n = len(params)
     i = 0
     while i < n:
         p = params[i]
-        if p in _FLAG_WORDS:
+        if p in _SWITCHES:
+            name, value = _SWITCHES[p]
+            fields[name] = value
+        elif p in ("track", "weight", "cookie"):
             arg = params[i + 1] if i + 1 < n else None
-            if p == "check":
-                check = True
-            elif p == "no-check":
-                check = False
-            elif p == "backup":
-                backup = True
-            elif p == "no-backup":
-                backup = False
-            elif p == "disabled":
-                disabled = True
-            elif p == "enabled":
-                disabled = False
-            elif p == "observe":
-                observe = True
-            elif p == "track":
-                track = arg
+            if p == "track" or (p == "cookie" and arg is not None):
+                fields[p] = arg
             elif p == "weight" and arg is not None and arg.isdigit():
-                weight = int(arg)
-            elif p == "cookie" and arg is not None:
-                cookie = arg
+                fields["weight"] = int(arg)
         if p in SERVER_KEYWORDS_WITH_ARG:
             i += 1
         i += 1
-    return ServerFlags(check, backup, disabled, observe, track, weight, cookie)
+    return ServerFlags(**fields)
 
 
 def _leading_int(text: str) -> int:

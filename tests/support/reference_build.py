@@ -292,4 +292,4 @@ def reference_effective(text: str, settings: Settings) -> tuple[str, Config]:
         config = inject_server_state(config, settings.haproxy.server_state_file)
     if settings.old_workers.guard:
         config = inject_guard(config, settings.haproxy.steer_map, table_path)
-    return "".join(line.raw for s in config.sections for line in s.lines()), config
+    return "".join(line.raw for s in config.sections for line in filter(None, (s.header, *s.body))), config

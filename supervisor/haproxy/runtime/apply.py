@@ -1,17 +1,15 @@
 """Sending changes to one worker's live servers, checking every answer (docs/runtime-changes.md).
 
 Make before break: every change that leaves a server in service goes out, `state ready`
-accepted, before any disable, so a backend never has fewer usable servers during a change
-than at its start or its end; a backend whose enable was refused keeps its disables for the
-reload. Commands are batched across servers one step at a time: a `;` line runs all its
-commands whatever each answers, so the commands of one server never share a line, and a
-refusal can only stop what has not been sent yet. Servers are added and removed by name here
-too, the worker's slot table kept in step.
+accepted, before any disable; a backend whose enable was refused keeps its disables for the
+reload. A `;` line runs all its commands whatever each answers, so the commands of one server
+never share a line: they are batched across servers one step at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -271,7 +269,7 @@ async def apply_membership(
     for command, answer in zip(table, table_answers, strict=True):
         if (reason := refusal(command, answer)) is not None:
             return _failed(result, f"slot table: {command!r} refused: {reason}")
-    why = await _remove(sender, [r.key for r in plan.removes], result)
+    why = await _remove(sender, list(plan.removes), result)
     if why:
         return _failed(result, why)
     return result
@@ -320,17 +318,12 @@ async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[Ser
         why = why or f"`{add.add_command}` refused: {reason}"
     if why:
         return why
-    sequences = [add.ready_commands for add in (*adds, *present)]
-    step = 0
-    while True:
-        batch = [seq[step] for seq in sequences if step < len(seq)]
-        if not batch:
-            return ""
+    for step in itertools.zip_longest(*(add.ready_commands for add in (*adds, *present))):
+        batch = [command for command in step if command is not None]
         for command, answer in zip(batch, await sender.send(batch), strict=True):
-            reason = refusal(command, answer)
-            if reason is not None:
+            if (reason := refusal(command, answer)) is not None:
                 return f"`{command}` refused: {reason}"
-        step += 1
+    return ""
 
 
 async def _take_back(sender: _Sender) -> None:

@@ -293,10 +293,8 @@ class RuntimeApplier:
             return RuntimeOutcome(True, new)
         result = await apply_changes(self.cli, current.worker_pid, changes)
         self.last_result = result
-        for change in result.applied:
-            self.forget.discard(change.key)
-        for refused in result.refused:
-            self.forget.add(refused.change.key)
+        self.forget.difference_update(change.key for change in result.applied)
+        self.forget.update(refused.change.key for refused in result.refused)
         log.info(
             "runtime apply to worker %d: %d servers changed, %d refused, %d not sent, %d commands on %d lines",
             current.worker_pid, len(result.applied), len(result.refused), len(result.skipped),

@@ -1,13 +1,6 @@
 """The plan: does the new config differ from the running one only in what the runtime API can
 change (server addresses, ports, weights, enabled state; servers added and removed by name)?
-Then the changes; else the one-line reason a reload is needed. What qualifies, and the order
-of each server's commands, are in docs/runtime-changes.md.
-
-The order never leaves a server routable where it should not be (`ordered_commands`): a
-disable starts with `state maint`, an enable ends with `state ready`, and a live server's new
-address is swapped in place, never out of rotation (a maint/ready pair would empty a backend
-of one server). A refused command stops that server's sequence, so a server whose sequence
-began with `state maint` stays in maint, and the reloader reloads.
+Then the changes; else the one-line reason a reload is needed (docs/runtime-changes.md).
 
 A dynamic server gets none of the `default-server` settings (checked on 2.6.12), so its
 `add server` line carries what the config resolves for it (`resolved_params`). What
@@ -87,19 +80,6 @@ class ServerAdd:
         return commands
 
 
-@dataclass(frozen=True, slots=True)
-class ServerRemove:
-    backend: str
-    server: str
-
-    def __post_init__(self) -> None:
-        ServerKey.checked(self.backend, self.server)
-
-    @property
-    def key(self) -> ServerKey:
-        return ServerKey.of(self.backend, self.server)
-
-
 def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
     """Server words as HAProxy applies them, folded into one line for `add server`: each keyword
     once at its last value, `no-X` cancels an earlier X, `enabled`/`disabled` left out."""
@@ -146,7 +126,7 @@ def _server_lines(section: Section) -> dict[str, _ServerLine] | str:
     return lines
 
 
-def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd], list[ServerRemove]] | str:
+def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd], list[ServerKey]] | str:
     """The servers present in both configs, those added and those removed, or why the change
     is more than that: section by section, everything but the backends' `server` lines is the
     same (the slot table's name aside), and every server present in both has the same line but
@@ -156,7 +136,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
         return _first_difference(old_frame, new_frame)
     pairs: list[Pair] = []
     adds: list[ServerAdd] = []
-    removes: list[ServerRemove] = []
+    removes: list[ServerKey] = []
     old_backends, new_backends = running.each_backend_with_settings(), new.each_backend_with_settings()
     for (old_section, old_settings), (new_section, new_settings) in zip(old_backends, new_backends, strict=True):
         old_lines, new_lines = _server_lines(old_section), _server_lines(new_section)
@@ -190,7 +170,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
             if isinstance(added, str):
                 return added
             adds.append(added)
-        removes.extend(ServerRemove(old_section.name, name) for name in old_lines if name not in new_lines)
+        removes.extend(ServerKey.checked(old_section.name, name) for name in old_lines if name not in new_lines)
     return pairs, adds, removes
 
 
@@ -220,23 +200,16 @@ def slot_map_commands(path: str, held: dict[str, str], config: Config, backends:
     `config` gives `backends`: `set map` / `add map` for new and changed slots and
     persistence rows (a cookie's or a stick entry's home slot moves with its server), then
     `del map` for those that are gone."""
-    wanted = {
-        f"{backend}_{i}": name
-        for backend, names in slot_table(config)
-        if backend in backends
-        for i, name in enumerate(names)
-    }
+    wanted = {f"{backend}_{i}": name for backend, names in slot_table(config) if backend in backends
+              for i, name in enumerate(names)}
     persistence = tuple(f"{b}{row}" for b in backends for row in (COOKIE_ROW, STICK_ROW))
     wanted |= {
         key: slot for key, slot in persistence_rows(config)
         if key.startswith(persistence) and not any(c in key for c in ";\\ \t")
     }
     prefixes = tuple(f"{b}_" for b in backends)
-    commands = [
-        f"{'set' if key in held else 'add'} map {path} {key} {value}"
-        for key, value in wanted.items()
-        if held.get(key) != value
-    ]
+    commands = [f"{'set' if key in held else 'add'} map {path} {key} {value}"
+                for key, value in wanted.items() if held.get(key) != value]
     commands += [
         f"del map {path} {key}" for key in held if key not in wanted and key.startswith(prefixes)
         and key[key.rindex("_") + 1:].isdigit() and key[: key.rindex("_")] in backends
@@ -315,7 +288,10 @@ class ServerChange:
 
 
 def ordered_commands(change: ServerChange) -> list[str]:
-    """The CLI commands for one change, in the only order that never routes wrongly (module doc)."""
+    """The CLI commands for one change, in the only order that never routes wrongly: a disable
+    starts with `state maint`, an enable ends with `state ready`, a live server's new address is
+    swapped in place (a maint/ready pair would empty a backend of one server). A refused command
+    stops the sequence, so a server whose sequence began with `state maint` stays in maint."""
     target = change.key
     weight = [f"set server {target} weight {change.to_weight}"] if change.weight_changed else []
     port = f" port {change.to_port}" if change.to_port is not None else ""
@@ -326,7 +302,7 @@ def ordered_commands(change: ServerChange) -> list[str]:
             return [*weight, f"set server {target} state ready"]
         return weight
     if not change.takes_out and change.was_enabled:
-        return [addr, *weight]  # a live server's new address: swapped in place (module doc)
+        return [addr, *weight]
     # An enable whose address changes starts with `state maint` too: if the address is then
     # refused, the server is known to be in maint, never ready at an address it should not have.
     commands = [f"set server {target} state maint"]
@@ -435,7 +411,7 @@ class RuntimePlan:
     changes: list[ServerChange] | None
     why_reload: str = ""
     adds: tuple[ServerAdd, ...] = ()
-    removes: tuple[ServerRemove, ...] = ()
+    removes: tuple[ServerKey, ...] = ()  # checked
     # Adds the worker already holds (a daemon killed in the middle of this change): only
     # their checks and `state ready` are sent.
     present: tuple[ServerAdd, ...] = ()
@@ -446,7 +422,7 @@ class RuntimePlan:
 
     @property
     def backends(self) -> set[str]:
-        return {a.backend for a in (*self.adds, *self.present)} | {r.backend for r in self.removes}
+        return {a.backend for a in (*self.adds, *self.present)} | {key.backend for key in self.removes}
 
 
 def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> RuntimePlan | str:
@@ -466,16 +442,16 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
             present.append(add)
         else:
             return f"{add.key}: the worker holds it at {state.address}:{state.port}, not {add.address}"
-    removes = [r for r in plan.removes if r.key in holds]
-    wanted = set(new.server_map()) | {r.key for r in removes}
-    removes += [ServerRemove(s.backend, s.name) for s in held if s.key not in wanted]
+    removes = [key for key in plan.removes if key in holds]
+    wanted = set(new.server_map()) | set(removes)
+    removes += [ServerKey.checked(s.backend, s.name) for s in held if s.key not in wanted]
     return replace(plan, adds=tuple(adds), removes=tuple(removes), present=tuple(present))
 
 
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:
     """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
     adds: list[ServerAdd] = []
-    removes: list[ServerRemove] = []
+    removes: list[ServerKey] = []
     if config_skeleton(running) != config_skeleton(new):
         found = membership(running, new)
         if isinstance(found, str):
