@@ -98,7 +98,7 @@ async def test_the_indexes_are_worked_out_again_only_when_what_they_come_from_ch
 
 async def _polls_at_rest() -> list[int]:
     """The detector's poll count: after 15 ticks with nothing to watch; once a config is
-    published and indexed; 15 ticks later; after a connect."""
+    published and indexed; 15 ticks later; after connects refused; after a connect."""
     state = State()
     settings = DetectorSettings(poll_interval_ms=10)  # at rest, a look every 20 ms
     detector = StalledDetector(settings, state, MasterCLI("/nonexistent/master.sock"))
@@ -116,15 +116,21 @@ async def _polls_at_rest() -> list[int]:
     try:
         await asyncio.sleep(0.15)
         seen.append(polls)
-        with socket.create_server(("127.0.0.1", 0)) as listener:
-            port = listener.getsockname()[1]
-            state.publish_generation(
-                replace(generation(1, f"backend app\n    server r1 127.0.0.1:{port}\n"), worker_pid=101), current=True)
+        with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_server(("127.0.0.1", 0)) as gone:
+            port, closed_port = listener.getsockname()[1], gone.getsockname()[1]
+            gone.close()
+            config = f"backend app\n    server r1 127.0.0.1:{port}\n    server r2 127.0.0.1:{closed_port}\n"
+            state.publish_generation(replace(generation(1, config), worker_pid=101), current=True)
             await asyncio.sleep(0.15)
             seen.append(polls)
             await asyncio.sleep(0.15)
             seen.append(polls)
-            with socket.create_connection(("127.0.0.1", port)):  # ActiveOpens moves
+            for _ in range(20):  # as checks of a server whose port is closed: each connect fails at once
+                with socket.socket() as refused, contextlib.suppress(ConnectionRefusedError):
+                    refused.connect(("127.0.0.1", closed_port))
+                await asyncio.sleep(0.01)
+            seen.append(polls)
+            with socket.create_connection(("127.0.0.1", port)):  # ActiveOpens moves, AttemptFails does not
                 await asyncio.sleep(0.1)
             seen.append(polls)
     finally:
@@ -137,10 +143,11 @@ async def _polls_at_rest() -> list[int]:
 @needs_netns
 def test_at_rest_the_detector_task_is_woken_only_for_work():
     """Its look at each tick is a plain timer callback; a poll runs when the configs change or
-    a connect begins in the namespace (ActiveOpens), not every tick. In a namespace of its own:
-    nothing else opens connections there."""
-    first, indexed, later, connected = run_in_netns(lambda: asyncio.run(_polls_at_rest()), timeout=30)
+    a connect begins in the namespace that has not already failed (ActiveOpens, AttemptFails),
+    not every tick. In a namespace of its own: nothing else opens connections there."""
+    first, indexed, later, refused, connected = run_in_netns(lambda: asyncio.run(_polls_at_rest()), timeout=30)
     assert first == 1  # nothing to watch: no poll after the first
     assert 2 <= indexed <= 3  # the new config indexed, the counters read once
     assert later == indexed  # at rest: 15 ticks, no poll
-    assert connected > later
+    assert refused == later  # connects that failed at once leave nothing to stall
+    assert connected > refused

@@ -107,7 +107,7 @@ def _counters_as_read() -> dict[str, object]:
     after = activity.read()
     with open(TcpActivity.PATH) as snmp:  # the file parsed whole, afresh
         names, values = (line.split() for line in snmp if line.startswith("Tcp:"))
-    fresh = int(values[names.index("ActiveOpens")]), int(values[names.index("RetransSegs")])
+    fresh = tuple(int(values[names.index(name)]) for name in ("ActiveOpens", "AttemptFails", "RetransSegs"))
     return {"first": first, "quiet": quiet, "after": after, "fresh": fresh, "same_fd": fd == activity._fd}
 
 
@@ -115,8 +115,8 @@ def _counters_as_read() -> dict[str, object]:
 def test_the_tcp_counters_are_read_again_through_the_file_kept_open():
     seen = run_in_netns(_counters_as_read)
     assert seen["first"] is not None and seen["quiet"] == seen["first"]  # a quiet namespace
-    opens, retrans = seen["first"]
-    assert seen["after"] == (opens + 1, retrans)  # the new connect is seen through the same file
+    opens, failed, retrans = seen["first"]
+    assert seen["after"] == (opens + 1, failed + 1, retrans)  # the refused connect, through the same file
     assert seen["after"] == seen["fresh"] and seen["same_fd"]
 
 

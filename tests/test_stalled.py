@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, DiagSocket
-from supervisor.steering.detector import idle, left_in, stall_of, suspects, threshold_ms, to_abort
+from supervisor.master.sockdiag import TCP_ESTABLISHED, TCP_SYN_SENT, DiagSocket, TcpCounters
+from supervisor.steering.detector import idle, left_in, nothing_to_dump, stall_of, suspects, threshold_ms, to_abort
 
 
 def sock(state: int = TCP_SYN_SENT, timer: int = 1, retrans: int = 0, expires: int = 0, wqueue: int = 0,
@@ -181,3 +181,19 @@ def test_the_suspects_the_current_worker_keeps_keep_their_sockets():
     assert [(stall.socket.inode, why) for stall, why in kept] == [(21, "suspect")]  # the old worker steers off it
     one_kept = to_abort(stalls, OWNERS, KEYS_AT, held, CURRENT, steered, OLD_OWN, frozenset(), {"other/r1"})
     assert [(stall.socket.inode, why) for stall, why in one_kept] == [(11, "suspect"), (21, "suspect")]
+
+
+BASE = TcpCounters(opens=100, failed=40, retrans=7)
+
+
+@pytest.mark.parametrize(("now", "expected"), [
+    (BASE, True),  # nothing happened
+    (TcpCounters(105, 45, 7), True),  # five connects, each refused: nothing can be pending
+    (TcpCounters(105, 44, 7), False),  # one connect not failed: pending, or established
+    (TcpCounters(100, 40, 8), False),  # a segment retransmitted
+    (TcpCounters(100, 41, 7), False),  # a failed accepted handshake alone: not a connect's
+    (None, False),  # the counters unreadable
+])
+def test_when_the_counters_leave_nothing_to_dump(now: TcpCounters | None, expected: bool):
+    assert nothing_to_dump(BASE, now) is expected
+    assert nothing_to_dump(None, now) is False  # no dump yet to compare with

@@ -10,7 +10,7 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, SOCK_DESTROY = 4, 20, 21
 TCP_ESTABLISHED, TCP_SYN_SENT, TCP_LISTEN = 1, 2, 10
@@ -151,20 +151,27 @@ def tcp_sockets(
                 offset += (length + 3) & ~3
 
 
+class TcpCounters(NamedTuple):
+    opens: int  # ActiveOpens: connects begun
+    failed: int  # AttemptFails: connects (and accepted handshakes) that ended before ESTABLISHED
+    retrans: int  # RetransSegs
+
+
 class TcpActivity:
-    """This network namespace's connects begun and segments retransmitted (/proc/net/snmp):
-    unchanged, there is nothing new to dump for (a dump walks the whole established hash).
+    """This network namespace's TCP counters (/proc/net/snmp): when they say no socket can have
+    stalled, there is nothing new to dump for (a dump walks the whole established hash).
     Read every poll: the file stays open and is read again from offset 0."""
 
     PATH = "/proc/net/snmp"
     _BUFFER = 1 << 13  # the whole file: a few hundred bytes past the Tcp lines
+    _NAMES = (b"ActiveOpens", b"AttemptFails", b"RetransSegs")
 
     def __init__(self) -> None:
         self._fd: int | None = None
-        self._columns: tuple[int, int] | None = None  # of ActiveOpens and RetransSegs, found once
+        self._columns: tuple[int, ...] | None = None  # of _NAMES, found once
 
-    def read(self) -> tuple[int, int] | None:
-        """(ActiveOpens, RetransSegs); None when unreadable (it is opened again next time)."""
+    def read(self) -> TcpCounters | None:
+        """None when unreadable (it is opened again next time)."""
         try:
             if self._fd is None:
                 self._fd = os.open(self.PATH, os.O_RDONLY | os.O_CLOEXEC)
@@ -173,10 +180,9 @@ class TcpActivity:
             start = data.index(b"\nTcp: ", header) + 6
             if self._columns is None:
                 names = data[header:data.index(b"\n", header)].split()
-                self._columns = names.index(b"ActiveOpens"), names.index(b"RetransSegs")
+                self._columns = tuple(names.index(name) for name in self._NAMES)
             values = data[start:data.index(b"\n", start)].split()
-            opens, retrans = self._columns
-            return int(values[opens]), int(values[retrans])
+            return TcpCounters(*(int(values[column]) for column in self._columns))
         except (OSError, IndexError, ValueError):
             self.close()
             return None

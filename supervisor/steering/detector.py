@@ -29,6 +29,7 @@ from ..master.sockdiag import (
     DiagSocket,
     SockDiagError,
     TcpActivity,
+    TcpCounters,
     destroy,
     tcp_sockets,
 )
@@ -73,6 +74,17 @@ def stall_of(sock: DiagSocket, first_seen_ago_ms: float = 0.0) -> Stall | None:
     rto = sock.rto_ms if sock.rto_ms is not None else 1000.0 if why == "connect" else 200.0
     age = max(0.0, rto - sock.expires_ms) + (rto / 2 if sock.retrans > 0 else 0.0)
     return Stall((sock.dst, sock.dport), why, max(age, first_seen_ago_ms), sock)
+
+
+def nothing_to_dump(last: TcpCounters | None, now: TcpCounters | None) -> bool:
+    """Whether the counters since the last dump say no socket can have stalled: nothing
+    retransmitted, and every connect begun has already failed (refused or unreachable), as
+    each check of a server whose port is closed does. A failed accepted handshake counts in
+    AttemptFails too and could hide one pending connect until its SYN is sent again."""
+    return (
+        last is not None and now is not None and now.retrans == last.retrans
+        and now.opens - last.opens == now.failed - last.failed
+    )
 
 
 def threshold_ms(rtts_ms: Iterable[float], floor_ms: float) -> float:
@@ -253,7 +265,7 @@ class StalledDetector:
         self.can_abort = False
         self._current: ServerIndex | None = None
         self._tcp = TcpActivity()
-        self._activity: tuple[int, int] | None = None  # the kernel's TCP counters at the last dump
+        self._activity: TcpCounters | None = None  # the kernel's TCP counters at the last dump
         # What watched_indexes() last worked from (current, generations, old workers' PIDs), and
         # its answer: at rest it is the same every poll.
         self._seen: tuple[Generation | None, tuple[Generation, ...], frozenset[int]] = (None, (), frozenset())
@@ -320,8 +332,7 @@ class StalledDetector:
         answer = self._seen_answer
         if answer is None or not answer[1].ports:
             return True  # nothing to watch until the configs change
-        activity = self._tcp.read()
-        return activity is not None and activity == self._activity
+        return nothing_to_dump(self._activity, self._tcp.read())
 
     async def watched_indexes(self) -> tuple[ServerIndex, ServerIndex] | None:
         """The current config's servers (the ones `health` commands reach), and those of every
@@ -383,8 +394,8 @@ class StalledDetector:
             return
         now_index, index = found_indexes
         activity = self._tcp.read()
-        if activity is not None and activity == self._activity and not self._first_seen and not self._held:
-            return  # no connect begun, nothing retransmitted, nothing stalled or suspect: no dump
+        if nothing_to_dump(self._activity, activity) and not self._first_seen and not self._held:
+            return
         self._activity = activity
         now = time.monotonic()
         listed = [
