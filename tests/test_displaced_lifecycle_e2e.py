@@ -161,7 +161,7 @@ async def test_at_rest_show_proc_is_asked_now_and_then_and_an_exit_is_noticed_at
             await asyncio.sleep(0.5)  # the new component's first rounds: maps read, states read
             before = counting.show_procs
             await asyncio.sleep(3.0)  # 30 polls
-            assert counting.show_procs - before <= 3, counting.show_procs - before  # every 2 s
+            assert counting.show_procs - before <= 3, counting.show_procs - before  # every LIST_INTERVAL_S
             await client.close()
             started_at = time.monotonic()
             await sup.until(lambda: old_pid not in sup.state.old_workers, timeout=5, what="old worker gone")

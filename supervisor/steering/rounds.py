@@ -107,7 +107,8 @@ class Ahead:
 class PushRounds:
     """The one shell that changes WorkerRecords; their push records reach State once per step."""
 
-    RECONCILE_INTERVAL_S = 5.0
+    # Every push is read back at once; this re-reading only repairs what a third party changed.
+    RECONCILE_INTERVAL_S = 30.0
     MAX_BACKOFF_S = 5.0
     UNREAD_LIMIT = 3  # read-backs in a row cut off (the master re-executing) before one counts as failed
 

@@ -63,7 +63,9 @@ class ReloadPlan:
 
 class OldWorkers:
     STATS_INTERVAL_S = 5.0  # old workers' connections and memory, for status: the page refreshes every 5 s
-    LIST_INTERVAL_S = 2.0  # at rest (nothing woke the steering) `show proc` is asked this often
+    # At rest (nothing woke the steering) `show proc` is asked this often: exits come through pidfds,
+    # the daemon's own reloads wake the steering, so this finds only a reload made behind its back.
+    LIST_INTERVAL_S = 10.0
     WARN_AFTER_S = 5.0  # CLI failures lasting longer than this are logged as warnings
 
     def __init__(self, settings: Settings, state: State, cli: MasterCLI) -> None:
