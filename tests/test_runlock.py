@@ -15,10 +15,11 @@ def test_a_second_lock_is_refused_and_names_the_holder(tmp_path: Path):
     first = RuntimeDirLock(tmp_path)
     first.acquire()
     second = RuntimeDirLock(tmp_path)  # another open file description: flock conflicts, as between processes
+    descriptors = len(os.listdir("/proc/self/fd"))
     with pytest.raises(RuntimeDirInUse) as refused:
         second.acquire()
     assert f"PID {os.getpid()}" in refused.value.strerror and str(tmp_path) in refused.value.strerror
-    assert second._fd is None  # the refused attempt keeps no descriptor
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the refused attempt keeps no descriptor
     first.release()
     second.acquire()  # released: the next one gets it
     with pytest.raises(RuntimeDirInUse):
