@@ -82,6 +82,7 @@ class Planner:
         self.no_backup = no_backup
         self.node_keys = node_keys  # how the workers' binary keys a consistent-hash ring
         self._recent: dict[tuple[str, frozenset[str]], dict[Basis, Steering]] = {}
+        self.worked_out = 0  # plans worked out rather than found
 
     def plan(
         self, latest: ConfigDigest, view: LiveView, workers: Mapping[int, tuple[ConfigDigest, frozenset[str]]]
@@ -94,6 +95,7 @@ class Planner:
             found = recent.pop(basis, None)
             if found is None:
                 found = self._work_out(digest, unusable, latest, view, next(reversed(recent.values()), None))
+                self.worked_out += 1
             recent[basis] = plans[pid] = found  # most recent last
             while len(recent) > self.RECENT:
                 del recent[next(iter(recent))]

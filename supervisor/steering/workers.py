@@ -299,11 +299,14 @@ class OldWorkers:
         self, latest: ConfigDigest, view: LiveView, judged: dict[int, tuple[ConfigDigest, frozenset[str]]]
     ) -> dict[int, Steering]:
         """The planner's plans (a recent one for the same basis and worker content, such as the
-        reload's prepare's, taken as it is), one worker at a time, the event loop let run in between."""
+        reload's prepare's, taken as it is), one worker at a time, the event loop let run after
+        each plan worked out: a turn after a plan found would only delay the pushes."""
         plans: dict[int, Steering] = {}
         for pid, worker in judged.items():
+            worked_out = self._planner.worked_out
             plans.update(self._planner.plan(latest, view, {pid: worker}))
-            await asyncio.sleep(0)
+            if self._planner.worked_out != worked_out:
+                await asyncio.sleep(0)
         return plans
 
     async def _live_view(self, latest: ConfigDigest, current_pid: int | None, reuse: bool = False) -> LiveView:
