@@ -273,7 +273,8 @@ class Digests:
         """Forget every config but these and `latest`; the digests kept."""
         keep = {(g.number, g.effective_sha256) for g in generations}
         gone = self._of_generation.keys() - keep
-        self._of_generation = {k: v for k, v in self._of_generation.items() if k in keep}
+        for key in gone:
+            del self._of_generation[key]
         kept = [latest, *self._of_generation.values()]
         if gone:
             self.sections.keep_only(kept)
