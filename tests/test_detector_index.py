@@ -55,6 +55,20 @@ def test_every_running_config_is_watched():
     assert both.keys == {"app/r1", "app/r2", "other/r1", "app/r3"}
 
 
+
+def test_merged_configs_share_what_they_hold_alike():
+    """A reload apart, configs mostly name the same servers: the merge holds the first index's
+    objects where it comes out equal, and its own only where the configs differ."""
+    first = finished(ServerIndex.building(generation(1, OLD)))
+    again = finished(ServerIndex.building(generation(2, OLD)))
+    both = finished(merging([first, again]))
+    assert both.by_endpoint == first.by_endpoint
+    assert all(both.by_endpoint[e] is keys for e, keys in first.by_endpoint.items())
+    assert both.keys is first.keys and both.checked is first.checked and both.ports is first.ports
+    grown = finished(merging([first, finished(ServerIndex.building(generation(3, NEW)))]))
+    assert grown.by_endpoint[("10.0.0.2", 8001)] is first.by_endpoint[("10.0.0.2", 8001)]
+    assert grown.keys is not first.keys and grown.keys > first.keys
+
 async def test_a_config_stays_watched_while_a_worker_runs_it_and_no_longer():
     state = State()
     detector = StalledDetector(DetectorSettings(), state, MasterCLI("/nonexistent/master.sock"))

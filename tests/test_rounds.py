@@ -16,7 +16,7 @@ from supervisor.haproxy.config import Config
 from supervisor.settings import HAProxySettings, Settings
 from supervisor.state import State
 from supervisor.steering.dead import Sections, live_view
-from supervisor.steering.live import LiveStates
+from supervisor.steering.live import LiveRead, LiveStates
 from supervisor.steering.plan import Planner
 from supervisor.steering.rounds import PushRounds, WorkerRecord
 from supervisor.steering.workers import next_poll_in
@@ -224,3 +224,19 @@ async def test_reconciles_are_due_by_the_oldest_map_and_read_in_batches():
 def test_the_poll_sleeps_until_the_earliest_look_at_rest(due_in, busy, sleeps):
     now = 100.0
     assert next_poll_in(now, 0.25, [now + d for d in due_in], busy) == sleeps
+
+
+def test_workers_that_see_the_same_servers_down_hold_one_set():
+    """Each read of `show servers state` makes its own keys: a fleet of old workers that all
+    saw the same 10,000 servers DOWN would hold 10,000 keys each."""
+    rounds = PushRounds(Settings(), State(), ScriptedCLI())
+    down = {"b/s1": False, "b/s2": False}
+    workers: dict[int, WorkerRecord] = {}
+    rounds.track(workers, {1: 1}, 1, LiveRead(1, 0.0, LiveStates(alive_by_key=dict(down)), 0.0))
+    rounds.track(workers, {1: 1, 2: 2}, 2, LiveRead(2, 1.0, LiveStates(alive_by_key=dict(down)), 0.0))
+    assert workers[1].unusable == {"b/s1", "b/s2"} and workers[2].unusable is workers[1].unusable
+    workers[3] = WorkerRecord(3, 3)
+    rounds.own_views(workers, {3: LiveRead(3, 2.0, LiveStates(alive_by_key=dict(down)), 0.0)})
+    assert workers[3].unusable is workers[1].unusable
+    rounds.own_views(workers, {3: LiveRead(3, 3.0, LiveStates(alive_by_key={"b/s1": False}), 0.0)})
+    assert workers[3].unusable == {"b/s1"} and workers[1].unusable == {"b/s1", "b/s2"}

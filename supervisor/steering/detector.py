@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from ..eventloop import give_back_free_heap, next_tick, sliced
 from ..haproxy.answers import ServerKey
@@ -178,6 +179,7 @@ def to_abort(
 
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 CAP_NET_ADMIN = 12
 
@@ -225,6 +227,7 @@ class ServerIndex:
                 family = socket.AF_INET6 if ":" in server.address else socket.AF_INET
                 families.add(family)
                 address = socket.inet_ntop(family, socket.inet_pton(family, server.address))
+                address = server.address if address == server.address else address  # the config's string
                 by_endpoint.setdefault((address, server.port), []).append(server.key)
                 if server.check:
                     checked.add(server.key)
@@ -238,17 +241,27 @@ class ServerIndex:
 
 
 def merging(indexes: list[ServerIndex]) -> Generator[None, None, ServerIndex]:
-    by_endpoint: dict[Endpoint, dict[str, None]] = {}
+    """One index of them all. Configs a reload apart mostly hold the same servers: what comes out
+    equal to the first index's is that very object, not a copy."""
+    by_endpoint: dict[Endpoint, tuple[tuple[str, ...], dict[str, None]]] = {}
     for index in indexes:
         for n, (endpoint, keys) in enumerate(index.by_endpoint.items()):
-            by_endpoint.setdefault(endpoint, {}).update(dict.fromkeys(keys))
+            by_endpoint.setdefault(endpoint, (keys, {}))[1].update(dict.fromkeys(keys))
             if n % MERGE_SLICE == MERGE_SLICE - 1:
                 yield
+    first = indexes[0]
+    checked = frozenset().union(*(i.checked for i in indexes))
+    keys = frozenset().union(*(i.keys for i in indexes))
     return ServerIndex(
-        "", {e: tuple(k) for e, k in by_endpoint.items()},
-        frozenset().union(*(i.checked for i in indexes)), frozenset().union(*(i.keys for i in indexes)),
-        frozenset(p for _, p in by_endpoint), tuple(sorted(set().union(*(i.families for i in indexes)))), {},
+        "", {e: _same_or(seen, tuple(k)) for e, (seen, k) in by_endpoint.items()},
+        _same_or(first.checked, checked), _same_or(first.keys, keys),
+        _same_or(first.ports, frozenset(p for _, p in by_endpoint)),
+        tuple(sorted(set().union(*(i.families for i in indexes)))), {},
     )
+
+
+def _same_or(seen: _T, made: _T) -> _T:
+    return seen if made == seen else made
 
 
 class StalledDetector:

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..haproxy.api import CLIError, MasterCLI
@@ -62,6 +62,16 @@ class WorkerRecord:
 
     def in_sync(self) -> bool:
         return self.wanted is not None and self.deltas() == []
+
+
+def shared_set(unusable: frozenset[str], workers: Iterable[WorkerRecord]) -> frozenset[str]:
+    """`unusable`, or an equal set another worker holds already: workers that became old one after
+    another mostly see the same servers down, and each read made its own set of its own keys.
+    Sets of other sizes are told apart at once."""
+    for worker in workers:
+        if worker.unusable is not None and worker.unusable is not unusable and worker.unusable == unusable:
+            return worker.unusable
+    return unusable
 
 
 def pending_after(before: Steering | None, after: Steering | None, pending: set[str] | None) -> set[str] | None:
@@ -138,7 +148,7 @@ class PushRounds:
             if live is not None and live.pid == pid and (worker.current or worker.unusable is None):
                 # An old worker starts from its view as last seen while it was current: health
                 # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
-                worker.unusable = live.states.unusable
+                worker.unusable = shared_set(live.states.unusable, workers.values())
 
     def want(self, worker: WorkerRecord, steering: Steering | None, refused: str | None = None) -> None:
         """A worker's plan (None: leave its map alone); `refused`: why it cannot be steered."""
@@ -151,7 +161,7 @@ class PushRounds:
         for pid, read in reads.items():
             worker = workers.get(pid)
             if worker is not None:
-                worker.unusable, worker.unusable_at = read.states.unusable, read.at
+                worker.unusable, worker.unusable_at = shared_set(read.states.unusable, workers.values()), read.at
 
     def server_changed(self, worker: WorkerRecord) -> None:
         worker.unusable = None
