@@ -1,7 +1,7 @@
 """Living on the daemon's one event loop: every task waits while some callback holds it.
 
 `wait_set` bounds a wait and keeps a cancel: on Python 3.11 `asyncio.wait_for` loses a cancel
-that arrives as the awaited thing completes; `asyncio.timeout` keeps it. `tick` puts periodic
+that arrives as the awaited thing completes; `asyncio.timeout` keeps it. `next_tick` puts periodic
 timers on one grid, so timers whose intervals divide each other fall due in one wake. The
 cyclic collector is kept out of reloads (docs/architecture.md): a full collection walks every
 live generation's models, so what is alive is frozen after each reload and the collector is
@@ -33,28 +33,10 @@ async def wait_set(event: asyncio.Event, timeout: float | None) -> bool:
     return True
 
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 def next_tick(now: float, interval_ms: int) -> float:
     """The first grid instant after `now` (loop time, s). At a grid instant `now * 1000` can come
     out a hair under its whole millisecond: a microsecond of slack keeps it from coming again."""
     return ((int(now * 1000 + 1e-3)) // interval_ms + 1) * interval_ms / 1000
-
-
-async def tick(interval_ms: int) -> float:
-    """Sleep until the next grid instant of `interval_ms`; that instant (loop time)."""
-    loop = asyncio.get_running_loop()
-    due = next_tick(loop.time(), interval_ms)
-    future = loop.create_future()
-    handle = loop.call_at(due, _wake, future)
-    try:
-        await future
-    finally:
-        handle.cancel()
-    return due
 
 
 def finished(steps: Generator[None, None, _T]) -> _T:
@@ -78,7 +60,7 @@ async def sliced(steps: Generator[None, None, _T]) -> _T:
 
 class LoopLag:
     """How late the loop runs a timer: State.event_loop_lag_s is the worst lag of the current
-    WINDOW_S and the one before it, sampled on tick()'s grid (in the detector's wakes)."""
+    WINDOW_S and the one before it, sampled on next_tick()'s grid (in the detector's wakes)."""
 
     INTERVAL_MS = 100
     WINDOW_S = 10.0
@@ -97,10 +79,22 @@ class LoopLag:
         self.state.publish_event_loop_lag(max(self._worst_now, self._worst_before))
 
     async def run(self) -> None:
+        """Sample until cancelled. Each sample is one plain timer callback that sets the next: a
+        task woken through a future would be two callbacks a tick, ten times a second at rest."""
         loop = asyncio.get_running_loop()
-        while True:
-            due = await tick(self.INTERVAL_MS)
+
+        def sample(due: float) -> None:
+            nonlocal handle
             self.note(max(0.0, loop.time() - due), time.monotonic())
+            following = next_tick(loop.time(), self.INTERVAL_MS)
+            handle = loop.call_at(following, sample, following)
+
+        first = next_tick(loop.time(), self.INTERVAL_MS)
+        handle = loop.call_at(first, sample, first)
+        try:
+            await loop.create_future()
+        finally:
+            handle.cancel()
 
 
 def settle_after_reload() -> None:

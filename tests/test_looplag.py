@@ -43,6 +43,18 @@ async def test_a_callback_that_holds_the_loop_shows_as_lag():
             await task
 
 
+
+async def test_a_cancelled_gauge_samples_no_more():
+    state = State()
+    task = asyncio.create_task(LoopLag(state).run())
+    await asyncio.sleep(0.15)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    state.event_loop_lag_s = -1.0
+    await asyncio.sleep(0.25)  # two ticks: a timer left behind would have published
+    assert state.event_loop_lag_s == -1.0
+
 def test_the_lag_is_a_gauge_in_metrics():
     state = State()
     state.event_loop_lag_s = 0.042

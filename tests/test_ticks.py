@@ -8,7 +8,7 @@ import selectors
 
 import pytest
 
-from supervisor.eventloop import next_tick, tick
+from supervisor.eventloop import next_tick
 
 
 @pytest.mark.parametrize(("now", "interval_ms", "due"), [
@@ -68,8 +68,9 @@ def wakes(timer_a, timer_b) -> int:  # type: ignore[no-untyped-def]
 
 
 async def on_grid() -> None:
+    loop = asyncio.get_running_loop()
     for _ in range(10):
-        await tick(50)
+        await asyncio.sleep(next_tick(loop.time(), 50) - loop.time())
 
 
 async def offset_sleeps() -> None:
