@@ -81,7 +81,7 @@ class OldWorkerSettings:
     guard: bool = True
     no_backup: Literal["fail-fast", "keep"] = "fail-fast"
     shutdown_stuck_sessions: bool = False
-    state_read_interval_s: float = 60
+    state_read_interval_s: float = 300
     hand_off: bool = False
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import time
@@ -160,3 +161,31 @@ async def test_a_restarted_daemon_adopts_the_master_and_still_hears_it(make):
         took = await steered_after_stop(node, "r2")
         assert took < CHECK_S + MARGIN_S, took
         assert re.search(r"^\[WARNING\]  \(\d+\) : Server app/r2 is DOWN", d.run_log(), re.M), d.run_log()
+
+
+async def test_a_line_a_full_fifo_refused_is_made_up_for_by_a_read(make):
+    """The daemon stopped, its FIFO filled, HAProxy's DOWN line is refused (the write would block).
+    Continued, the daemon finds the pipe full and reads the states again: the server is steered
+    at once, not found by the safety net five minutes later."""
+    async with checked_node(make) as node:
+        d = node.daemon
+        filler = b"[NOTICE]   (1) : filler " + b"f" * 100 + b"\n"
+        d.signal(signal.SIGSTOP)
+        try:
+            writer = os.open(d.runtime / "haproxy.stderr", os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                with contextlib.suppress(BlockingIOError):
+                    for _ in range(20_000):  # 1 MiB of pipe at most
+                        os.write(writer, filler)
+            finally:
+                os.close(writer)
+            node.started["r1"].stop()
+            await asyncio.sleep(5 * CHECK_S)  # checked and found DOWN; its line cannot be written
+        finally:
+            d.signal(signal.SIGCONT)
+        key = "app/r1"
+        await until(
+            d, lambda doc: key in doc["dead_servers"] and any(key in w["steered"] for w in doc["old_workers"]),
+            f"{key} dead and steered", timeout=MARGIN_S + 3,
+        )
+        assert "stderr FIFO is full" in d.log()

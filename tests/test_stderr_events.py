@@ -125,20 +125,31 @@ async def test_a_restarted_relay_reopens_the_fifo_a_running_writer_still_holds(t
         os.close(writer)
 
 
-async def test_a_full_fifo_drops_a_line_instead_of_blocking_the_writer(tmp_path):
+async def test_a_full_fifo_drops_a_line_instead_of_blocking_the_writer_and_the_relay_says_so(tmp_path):
+    """A refused line leaves no trace in the pipe; the read after it finds the pipe full, and the
+    listeners hear None (read the states again) before the lines that were kept."""
     relay = StderrRelay(tmp_path / "haproxy.stderr", forward_fd=os.open(os.devnull, os.O_WRONLY))
+    heard: list[ServerEvent | None] = []
+    relay.subscribe(heard.append)
     relay.open()
     writer = relay.write_end()
     try:
-        line = b"x" * 4000 + b"\n"
-        dropped = False
+        line = b"[WARNING]  (5) : Server b/s is DOWN, reason: " + b"x" * 3900 + b"\n"
+        written = 0
         for _ in range(2000):  # no await in between: the relay cannot read; the pipe holds 1 MB
             try:
                 os.write(writer, line)
+                written += 1
             except BlockingIOError:
-                dropped = True
                 break
-        assert dropped
+        assert 0 < written < 2000  # a line was refused, and the writer was not blocked
+        for _ in range(200):
+            if len([e for e in heard if e is not None]) == written:
+                break
+            await asyncio.sleep(0.01)
+        assert heard[0] is None
+        assert [e for e in heard if e is not None] == [ServerEvent(5, "b", "s", "DOWN")] * written
+        assert heard[-1] is not None  # each read that finds it over half full says so, not the last
     finally:
         os.close(writer)
         relay.close()

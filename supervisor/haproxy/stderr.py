@@ -5,8 +5,9 @@ it inherited (`[WARNING]  (4612) : Server be/s1 is DOWN, ...`), so a line names 
 whose server states are worth reading again. A named FIFO in runtime_dir, so that a daemon
 restarted next to a running master opens it again by its path (docs/operating.md). The master's
 write end is O_NONBLOCK, so a daemon that stops reading never stalls a worker (a full pipe
-drops a line); the daemon's end is read-write, so it never sees an end of file. Every line is
-written unchanged to the daemon's own stderr.
+drops a line, and the next read finds the pipe full: listeners then hear None, "read every
+process again"); the daemon's end is read-write, so it never sees an end of file. Every line
+is written unchanged to the daemon's own stderr.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import logging
 import os
 import re
 import stat
+import struct
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +48,10 @@ _CHANGES: tuple[tuple[str, ServerChange], ...] = (
 PIPE_BYTES = 1 << 20  # room for a burst (thousands of servers going DOWN at once) before lines drop
 _READ_BYTES = 1 << 16
 _MAX_PARTIAL = 1 << 16  # a "line" longer than this without a newline is passed on as it is
+# HAProxy writes a message whole or not at all, and a pipe is full when its pages are: a page
+# a line did not fit in is left part empty. Only the daemon takes bytes out, so the read after a
+# refused line finds the pipe at least this full, for any line shorter than half a page.
+_FULL_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -84,9 +91,12 @@ class StderrRelay:
         self.forward_fd = forward_fd
         self._fd: int | None = None
         self._partial = b""
-        self._listeners: list[Callable[[ServerEvent], None]] = []
+        self._capacity = 0
+        self._full = False
+        self._listeners: list[Callable[[ServerEvent | None], None]] = []
 
-    def subscribe(self, listener: Callable[[ServerEvent], None]) -> None:
+    def subscribe(self, listener: Callable[[ServerEvent | None], None]) -> None:
+        """`listener` hears each server event, and None when lines may have been lost."""
         self._listeners.append(listener)
 
     def open(self) -> None:
@@ -100,6 +110,7 @@ class StderrRelay:
         fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         with contextlib.suppress(OSError):  # a bigger pipe is a comfort, not a need
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        self._capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
         self._fd = fd
         asyncio.get_running_loop().add_reader(fd, self._readable)
 
@@ -125,10 +136,16 @@ class StderrRelay:
 
     def _readable(self) -> None:
         assert self._fd is not None
+        unread = struct.unpack("i", fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0"))[0]
         try:
             chunk = os.read(self._fd, _READ_BYTES)
         except (BlockingIOError, InterruptedError):
             return
+        full, self._full = self._full, unread > self._capacity * _FULL_SHARE
+        if self._full:
+            if not full:
+                log.warning("HAProxy's stderr FIFO is full: lines may be lost, the server states are read again")
+            self._tell(None)  # each time: a line refused after the read this one calls for
         data = self._partial + chunk
         end = data.rfind(b"\n") + 1
         if end == 0 and len(data) > _MAX_PARTIAL:
@@ -150,10 +167,12 @@ class StderrRelay:
             return
         for line in lines.decode(errors="replace").splitlines():
             event = parse_server_event(line)
-            if event is None:
-                continue
-            for listener in self._listeners:
-                try:
-                    listener(event)
-                except Exception:
-                    log.exception("a listener of HAProxy's server events failed")
+            if event is not None:
+                self._tell(event)
+
+    def _tell(self, event: ServerEvent | None) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("a listener of HAProxy's server events failed")

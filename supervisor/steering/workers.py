@@ -184,14 +184,20 @@ class OldWorkers:
         self._digests = Digests()
         await self.sync(fresh=True)
 
-    def on_server_event(self, event: ServerEvent) -> None:
-        """HAProxy wrote that a server changed state in worker `event.pid`: read its states again."""
-        worker = self._workers.get(event.pid)
-        if worker is not None and not worker.current:
-            self.rounds.server_changed(worker)
-        else:  # the current worker, or a new one not listed yet
-            self._live_stale = True
-        log.debug("server event: worker %d: %s %s", event.pid, event.key, event.change)
+    def on_server_event(self, event: ServerEvent | None) -> None:
+        """HAProxy wrote that a server changed state in worker `event.pid`: read its states again.
+        None: lines may have been lost, so the current worker's states are read again, and the
+        old workers' own views where `observe` can change them."""
+        if event is None:
+            changed = list(self._workers.values()) if self.settings.observe.enabled else []
+        else:
+            log.debug("server event: worker %d: %s %s", event.pid, event.key, event.change)
+            changed = [w for w in [self._workers.get(event.pid)] if w is not None]
+        for worker in changed:
+            if not worker.current:
+                self.rounds.server_changed(worker)
+        if event is None or not changed or changed[0].current:
+            self._live_stale = True  # the current worker, or a new one not listed yet
         self._wake.set()
 
     def wake(self) -> None:
