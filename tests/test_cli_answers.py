@@ -25,7 +25,7 @@ from supervisor.haproxy.config import Config
 from supervisor.haproxy.runtime.apply import deleted, refusal
 from supervisor.haproxy.runtime.hook import left_pending
 from supervisor.haproxy.runtime.plan import loaded_slot_table
-from supervisor.steering.live import LiveTally
+from supervisor.steering.live import LiveStates, LiveTally
 
 CAPTURED = Path(__file__).parent / "captured"
 VERSIONS = ("2.6.12", "2.8.25", "3.0.11", "3.4.0")
@@ -171,6 +171,11 @@ def test_every_reader_of_servers_state_reads_the_same_servers(version):
         assert len(parsed) == count
         assert sorted(tally.result().alive_by_key) == parsed
         assert sorted(f"b/{line.split()[3]}" for line in handed) == parsed
+        again = LiveTally()
+        again.add(text.replace(" 127.0.0.1 2 ", " 127.0.0.1 0 "))
+        first = tally.result()
+        assert again.result(first) is first  # the same states: the last read's objects kept
+        assert LiveTally().result(first) == LiveStates()  # other states: a new value
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -240,3 +240,25 @@ def test_workers_that_see_the_same_servers_down_hold_one_set():
     assert workers[3].unusable is workers[1].unusable
     rounds.own_views(workers, {3: LiveRead(3, 3.0, LiveStates(alive_by_key={"b/s1": False}), 0.0)})
     assert workers[3].unusable == {"b/s1"} and workers[1].unusable == {"b/s1", "b/s2"}
+
+
+class _CountedSet(frozenset):
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _CountedSet.compared += 1
+        return frozenset.__eq__(self, other)
+
+    __hash__ = frozenset.__hash__
+
+
+def test_the_current_workers_read_is_shared_once_not_every_round():
+    rounds = PushRounds(Settings(), State(), ScriptedCLI())
+    workers = {1: WorkerRecord(1, 1, unusable=_CountedSet({"b/s1"}))}
+    read = LiveRead(2, 0.0, LiveStates(alive_by_key={"b/s1": False}), 0.0)
+    for _ in range(5):  # one read, five rounds
+        rounds.track(workers, {1: 1, 2: 2}, 2, read)
+    assert workers[2].unusable is workers[1].unusable
+    assert _CountedSet.compared == 1
+    rounds.track(workers, {1: 1, 2: 2}, 2, LiveRead(2, 1.0, LiveStates(alive_by_key={"b/s1": False}), 0.0))
+    assert _CountedSet.compared == 2  # a new read is compared once

@@ -133,6 +133,30 @@ def test_reused_plans_are_those_made_for_the_same_worker_content():
     assert Planner("fail-fast").plan(one, LiveView(), {1: (one, frozenset())})[1] is not last[1]
 
 
+def test_plans_under_an_older_view_are_let_go_and_the_latest_configs_take_turns():
+    from supervisor.steering.dead import LiveView
+    from supervisor.steering.plan import Planner
+
+    one, two = _digest(), _digest("defaults\n    mode http\nbackend b\n    server s2 10.0.0.2:80\n")
+    worker = {1: (one, frozenset())}
+    down, up = LiveView(frozenset({"b 10.0.0.1:80"})), LiveView()
+    planner = Planner("fail-fast")
+    # (latest config, view) -> whether the plan had to be worked out
+    table = [
+        ((one, up), True),
+        ((two, up), True),  # a reload's next config
+        ((one, up), False),  # the current one again: kept while the view holds
+        ((two, up), False),
+        ((one, down), True),
+        ((one, up), True),  # the view went back: its plans were let go
+        ((two, up), True),
+    ]
+    for (latest, view), worked_out in table:
+        before = planner.worked_out
+        planner.plan(latest, view, worker)
+        assert (planner.worked_out > before) == worked_out, (latest is one, view)
+
+
 def test_no_two_steering_modules_import_each_other():
     import ast
     from pathlib import Path

@@ -87,12 +87,15 @@ class LiveTally:
                     verdict = True
                 by_key[ServerKey.of(v[i_be], v[i_name])] = verdict
 
-    def result(self) -> LiveStates:
+    def result(self, previous: LiveStates | None = None) -> LiveStates:
+        """`previous`, when the states are the same: what was worked out of it is kept, once."""
+
         def ats(raw: set[tuple[str, str, str]]) -> frozenset[At]:
             return frozenset(f"{b} {a}:{p}" if p.isdigit() else f"{b} {a}" for b, a, p in raw)
 
         up = self.up
-        return LiveStates(ats(self.down - up), ats(self.pending - up - self.down), dict(self.by_key))
+        states = LiveStates(ats(self.down - up), ats(self.pending - up - self.down), dict(self.by_key))
+        return previous if states == previous else states
 
 
 COST_SHARE = 20  # reads take at most 1/COST_SHARE of the time
@@ -121,7 +124,7 @@ class LiveRead:
     cost_s: float  # asking and parsing
 
 
-async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
+async def read_states(cli: MasterCLI, pid: int, previous: LiveStates | None = None) -> LiveRead:
     started = time.monotonic()
     answer = await cli.on(pid, "show servers state")
     if not is_servers_state(answer):
@@ -130,7 +133,7 @@ async def read_states(cli: MasterCLI, pid: int) -> LiveRead:
     for part in servers_state_parts(answer, STATE_ROWS_PER_PART):
         tally.add(part)
         await asyncio.sleep(0)  # a 10,000-row answer would hold the operator API up
-    states = tally.result()
+    states = tally.result(previous)
     now = time.monotonic()
     return LiveRead(pid, now, states, now - started)
 

@@ -97,6 +97,10 @@ class Planner:
                 found = self._work_out(digest, unusable, latest, view, next(reversed(recent.values()), None))
                 self.worked_out += 1
             recent[basis] = plans[pid] = found  # most recent last
+            # Plans under an older view are let go (each can hold thousands of dead servers); a
+            # view that comes back is worked out again from the latest plan.
+            for old in [b for b in recent if b[1] != view]:
+                del recent[old]
             while len(recent) > self.RECENT:
                 del recent[next(iter(recent))]
         return plans

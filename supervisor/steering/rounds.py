@@ -130,6 +130,7 @@ class PushRounds:
         self.last_push: dict[str, float] = {}  # figures of the last push round, for benchmarks
         self._news: dict[int, PushNews] = {}  # push records not published yet
         self._failures = 0  # failures not published yet
+        self._shared: tuple[LiveRead, frozenset[str]] | None = None  # a read's unusable set, as shared
 
     def track(
         self,
@@ -148,7 +149,9 @@ class PushRounds:
             if live is not None and live.pid == pid and (worker.current or worker.unusable is None):
                 # An old worker starts from its view as last seen while it was current: health
                 # checks stop in an old worker, so that view barely changes (a reconcile refreshes it).
-                worker.unusable = shared_set(live.states.unusable, workers.values())
+                if self._shared is None or self._shared[0] is not live:  # once a read, not every round
+                    self._shared = (live, shared_set(live.states.unusable, workers.values()))
+                worker.unusable = self._shared[1]
 
     def want(self, worker: WorkerRecord, steering: Steering | None, refused: str | None = None) -> None:
         """A worker's plan (None: leave its map alone); `refused`: why it cannot be steered."""

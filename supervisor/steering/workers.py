@@ -80,7 +80,7 @@ class OldWorkers:
         self._planner = Planner(settings.old_workers.no_backup, chash_node_keys(settings.haproxy.binary))
         self._live: LiveRead | None = None
         self._live_stale = False  # HAProxy wrote that a server of the current worker changed
-        self._down: frozenset[str] = frozenset()  # the last view's down endpoints
+        self._view = LiveView()  # the last view: its `down` is carried over a new worker's first checks
         # The reload under way, from before_reload to after_reload: a poll's round in between
         # steers by it too, or it would undo the make-before-break.
         self._reloading: ReloadPlan | None = None
@@ -281,7 +281,6 @@ class OldWorkers:
         if judged:
             current_worker = procs.current_worker
             view = await self._live_view(latest, current_worker.pid if current_worker else None, reuse)
-            self._down = view.down
             plans = await self._plan(latest, view, judged)
             for pid, steering in plans.items():
                 worker = self._workers[pid]
@@ -323,7 +322,11 @@ class OldWorkers:
             await self._fetch_live(current_pid)
         states = self._live.states if self._live is not None else LiveStates()
         suspect_at = [f"{key.partition('/')[0]} {s.endpoint}" for key, s in self.state.suspect_servers.items()]
-        return live_view(latest, states, self.state.operator_dead, self._down, suspect_at)
+        view = live_view(latest, states, self.state.operator_dead, self._view.down, suspect_at)
+        # The same view, not an equal copy: every plan under it holds it as its basis.
+        if view != self._view:
+            self._view = view
+        return self._view
 
     def _live_due(self) -> bool:
         return time.monotonic() >= self._live_due_at()
@@ -353,7 +356,7 @@ class OldWorkers:
     async def _fetch_live(self, pid: int) -> None:
         self._live_stale = False  # a line written while the read is under way calls for another
         self.state.publish_state_reads(1)
-        self._live = await read_states(self.cli, pid)
+        self._live = await read_states(self.cli, pid, self._live.states if self._live is not None else None)
 
     async def _interruptible(self, read: Coroutine[object, object, R]) -> R:
         """Run a poll's read so that before_reload can call it off (raising _Interrupted); what a
