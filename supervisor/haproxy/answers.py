@@ -268,15 +268,6 @@ def parse_show_map(text: str) -> list[tuple[str, str]]:
     return entries
 
 
-_MAP_LISTED = re.compile(r"^-?\d+ \((/[A-Za-z0-9_./-]+)\) ", re.M)
-
-
-def parse_map_list(text: str) -> list[str]:
-    """`show map` (no file): the files of the maps a process loaded, from its lines
-    `<id> (<path>) pattern loaded from file ...`."""
-    return _MAP_LISTED.findall(text)
-
-
 def parse_prepare_map(text: str) -> int | None:
     """`prepare map <file>`: the version it created, or None (the answer is an error)."""
     m = re.search(r"New version created: (\d+)", text)

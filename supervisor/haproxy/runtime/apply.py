@@ -12,11 +12,11 @@ import asyncio
 import itertools
 import logging
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..answers import parse_show_map, split_answers
-from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process
+from ..api import CLIError, MasterCLI, batch_lines, on_process
 from ..config import Config
 from ..guard import is_guarded
 from .plan import RuntimePlan, ServerAdd, ServerChange, loaded_slot_table, ordered_commands, slot_map_commands
@@ -65,7 +65,6 @@ def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
 class Refusal:
     change: ServerChange
     command: str
-    answer: str
     accepted: tuple[str, ...]  # the commands of this server's sequence that HAProxy accepted
 
     @property
@@ -104,33 +103,22 @@ async def send_line(cli: MasterCLI, line: str) -> list[str | None]:
     return list(answers)
 
 
-async def send_step(
-    cli: MasterCLI, worker_pid: int, commands: Sequence[str], line_limit: int
-) -> tuple[list[str | None], int]:
+async def send_step(cli: MasterCLI, worker_pid: int, commands: Sequence[str]) -> tuple[list[str | None], int]:
     """Send one step's commands (one per server) as few `;` lines as fit; answers in order."""
-    lines = batch_lines([on_process(worker_pid, c) for c in commands], line_limit)
+    lines = batch_lines([on_process(worker_pid, c) for c in commands])
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(send_line(cli, line)) for line in lines]
     return [answer for task in tasks for answer in task.result()], len(lines)
 
 
-async def apply_changes(
-    cli: MasterCLI,
-    worker_pid: int,
-    changes: Iterable[ServerChange],
-    *,
-    order: Callable[[ServerChange], list[str]] = ordered_commands,
-    line_limit: int = DEFAULT_LINE_LIMIT,
-    phased: bool = True,
-) -> ApplyResult:
-    """Apply changes to one worker, make before break (module doc). `order` and `phased=False`
-    (every change in one phase) exist so a test can drive the wrong order and show its window."""
+async def apply_changes(cli: MasterCLI, worker_pid: int, changes: Iterable[ServerChange]) -> ApplyResult:
+    """Apply changes to one worker, make before break (module doc)."""
     worker_pid = int(worker_pid)
     result = ApplyResult()
     changes = list(changes)
     unmade: set[str] = set()  # backends where a first-phase command was refused
     making = [c for c in changes if not c.takes_out]
-    for phase in [making, [c for c in changes if c.takes_out]] if phased else [changes]:
+    for phase in [making, [c for c in changes if c.takes_out]]:
         skipped = [c for c in phase if c.backend in unmade]
         if skipped:
             result.skipped.extend(skipped)
@@ -138,35 +126,25 @@ async def apply_changes(
                 "worker %d: %d disables not sent in backends %s, where an enable was refused",
                 worker_pid, len(skipped), ", ".join(sorted({c.backend for c in skipped})),
             )
-        refused = await _apply_steps(cli, worker_pid, [c for c in phase if c.backend not in unmade], order,
-                                     line_limit, result)
+        refused = await _apply_steps(cli, worker_pid, [c for c in phase if c.backend not in unmade], result)
         unmade.update(r.change.backend for r in refused)
     return result
 
 
 async def _apply_steps(
-    cli: MasterCLI,
-    worker_pid: int,
-    changes: list[ServerChange],
-    order: Callable[[ServerChange], list[str]],
-    line_limit: int,
-    result: ApplyResult,
+    cli: MasterCLI, worker_pid: int, changes: list[ServerChange], result: ApplyResult
 ) -> list[Refusal]:
     """One phase: every server's sequence, step by step across servers; adds to `result` and
     returns this phase's refusals."""
-    plans = [(change, order(change)) for change in changes]
+    plans = [(change, ordered_commands(change)) for change in changes]
     accepted: list[list[str]] = [[] for _ in plans]
     stopped: dict[int, Refusal] = {}
     step = 0
     while True:
-        batch = [
-            (i, sequence[step])
-            for i, (_, sequence) in enumerate(plans)
-            if step < len(sequence) and i not in stopped
-        ]
+        batch = [(i, seq[step]) for i, (_, seq) in enumerate(plans) if step < len(seq) and i not in stopped]
         if not batch:
             break
-        answers, lines = await send_step(cli, worker_pid, [command for _, command in batch], line_limit)
+        answers, lines = await send_step(cli, worker_pid, [command for _, command in batch])
         result.commands_sent += len(batch)
         result.lines_sent += lines
         for (i, command), answer in zip(batch, answers, strict=True):
@@ -174,7 +152,7 @@ async def _apply_steps(
             if reason is None:
                 accepted[i].append(command)
                 continue
-            refused = Refusal(plans[i][0], command, reason, tuple(accepted[i]))
+            refused = Refusal(plans[i][0], command, tuple(accepted[i]))
             stopped[i] = refused
             log.warning("worker %d refused %r: %s; %s", worker_pid, command, reason,
                         "server left in maint" if refused.left_in_maint else "server left as it was")
@@ -204,7 +182,7 @@ async def send_commands(
     """One answer per command to worker `pid`. The master session's mode (`prefix`, such as
     `experimental-mode on`) rides with each command on a line of its own."""
     if not prefix:
-        answers, _ = await send_step(cli, pid, commands, DEFAULT_LINE_LIMIT)
+        answers, _ = await send_step(cli, pid, commands)
         return answers
     return [(await send_line(cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
 

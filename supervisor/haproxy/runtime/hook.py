@@ -32,7 +32,6 @@ from ..server_state import clear_server_state, save_server_state
 from .apply import (
     PLACEHOLDER_ADDRESS,
     PLACEHOLDER_PORT,
-    ApplyResult,
     MembershipResult,
     apply_changes,
     apply_membership,
@@ -257,7 +256,6 @@ class RuntimeApplier:
         self.remove_wait_s = remove_wait_s
         self.background = background
         self.forget: set[str] = set()
-        self.last_result: ApplyResult | None = None
         # Workers this daemon has changed servers in: what they hold is what their model says.
         self._known_workers: set[int] = set()
         # Removals whose `del server` HAProxy still refuses; `run()` retries them.
@@ -292,7 +290,6 @@ class RuntimeApplier:
         if not changes:
             return RuntimeOutcome(True, new)
         result = await apply_changes(self.cli, current.worker_pid, changes)
-        self.last_result = result
         self.forget.difference_update(change.key for change in result.applied)
         self.forget.update(refused.change.key for refused in result.refused)
         log.info(

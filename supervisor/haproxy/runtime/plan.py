@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..answers import ServerKey, ServerState, parse_map_list
+from ..answers import ServerKey, ServerState
 from ..config import Config, Section
 from ..guard import COOKIE_ROW, SLOT_TABLE_PREFIX, STICK_ROW, persistence_rows, slot_table
 from ..resolution import (
@@ -218,10 +218,14 @@ def slot_map_commands(path: str, held: dict[str, str], config: Config, backends:
     return commands
 
 
+# `show map` (no file) lists each map a process loaded as `<id> (<path>) pattern loaded from file ...`.
+_LISTED_SLOT_TABLE = re.compile(rf"^-?\d+ \((/(?:[A-Za-z0-9_./-]*/)?{_SLOT_TABLE_NAME.pattern})\) ", re.M)
+
+
 def loaded_slot_table(show_map: str) -> str | None:
     """The slot table file a worker loaded, from its `show map` list."""
-    tables = [path for path in parse_map_list(show_map) if _SLOT_TABLE_NAME.fullmatch(path.rsplit("/", 1)[-1])]
-    return tables[0] if tables else None
+    found = _LISTED_SLOT_TABLE.search(show_map)
+    return found[1] if found else None
 
 
 MAX_WEIGHT = 256  # HAProxy's absolute weight range is 0..256
