@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from .lexer import ConfigCache, Line, Section, Slot, body_key, content_key, parse_line
 from .resolution import (
     BACKEND_KINDS,
-    BUILT_IN,
     ProxySettings,
     Server,
     ServerFlags,
@@ -76,21 +75,12 @@ class Config:
     def backends(self) -> Iterator[Section]:
         return (s for s in self.sections if s.kind in BACKEND_KINDS)
 
-    def settings_of(self, proxy: Section) -> ProxySettings:
-        """What applies to one section (this walks from the top)."""
-        for section, settings in resolve(self.sections):
-            if section is proxy:
-                return settings
-        return BUILT_IN
-
     def each_backend_with_settings(self) -> Iterator[tuple[Section, ProxySettings]]:
         """Each backend/listen section with its ProxySettings, resolved as the walk reaches it."""
         return ((s, settings) for s, settings in resolve(self.sections) if s.kind in BACKEND_KINDS)
 
-    def servers(self, backend: Section | None = None) -> list[Server]:
-        """Every server of every backend (or of one), in config order, templates expanded."""
-        if backend is not None:
-            return section_servers(backend, self.settings_of(backend), self.cache)
+    def servers(self) -> list[Server]:
+        """Every server of every backend, in config order, templates expanded."""
         return [server for _, servers in self.servers_by_backend() for server in servers]
 
     def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # A state file with no server: HAProxy loads it without a warning (an empty or missing
 # file makes every start log one).
 EMPTY_STATE = "1\n"
+ROWS_PER_PART = 2000  # filtered between two turns of the event loop
 
 
 def _config_identity(server: Server) -> tuple[str, int | None, bool, int]:
@@ -52,11 +53,9 @@ def _carries_over(
     return True  # a host name: the file holds what it resolved to
 
 
-def server_state_parts(
-    text: str, running: Config, new: Config, forget: Collection[str] = (), rows_per_part: int = 2000
-) -> Iterator[str]:
-    """The filtered state file (module doc) in parts of `rows_per_part` rows, the first two
-    empty (after each config's servers are listed): the event loop runs between parts."""
+def server_state_parts(text: str, running: Config, new: Config, forget: Collection[str] = ()) -> Iterator[str]:
+    """The filtered state file (module doc) in parts of ROWS_PER_PART rows, the first two empty
+    (after each config's servers are listed): the event loop runs between parts."""
     if not is_servers_state(text):
         yield EMPTY_STATE
         return
@@ -67,7 +66,7 @@ def server_state_parts(
     out = [next(line for line in text.splitlines() if line.strip())]  # the format's version
     header = ""
     forget = frozenset(forget)
-    for part in servers_state_parts(text, rows_per_part):
+    for part in servers_state_parts(text, ROWS_PER_PART):
         for block in servers_state_rows(part, _ROW_COLUMNS):
             if block.header != header:
                 header = block.header
