@@ -1,10 +1,6 @@
-"""Sending changes to one worker's live servers, checking every answer (docs/runtime-changes.md).
-
-Make before break: every change that leaves a server in service goes out, `state ready`
-accepted, before any disable; a backend whose enable was refused keeps its disables for the
-reload. A `;` line runs all its commands whatever each answers, so the commands of one server
-never share a line: they are batched across servers one step at a time.
-"""
+"""Changes to one worker's live servers, every answer checked (docs/runtime-changes.md). Make
+before break: what leaves a server in service goes out before any disable. A `;` line runs all
+its commands whatever each answers, so one server's commands never share a line."""
 
 from __future__ import annotations
 
@@ -23,10 +19,9 @@ from .plan import RuntimePlan, ServerAdd, ServerChange, loaded_slot_table, order
 
 log = logging.getLogger(__package__)
 
-# What `set server ... addr` answers when it took. 2.6 and 2.8: `no need to change the addr, port
-# changed from 'a' to 'b' by 'stats socket command'` (either part may say changed or no need);
-# 3.0 on: `IP changed from 'a' to 'b', port changed from ... by ...`, either part alone, or
-# `nothing changed`.
+# What `set server ... addr` answers when it took: 2.6 and 2.8 `no need to change the addr, port
+# changed from 'a' to 'b' by '...'` (either part changed or not); 3.0 on `IP changed from 'a' to
+# 'b', port changed from ... by ...`, either part alone, or `nothing changed`.
 _ADDR_ACCEPTED = re.compile(
     r"^(?:nothing changed\.?"
     r"|(?:(?:IP changed from '[^']*' to '[^']*'|no need to change the addr)"
@@ -37,8 +32,8 @@ _ADDR_ACCEPTED = re.compile(
 
 
 def refusal(command: str, answer: str | None) -> str | None:
-    """None when HAProxy accepted `command`, else why not (its own words when it gave any). An
-    answer this code does not know counts as refused: the sequence then stops out of rotation."""
+    """None when HAProxy accepted `command`, else why not. An unknown answer counts as refused:
+    the sequence then stops out of rotation."""
     if answer is None:
         return "no answer"
     text = answer.strip()
@@ -54,8 +49,8 @@ def refusal(command: str, answer: str | None) -> str | None:
 
 
 def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
-    """Did `del server` take? `No such server.` to a server already asked to delete is a deletion
-    too: the earlier answer was lost (a timeout, a line that could not be read), not the deletion."""
+    """Did `del server` take? `No such server.` to a server asked before is a deletion too: the
+    earlier answer was lost, not the deletion."""
     if refusal(command, answer) is None:
         return True
     return asked_before and answer is not None and answer.strip() == "No such server."
@@ -87,7 +82,7 @@ class ApplyResult:
 
 
 async def send_line(cli: MasterCLI, line: str) -> list[str | None]:
-    """Send one `;` line; one answer per command, read by what each command prints."""
+    """Send one `;` line; one answer per command."""
     # Names and addresses are validated, so `;` only ever separates commands.
     commands = line.split(";")
     count = len(commands)
@@ -97,7 +92,7 @@ async def send_line(cli: MasterCLI, line: str) -> list[str | None]:
         return [f"no answer: {exc}"] * count
     answers = split_answers(text, commands)
     if answers is None:
-        # Cannot tell which command said what: every command of the line counts as refused.
+        # Who said what is unknown: every command of the line counts as refused.
         unexpected = text.strip() or "empty answer"
         return [f"unexpected answer to {count} commands: {unexpected}"] * count
     return list(answers)
@@ -134,8 +129,7 @@ async def apply_changes(cli: MasterCLI, worker_pid: int, changes: Iterable[Serve
 async def _apply_steps(
     cli: MasterCLI, worker_pid: int, changes: list[ServerChange], result: ApplyResult
 ) -> list[Refusal]:
-    """One phase: every server's sequence, step by step across servers; adds to `result` and
-    returns this phase's refusals."""
+    """One phase, step by step across servers; adds to `result`, returns its refusals."""
     plans = [(change, ordered_commands(change)) for change in changes]
     accepted: list[list[str]] = [[] for _ in plans]
     stopped: dict[int, Refusal] = {}
@@ -179,8 +173,8 @@ def _needs_experimental_mode(answer: str | None) -> bool:
 async def send_commands(
     cli: MasterCLI, pid: int, commands: Sequence[str], prefix: Sequence[str] = ()
 ) -> list[str | None]:
-    """One answer per command to worker `pid`. The master session's mode (`prefix`, such as
-    `experimental-mode on`) rides with each command on a line of its own."""
+    """One answer per command to worker `pid`. A session mode (`prefix`: `experimental-mode on`)
+    rides with each command on a line of its own."""
     if not prefix:
         answers, _ = await send_step(cli, pid, commands)
         return answers
@@ -189,10 +183,9 @@ async def send_commands(
 
 @dataclass
 class MembershipResult:
-    """What apply_membership() did. Not ok: `why` is the reason for the reload that follows.
-    `made`: the added servers are in service (the removes failed). `pending`: removed servers
-    in maint at the placeholder whose `del server` is still refused (key -> the answer), for
-    hook.py; `mode`: what this worker's lines begin with (`experimental-mode on`, if asked)."""
+    """What apply_membership() did; `why`: the reason for the reload when not ok. `made`: the
+    added servers are in service. `pending`: removals in maint at the placeholder whose `del
+    server` is still refused (key -> answer); `mode`: what this worker's lines begin with."""
 
     ok: bool = True
     why: str = ""
@@ -201,15 +194,14 @@ class MembershipResult:
     removed: list[str] = field(default_factory=list)
     pending: dict[str, str] = field(default_factory=dict)
     mode: list[str] = field(default_factory=list)
-    # An add answered "Already exists", or a removal's `state maint` "No such server.": the
-    # worker holds part of this change already (hook.py then completes it by what it holds).
+    # An add answered "Already exists", or a removal's `state maint` "No such server.": the worker
+    # holds part of this change already (hook.py completes it).
     held_already: bool = False
     commands_sent: int = 0
 
 
 class _Sender:
-    """One membership change in one worker: its commands, as few `;` lines as fit, every answer
-    returned in order, and how its removes wait."""
+    """One membership change in one worker: where its commands go, and how its removes wait."""
 
     def __init__(
         self, cli: MasterCLI, worker_pid: int, result: MembershipResult, remove_wait_s: float, background: bool
@@ -225,8 +217,8 @@ class _Sender:
 async def apply_membership(
     cli: MasterCLI, worker_pid: int, plan: RuntimePlan, new: Config, *, remove_wait_s: float, background: bool
 ) -> MembershipResult:
-    """Add and remove servers in one worker, make before break: the adds readied, the in-place
-    changes, the worker's slot table, only then the removes (`_remove`; docs/removals.md)."""
+    """Add and remove servers in one worker, make before break: adds, in-place changes, the
+    slot table, only then the removes (docs/removals.md)."""
     result = MembershipResult()
     sender = _Sender(cli, int(worker_pid), result, remove_wait_s, background)
     table = await _slot_table_commands(cli, sender.pid, new, plan.backends)
@@ -259,8 +251,8 @@ def _failed(result: MembershipResult, why: str) -> MembershipResult:
 
 
 async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: set[str]) -> list[str] | str:
-    """The map commands that keep the worker's slot table what `new` says (the guard reads it
-    once the worker is old), or why they cannot be known."""
+    """The map commands that make the worker's slot table `new`'s (the guard reads it once the
+    worker is old), or why they cannot be known."""
     if not any(is_guarded(s) for s in new.backends() if s.name in backends):
         return []
     try:
@@ -275,7 +267,7 @@ async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: 
 
 async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[ServerAdd]) -> str:
     """Add every server in maint, then step by step its checks and `state ready` (also those
-    `present` in the worker already); the first refusal, or ''."""
+    `present` already); the first refusal, or ''."""
     result = sender.result
     result.added.extend(add.key for add in present)
     answers = await sender.send([a.add_command for a in adds])
@@ -305,7 +297,7 @@ async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[Ser
 
 
 async def _take_back(sender: _Sender) -> None:
-    """Undo the adds after a refusal, best effort: what is still refused is pending, like any removal."""
+    """Undo the adds after a refusal, best effort: what is still refused is pending."""
     if sender.result.added:
         undone = MembershipResult()
         leftover = await _remove(sender, list(sender.result.added), undone)
@@ -315,10 +307,9 @@ async def _take_back(sender: _Sender) -> None:
 
 
 async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) -> str:
-    """Servers to maint, then `del server`, which HAProxy refuses while connections are attached:
-    the refused get the placeholder address and one more try; then, in the background, they are
-    pending, else it is tried for remove_wait_s, their sessions shut down, and a little longer.
-    What is still refused then, or ''."""
+    """Servers to maint, then `del server`, refused while connections are attached: the refused
+    get the placeholder address and one more try; then they are pending (in the background), or
+    tried for remove_wait_s, their sessions shut down, and a little longer. What is left, or ''."""
     if not keys:
         return ""
     maint = [f"set server {key} state maint" for key in keys]
