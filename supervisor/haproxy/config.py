@@ -70,7 +70,6 @@ class Config:
         return (s for s in self.sections if s.kind in BACKEND_KINDS)
 
     def each_backend_with_settings(self) -> Iterator[tuple[Section, ProxySettings]]:
-        """Each backend/listen section with its ProxySettings."""
         return ((s, settings) for s, settings in resolve(self.sections) if s.kind in BACKEND_KINDS)
 
     def servers(self) -> list[Server]:
@@ -78,7 +77,6 @@ class Config:
         return [server for _, servers in self.servers_by_backend() for server in servers]
 
     def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
-        """Each backend/listen section with its servers."""
         cache = self.cache
         return [(s, section_servers(s, settings, cache)) for s, settings in self.each_backend_with_settings()]
 
@@ -98,12 +96,7 @@ class Config:
         return result
 
     def global_setting(self, keyword: str) -> Line | None:
-        for section in self.sections:
-            if section.kind == "global":
-                for line in section.body:
-                    if line.keyword == keyword:
-                        return line
-        return None
+        return next((x for s in self.sections if s.kind == "global" for x in s.body if x.keyword == keyword), None)
 
 
 def observe_directive(error_limit: int) -> str:

@@ -114,8 +114,7 @@ def guard_use_server() -> str:
     return f"use-server %[var({_VARS[2]})] if {{ var({_VARS[2]}) -m found }}"
 
 
-# The order HAProxy evaluates a proxy's request rules in: it warns about a rule written after
-# one of a later rank, so the guard's lines go first of their rank, free of that warning.
+# HAProxy warns of a request rule written after one of a later rank: the guard's go first of theirs.
 _RULE_RANK = {"tcp-request": 0, "http-request": 1, "redirect": 2, "use_backend": 3, "use-server": 4}
 
 
@@ -268,7 +267,6 @@ def slot_table(config: Config) -> list[tuple[str, list[str]]]:
 
 
 def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]]) -> list[str]:
-    """The names of a backend's primaries in config order, templates expanded."""
     names: list[str] = []
     for index, flags in server_lines:
         if not flags.backup:

@@ -21,8 +21,7 @@ HANDOFF_HEADER = "x-hs-backend"
 HANDOFF_VAR = "txn.hs_backend"
 HANDOFF_MARKER = "# haproxy-supervisor hand-off"
 RESERVED_NAMES = frozenset({HANDOFF_SERVER, HANDOFF_FRONTEND})
-# Rules of a section's own would run in both workers; a `use-server` may read a variable that
-# does not travel.
+# Rules of a section's own would run in both workers; a `use-server` may read a variable left behind.
 OWN_RULES = RULE_KEYWORDS | {"use-server"}
 # None of what a `default-server` line may give (checks, TLS, backup) holds for the local socket.
 _SERVER_WORDS = "weight 0 no-check no-ssl no-backup no-send-proxy send-proxy-v2"
@@ -83,7 +82,6 @@ def _speaks_h2(words: tuple[str, ...]) -> bool:
 
 
 def reserved_names_used(config: Config) -> list[str]:
-    """The hand-off's names that a config already uses for a section or a server."""
     text = config.render()
     if not any(name in text for name in RESERVED_NAMES):
         return []  # most configs: one look at the text instead of at every line's words
@@ -185,7 +183,6 @@ def _end_with_newline(config: Config) -> None:
 
 
 def is_handed_off(section: Section) -> bool:
-    """Whether a section of an effective config carries the hand-off."""
     return any(line.words[:2] == ("server", HANDOFF_SERVER) for line in section.body)
 
 
@@ -214,5 +211,4 @@ def handed_off(offers: dict[str, str], accepts: dict[str, str]) -> list[str]:
 
 
 def handoff_entries(backends: Iterable[str]) -> dict[str, str]:
-    """The hand-off map an old worker needs for these backends."""
     return {backend: "1" for backend in backends}

@@ -86,7 +86,6 @@ def parse_line(raw: str) -> Line:
 
 
 def quote_word(word: str) -> str:
-    """Quote a word for a config line, if it needs it."""
     if word and not any(c in word for c in BLANKS + "#\"'\\"):
         return word
     return "'" + word.replace("'", "'\\''") + "'"
@@ -132,7 +131,6 @@ def content_key(text: str) -> bytes:
 
 
 def body_key(lines: Iterable[Line]) -> bytes:
-    """content_key() of a section's body."""
     return content_key("".join([line.raw for line in lines]))
 
 
@@ -175,13 +173,11 @@ class ConfigCache:
     __slots__ = ("_kept", "lines")
 
     def __init__(self) -> None:
-        # A line's text -> its Line: a parse of the next rendered config takes the previous
-        # one's Lines instead of splitting 15,000 lines again.
+        # A line's text -> its Line: the next config's parse takes it instead of splitting it again.
         self.lines: RecentlyUsed[str, Line] = RecentlyUsed()
         self._kept: dict[Slot[Any, Any], RecentlyUsed[Any, Any]] = {}
 
     def kept(self, slot: Slot[_K, _V]) -> RecentlyUsed[_K, _V]:
-        """What `slot` keeps, made on first use."""
         return self._kept.setdefault(slot, RecentlyUsed())
 
     def new_generation(self) -> None:

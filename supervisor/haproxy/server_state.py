@@ -22,8 +22,7 @@ from .routing import effective_weight
 
 log = logging.getLogger(__name__)
 
-# A state file with no server: HAProxy loads it without a warning (an empty or missing
-# file makes every start log one).
+# A state file with no server: HAProxy warns of an empty or missing one at every start.
 EMPTY_STATE = "1\n"
 ROWS_PER_PART = 2000  # filtered between two turns of the event loop
 

@@ -107,7 +107,6 @@ async def send_step(cli: MasterCLI, worker_pid: int, commands: Sequence[str]) ->
 
 
 async def apply_changes(cli: MasterCLI, worker_pid: int, changes: Iterable[ServerChange]) -> ApplyResult:
-    """Apply changes to one worker, make before break (module doc)."""
     worker_pid = int(worker_pid)
     result = ApplyResult()
     changes = list(changes)
@@ -161,8 +160,7 @@ async def _apply_steps(
 
 REMOVE_POLL_S = 0.1
 PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT = "127.0.0.1", 1
-# After `shutdown sessions server`, how long `del server` is still tried: the sessions close
-# asynchronously, within a few milliseconds of the command.
+# How long `del server` is still tried after `shutdown sessions server`: sessions close asynchronously.
 AFTER_SHUTDOWN_S = 2.0
 
 
@@ -176,8 +174,7 @@ async def send_commands(
     """One answer per command to worker `pid`. A session mode (`prefix`: `experimental-mode on`)
     rides with each command on a line of its own."""
     if not prefix:
-        answers, _ = await send_step(cli, pid, commands)
-        return answers
+        return (await send_step(cli, pid, commands))[0]
     return [(await send_line(cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
 
 

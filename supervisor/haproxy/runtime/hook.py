@@ -300,8 +300,7 @@ class RuntimeApplier:
             return RuntimeOutcome(False)
         result = await self._membership(pid, plan, new)
         if result.held_already and pid not in self._known_workers:
-            # A worker this daemon has not changed yet holds part of this change: a daemon
-            # before it was killed in the middle of it. Complete it by what the worker holds.
+            # A daemon killed mid-change left part of it in a worker this one has not changed: complete it.
             completed = await self._completed(pid, plan, new)
             if isinstance(completed, str):
                 log.info("worker %d holds part of this change, and %s", pid, completed)
@@ -328,8 +327,7 @@ class RuntimeApplier:
         if result.ok:
             return RuntimeOutcome(True, new)
         log.info("runtime apply not possible, reloading: %s", result.why)
-        # Once the new servers are in service there, the worker runs the new config's servers
-        # (and removed ones left in maint), which is what its steering must go by once old.
+        # With the new servers in service the worker runs the new model: its steering goes by it once old.
         return RuntimeOutcome(False, new if result.made else None)
 
     async def _membership(self, pid: int, plan: RuntimePlan, new: Config) -> MembershipResult:
@@ -344,8 +342,7 @@ class RuntimeApplier:
             if isinstance(servers, str):
                 return servers
             held += servers
-        # An add held in maint at the placeholder is a removal an earlier daemon left pending
-        # (the name came back): delete it, and add it afresh.
+        # An add held at the placeholder is an earlier daemon's pending removal: delete it, add it afresh.
         adding = {a.key for a in plan.adds}
         stale = [s for s in held if s.key in adding and _at_placeholder(s)]
         if stale:

@@ -214,7 +214,6 @@ _LISTED_SLOT_TABLE = re.compile(rf"^-?\d+ \((/(?:[A-Za-z0-9_./-]*/)?{_SLOT_TABLE
 
 
 def loaded_slot_table(show_map: str) -> str | None:
-    """The slot table file a worker loaded, from its `show map` list."""
     found = _LISTED_SLOT_TABLE.search(show_map)
     return found[1] if found else None
 
@@ -239,7 +238,6 @@ def _validate_int(kind: str, value: object, low: int, high: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ServerChange:
-    """What changes on one server that already exists in the running worker."""
 
     backend: str
     server: str
@@ -437,7 +435,6 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
 
 
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:
-    """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
     adds: list[ServerAdd] = []
     removes: list[ServerKey] = []
     if config_skeleton(running) != config_skeleton(new):
