@@ -98,10 +98,8 @@ def parse_show_proc(text: str) -> ProcList:
         if proc.kind == "master":
             master = proc
             failed = int(m[4] or 0)
-        elif section == "workers" and proc.kind == "worker":
-            workers.append(proc)
-        elif section == "old" and proc.kind == "worker":
-            old.append(proc)
+        elif proc.kind == "worker" and section in ("workers", "old"):
+            (workers if section == "workers" else old).append(proc)
     if not workers and old:
         # From 3.1 on every worker started before the master's last re-exec is listed as old,
         # stopping or not: with `# workers` empty (a failed reload, or before the fork) the

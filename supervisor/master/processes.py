@@ -153,14 +153,9 @@ def is_our_master(cmdline: Sequence[str], settings: Settings) -> bool:
     master's argv after a reload reads like one."""
     if len(cmdline) < 2 or "haproxy" not in Path(cmdline[0]).name or "-W" not in cmdline:
         return False
-    socket_arg = _arg_after(cmdline, "-S")
-    config_arg = _arg_after(cmdline, "-f")
-    # `-S <path>[,<bind options>]`
-    return (
-        socket_arg is not None
-        and socket_arg.split(",", 1)[0] == str(settings.haproxy.master_socket_path)
-        and config_arg == str(settings.haproxy.effective_config)
-    )
+    socket_path = (_arg_after(cmdline, "-S") or "").split(",", 1)[0]  # `-S <path>[,<bind options>]`
+    h = settings.haproxy
+    return socket_path == str(h.master_socket_path) and _arg_after(cmdline, "-f") == str(h.effective_config)
 
 
 def is_our_master_worker(cmdline: Sequence[str], settings: Settings) -> bool:

@@ -322,7 +322,6 @@ async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) ->
     wait_s = sender.remove_wait_s
     deadline = loop.time() + wait_s
     shut = purged = False
-    last = ""
     asked: set[str] = set()
     last_answer: dict[str, str] = {}
     while True:
@@ -334,7 +333,6 @@ async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) ->
                 result.removed.append(key)
             else:
                 last_answer[key] = (answer or "no answer").strip()
-                last = f"`{command}`: {last_answer[key]}"
         asked.update(left)
         if not left:
             return ""
@@ -353,6 +351,7 @@ async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) ->
             return ""
         if loop.time() >= deadline:
             if shut:
+                last = f"`del server {left[-1]}`: {last_answer[left[-1]]}"
                 return f"{len(left)} servers not deleted after {wait_s:g}s and their sessions shut down; last {last}"
             log.info("worker %d: sessions still on %d removed servers after %gs: shutting them down",
                      sender.pid, len(left), wait_s)
