@@ -84,8 +84,7 @@ class Config:
         return {s.key: s for s in self.servers()}
 
     def server_flags_by_backend(self) -> list[tuple[Section, list[tuple[int, ServerFlags]]]]:
-        """Each backend/listen section with (index in the body, flags) of each line declaring
-        servers, without making a Server for each."""
+        """Each backend with (index in the body, flags) of each line declaring servers: no Server made."""
         result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
         kept = self.cache.kept(SERVER_FLAGS)
         for section, settings in self.each_backend_with_settings():

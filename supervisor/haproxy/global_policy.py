@@ -54,12 +54,10 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
             words, keyword = line.words, line.keyword
             if keyword in REFUSED_GLOBALS:
                 raise RefusedGlobal(f"line {number}: global `{keyword}` refused: {REFUSED_GLOBALS[keyword]}")
-            if _is_stats_socket(line):
-                path = words[2].removeprefix("unix@")
-                if Path(path) == master_socket:
-                    raise RefusedGlobal(
-                        f"line {number}: `stats socket {words[2]}` refused: it is the supervisor's master socket"
-                    )
+            if _is_stats_socket(line) and Path(words[2].removeprefix("unix@")) == master_socket:
+                raise RefusedGlobal(
+                    f"line {number}: `stats socket {words[2]}` refused: it is the supervisor's master socket"
+                )
             why = DROPPED_GLOBALS.get(keyword)
             if why is None and keyword == "master-worker":
                 why = NO_EXIT_ON_FAILURE_WHY if NO_EXIT_ON_FAILURE in words[1:] else MASTER_WORKER_WHY

@@ -205,31 +205,22 @@ def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path
     table = SlotTable.of_plans(plans, directory)
     map_text, table_text = str(map_path), str(table.path)
     # Parsed once for all the backends that share mode, routing, indentation and line ending.
-    blocks: dict[tuple[str, Routing, str, str, tuple[str, ...]], tuple[list[Line], list[Line], list[Line]]] = {}
+    blocks: dict[tuple[str, Routing, str, str, tuple[str, ...], bool], tuple[list[Line], list[Line]]] = {}
     for section, mode, plan in plans:
-        at = plan.at
+        at, use_at, indent, body = plan.at, plan.use_at, plan.indent, section.body
         if at is None:
             continue
-        indent = plan.indent
         newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
             section.header = parse_line(section.header.raw + newline)
-        key = (mode, plan.routing, indent, newline, plan.redispatch)
-        block = blocks.get(key)
-        if block is None:
-
-            def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
-                return [parse_line(f"{indent}{text}{newline}") for text in texts]
-
-            block = blocks[key] = (
-                lines([GUARD_MARKER, *plan.redispatch, *guard_rules(mode, map_text, table_text, plan.routing)]),
-                lines([guard_use_server()]),
-                lines([GUARD_MARKER, guard_use_server()]),
-            )
-        rules, use_server_alone, use_server_marked = block
-        use_at, body = plan.use_at, section.body
-        use_server = use_server_alone if use_at == at else use_server_marked
+        key = (mode, plan.routing, indent, newline, plan.redispatch, use_at == at)
+        if key not in blocks:
+            texts = [GUARD_MARKER, *plan.redispatch, *guard_rules(mode, map_text, table_text, plan.routing)]
+            use = [guard_use_server()] if use_at == at else [GUARD_MARKER, guard_use_server()]
+            made, use_made = ([parse_line(f"{indent}{text}{newline}") for text in lines] for lines in (texts, use))
+            blocks[key] = made, use_made
+        rules, use_server = blocks[key]
         section.body = [*body[:at], *rules, *body[at:use_at], *use_server, *body[use_at:]]
     return result, table
 

@@ -58,8 +58,7 @@ def eligible_backends(config: Config) -> list[str]:
 
 
 def _bars_the_hand_off(settings: ProxySettings) -> bool:
-    """A header the current worker would add again, or defaults' rules (they would run in both
-    workers, and HAProxy refuses a frontend and a backend under them)."""
+    """A header the current worker would add again, or defaults' rules (they run in both workers)."""
     return settings.adds_headers or settings.defaults_rules
 
 

@@ -345,8 +345,7 @@ SECTION_SERVERS: Slot[tuple[str, ProxySettings, bytes], tuple[Server, ...]] = Sl
 
 
 def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache) -> list[Server]:
-    """The servers of a backend that `settings` apply to, shared through `cache` by consecutive
-    configs."""
+    """The servers of a backend that `settings` apply to, shared through `cache` by consecutive configs."""
     key = (section.name, settings, body_key(section.body))
     return list(cache.kept(SECTION_SERVERS).get_or_make(key, _section_servers, section.name, section.body, settings))
 

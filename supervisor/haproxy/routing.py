@@ -126,8 +126,7 @@ def _hash_of(settings: ProxySettings) -> tuple[str, str | None] | None:
 
 
 def server_ids(servers: Iterable[tuple[str, Sequence[str]]]) -> dict[str, int]:
-    """name -> the id HAProxy gives each (name, params): its `id`, else the lowest one free,
-    in config order from 1."""
+    """name -> the id HAProxy gives each (name, params): its `id`, else the lowest one free, in config order from 1."""
     listed = list(servers)
     ids: dict[str, int] = {}
     for name, params in listed:
@@ -206,8 +205,7 @@ BUCKET_BITS = 12  # the guard reads a hash's top 12 bits: 4,096 buckets
 def ring(
     servers: Sequence[Server], up: Iterable[str], ids: dict[str, int], node_keys: NodeKeys
 ) -> list[tuple[int, str]]:
-    """The consistent-hash ring of primaries `up`: (point key, server) sorted, 16 points per
-    unit of weight."""
+    """The consistent-hash ring of primaries `up`: (point key, server) sorted, 16 points per unit of weight."""
     usable = set(up)
     points: list[tuple[int, str]] = []
     for s in servers:
@@ -239,8 +237,7 @@ def _arcs(points: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
 
 
 def consistent_buckets(points: list[tuple[int, str]], dead: set[str]) -> dict[int, str]:
-    """bucket -> server for each bucket a dead server's arc touches: the live one owning most
-    of it, else the one the live ring gives its middle."""
+    """bucket -> server where a dead arc touches: the live owner of most of it, else the live ring's."""
     shift = 32 - BUCKET_BITS
     live_points = [(k, name) for k, name in points if name not in dead]
     if not live_points or not any(name in dead for _, name in points):

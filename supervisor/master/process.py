@@ -75,8 +75,7 @@ def listening_ports(pid: int) -> set[int] | None:
 
 
 async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
-    """Does the worker answer `@!<pid>` and listen on every port in `ports`? (3.1 lists a new
-    worker before it has bound.)"""
+    """Does the worker answer `@!<pid>` and listen on all `ports`? (3.1 lists it before it binds.)"""
     try:
         infos = show_info_by_pid(await cli.on(pid, "show info", timeout=2))
     except CLIError:
@@ -147,8 +146,7 @@ def master_command(settings: Settings) -> list[str]:
 
 
 def next_backoff(previous: float | None, uptime_s: float | None) -> float:
-    """At once after a master that ran HEALTHY_UPTIME_S (a second waited is one without a
-    listener); then doubling."""
+    """At once after a master that ran HEALTHY_UPTIME_S (a second waited is one without a listener); then doubling."""
     if previous is None or (uptime_s is not None and uptime_s >= HEALTHY_UPTIME_S):
         return 0.0
     return min(max(previous * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
@@ -316,8 +314,7 @@ class MasterProcess:
         return procs
 
     async def reexec(self, before: ProcList | None) -> ProcList | None:
-        """Re-execute our master (lock held) so it binds its deleted socket again; `show proc` once
-        the new worker is listed, else None."""
+        """Re-execute our master (lock held) to bind its deleted socket; `show proc` with the new worker."""
         if self.pid is None or not self.alive:
             return None
         known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()

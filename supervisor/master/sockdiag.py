@@ -189,8 +189,7 @@ class TcpActivity:
 
 
 def destroy(target: DiagSocket) -> None:
-    """Close `target` (a pending connect fails with ECONNABORTED); needs CAP_NET_ADMIN, else
-    SockDiagError."""
+    """Close `target` (a pending connect fails with ECONNABORTED); needs CAP_NET_ADMIN, else SockDiagError."""
     body = struct.pack("=BBBBI", target.family, socket.IPPROTO_TCP, 0, 0, 1 << target.state) + target.sockid
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(1)

@@ -49,8 +49,7 @@ def refusal(command: str, answer: str | None) -> str | None:
 
 
 def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
-    """Did `del server` take? `No such server.` to a server asked before is a deletion too: the
-    earlier answer was lost, not the deletion."""
+    """Did `del server` take? `No such server.` to one asked before did: the answer was lost."""
     if refusal(command, answer) is None:
         return True
     return asked_before and answer is not None and answer.strip() == "No such server."
@@ -171,8 +170,7 @@ def _needs_experimental_mode(answer: str | None) -> bool:
 async def send_commands(
     cli: MasterCLI, pid: int, commands: Sequence[str], prefix: Sequence[str] = ()
 ) -> list[str | None]:
-    """One answer per command to worker `pid`. A session mode (`prefix`: `experimental-mode on`)
-    rides with each command on a line of its own."""
+    """One answer per command to worker `pid`; a session mode (`prefix`) rides on each command's line."""
     if not prefix:
         return (await send_step(cli, pid, commands))[0]
     return [(await send_line(cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
@@ -214,8 +212,7 @@ class _Sender:
 async def apply_membership(
     cli: MasterCLI, worker_pid: int, plan: RuntimePlan, new: Config, *, remove_wait_s: float, background: bool
 ) -> MembershipResult:
-    """Add and remove servers in one worker, make before break: adds, in-place changes, the
-    slot table, only then the removes (docs/removals.md)."""
+    """Add and remove servers, make before break: adds, changes, slot table, removes (docs/removals.md)."""
     result = MembershipResult()
     sender = _Sender(cli, int(worker_pid), result, remove_wait_s, background)
     table = await _slot_table_commands(cli, sender.pid, new, plan.backends)
@@ -248,8 +245,7 @@ def _failed(result: MembershipResult, why: str) -> MembershipResult:
 
 
 async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: set[str]) -> list[str] | str:
-    """The map commands that make the worker's slot table `new`'s (the guard reads it once the
-    worker is old), or why they cannot be known."""
+    """The map commands that make the worker's slot table `new`'s (read once it is old), or why not."""
     if not any(is_guarded(s) for s in new.backends() if s.name in backends):
         return []
     try:
@@ -263,8 +259,7 @@ async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: 
 
 
 async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[ServerAdd]) -> str:
-    """Add every server in maint, then step by step its checks and `state ready` (also those
-    `present` already); the first refusal, or ''."""
+    """Add in maint, then step by step checks and `state ready` (`present` too); a refusal, or ''."""
     result = sender.result
     result.added.extend(add.key for add in present)
     answers = await sender.send([a.add_command for a in adds])

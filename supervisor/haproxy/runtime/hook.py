@@ -53,8 +53,7 @@ def _at_placeholder(state: ServerState) -> bool:
 
 
 def left_pending(held: Iterable[ServerState], running: Config) -> list[str]:
-    """Servers held at the placeholder that `running` lacks: removals an earlier daemon left
-    pending (others are left to completed_plan)."""
+    """Servers held at the placeholder that `running` lacks: removals an earlier daemon left."""
     wanted = running.server_map()
     return [s.key for s in held if s.key not in wanted and _at_placeholder(s)]
 
@@ -96,8 +95,7 @@ Publish = Callable[[Mapping[str, PendingRemoval]], None]
 
 
 class PendingRemovals:
-    """The pending removals of every worker (read-only `removals`; each change goes to `publish`,
-    for /status and /metrics), retried by `run()`."""
+    """Every worker's pending removals (`removals`; changes go to `publish`), retried by `run()`."""
 
     def __init__(
         self,
@@ -121,8 +119,7 @@ class PendingRemovals:
         self, worker_pid: int, answers: dict[str, str], prefix: Iterable[str] = (),
         endpoints: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
-        """Servers of `worker_pid` whose `del server` was refused (key -> answer), and where they
-        were before the placeholder."""
+        """Hold the removals refused in `worker_pid` (key -> answer); `endpoints`: where they were."""
         now, wall = time.monotonic(), datetime.now(UTC)
         for key, answer in answers.items():
             self._removals[key] = PendingRemoval(

@@ -168,8 +168,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
 
 
 def _add_of(section: Section, server: Server, inherited: Words, context: tuple[Words, ...]) -> ServerAdd | str:
-    """The add of `server`, after the `default-server` words of its defaults (`inherited`) and
-    backend (`context`)."""
+    """The add of `server`, after the `default-server` words of its defaults (`inherited`) and backend (`context`)."""
     words = section.body[server.line_index].words
     params = resolved_params([*inherited, *(w for line in context for w in line[1:]), *words[3:]])
     if server.port is None or not is_ip(server.address):
@@ -462,8 +461,7 @@ def runtime_plan(running: Config, new: Config) -> RuntimePlan:
 
 
 def _first_difference(old: list[Words], new: list[Words]) -> str:
-    """Where two skeletons first differ: a line gone, new, or changed (by whether the lines after
-    it line up again)."""
+    """Where two skeletons first differ: a line gone, new, or changed (by whether the lines after it line up again)."""
     index = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
     lacks = index >= len(new) or (index < len(old) and old[index + 1 : index + 2] == new[index : index + 1])
     adds = not lacks and (index >= len(old) or new[index + 1 : index + 2] == old[index : index + 1])
