@@ -152,13 +152,7 @@ def clear_server_state(path: Path) -> str | None:
 
 
 async def save_server_state(
-    cli: MasterCLI,
-    worker_pid: int,
-    path: Path,
-    *,
-    running: Config,
-    new: Config,
-    forget: Collection[str] = (),
+    cli: MasterCLI, worker_pid: int, path: Path, *, running: Config, new: Config, forget: Collection[str] = ()
 ) -> bool:
     """Save the worker's server state for the reload to `new`; on failure empty the file (an older
     state is no longer true) and return False."""
