@@ -61,8 +61,8 @@ def test_rayserve_servers_and_flags():
     assert servers["echo/echo_r1"].check and not servers["echo/echo_r1"].backup
     assert servers["echo/fallback"].backup
     assert servers["echo_via_router/echo_r1"].track == "echo/echo_r1"
-    wide = next(s for s in config.backends() if s.name == "wide")
-    assert [s.name for s in config.servers(wide) if not s.backup] == ["wide_r1", "wide_r2", "wide_r3"]
+    wide = [s.name for s in servers.values() if s.backend == "wide" and not s.backup]
+    assert wide == ["wide_r1", "wide_r2", "wide_r3"]
     assert "h2" in servers["grpc_wide/wide_r1"].params
 
 
@@ -104,7 +104,7 @@ def test_named_defaults_with_from():
     servers = config.server_map()
     assert servers["x/x1"].check and not servers["y/y1"].check
     x, y = (next(s for s in config.backends() if s.name == name) for name in "xy")
-    assert (config.settings_of(x).mode, config.settings_of(y).mode) == ("http", "tcp")
+    assert (reference.settings_of(config, x).mode, reference.settings_of(config, y).mode) == ("http", "tcp")
 
 
 def test_argument_words_are_not_flags():

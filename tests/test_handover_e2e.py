@@ -10,6 +10,7 @@ slot's `state ready`, HAProxy logs `backend 'app' has no server available!`, cli
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -31,7 +32,8 @@ from rigs.runtime_rig import (
 from rigs.wholes import plan_runtime_apply
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
-from supervisor.haproxy.runtime.apply import apply_changes
+from tests.test_make_before_break import step_synchronous
+from tests.test_runtime_rolling_e2e import applied_counts
 
 pytestmark = pytest.mark.haproxy
 
@@ -66,16 +68,17 @@ async def hand_over(rig: Rig, ports: list[int], apply: Callable[[str], Awaitable
     return await under_load(rig, work, max_requests=MAX_REQUESTS)
 
 
-async def test_a_live_slot_hands_over_40_times_without_a_non_200_or_a_reload(rundir):
+async def test_a_live_slot_hands_over_40_times_without_a_non_200_or_a_reload(rundir, caplog):
+    caplog.set_level(logging.INFO, logger="supervisor.haproxy.runtime")
     with pods(2) as started:
         ports = [p.port for p in started]
         async with running_rig(rundir, handover_body(1, ports[0])) as rig:
             reloads, worker = rig.reloads(), rig.worker
 
             async def apply(body: str) -> None:
+                caplog.clear()
                 assert await rig.apply_rendered(rendered_of(rig, body))
-                result = rig.applier.last_result
-                assert result is not None and result.ok and len(result.applied) == 2, result
+                assert applied_counts(caplog) == (2, 0, 0)
 
             load = await hand_over(rig, ports, apply)
             assert rig.reloads() == reloads and rig.worker == worker, "runtime apply must not reload"
@@ -99,8 +102,8 @@ async def test_control_step_synchronous_handover_gives_503s(rundir):
                 new = Config.parse(build_effective(rig.settings, rendered_of(rig, body)).text)
                 changes = plan_runtime_apply(rig.generation.model, new)
                 assert changes is not None and len(changes) == 2
-                result = await apply_changes(rig.cli, rig.worker, changes, phased=False)
-                assert result.ok, result.refused
+                refused = await step_synchronous(rig.cli, rig.worker, changes)
+                assert not refused, refused
                 rig.generation = replace(rig.generation, model=new)
 
             load = await hand_over(rig, ports, apply)

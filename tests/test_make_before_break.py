@@ -3,10 +3,16 @@ has fewer servers during a change than at its ends."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 
-from supervisor.haproxy.runtime.apply import apply_changes
-from supervisor.haproxy.runtime.plan import ServerChange
+import pytest
+
+from supervisor.haproxy.api import batch_lines
+from supervisor.haproxy.runtime import apply
+from supervisor.haproxy.runtime.apply import apply_changes, refusal, send_step
+from supervisor.haproxy.runtime.plan import ServerChange, ordered_commands
 from tests.test_runtime_commands import change
 
 # ---------------------------------------------------------------- make before break
@@ -64,12 +70,24 @@ def random_changes(rng) -> list[ServerChange]:
     return changes
 
 
-async def test_a_backend_never_has_fewer_servers_during_a_change_than_at_its_ends():
+async def step_synchronous(cli, worker_pid: int, changes: list[ServerChange]) -> list[str]:
+    """Every server's sequence in one phase, step by step across servers: the order make before
+    break replaces, to show its window. The refusals."""
+    refused = []
+    for step in itertools.zip_longest(*map(ordered_commands, changes)):
+        batch = [command for command in step if command is not None]
+        answers, _ = await send_step(cli, worker_pid, batch)
+        refused += [r for c, a in zip(batch, answers, strict=True) if (r := refusal(c, a)) is not None]
+    return refused
+
+
+async def test_a_backend_never_has_fewer_servers_during_a_change_than_at_its_ends(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(apply, "batch_lines", functools.partial(batch_lines, limit=200))  # several lines a step
     rng = random.Random(15)
     for _ in range(500):
         changes = random_changes(rng)
         cli = AnsweringCLI()
-        result = await apply_changes(cli, 1, changes, line_limit=200)  # a short limit: several lines a step
+        result = await apply_changes(cli, 1, changes)
         assert result.ok and sorted(c.key for c in result.applied) == sorted(c.key for c in changes)
         for backend, counts in usable_counts(changes, cli.commands).items():
             assert min(counts) >= min(counts[0], counts[-1]), (backend, changes, cli.commands)
@@ -81,7 +99,7 @@ async def test_control_step_synchronous_order_empties_the_backend_on_a_hand_over
         change(server="SRV_2", from_port=1, to_port=8081, was_enabled=False),
     ]
     cli = AnsweringCLI()
-    assert (await apply_changes(cli, 1, hand_over, phased=False)).ok
+    assert await step_synchronous(cli, 1, hand_over) == []
     assert min(usable_counts(hand_over, cli.commands)["app"]) == 0
     cli = AnsweringCLI()
     assert (await apply_changes(cli, 1, hand_over)).ok

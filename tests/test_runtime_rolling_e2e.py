@@ -8,6 +8,7 @@ deployment driven address-first gives 503s under load.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from rigs.runtime_rig import PLACEHOLDER, Rig, failed_log_lines, pods, rendered_
 from rigs.wholes import plan_runtime_apply
 from supervisor.effective import build_effective
 from supervisor.haproxy.config import Config
+from supervisor.haproxy.runtime import apply as apply_module
 from supervisor.haproxy.runtime.apply import apply_changes
 from supervisor.haproxy.runtime.plan import ServerChange
 
@@ -56,6 +58,14 @@ def rolling_deployment(ports: list[int], steps: int = STEPS) -> Iterator[list[in
         yield list(assignment)
 
 
+def applied_counts(caplog: pytest.LogCaptureFixture) -> tuple[int, int, int]:
+    """Servers changed, refused and not sent by the one in-place runtime apply logged since
+    caplog was cleared."""
+    (args,) = [r.args for r in caplog.records if r.msg.startswith("runtime apply to worker %d: %d servers changed")]
+    assert isinstance(args, tuple)
+    return args[1], args[2], args[3]
+
+
 def addr_first(change: ServerChange) -> list[str]:
     """The order that opens the window (test only): address, then the state, as two commands."""
     target = f"{change.backend}/{change.server}"
@@ -89,7 +99,8 @@ def check_final_state(rig: Rig, ports: list[int]) -> None:
                 assert not s.in_maint and s.port == port, (slot, s)
 
 
-async def test_rolling_deployment_through_slots_without_a_503_or_a_reload(rundir):
+async def test_rolling_deployment_through_slots_without_a_503_or_a_reload(rundir, caplog):
+    caplog.set_level(logging.INFO, logger="supervisor.haproxy.runtime")
     with pods(4) as started:
         ports = [p.port for p in started]
         async with running_rig(rundir, rolling_body(initial_assignment(ports))) as rig:
@@ -97,11 +108,11 @@ async def test_rolling_deployment_through_slots_without_a_503_or_a_reload(rundir
             applied_slot_changes = 0
 
             async def apply(body: str) -> int:
-                before = rig.applier.last_result
+                caplog.clear()
                 assert await rig.apply_rendered(rendered_of(rig, body))
-                result = rig.applier.last_result
-                assert result is not before and result is not None and result.ok
-                return len(result.applied)
+                changed, refused, skipped = applied_counts(caplog)
+                assert refused == skipped == 0
+                return changed
 
             async def work() -> None:
                 nonlocal applied_slot_changes
@@ -119,7 +130,8 @@ async def test_rolling_deployment_through_slots_without_a_503_or_a_reload(rundir
     assert set(load.statuses) == {200} and load.requests > 500, load.statuses
 
 
-async def test_control_rolling_deployment_address_first_gives_503s(rundir):
+async def test_control_rolling_deployment_address_first_gives_503s(rundir, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(apply_module, "ordered_commands", addr_first)
     with pods(4) as started:
         ports = [p.port for p in started]
         async with running_rig(rundir, rolling_body(initial_assignment(ports))) as rig:
@@ -128,7 +140,7 @@ async def test_control_rolling_deployment_address_first_gives_503s(rundir):
                 new = Config.parse(build_effective(rig.settings, rendered_of(rig, body)).text)
                 changes = plan_runtime_apply(rig.generation.model, new)
                 assert changes is not None
-                result = await apply_changes(rig.cli, rig.worker, changes, order=addr_first)
+                result = await apply_changes(rig.cli, rig.worker, changes)
                 assert result.ok, result.refused
                 rig.generation = replace(rig.generation, model=new)
                 return len(result.applied)

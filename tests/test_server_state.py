@@ -10,6 +10,7 @@ import pytest
 
 from rigs.wholes import filter_server_state, server_state_target
 from supervisor.effective import build_effective, effective_config_and_table
+from supervisor.haproxy import server_state
 from supervisor.haproxy.config import Config
 from supervisor.haproxy.server_state import EMPTY_STATE, inject_server_state, save_server_state, server_state_parts
 from supervisor.settings import HAProxySettings, OldWorkerSettings, ReloadSettings, Settings
@@ -205,15 +206,16 @@ def test_an_answer_that_is_not_a_state_dump_gives_an_empty_state():
     assert filter_server_state("", config, config) == EMPTY_STATE
 
 
-def test_a_big_state_is_filtered_in_parts_that_make_the_whole():
+def test_a_big_state_is_filtered_in_parts_that_make_the_whole(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(server_state, "ROWS_PER_PART", 7)
     config = Config.parse("backend app\n" + "".join(f"    server s{i} 127.0.0.1:{i + 1}\n" for i in range(50)))
     saved = state(*(row(f"s{i}", "127.0.0.1", i + 1, op=i % 2 * 2) for i in range(50)))
     whole = filter_server_state(saved, config, config, forget={"app/s3"})
-    parts = list(server_state_parts(saved, config, config, {"app/s3"}, rows_per_part=7))
+    parts = list(server_state_parts(saved, config, config, {"app/s3"}))
     assert len(parts) == 10 and "".join(parts) == whole
     assert len(kept(whole)) == 49 and "\n\n" not in whole
     everything_forgotten = {f"app/s{i}" for i in range(50)}
-    nothing_kept = server_state_parts(saved, config, config, everything_forgotten, rows_per_part=7)
+    nothing_kept = server_state_parts(saved, config, config, everything_forgotten)
     assert "".join(nothing_kept) == "1\n" + HEADER + "\n"
 
 

@@ -1,7 +1,5 @@
 """The CLI's language: names checked before they go on a line, `ServerKey`, and one parser per
-answer of the master CLI, unit-tested on captured answers of every supported binary
-(tests/captured/). A `;` line's text is first cut into one answer per command (`split_answers`).
-"""
+answer of the master CLI (tested on tests/captured/); `split_answers` cuts a `;` line's text."""
 
 from __future__ import annotations
 
@@ -13,9 +11,8 @@ from dataclasses import dataclass
 _SAFE_NAME = re.compile(r"\A[A-Za-z0-9_.:\-]+\Z")  # \Z: "$" would let a trailing newline through
 
 
-# The hand-off's server (haproxy/handoff.py): a way to the current worker in every handed-off
-# backend, never a server the daemon reports or decides on. Named here, below both readers of
-# servers: the config's (resolution.py) and `show servers state`'s (servers_state_rows).
+# The hand-off's server (handoff.py), never one the daemon reports or decides on: named here,
+# below both readers of servers, the config's (resolution.py) and servers_state_rows.
 HANDOFF_SERVER = "_hs_current"
 
 
@@ -27,9 +24,8 @@ def validate_name(kind: str, name: str) -> str:
 
 
 class ServerKey(str):
-    """A server as the CLI names it, `<backend>/<server>`: the key of every server map and set,
-    equal to its text. of() takes names HAProxy already holds; checked() and parse() take names
-    that are to reach the CLI, and raise ValueError for one that could not."""
+    """`<backend>/<server>`, the key of every server map and set. of() takes names HAProxy holds;
+    checked() and parse() take names bound for the CLI, and raise ValueError for unsafe ones."""
 
     __slots__ = ()
 
@@ -102,15 +98,12 @@ def parse_show_proc(text: str) -> ProcList:
         if proc.kind == "master":
             master = proc
             failed = int(m[4] or 0)
-        elif section == "workers" and proc.kind == "worker":
-            workers.append(proc)
-        elif section == "old" and proc.kind == "worker":
-            old.append(proc)
+        elif proc.kind == "worker" and section in ("workers", "old"):
+            (workers if section == "workers" else old).append(proc)
     if not workers and old:
-        # From 3.1 on the master lists as old every worker started before its last re-exec
-        # (reloads > 0), stopping or not. After a reload that failed, or before the new worker
-        # is forked, `# workers` is empty and the youngest of them still serves (`show info`:
-        # Stopping: 0): it is the current worker, never one to steer as old.
+        # From 3.1 on every worker started before the master's last re-exec is listed as old,
+        # stopping or not: with `# workers` empty (a failed reload, or before the fork) the
+        # youngest still serves, and is the current worker.
         youngest = min(p.reloads for p in old)
         workers = [p for p in old if p.reloads == youngest]
         old = [p for p in old if p.reloads != youngest]
@@ -136,8 +129,7 @@ def parse_reload(text: str) -> ReloadAnswer:
 
 
 def show_info_by_pid(text: str) -> dict[int, dict[str, str]]:
-    """One or several `show info` answers (of several workers on one line) by their `Pid`; an
-    answer without one (`Can't find the target PID ...`) is left out."""
+    """`show info` answers (several workers' on one line) by `Pid`; one without is left out."""
     blocks: list[dict[str, str]] = []
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -149,8 +141,7 @@ def show_info_by_pid(text: str) -> dict[int, dict[str, str]]:
     return {int(block["Pid"]): block for block in blocks if block.get("Pid", "").isdigit()}
 
 
-# An answer (format version 1): a version line, then per process a `# be_id ...` header
-# naming the columns, then one row per server.
+# Format version 1: a version line, then per process a `# be_id ...` header, then a row per server.
 _STATE_HEADER = "# be_id"
 ROW_TEXT = "row text"  # a column name for servers_state_rows(): the row as HAProxy wrote it
 
@@ -163,7 +154,7 @@ def is_servers_state(text: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class StateRows:
-    """The rows under one `# be_id` header: the wanted columns it has, `at` saying where each is."""
+    """The rows under one `# be_id` header; `at`: where each wanted column it has is."""
 
     header: str  # the header line, as written
     at: dict[str, int]
@@ -172,7 +163,7 @@ class StateRows:
 
 def servers_state_rows(text: str, wanted: Collection[str]) -> Iterator[StateRows]:
     """The rows of a `show servers state` answer (or part), header by header: one regex pass (in
-    C) over each block, so a 10,000-server answer costs little more than its reader's loop."""
+    C) over each block, so a big answer costs little more than its reader's loop."""
     start = text.find(_STATE_HEADER)
     while start != -1:
         end = text.find("\n", start)
@@ -200,8 +191,7 @@ def _column_pattern(column: str, wanted: bool) -> str:
 
 
 def servers_state_parts(text: str, rows: int) -> Iterator[str]:
-    """`show servers state` in parts of at most `rows` rows, each under its header: a big answer
-    is read with the event loop running in between."""
+    """`show servers state` in parts of at most `rows` rows, each under its header."""
     start = text.find(_STATE_HEADER)
     while start != -1:
         end = text.find("\n", start)
@@ -215,9 +205,8 @@ def servers_state_parts(text: str, rows: int) -> Iterator[str]:
         start = following
 
 
-# srv_op_state 0 is DOWN. srv_admin_state bits: 0x01 forced maint, 0x02 inherited maint, 0x04
-# config `disabled`, 0x08/0x10 drain, 0x20 maint from DNS. 0x04 alone is not maint: `state
-# ready` leaves it on a `disabled` server that serves (seen on 2.6.12).
+# srv_admin_state bits: 0x01 forced maint, 0x02 inherited, 0x04 config `disabled` (not maint:
+# `state ready` leaves it on a server that serves, 2.6.12), 0x08/0x10 drain, 0x20 DNS maint.
 ADMIN_MAINT_MASK = 0x01 | 0x02 | 0x20
 
 
@@ -259,22 +248,13 @@ def parse_servers_state(text: str) -> list[ServerState]:
 
 
 def parse_show_map(text: str) -> list[tuple[str, str]]:
-    """`show map <file>` lines are `<ref> <key> <value>`; the answer is (key, value) pairs."""
+    """`show map <file>`: (key, value) of its lines `<ref> <key> <value>`."""
     entries: list[tuple[str, str]] = []
     for line in text.splitlines():
         parts = line.split(None, 2)
         if len(parts) == 3 and parts[0].startswith("0x"):
             entries.append((parts[1], parts[2]))
     return entries
-
-
-_MAP_LISTED = re.compile(r"^-?\d+ \((/[A-Za-z0-9_./-]+)\) ", re.M)
-
-
-def parse_map_list(text: str) -> list[str]:
-    """`show map` (no file): the files of the maps a process loaded, from its lines
-    `<id> (<path>) pattern loaded from file ...`."""
-    return _MAP_LISTED.findall(text)
 
 
 def parse_prepare_map(text: str) -> int | None:
@@ -285,8 +265,7 @@ def parse_prepare_map(text: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class Stream:
-    """A stream of `show sess`: its id (for `shutdown session`), its frontend, its server, and
-    its back side's state (enum sc_state in 2.6, a name in some later versions)."""
+    """A stream of `show sess`; `back_state`: enum sc_state in 2.6, a name in some later versions."""
 
     id: str
     frontend: str
@@ -302,19 +281,16 @@ def parse_show_sess(text: str) -> list[Stream]:
     return [Stream(m[1], m[2], ServerKey.of(m[3], m[4]), m[5]) for m in _SESS_LINE.finditer(text)]
 
 
-# What a command prints, as the master CLI relays it (tests/captured/answers_*.txt):
-# - SILENT: nothing when it took, else one line; then an empty line (`set server ... state`,
-#   `weight`, `enable health|agent`, `shutdown sessions server`, `add|set|del map`).
-# - ONE_LINE: one line, then an empty line on 2.8 and later, not always on 2.6 (`add server`,
-#   `del server`, `set server ... addr`).
-# - LISTING: lines up to an empty one (`show ...`).
-# - MASTER_MODE: nothing at all (`experimental-mode on`).
+# What a command prints through the master CLI (tests/captured/answers_*.txt). SILENT: nothing
+# when it took, else one line; then an empty line. ONE_LINE (`add|del server`, `set server ...
+# addr`): a line, then an empty one on 2.8+, not always on 2.6. LISTING (`show ...`): lines up to
+# an empty one. MASTER_MODE (`experimental-mode on`): nothing.
 SILENT, ONE_LINE, LISTING, MASTER_MODE = "silent", "one line", "listing", "master mode"
 _MASTER_MODES = ("experimental-mode", "expert-mode", "mcli-debug-mode")
 
 
 def answer_shape(command: str) -> str:
-    """What `command` (`@!<pid>` prefix or not) prints (see above)."""
+    """What `command` (`@!<pid>` prefix or not) prints."""
     words = command.split()
     if words and words[0].startswith("@"):
         words = words[1:]
@@ -354,8 +330,8 @@ def _readings(shape: str, lines: list[str], at: int) -> list[tuple[int, str]]:
 
 
 def split_answers(text: str, commands: Sequence[str]) -> list[str] | None:
-    """One answer per command of a `;` line, by what each command prints; None when the text
-    cannot be read as their answers (a master-level error ends a line early), or two ways."""
+    """One answer per command of a `;` line; None when the text cannot be read as their answers
+    (a master-level error ends a line early), or reads two ways."""
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -1,7 +1,5 @@
-"""Async client for HAProxy's master CLI: one command line per connection, written, the
-connection half-closed, the answer read until HAProxy closes. A line may carry several commands
-separated by `;`, each with its own `@!<pid>` prefix to reach a worker, old ones included.
-"""
+"""Async client for HAProxy's master CLI: a connection per line (its `;`-separated commands each
+with an `@!<pid>` prefix), half-closed, the answer read until HAProxy closes."""
 
 from __future__ import annotations
 
@@ -67,7 +65,6 @@ class MasterCLI:
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
 
     async def execute(self, line: str, timeout: float | None = None) -> str:
-        """Send one command line and return the whole answer."""
         async with self._slots:
             try:
                 # asyncio.timeout, not wait_for: no extra task per line (a drain sends hundreds).
@@ -78,8 +75,7 @@ class MasterCLI:
                 raise CLIError(f"master CLI {self.path}: {line.split(' ', 2)[:2]}: {kind}") from None
 
     async def _connect(self) -> socket.socket:
-        # The master re-executes itself on reload and its socket refuses connections for a
-        # few milliseconds; that is not an error worth reporting.
+        # The socket refuses connections for a few milliseconds while the master re-executes.
         loop = asyncio.get_running_loop()
         for attempt in range(RETRIES):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -98,10 +94,8 @@ class MasterCLI:
         raise AssertionError("unreachable")
 
     async def _roundtrip(self, line: str) -> str:
-        # A connection the master had not read the line from when it re-executed is dropped:
-        # the write fails (EPIPE) or the read does (ECONNRESET: our bytes were left unread, so
-        # the line, whose newline comes last, was never run). It is sent again, like a refused
-        # connect; a reset after part of an answer is an error.
+        # A connection the master re-executed before reading is dropped (EPIPE, or ECONNRESET
+        # with no answer: the line never ran) and sent again; a reset mid-answer is an error.
         data = line.encode() + b"\n"
         for attempt in range(RETRIES):
             try:
@@ -113,9 +107,7 @@ class MasterCLI:
         raise AssertionError("unreachable")
 
     async def _exchange(self, data: bytes) -> str:
-        # Plain non-blocking socket calls, not asyncio streams: a drain sends a line per old
-        # worker, and a transport, a protocol and two stream objects per line cost more CPU
-        # than the line itself (measured in the commit that made this choice).
+        # Plain non-blocking socket calls: asyncio streams cost more CPU per line than the line.
         loop = asyncio.get_running_loop()
         sock = await self._connect()
         chunks: list[bytes] = []

@@ -1,10 +1,6 @@
-"""The rendered-config model: parse an HAProxy config, edit it, render it back.
-
-Every line keeps its raw text, so an unmodified parse renders back byte-identical, and edits
-(injections) replace or insert whole lines: the effective config stays diffable against the
-rendered one. One edit lives here, the observe injection (`observe layer4 ... on-error
-mark-down`), so that a worker marks a server down by its own traffic, between health checks.
-"""
+"""The config model: parse, edit by whole lines, render back byte-identical where unedited (the
+effective config stays diffable against the rendered one). One edit lives here: `observe`, so a
+worker marks a server down by its own traffic, between health checks."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ from collections.abc import Iterator
 from .lexer import ConfigCache, Line, Section, Slot, body_key, content_key, parse_line
 from .resolution import (
     BACKEND_KINDS,
-    BUILT_IN,
     ProxySettings,
     Server,
     ServerFlags,
@@ -33,8 +28,7 @@ SECTION_KEYWORDS = frozenset(
 
 
 class Config:
-    """A parsed HAProxy config: the preamble, then one Section per section header. `cache`:
-    what its parse and build keep for the next config's."""
+    """The preamble, then one Section per header; `cache`: what it keeps for the next config's."""
 
     def __init__(self, sections: list[Section], cache: ConfigCache | None = None) -> None:
         self.sections = sections
@@ -43,9 +37,8 @@ class Config:
     @classmethod
     def parse(cls, text: str, cache: ConfigCache | None = None) -> Config:
         cache = cache if cache is not None else ConfigCache()
-        # Whole runs of lines at once: a drain changes a hundred backends of a thousand, and a
-        # run seen in the last two parses is one lookup instead of a lookup per line. Any line
-        # start is a correct place to cut, so the pattern only has to find the usual headers.
+        # Whole runs of lines at once: a run seen in the last two parses is one lookup, not one per
+        # line. Any line start is a correct cut, so the pattern only has to find usual headers.
         kept = cache.kept(CHUNKS)
         section = Section(None)
         sections = [section]
@@ -61,7 +54,7 @@ class Config:
         return cls(sections, cache)
 
     def render(self) -> str:
-        # One join over every line: a join per section costs more than the lines of 1,000 backends.
+        # One join over every line: a join per section costs more.
         parts: list[str] = []
         for section in self.sections:
             if section.header is not None:
@@ -76,25 +69,14 @@ class Config:
     def backends(self) -> Iterator[Section]:
         return (s for s in self.sections if s.kind in BACKEND_KINDS)
 
-    def settings_of(self, proxy: Section) -> ProxySettings:
-        """What applies to one section (this walks from the top)."""
-        for section, settings in resolve(self.sections):
-            if section is proxy:
-                return settings
-        return BUILT_IN
-
     def each_backend_with_settings(self) -> Iterator[tuple[Section, ProxySettings]]:
-        """Each backend/listen section with its ProxySettings, resolved as the walk reaches it."""
         return ((s, settings) for s, settings in resolve(self.sections) if s.kind in BACKEND_KINDS)
 
-    def servers(self, backend: Section | None = None) -> list[Server]:
-        """Every server of every backend (or of one), in config order, templates expanded."""
-        if backend is not None:
-            return section_servers(backend, self.settings_of(backend), self.cache)
+    def servers(self) -> list[Server]:
+        """Every server of every backend, in config order, templates expanded."""
         return [server for _, servers in self.servers_by_backend() for server in servers]
 
     def servers_by_backend(self) -> list[tuple[Section, list[Server]]]:
-        """Each backend/listen section with its servers, resolving defaults in one pass."""
         cache = self.cache
         return [(s, section_servers(s, settings, cache)) for s, settings in self.each_backend_with_settings()]
 
@@ -102,8 +84,7 @@ class Config:
         return {s.key: s for s in self.servers()}
 
     def server_flags_by_backend(self) -> list[tuple[Section, list[tuple[int, ServerFlags]]]]:
-        """Each backend/listen section with (index in the body, flags of its servers) for each
-        line that declares servers: without making a Server for each of 10,000 servers."""
+        """Each backend with (index in the body, flags) of each line declaring servers: no Server made."""
         result: list[tuple[Section, list[tuple[int, ServerFlags]]]] = []
         kept = self.cache.kept(SERVER_FLAGS)
         for section, settings in self.each_backend_with_settings():
@@ -114,12 +95,7 @@ class Config:
         return result
 
     def global_setting(self, keyword: str) -> Line | None:
-        for section in self.sections:
-            if section.kind == "global":
-                for line in section.body:
-                    if line.keyword == keyword:
-                        return line
-        return None
+        return next((x for s in self.sections if s.kind == "global" for x in s.body if x.keyword == keyword), None)
 
 
 def observe_directive(error_limit: int) -> str:
@@ -127,9 +103,8 @@ def observe_directive(error_limit: int) -> str:
 
 
 def wants_observe(server: Server | ServerFlags) -> bool:
-    """Primary servers with health checks, not already observed: `observe` without `check` does
-    nothing, on a `track` server `check` is a fatal error, and backups are what a mark-down is
-    meant to reach."""
+    """Checked primaries not observed yet: `observe` needs `check`, which a `track` server must not
+    have, and backups are what a mark-down is meant to reach."""
     return server.check and not server.backup and server.track is None and not server.observe
 
 
@@ -145,23 +120,20 @@ def inject_observe(config: Config, error_limit: int) -> Config:
     return result
 
 
-# Where Config.parse cuts a config into runs of lines it caches whole: before the usual
-# section headers (a header it misses only makes a run longer).
+# Where Config.parse cuts a config into runs it caches whole (a header missed makes a run longer).
 _CHUNK_START = re.compile(r"\n(?=(?:backend|listen|frontend|defaults)[ \t\r\n#])")
 
 Chunk = tuple[tuple[Line, ...], tuple[tuple[Line, tuple[Line, ...]], ...]]
 
-# A run of whole lines (its content_key) -> its parse: most sections of the next config are
-# the same text, and a lookup of a section is cheaper than one per line.
+# A run of whole lines (its content_key) -> its parse.
 CHUNKS: Slot[bytes, Chunk] = Slot("chunks")
 # (the defaults' flags, a backend body's key) -> server_line_flags() of that body.
 SERVER_FLAGS: Slot[tuple[ServerFlags, bytes], list[tuple[int, ServerFlags]]] = Slot("server flags")
 
 
 def _parse_chunk(text: str, cache: ConfigCache) -> Chunk:
-    """A run of whole lines: those before its first section header (of the section before the
-    run), then each header with its body."""
-    # cache.line, inlined: this loop runs once per line of a 15,000-line config.
+    """A run of whole lines: those before its first header, then each header with its body."""
+    # cache.line, inlined: this loop runs once per line.
     current, previous = cache.lines.current, cache.lines.previous
     lead: list[Line] = []
     headed: list[tuple[Line, list[Line]]] = []

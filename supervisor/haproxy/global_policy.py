@@ -13,9 +13,8 @@ class RefusedGlobal(ValueError):
     """The rendered config's global section holds a keyword the daemon cannot supervise. One line."""
 
 
-# Global keywords that conflict with being supervised (HAProxy runs as the daemon's child,
-# `haproxy -W -S <master.sock> -f <effective> -p <pid file>`), and why. Dropped: the keyword
-# only fights the daemon for the master. Each drop is logged at every build.
+# Global keywords that only fight the daemon for the master (`haproxy -W -S ... -p ...`), and why:
+# dropped, and logged at every build.
 DROPPED_GLOBALS = {
     "daemon": "the supervisor runs the HAProxy master in the foreground as its own child; "
     "with `daemon` the master would fork away and run unsupervised",
@@ -40,7 +39,7 @@ REFUSED_GLOBALS = {
 
 def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list[str]]:
     """The rendered config without the global lines that conflict with being supervised, and a
-    line naming each one dropped by its line number; RefusedGlobal for one that cannot be."""
+    note for each, by line number; RefusedGlobal for one that cannot be dropped."""
     number = 0
     dropped: list[tuple[int, Line]] = []  # (index of the section, the line)
     notes: list[str] = []
@@ -55,12 +54,10 @@ def supervised_global(config: Config, master_socket: Path) -> tuple[Config, list
             words, keyword = line.words, line.keyword
             if keyword in REFUSED_GLOBALS:
                 raise RefusedGlobal(f"line {number}: global `{keyword}` refused: {REFUSED_GLOBALS[keyword]}")
-            if _is_stats_socket(line):
-                path = words[2].removeprefix("unix@")
-                if Path(path) == master_socket:
-                    raise RefusedGlobal(
-                        f"line {number}: `stats socket {words[2]}` refused: it is the supervisor's master socket"
-                    )
+            if _is_stats_socket(line) and Path(words[2].removeprefix("unix@")) == master_socket:
+                raise RefusedGlobal(
+                    f"line {number}: `stats socket {words[2]}` refused: it is the supervisor's master socket"
+                )
             why = DROPPED_GLOBALS.get(keyword)
             if why is None and keyword == "master-worker":
                 why = NO_EXIT_ON_FAILURE_WHY if NO_EXIT_ON_FAILURE in words[1:] else MASTER_WORKER_WHY
@@ -96,10 +93,8 @@ def first_stats_socket(config: Config) -> tuple[str, ...] | None:
 
 
 def move_stats_socket(config: Config, path: Path) -> tuple[Config, str | None]:
-    """The config with its first global `stats socket` bound at `path` instead, its other words
-    kept (mode, level, expose-fd ...), and the address it had (None: no stats socket, the config
-    is returned as it is). A bridge that stands in for HAProxy (haproxy-supervisor-ray-bridge)
-    binds the old address itself and relays to `path`."""
+    """The config with its first global `stats socket` bound at `path`, its other words kept, and
+    the address it had (None: none); the Ray bridge binds that address and relays to `path`."""
     found = _first_stats_socket(config)
     if found is None:
         return config, None

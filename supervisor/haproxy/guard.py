@@ -1,7 +1,5 @@
-"""The displaced-worker guard: the rules injected into every backend with primary servers,
-the slot table they read, and the format of the steer map's keys (docs/steering.md). The
-steering (steering/) decides what the steer map holds.
-"""
+"""The displaced-worker guard: the rules injected into every backend with primary servers, the
+slot table they read, and the steer map's key format (docs/steering.md)."""
 
 from __future__ import annotations
 
@@ -16,17 +14,16 @@ from .resolution import ProxySettings, ServerFlags, server_line_flags, template_
 from .routing import BUCKET_BITS, PLAIN, Routing, routing_of, server_ids
 
 GUARD_MARKER = "# haproxy-supervisor guard"
-# The slot table (a file per config) holds `<backend>_<i>` -> the backend's i-th primary; the
-# steer map (empty on disk, filled in old workers only) `<backend>_n`, how many slots a steered
-# backend draws from (0: fail fast), and `<backend>_<i>` overrides. A key splits uniquely at
-# its last `_`, whose suffix is `n` or digits. During a push it may hold `<backend>/<server>`
-# hops, which replace the server a slot resolves to once more (`/` is in no name).
+# The slot table (a file per config): `<backend>_<i>` -> the i-th primary. The steer map (filled
+# in old workers only): `<backend>_n`, how many slots to draw from (0: fail fast), `<backend>_<i>`
+# overrides, and during a push `<backend>/<server>` hops (`/` is in no name). A key splits
+# uniquely at its last `_`.
 COUNT_SUFFIX = "n"
 HOP_SEPARATOR = "/"
 SLOT_TABLE_PREFIX = "slots-"
-# For what routing.py reproduces: in the slot table `<backend>/c<cookie>` and `<backend>/s<id>`
-# -> a primary's home slot; in the steer map `<backend>_t`, the total a map-based hash is taken
-# modulo (a consistent hash: the buckets), and `<backend>_h<i>`, the server for position i.
+# What routing.py reproduces: in the slot table `<backend>/c<cookie>` and `<backend>/s<id>` -> a
+# primary's home slot; in the steer map `<backend>_t`, a hash's modulus (or buckets), and
+# `<backend>_h<i>`, the server for position i.
 COOKIE_ROW = "/c"
 STICK_ROW = "/s"
 TOTAL_SUFFIX = "t"
@@ -39,10 +36,9 @@ _SAFE_MAP_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
 
 
 def guard_rules(mode: str, map_path: str, slot_table_path: str, routing: Routing = PLAIN) -> list[str]:
-    """The request rules (without indentation) that let a map steer one backend, as
-    docs/steering.md tells them: with the steer map empty it routes as its config says. Every
-    variable is unset first: a `listen` section that switches to another guarded backend would
-    otherwise carry them over."""
+    """The request rules that let a map steer one backend (docs/steering.md); with the steer map
+    empty it routes as its config says. Variables are unset first: a `listen` section that
+    switches to another guarded backend would carry them over."""
     for path in (map_path, slot_table_path):
         if not _SAFE_MAP_PATH.match(path):
             raise ValueError(f"map path {path!r}: only letters, digits and _ . / - can go into a map() argument")
@@ -104,9 +100,8 @@ def guard_rules(mode: str, map_path: str, slot_table_path: str, routing: Routing
     ]
 
 
-# No request rule runs at a retry: a `use-server` request stays on its dead target unless
-# `option redispatch` says otherwise; with 1, every retry leaves the server it failed on
-# (docs/steering.md, "A retry in an old worker").
+# No request rule runs at a retry: a `use-server` request stays on its dead target unless every
+# retry is redispatched (docs/steering.md, "A retry in an old worker").
 GUARD_REDISPATCH = "option redispatch 1"
 
 
@@ -119,8 +114,7 @@ def guard_use_server() -> str:
     return f"use-server %[var({_VARS[2]})] if {{ var({_VARS[2]}) -m found }}"
 
 
-# The order HAProxy evaluates a proxy's request rules in: it warns about a rule written after
-# one of a later rank, so the guard's lines go first of their rank, free of that warning.
+# HAProxy warns of a request rule written after one of a later rank: the guard's go first of theirs.
 _RULE_RANK = {"tcp-request": 0, "http-request": 1, "redirect": 2, "use_backend": 3, "use-server": 4}
 
 
@@ -132,8 +126,7 @@ def _rank(line: Line) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class GuardPlan:
-    """What the guard needs from one backend body: its slot-table row, and where the block goes;
-    worked out once per body and settings and reused by the next builds."""
+    """What the guard needs from one backend body, worked out once per body and settings."""
 
     names: tuple[str, ...]  # the primaries, in slot order
     rows: tuple[tuple[str, str], ...]  # the slot table's persistence rows: (key suffix, home slot)
@@ -205,40 +198,29 @@ def _persistence_rows(
 
 
 def inject_guard_and_table(config: Config, map_path: str | Path, directory: Path) -> tuple[Config, SlotTable]:
-    """Put the guard's rules first among the request rules of every backend and listen with
-    primary servers, and its `use-server` first among the `use-server` rules; returned with
-    the slot table they name, worked out from the same look at the servers."""
+    """The guard's rules first among the request rules of every backend with primaries, its
+    `use-server` first among the `use-server` rules; with the slot table they name."""
     result = config.copy()
     plans = _plans(result)
     table = SlotTable.of_plans(plans, directory)
     map_text, table_text = str(map_path), str(table.path)
-    # The guard's lines differ only by mode, routing, indentation and line ending: parsed once
-    # for all the backends that share those.
-    blocks: dict[tuple[str, Routing, str, str, tuple[str, ...]], tuple[list[Line], list[Line], list[Line]]] = {}
+    # Parsed once for all the backends that share mode, routing, indentation and line ending.
+    blocks: dict[tuple[str, Routing, str, str, tuple[str, ...], bool], tuple[list[Line], list[Line]]] = {}
     for section, mode, plan in plans:
-        at = plan.at
+        at, use_at, indent, body = plan.at, plan.use_at, plan.indent, section.body
         if at is None:
             continue
-        indent = plan.indent
         newline = "\r\n" if section.header is not None and section.header.raw.endswith("\r\n") else "\n"
         if section.header is not None and not section.header.raw.endswith("\n"):
             # A header on the file's last line, without a newline: give it one before the block.
             section.header = parse_line(section.header.raw + newline)
-        key = (mode, plan.routing, indent, newline, plan.redispatch)
-        block = blocks.get(key)
-        if block is None:
-
-            def lines(texts: list[str], newline: str = newline, indent: str = indent) -> list[Line]:
-                return [parse_line(f"{indent}{text}{newline}") for text in texts]
-
-            block = blocks[key] = (
-                lines([GUARD_MARKER, *plan.redispatch, *guard_rules(mode, map_text, table_text, plan.routing)]),
-                lines([guard_use_server()]),
-                lines([GUARD_MARKER, guard_use_server()]),
-            )
-        rules, use_server_alone, use_server_marked = block
-        use_at, body = plan.use_at, section.body
-        use_server = use_server_alone if use_at == at else use_server_marked
+        key = (mode, plan.routing, indent, newline, plan.redispatch, use_at == at)
+        if key not in blocks:
+            texts = [GUARD_MARKER, *plan.redispatch, *guard_rules(mode, map_text, table_text, plan.routing)]
+            use = [guard_use_server()] if use_at == at else [GUARD_MARKER, guard_use_server()]
+            made, use_made = ([parse_line(f"{indent}{text}{newline}") for text in lines] for lines in (texts, use))
+            blocks[key] = made, use_made
+        rules, use_server = blocks[key]
         section.body = [*body[:at], *rules, *body[at:use_at], *use_server, *body[use_at:]]
     return result, table
 
@@ -270,15 +252,12 @@ def _has_marker(body: list[Line]) -> bool:
 
 
 def slot_table(config: Config) -> list[tuple[str, list[str]]]:
-    """Each backend and listen with primary servers, with their names in config order: slot i
-    is the i-th. Disabled, weight 0 and down primaries have theirs too: the table depends only
-    on which servers exist, so in-place runtime changes leave it as the new config names it."""
+    """Each backend with primaries, their names in config order (slot i is the i-th). Disabled,
+    weight 0 and down primaries too: in-place runtime changes leave the table as it is."""
     return [(section.name, list(plan.names)) for section, _, plan in _plans(config) if plan.names]
 
 
 def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]]) -> list[str]:
-    """The names of a backend's primaries in config order, templates expanded, from
-    Config.server_flags_by_backend()'s list for this body."""
     names: list[str] = []
     for index, flags in server_lines:
         if not flags.backup:
@@ -288,8 +267,7 @@ def primary_names(body: list[Line], server_lines: list[tuple[int, ServerFlags]])
 
 
 def slot_table_text(table: list[tuple[str, list[str]]], rows: list[tuple[str, str]] | None = None) -> str:
-    """The slot table as an HAProxy map file: `<backend>_<i> <server>` lines, then the
-    persistence rows."""
+    """The slot table as a map file: `<backend>_<i> <server>` lines, then the persistence rows."""
     slots = "".join(f"{backend}_{i} {name}\n" for backend, names in table for i, name in enumerate(names))
     return slots + "".join(f"{key} {value}\n" for key, value in rows or [])
 

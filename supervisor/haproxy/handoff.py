@@ -1,16 +1,7 @@
-"""The hand-off: an old worker sends its requests for a backend to the current worker.
-
-An old worker runs no checks and refuses every server-changing runtime command, and a retry
-there is balanced by HAProxy alone, over servers it may still see UP though they are dead.
-The current worker has the checks, the runtime changes and the detector's view. So every
-eligible backend gets a way to it: a server `_hs_current` on a unix socket that only the
-current worker listens on (an old worker closed its listeners at soft-stop), chosen by a
-`use-server` ahead of every other one when the backend's name is in the hand-off map. The
-map is empty on disk: a current worker routes as its config says; after a reload the daemon
-adds `<backend> 1` to each old worker's copy (steering/handoff.py). In the current worker the
-frontend `_hs_handoff` takes the request (the client's address in PROXY v2) to the backend of
-that name, named in a header that it removes (docs/steering.md, "Hand-off").
-"""
+"""The hand-off: an old worker, without checks or runtime changes, sends a backend's requests
+to the current worker through `_hs_current`, a unix socket only it listens on, when the hand-off
+map (filled in old workers only) names the backend; there the frontend `_hs_handoff` takes them
+to the backend named in a header (docs/steering.md, "Hand-off")."""
 
 from __future__ import annotations
 
@@ -30,11 +21,9 @@ HANDOFF_HEADER = "x-hs-backend"
 HANDOFF_VAR = "txn.hs_backend"
 HANDOFF_MARKER = "# haproxy-supervisor hand-off"
 RESERVED_NAMES = frozenset({HANDOFF_SERVER, HANDOFF_FRONTEND})
-# Rules of a section's own would run twice, once in each worker; a `use-server` may read a
-# variable the old worker's frontend set, which does not travel.
+# Rules of a section's own would run in both workers; a `use-server` may read a variable left behind.
 OWN_RULES = RULE_KEYWORDS | {"use-server"}
-# The server's own words after the address: none of what a `default-server` line may give it
-# (checks, TLS, a backup role) holds for a local socket into the current worker.
+# None of what a `default-server` line may give (checks, TLS, backup) holds for the local socket.
 _SERVER_WORDS = "weight 0 no-check no-ssl no-backup no-send-proxy send-proxy-v2"
 # A path goes inside a converter argument and a bind line: `,`, `)`, blanks and quotes would break it.
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
@@ -53,9 +42,8 @@ ELIGIBLE: Slot[tuple[ProxySettings, bytes], bool] = Slot("hand-off eligibility")
 
 
 def eligible_backends(config: Config) -> list[str]:
-    """The backends and listens (of `config` before the guard) whose requests an old worker may
-    hand off: `mode http`, with primaries, nothing that _bars_the_hand_off() or _eligible()
-    refuses; none at all when the hand-off frontend would inherit a bar itself."""
+    """The backends (of `config` before the guard) an old worker may hand off: `mode http`, not
+    barred, eligible; none when the hand-off frontend would inherit a bar itself."""
     kept = config.cache.kept(ELIGIBLE)
     names = []
     last_defaults = BUILT_IN  # what the hand-off frontend, placed last, inherits
@@ -70,8 +58,7 @@ def eligible_backends(config: Config) -> list[str]:
 
 
 def _bars_the_hand_off(settings: ProxySettings) -> bool:
-    """A header the current worker would add again, or its defaults' rules (they would run in
-    both workers; HAProxy refuses the hand-off frontend under the same defaults as a backend)."""
+    """A header the current worker would add again, or defaults' rules (they run in both workers)."""
     return settings.adds_headers or settings.defaults_rules
 
 
@@ -94,7 +81,6 @@ def _speaks_h2(words: tuple[str, ...]) -> bool:
 
 
 def reserved_names_used(config: Config) -> list[str]:
-    """The hand-off's names that a config already uses for a section or a server."""
     text = config.render()
     if not any(name in text for name in RESERVED_NAMES):
         return []  # most configs: one look at the text instead of at every line's words
@@ -105,9 +91,8 @@ def reserved_names_used(config: Config) -> list[str]:
 
 
 def inject_handoff(config: Config, names: Iterable[str], runtime_dir: Path) -> Config:
-    """`config` (the guard in it or not) with the hand-off in the backends named and its
-    frontend last; the same config when none is named. ValueError for a runtime_dir no bind
-    line or map() argument can name. The config must use none of RESERVED_NAMES."""
+    """`config` with the hand-off in the backends named and its frontend last (the same config
+    when none is); ValueError for a runtime_dir no bind line or map() can name."""
     wanted = set(names)
     if not wanted:
         return config
@@ -144,12 +129,9 @@ _RETRIES_UNANSWERED = frozenset({"empty-response", "all-retryable-errors"})
 
 
 def rescue_lines(retry_on: tuple[str, ...], test: str) -> list[str]:
-    """What brings a handed-off request back to the current worker when the current worker
-    ended it unanswered (the detector's rescue, without the abort: docs/steering.md, "Hand-off").
-    `force-persist` keeps its retry on `_hs_current`, where `option redispatch` would balance it
-    over the old worker's frozen servers; `empty-response` makes the close a retry, in the old
-    worker only (`disable-l7-retry` elsewhere keeps the backend's retries as it wrote them).
-    `retry-on none`: no retry is wanted, none is added."""
+    """What retries a handed-off request the current worker ended unanswered on `_hs_current`
+    (`force-persist`: redispatch would pick the old worker's frozen servers); `empty-response`
+    makes the close a retry in the old worker only; none under `retry-on none`."""
     lines = [f"force-persist if {test}"]
     if "none" not in retry_on and not _RETRIES_UNANSWERED & set(retry_on):
         lines += [f"retry-on {' '.join(retry_on)} empty-response", f"http-request disable-l7-retry unless {test}"]
@@ -167,8 +149,7 @@ def _handed_off_body(
         return parse(f"{indent}{text}{newline}")
 
     if is_guarded(section):
-        # The guard refuses a request it has no live server for; a handed-off one has them
-        # in the current worker. The section has no rule of its own: this is the guard's.
+        # The guard's refusal (the section has no rule of its own): the current worker has servers.
         refusal = ("http-request", "return", "status", "503")
         body = [parse(f"{b.raw.rstrip()} !{test}{newline}") if b.words[:4] == refusal else b for b in body]
     if body and not body[-1].raw.endswith("\n"):
@@ -201,13 +182,11 @@ def _end_with_newline(config: Config) -> None:
 
 
 def is_handed_off(section: Section) -> bool:
-    """Whether a section of an effective config carries the hand-off."""
     return any(line.words[:2] == ("server", HANDOFF_SERVER) for line in section.body)
 
 
 def offered(config: Config) -> dict[str, str]:
-    """What a worker running `config` can hand off: each backend carrying the hand-off, by
-    name (a name no CLI line could carry left out), with its mode."""
+    """Each backend `config` hands off, by its name (one no CLI line could carry left out), with its mode."""
     found = {}
     for section, settings in config.each_backend_with_settings():
         if is_handed_off(section):
@@ -219,19 +198,16 @@ def offered(config: Config) -> dict[str, str]:
 
 
 def accepted(config: Config) -> dict[str, str]:
-    """What a current worker running `config` takes in: each backend's mode by name; none
-    without the hand-off frontend."""
+    """Each backend's mode by name a current worker takes in; none without the hand-off frontend."""
     if not any(s.kind == "frontend" and s.name == HANDOFF_FRONTEND for s in config.sections):
         return {}
     return {section.name: settings.mode for section, settings in config.each_backend_with_settings()}
 
 
 def handed_off(offers: dict[str, str], accepts: dict[str, str]) -> list[str]:
-    """The backends an old worker hands off: those it offers that the current worker has too,
-    in the same mode."""
+    """The backends an old worker offers that the current worker has in the same mode."""
     return [name for name, mode in offers.items() if accepts.get(name) == mode]
 
 
 def handoff_entries(backends: Iterable[str]) -> dict[str, str]:
-    """The hand-off map an old worker needs for these backends."""
     return {backend: "1" for backend in backends}

@@ -1,10 +1,6 @@
-"""The lexer of HAProxy configs: one physical line into its words, as HAProxy splits them, a
-section as its header line and body, and `ConfigCache`, what consecutive configs share.
-
-Every cached value is immutable and keyed by all it depends on, so a hit is never stale, and a
-build in a thread that races the event loop costs a miss at worst. Each layer names what it
-keeps with a Slot of its own: this, the lowest layer, knows none of their types.
-"""
+"""HAProxy config lines split into words as HAProxy splits them, sections, and `ConfigCache`:
+what consecutive configs share. A cached value is immutable and keyed by all it depends on, so a
+hit is never stale; each layer names what it keeps with a Slot of its own."""
 
 from __future__ import annotations
 
@@ -62,30 +58,22 @@ def parse_line(raw: str) -> Line:
     n = len(body)
     while i < n:
         c = body[i]
-        if quote:
-            if c == quote:
-                quote = ""
-            elif c == "\\" and quote == '"' and i + 1 < n:
+        if not quote:
+            if c in BLANKS:
+                if in_word:
+                    words.append("".join(current))
+                    current = []
+                    in_word = False
                 i += 1
-                current.append(body[i])
-            else:
-                current.append(c)
-            i += 1
-            code_end = i
-            continue
-        if c in BLANKS:
-            if in_word:
-                words.append("".join(current))
-                current = []
-                in_word = False
-            i += 1
-            continue
-        if c == "#":
-            break
-        in_word = True
-        if c in "\"'":
+                continue
+            if c == "#":
+                break
+            in_word = True
+        if c == quote:
+            quote = ""
+        elif not quote and c in "\"'":
             quote = c
-        elif c == "\\" and i + 1 < n:
+        elif c == "\\" and quote != "'" and i + 1 < n:
             i += 1
             current.append(body[i])
         else:
@@ -98,7 +86,6 @@ def parse_line(raw: str) -> Line:
 
 
 def quote_word(word: str) -> str:
-    """Quote a word for a config line, if it needs it."""
     if word and not any(c in word for c in BLANKS + "#\"'\\"):
         return word
     return "'" + word.replace("'", "'\\''") + "'"
@@ -144,7 +131,6 @@ def content_key(text: str) -> bytes:
 
 
 def body_key(lines: Iterable[Line]) -> bytes:
-    """content_key() of a section's body."""
     return content_key("".join([line.raw for line in lines]))
 
 
@@ -187,13 +173,11 @@ class ConfigCache:
     __slots__ = ("_kept", "lines")
 
     def __init__(self) -> None:
-        # A line's text -> its Line: a parse of the next rendered config takes the previous
-        # one's Lines instead of splitting 15,000 lines again.
+        # A line's text -> its Line: the next config's parse takes it instead of splitting it again.
         self.lines: RecentlyUsed[str, Line] = RecentlyUsed()
         self._kept: dict[Slot[Any, Any], RecentlyUsed[Any, Any]] = {}
 
     def kept(self, slot: Slot[_K, _V]) -> RecentlyUsed[_K, _V]:
-        """What `slot` keeps, made on first use."""
         return self._kept.setdefault(slot, RecentlyUsed())
 
     def new_generation(self) -> None:

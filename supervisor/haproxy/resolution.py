@@ -1,7 +1,5 @@
-"""Resolution: what applies to each proxy and server, the way HAProxy resolves it: `from`
-chains and defaults order give each proxy its ProxySettings (resolve()), `default-server` lines
-and a server's own words its ServerFlags and its Server view.
-"""
+"""What applies to each proxy (ProxySettings, by `from` chains and defaults order) and server
+(ServerFlags and Server, by `default-server` lines and its own words), as HAProxy resolves it."""
 
 from __future__ import annotations
 
@@ -16,10 +14,8 @@ from .lexer import ConfigCache, Line, Section, Slot, body_key
 PROXY_KINDS = frozenset({"frontend", "backend", "listen", "defaults"})
 BACKEND_KINDS = frozenset({"backend", "listen"})
 
-# Server keywords that take one argument, in HAProxy 2.6 to 3.x (`source` takes an address,
-# then optionally `usesrc <addr>` and `interface <name>`, each read here as a keyword with its
-# argument). Knowing them keeps an argument such as `observe layer4` or `track be/check` from
-# being read as a flag. tests/test_server_keywords.py holds it to the binary, keyword by keyword.
+# Server keywords that take one argument in HAProxy 2.6 to 3.x, so that an argument (`observe
+# layer4`, `track be/check`) is not read as a flag; tests/test_server_keywords.py checks each.
 SERVER_KEYWORDS_WITH_ARG = frozenset(
     {
         "addr", "agent-addr", "agent-inter", "agent-port", "agent-send", "alpn", "ca-file", "cc",
@@ -54,7 +50,7 @@ class Server:
     weight: int | None
     template: bool  # expanded from a server-template line
     line_index: int  # index into the section body of the line that declares it
-    # Made once: server_map() and the steering look it up for each of 10,000 servers.
+    # Made once: server_map() and the steering look it up for every server.
     key: ServerKey = field(init=False, repr=False, compare=False)
     cookie: str | None = None  # its `cookie` value, its own or from `default-server`
 
@@ -99,7 +95,7 @@ def is_ip(address: str) -> bool:
 
 
 def same_host(a: str, b: str) -> bool:
-    """Whether two addresses name one host: equal IP addresses (`::1`, `0::1`), or one name in any case."""
+    """Equal IP addresses (`::1`, `0::1`), or one name in any case."""
     if a == b:
         return True  # the usual case, without parsing either
     try:
@@ -109,8 +105,7 @@ def same_host(a: str, b: str) -> bool:
 
 
 def _kept_hash(value: ServerFlags | ProxySettings) -> int:
-    # The hash of what its __eq__ compares, kept once made: these key the parse caches, looked
-    # up for each of a thousand backends at every build.
+    # Kept once made: these key the parse caches, looked up for every backend at every build.
     kept = value._hash
     if kept is None:
         kept = hash(value.compared())
@@ -152,8 +147,7 @@ class ServerFlags:
         return _apply_params(self, params)
 
 
-# A server line's parameters repeat from server to server (`check inter 2s`), and a call
-# walks every word: remember the last few thousand results (pure, and bounded).
+# A server line's parameters repeat from server to server (`check inter 2s`).
 @functools.lru_cache(maxsize=4096)
 def _apply_params(flags: ServerFlags, params: tuple[str, ...]) -> ServerFlags:
     fields = dict(zip(_FLAG_FIELDS, flags.compared(), strict=True))
@@ -183,8 +177,7 @@ def _leading_int(text: str) -> int:
 
 
 def template_names(prefix: str, count: str) -> list[str]:
-    """Names a `server-template` line declares: `srv 3` -> srv1..srv3, `srv 2-4` -> srv2..srv4.
-    HAProxy accepts junk counts (`x-y` reads as 0-0); they declare no server we can name."""
+    """`srv 3` -> srv1..srv3, `srv 2-4` -> srv2..srv4; a junk count (`x-y`: 0-0) names none."""
     return [f"{prefix}{i}" for i in _template_numbers(count)]
 
 
@@ -198,8 +191,8 @@ def _template_numbers(count: str) -> range:
 
 
 def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, Line, ServerFlags]]:
-    """Each `server` and `server-template` line of a backend's body that has its address, with
-    its index and the flags before its own words (`flags`, then the `default-server` lines)."""
+    """Each `server` and `server-template` line with its address, its index, and the flags
+    before its own words (`flags`, then the `default-server` lines)."""
     for index, line in enumerate(body):
         words = line.words
         if not words:
@@ -214,7 +207,7 @@ def _server_lines(body: list[Line], flags: ServerFlags) -> Iterator[tuple[int, L
 
 
 def server_line_flags(body: list[Line], defaults_flags: ServerFlags) -> list[tuple[int, ServerFlags]]:
-    """(index in the body, the flags its servers get) for each line of `body` that declares servers."""
+    """(index in the body, its servers' flags) for each line of `body` that declares servers."""
     lines: list[tuple[int, ServerFlags]] = []
     for index, line, flags in _server_lines(body, defaults_flags):
         words = line.words
@@ -230,15 +223,10 @@ _NO_FLAGS = ServerFlags()
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
-    """What applies to a proxy, resolved the way HAProxy resolves it (cfgparse-listen.c): a proxy
-    starts as a copy of the defaults it names with `from`, else of the last `defaults` before
-    it; a `defaults` section as a copy of the one it names, else of the built-in defaults (NOT
-    of the `defaults` before it); then its own lines apply in order, the last one winning.
-
-    `server_defaults`: the `default-server` flags its defaults pass on (a proxy's own apply to
-    the server lines after them only); `server_default_words`: their words, in order, what a
-    dynamic server (`add server`) must be given, since it gets none of them.
-    """
+    """What applies to a proxy (cfgparse-listen.c): a copy of the defaults it names with `from`,
+    else of the last `defaults` before it (for a `defaults`: of the built-in ones), then its own
+    lines in order. `server_defaults`: the `default-server` flags its defaults pass on; their
+    words, which a dynamic server must be given: `server_default_words`."""
 
     mode: str = "tcp"
     balance: tuple[str, ...] = ("roundrobin",)  # the words after `balance`
@@ -247,15 +235,12 @@ class ProxySettings:
     server_default_words: tuple[str, ...] = ()
     cookie: tuple[str, ...] = ()  # the words after `cookie` (persistence), if any
     hash_type: tuple[str, ...] = ()  # the words after `hash-type`; none: map-based sdbm
-    # `option redispatch [n]`, `no option redispatch` or `default option redispatch` applies:
-    # the config says how retries are redispatched, and the guard leaves it so.
+    # Some `option redispatch` line applies: the guard leaves retries as the config says.
     redispatch_said: bool = False
-    # `option forwardfor`, `option originalto` or `unique-id-header`: a header is added to each
-    # request (the client's address, its local one, its id); HAProxy cannot negate any of them.
+    # `option forwardfor`, `option originalto` or `unique-id-header` (none can be negated).
     adds_headers: bool = False
     retry_on: tuple[str, ...] = ("conn-failure",)  # the words after `retry-on`
-    # Its defaults define TCP/HTTP rules (a named one only): they run before the proxy's own,
-    # and HAProxy refuses a frontend and a backend under the same such defaults.
+    # Its (named) defaults define TCP/HTTP rules: HAProxy refuses a frontend and a backend under them.
     defaults_rules: bool = False
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -319,8 +304,7 @@ def _resolve(base: ProxySettings, body: list[Line], is_defaults: bool) -> ProxyS
         else:
             continue
         changed = True
-    # The same object when nothing differs (most backends restate their defaults' `balance`):
-    # the caches keyed by it then compare it by identity.
+    # The same object when nothing differs: the caches keyed by it compare it by identity.
     settings = (
         mode, balance, all_backups, flags, default_words, cookie, hash_type, redispatch_said, adds_headers, retry_on,
         defaults_rules,
@@ -337,8 +321,7 @@ def _says_redispatch(words: tuple[str, ...]) -> bool:
 
 
 def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySettings]]:
-    """Every defaults, frontend, backend and listen section with its ProxySettings, in
-    config order and one pass: `from` chains followed, defaults order as HAProxy reads it."""
+    """Every proxy and defaults section with its ProxySettings, in config order and one pass."""
     last = BUILT_IN  # what a proxy without `from` starts from
     named: dict[str, ProxySettings] = {}
     for section in sections:
@@ -347,8 +330,7 @@ def resolve(sections: Iterable[Section]) -> Iterator[tuple[Section, ProxySetting
             continue
         wanted = section.from_defaults
         is_defaults = kind == "defaults"
-        # HAProxy refuses a `from` naming no defaults section before it; the model must
-        # not raise on what `haproxy -c` will reject with its own words.
+        # A `from` naming no defaults before it: `haproxy -c` rejects it, the model must not raise.
         base = named.get(wanted, BUILT_IN) if wanted is not None else BUILT_IN if is_defaults else last
         settings = _resolve(base, section.body, is_defaults)
         if is_defaults:
@@ -363,8 +345,7 @@ SECTION_SERVERS: Slot[tuple[str, ProxySettings, bytes], tuple[Server, ...]] = Sl
 
 
 def section_servers(section: Section, settings: ProxySettings, cache: ConfigCache) -> list[Server]:
-    """The servers of a backend/listen section that `settings` apply to, shared through `cache`
-    by consecutive configs that share the section, instead of made again at each reload."""
+    """The servers of a backend that `settings` apply to, shared through `cache` by consecutive configs."""
     key = (section.name, settings, body_key(section.body))
     return list(cache.kept(SECTION_SERVERS).get_or_make(key, _section_servers, section.name, section.body, settings))
 

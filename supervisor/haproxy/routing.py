@@ -1,13 +1,6 @@
-"""How HAProxy picks a server, as far as the guard can reproduce it before HAProxy does.
-
-The guard (guard.py) overrides a steered old worker's routing only for the requests HAProxy
-would send to a dead server, so it must know which server HAProxy is about to pick, with
-HAProxy's own sample fetches and converters: the server a cookie names, the id a stick rule
-stored (servers numbered as HAProxy numbers them), the position of a map-based hash in the
-server map (lb_map.c), the bucket of a consistent hash on the ring (lb_chash.c; where a
-point's key comes from differs by version: binary.py's chash_node_keys() asks). What is kept,
-and what is left to the weighted draw: docs/steering.md, "What is kept".
-"""
+"""How HAProxy picks a server, as far as the guard can reproduce it with HAProxy's own sample
+fetches: the guard overrides only requests HAProxy would send to a dead server. Cookies, stick
+ids, map-based hashes (lb_map.c), consistent-hash buckets (lb_chash.c): docs/steering.md."""
 
 from __future__ import annotations
 
@@ -116,9 +109,8 @@ def _hash_of(settings: ProxySettings) -> tuple[str, str | None] | None:
         key = ("pathq" if whole else "path") if path_only else ("url" if whole else "url,field(1,?)")
         return key, converter
     if algo == "source" and not options and not avalanche:
-        # get_server_sh() XORs the address's 32-bit words and ignores the hash function: for
-        # IPv4 that is the address as an integer (an IPv6 address casts to no integer, and
-        # such a request is drawn instead).
+        # get_server_sh() ignores the hash function: for IPv4 the key is the address as an
+        # integer (an IPv6 one casts to none, and is drawn instead).
         return "src", None
     if algo.startswith("hdr(") and algo.endswith(")") and not options:
         name = algo[4:-1]
@@ -134,8 +126,7 @@ def _hash_of(settings: ProxySettings) -> tuple[str, str | None] | None:
 
 
 def server_ids(servers: Iterable[tuple[str, Sequence[str]]]) -> dict[str, int]:
-    """name -> the id HAProxy gives each of (name, its line's parameters): its `id`, else the
-    lowest id not taken, in config order, from 1 (backups included)."""
+    """name -> the id HAProxy gives each (name, params): its `id`, else the lowest one free, in config order from 1."""
     listed = list(servers)
     ids: dict[str, int] = {}
     for name, params in listed:
@@ -159,8 +150,7 @@ def effective_weight(server: Server) -> int:
 
 
 def server_map(servers: Sequence[Server], up: Iterable[str]) -> list[str]:
-    """The map-based server map of a worker that sees `up` usable (lb_map.c), primaries only:
-    index `hash % len(map)` is the server a hash picks."""
+    """The map-based server map (lb_map.c) of primaries `up`: `hash % len(map)` picks a server."""
     usable = set(up)
     divisor = gcd(*(effective_weight(s) for s in servers)) or 1
     eweight = {s.name: (effective_weight(s) + divisor - 1) // divisor for s in servers}
@@ -215,8 +205,7 @@ BUCKET_BITS = 12  # the guard reads a hash's top 12 bits: 4,096 buckets
 def ring(
     servers: Sequence[Server], up: Iterable[str], ids: dict[str, int], node_keys: NodeKeys
 ) -> list[tuple[int, str]]:
-    """The consistent-hash ring of a worker that sees `up` usable: (point key, server) sorted,
-    16 points per unit of weight per primary (the backups' ring is not reproduced)."""
+    """The consistent-hash ring of primaries `up`: (point key, server) sorted, 16 points per unit of weight."""
     usable = set(up)
     points: list[tuple[int, str]] = []
     for s in servers:
@@ -232,9 +221,8 @@ def ring(
 
 
 def _arcs(points: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
-    """(first hash, last hash, server) of each point's arc: the hashes closer to it than to
-    its neighbours (a tie goes to the point before, as in chash_get_server_hash), unwrapped
-    into [0, 2^32)."""
+    """(first hash, last hash, server) of each point's arc, the hashes closest to it (a tie goes
+    to the point before, as in chash_get_server_hash), unwrapped into [0, 2^32)."""
     arcs: list[tuple[int, int, str]] = []
     n = len(points)
     for i, (key, name) in enumerate(points):
@@ -249,8 +237,7 @@ def _arcs(points: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
 
 
 def consistent_buckets(points: list[tuple[int, str]], dead: set[str]) -> dict[int, str]:
-    """bucket -> the server for every bucket a dead server's arc touches: the live server
-    owning most of it, else the one the ring without the dead gives the bucket's middle."""
+    """bucket -> server where a dead arc touches: the live owner of most of it, else the live ring's."""
     shift = 32 - BUCKET_BITS
     live_points = [(k, name) for k, name in points if name not in dead]
     if not live_points or not any(name in dead for _, name in points):

@@ -1,14 +1,8 @@
-"""Server state across reloads: the current worker's `show servers state`, saved before a
-reload to the `server-state-file` the new worker loads, so a server in maint or DOWN does not
-start UP in it.
-
-HAProxy 2.6 applies that file by rules that do not fit a changing config (the saved port
-overrides the new config's; a runtime maint is kept unless the config's `disabled` flipped;
-tests/test_runtime_across_reloads_e2e.py), so it is filtered: a server's line is kept only when
-its address, port, `disabled` and weight are the same in the running and the new config, and
-the saved address and port are the new config's. What carries over is what no config says:
-health, an operator's maint, drain or weight (docs/runtime-changes.md).
-"""
+"""Server state across reloads: `show servers state` saved to the `server-state-file` the new
+worker loads, so a server in maint or DOWN does not start UP. HAProxy applies it by rules that do
+not fit a changing config (the saved port wins), so a line is kept only when address, port,
+`disabled` and weight agree in both configs: what carries over is what no config says
+(docs/runtime-changes.md)."""
 
 from __future__ import annotations
 
@@ -28,9 +22,9 @@ from .routing import effective_weight
 
 log = logging.getLogger(__name__)
 
-# A state file with no server: HAProxy loads it without a warning (an empty or missing
-# file makes every start log one).
+# A state file with no server: HAProxy warns of an empty or missing one at every start.
 EMPTY_STATE = "1\n"
+ROWS_PER_PART = 2000  # filtered between two turns of the event loop
 
 
 def _config_identity(server: Server) -> tuple[str, int | None, bool, int]:
@@ -52,11 +46,9 @@ def _carries_over(
     return True  # a host name: the file holds what it resolved to
 
 
-def server_state_parts(
-    text: str, running: Config, new: Config, forget: Collection[str] = (), rows_per_part: int = 2000
-) -> Iterator[str]:
-    """The filtered state file (module doc) in parts of `rows_per_part` rows, the first two
-    empty (after each config's servers are listed): the event loop runs between parts."""
+def server_state_parts(text: str, running: Config, new: Config, forget: Collection[str] = ()) -> Iterator[str]:
+    """The filtered state file (module doc) in parts of ROWS_PER_PART rows, the first two empty
+    (after each config's servers are listed): the event loop runs between parts."""
     if not is_servers_state(text):
         yield EMPTY_STATE
         return
@@ -67,7 +59,7 @@ def server_state_parts(
     out = [next(line for line in text.splitlines() if line.strip())]  # the format's version
     header = ""
     forget = frozenset(forget)
-    for part in servers_state_parts(text, rows_per_part):
+    for part in servers_state_parts(text, ROWS_PER_PART):
         for block in servers_state_rows(part, _ROW_COLUMNS):
             if block.header != header:
                 header = block.header
@@ -86,7 +78,7 @@ _ROW_COLUMNS = (ROW_TEXT, "be_name", "srv_name", "srv_addr", "srv_port")
 
 
 def _append_line(section: Section, words: str) -> None:
-    """Add a line after the section's last code line, indented and ended like its neighbours."""
+    """Add a line after the section's last code line, indented and ended like it."""
     code = [i for i, line in enumerate(section.body) if line.words]
     neighbour: Line | None = section.body[code[-1]] if code else section.header
     indent = (neighbour.indent if code and neighbour is not None else "") or "    "
@@ -103,7 +95,7 @@ def _append_line(section: Section, words: str) -> None:
 
 
 def _loads_server_state(config: Config) -> bool:
-    # Plain loops: this reads every line of 10,000 servers, where a generator and Line.keyword cost more.
+    # Plain loops: this reads every line, where a generator and Line.keyword cost more.
     for section in config.sections:
         if section.kind in PROXY_KINDS:
             for line in section.body:
@@ -114,9 +106,8 @@ def _loads_server_state(config: Config) -> bool:
 
 
 def inject_server_state(config: Config, path: Path) -> Config:
-    """Make the worker load the server state saved before a reload: `server-state-file` in
-    global, `load-server-state-from-file global` in every defaults section (and backends with
-    none to inherit from); each left out when the rendered config uses that keyword itself."""
+    """`server-state-file` in global and `load-server-state-from-file global` in every defaults
+    (and backends without one), each unless the rendered config uses that keyword itself."""
     result = config.copy()
     if result.global_setting("server-state-file") is None:
         global_section = next((s for s in result.sections if s.kind == "global"), None)
@@ -125,8 +116,7 @@ def inject_server_state(config: Config, path: Path) -> Config:
             result.sections.insert(1, global_section)
         _append_line(global_section, f"server-state-file {quote_word(str(path))}")
     if not _loads_server_state(result):
-        # One pass: a backend inherits from some defaults once any defaults section preceded it
-        # (or it names one with `from`); only those that do not need the line of their own.
+        # A backend after any defaults, or naming one with `from`, inherits the line.
         seen_defaults = False
         for section in result.sections:
             seen_defaults = seen_defaults or section.kind == "defaults"
@@ -138,9 +128,8 @@ def inject_server_state(config: Config, path: Path) -> Config:
 
 
 def clear_server_state(path: Path) -> str | None:
-    """No state to hand over: a master started afresh must not load a previous run's file.
-    Best-effort: on a full disk the old file is emptied in place (its block holds the few
-    bytes), else removed (HAProxy warns). Returns what failed, or None."""
+    """A master started afresh must not load a previous run's state. On a full disk the file is
+    emptied in place, else removed (HAProxy warns). What failed, or None."""
     try:
         write_atomically(path, EMPTY_STATE)
         return None
@@ -163,16 +152,10 @@ def clear_server_state(path: Path) -> str | None:
 
 
 async def save_server_state(
-    cli: MasterCLI,
-    worker_pid: int,
-    path: Path,
-    *,
-    running: Config,
-    new: Config,
-    forget: Collection[str] = (),
+    cli: MasterCLI, worker_pid: int, path: Path, *, running: Config, new: Config, forget: Collection[str] = ()
 ) -> bool:
-    """Save the worker's server state for the reload to `new`; False on failure, when the file
-    is emptied: an earlier reload's state would hand the new worker states no longer true."""
+    """Save the worker's server state for the reload to `new`; on failure empty the file (an older
+    state is no longer true) and return False."""
     try:
         answer = await cli.on(worker_pid, "show servers state")
         why = None if is_servers_state(answer) else f"unexpected answer {answer.strip()[:120]!r}"
@@ -185,6 +168,6 @@ async def save_server_state(
     parts = []
     for part in server_state_parts(answer, running, new, forget):
         parts.append(part)
-        await asyncio.sleep(0)  # a 10,000-server state is filtered in parts: the event loop runs between
+        await asyncio.sleep(0)  # the event loop runs between parts
     write_atomically(path, "".join(parts))
     return True

@@ -1,14 +1,8 @@
-"""HAProxy's own messages as an event source: the master's stderr is a FIFO the daemon reads.
-
-Every process of the master-worker tree writes each server state change it sees to the stderr
-it inherited (`[WARNING]  (4612) : Server be/s1 is DOWN, ...`), so a line names the process
-whose server states are worth reading again. A named FIFO in runtime_dir, so that a daemon
-restarted next to a running master opens it again by its path (docs/operating.md). The master's
-write end is O_NONBLOCK, so a daemon that stops reading never stalls a worker (a full pipe
-drops a line, and the next read finds the pipe full: listeners then hear None, "read every
-process again"); the daemon's end is read-write, so it never sees an end of file. Every line
-is written unchanged to the daemon's own stderr.
-"""
+"""HAProxy's messages as events: the master's stderr is a named FIFO (found again by a restarted
+daemon, docs/operating.md) where each process reports the server state changes it sees. Its
+write end is O_NONBLOCK (a daemon that stops reading never stalls a worker: a full pipe drops a
+line, and the next read, finding it full, tells listeners None, "read the states again"), the
+daemon's end read-write (no end of file); every line goes on unchanged to the daemon's stderr."""
 
 from __future__ import annotations
 
@@ -69,8 +63,7 @@ class ServerEvent:
 
 
 def parse_server_event(line: str) -> ServerEvent | None:
-    """The server state change one stderr line reports, or None (another message, or names
-    that could not reach HAProxy's CLI)."""
+    """The server state change one stderr line reports, or None (also for names the CLI refuses)."""
     m = _SERVER_LINE.match(line.rstrip("\r\n"))
     if m is None:
         return None

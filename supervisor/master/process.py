@@ -1,8 +1,5 @@
-"""The HAProxy master process: start, adopt, watch (a pidfd), restart with backoff, stop.
-It runs in master-worker mode (`-W`) in a session of its own, so a Ctrl-C on the daemon's
-terminal reaches the daemon only. Its stderr is the daemon's FIFO (haproxy/stderr.py),
-non-blocking on HAProxy's side: after a daemon crash its messages are lost, HAProxy never stalls.
-"""
+"""The HAProxy master (`-W`, in a session of its own: a Ctrl-C reaches the daemon only): start,
+adopt, watch, restart with backoff, stop."""
 
 from __future__ import annotations
 
@@ -78,8 +75,7 @@ def listening_ports(pid: int) -> set[int] | None:
 
 
 async def worker_ready(cli: MasterCLI, pid: int, ports: set[int]) -> bool:
-    """Does the worker answer `@!<pid>` and listen on every port in `ports`? From 3.1 on `show
-    proc` lists a new worker before it has loaded its config and bound."""
+    """Does the worker answer `@!<pid>` and listen on all `ports`? (3.1 lists it before it binds.)"""
     try:
         infos = show_info_by_pid(await cli.on(pid, "show info", timeout=2))
     except CLIError:
@@ -135,8 +131,7 @@ class MasterSocketGone(MasterError):
         self.pid = pid
 
 
-# The master CLI can change what every worker routes: its owner and group only, whatever the
-# umask (HAProxy creates the socket; `-S path,mode,660` is a bind option of its own).
+# The master CLI can change what every worker routes: its owner and group only, whatever the umask.
 MASTER_SOCKET_MODE = "660"
 # What HAProxy creates without an explicit mode of its own is never world-accessible.
 CHILD_UMASK = 0o027
@@ -151,8 +146,7 @@ def master_command(settings: Settings) -> list[str]:
 
 
 def next_backoff(previous: float | None, uptime_s: float | None) -> float:
-    """At once after a master that ran HEALTHY_UPTIME_S (no crash loop: a second waited is a
-    second without a listener); then doubling."""
+    """At once after a master that ran HEALTHY_UPTIME_S (a second waited is one without a listener); then doubling."""
     if previous is None or (uptime_s is not None and uptime_s >= HEALTHY_UPTIME_S):
         return 0.0
     return min(max(previous * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
@@ -236,8 +230,7 @@ class MasterProcess:
         """Start a master on the effective config on disk; return once its first worker is ready."""
         cmd = master_command(self.settings)
         ports = config_ports(self.settings.haproxy.effective_config)
-        # A fresh master has no worker to hand states over from: a previous run's file would
-        # put servers in states nobody asked for.
+        # A fresh master has no states to hand over: a previous run's file would mislead it.
         failed = clear_server_state(self.settings.haproxy.server_state_file)
         if failed is not None:
             log.warning("server-state file: cannot empty it: %s; starting haproxy without it", failed)
@@ -278,8 +271,8 @@ class MasterProcess:
         return procs
 
     async def adopt(self) -> ProcList | None:
-        """Take over the master a previous daemon started for this runtime_dir, or None.
-        MasterError when its socket does not answer: a second HAProxy would bind the same ports."""
+        """Take over the master a previous daemon started, or None; MasterError when its socket
+        does not answer (a second HAProxy would bind the same ports)."""
         h = self.settings.haproxy
         pid = find_master(self.settings)
         recorded = read_pid_file(h.pid_file)
@@ -289,8 +282,7 @@ class MasterProcess:
             return None
         if not h.master_socket_path.exists():
             raise MasterSocketGone(pid, h.master_socket_path)
-        # Known to run from here: /healthz says so while a crowded master CLI is asked for a
-        # ready worker, which can take seconds.
+        # /healthz says it runs while a crowded master CLI is asked for a ready worker.
         self._publish_up(pid)
         ports = config_ports(self.settings.haproxy.effective_config)
         deadline = time.monotonic() + self.settings.reload.timeout_s
@@ -322,8 +314,7 @@ class MasterProcess:
         return procs
 
     async def reexec(self, before: ProcList | None) -> ProcList | None:
-        """Make our master re-execute (master.lock held): it binds its socket again (the one road
-        back once its file was deleted). `show proc` once the new worker is listed, else None."""
+        """Re-execute our master (lock held) to bind its deleted socket; `show proc` with the new worker."""
         if self.pid is None or not self.alive:
             return None
         known = {p.pid for p in (*before.workers, *before.old_workers)} if before is not None else set()

@@ -1,5 +1,4 @@
-"""Processes as /proc shows them, their end waited for through a pidfd (Linux 5.3+), and which
-are our master (by the master socket it holds) and its workers (by argv)."""
+"""Processes by /proc and pidfds: which are our master (by the socket it holds) and workers."""
 
 from __future__ import annotations
 
@@ -150,18 +149,13 @@ def _arg_after(args: Sequence[str], flag: str) -> str | None:
 
 
 def is_our_master(cmdline: Sequence[str], settings: Settings) -> bool:
-    """Is this argv a master-worker HAProxy for our runtime_dir? Only for telling our workers
-    apart: from 3.2 on a master's argv after a reload reads like a worker's."""
+    """Is this argv a master-worker HAProxy for our runtime_dir? Only for workers: from 3.2 a
+    master's argv after a reload reads like one."""
     if len(cmdline) < 2 or "haproxy" not in Path(cmdline[0]).name or "-W" not in cmdline:
         return False
-    socket_arg = _arg_after(cmdline, "-S")
-    config_arg = _arg_after(cmdline, "-f")
-    # `-S <path>[,<bind options>]`
-    return (
-        socket_arg is not None
-        and socket_arg.split(",", 1)[0] == str(settings.haproxy.master_socket_path)
-        and config_arg == str(settings.haproxy.effective_config)
-    )
+    socket_path = (_arg_after(cmdline, "-S") or "").split(",", 1)[0]  # `-S <path>[,<bind options>]`
+    h = settings.haproxy
+    return socket_path == str(h.master_socket_path) and _arg_after(cmdline, "-f") == str(h.effective_config)
 
 
 def is_our_master_worker(cmdline: Sequence[str], settings: Settings) -> bool:
@@ -188,9 +182,8 @@ _UNIX_LISTENING = 0x10000
 
 
 def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int, int | None]]:
-    """(socket inode, PID named by the bound name or None) of the listeners bound at
-    `socket_path`. HAProxy binds `<path>.<pid>.tmp` and renames it into place: the kernel
-    keeps that name, with the binding master's PID, even once the file is removed."""
+    """(inode, PID or None) of the listeners bound at `socket_path`: HAProxy binds
+    `<path>.<pid>.tmp` and renames it, and the kernel keeps that name even once it is removed."""
     path = str(socket_path)
     found: list[tuple[int, int | None]] = []
     for line in net_unix.splitlines()[1:]:
@@ -208,8 +201,8 @@ def master_socket_candidates(net_unix: str, socket_path: Path) -> list[tuple[int
 
 
 def find_masters(settings: Settings) -> list[int]:
-    """Live processes holding the listening socket bound at `haproxy.master_socket_path` (its file
-    removed since too), oldest first. From /proc only: it works when the socket does not answer."""
+    """Live processes holding the master socket (its file removed or not), oldest first; from
+    /proc only, so it works when the socket does not answer."""
     try:
         net_unix = Path("/proc/net/unix").read_text()
     except OSError:
@@ -230,7 +223,7 @@ def find_masters(settings: Settings) -> list[int]:
 
 
 def find_master(settings: Settings) -> int | None:
-    """Our live master (the oldest if several): while there is one, another would bind its ports."""
+    """Our live master, the oldest if several."""
     masters = find_masters(settings)
     if len(masters) > 1:
         log.warning("several haproxy masters hold %s: pids=%s; the oldest is ours",

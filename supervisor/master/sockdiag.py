@@ -1,6 +1,5 @@
-"""The daemon's one sock_diag (NETLINK_SOCK_DIAG) client: TCP sockets listed by the kernel,
-filtered there by state and destination port (a node with many connections costs little while
-few match), and destroyed (SOCK_DESTROY, what `ss -K` does)."""
+"""The daemon's sock_diag client: TCP sockets listed by the kernel, filtered there by state and
+destination port, and destroyed (SOCK_DESTROY, as `ss -K`)."""
 
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ class SockDiagError(OSError):
 
 @dataclass(frozen=True)
 class DiagSocket:
-    """One TCP socket as sock_diag lists it."""
 
     family: int
     state: int
@@ -65,9 +63,8 @@ class DiagSocket:
 
 @functools.lru_cache(maxsize=4)
 def port_filter(ports: frozenset[int]) -> bytes:
-    """Bytecode that accepts a socket whose destination port is one of `ports`. Per port: a
-    D_EQ test (its port in the next op) that goes on to a jump to the end when it matches and
-    to the next test when it does not; the last test's miss jumps past the end: refused."""
+    """Bytecode that accepts a destination port in `ports`: per port a D_EQ test whose match jumps
+    to the end and miss to the next test; the last miss jumps past the end (refused)."""
     wanted = sorted(ports)
     ops: list[bytes] = []
     total = 12 * len(wanted)
@@ -119,8 +116,7 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
 def tcp_sockets(
     family: int, states: Iterable[int], ports: Iterable[int] | None = None, info: bool = False
 ) -> Iterator[DiagSocket]:
-    """This network namespace's TCP sockets in one of `states`, toward one of `ports` if given
-    (filtered by the kernel up to MAX_FILTERED_PORTS, past that here); `info`: with tcp_info."""
+    """TCP sockets in one of `states`, toward one of `ports` if given; `info`: with tcp_info."""
     mask = sum(1 << state for state in set(states))
     wanted = frozenset(ports) if ports is not None else None
     bytecode = port_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""
@@ -158,9 +154,8 @@ class TcpCounters(NamedTuple):
 
 
 class TcpActivity:
-    """This network namespace's TCP counters (/proc/net/snmp): when they say no socket can have
-    stalled, there is nothing new to dump for (a dump walks the whole established hash).
-    Read every poll: the file stays open and is read again from offset 0."""
+    """TCP counters (/proc/net/snmp): when no socket can have stalled, no dump is needed (one
+    walks the whole established hash). The file stays open, read again from offset 0."""
 
     PATH = "/proc/net/snmp"
     _BUFFER = 1 << 13  # the whole file: a few hundred bytes past the Tcp lines
@@ -194,8 +189,7 @@ class TcpActivity:
 
 
 def destroy(target: DiagSocket) -> None:
-    """Close `target` from outside its process: a pending connect fails with ECONNABORTED.
-    Needs CAP_NET_ADMIN and CONFIG_INET_DIAG_DESTROY; SockDiagError (EPERM, EOPNOTSUPP, ENOENT)."""
+    """Close `target` (a pending connect fails with ECONNABORTED); needs CAP_NET_ADMIN, else SockDiagError."""
     body = struct.pack("=BBBBI", target.family, socket.IPPROTO_TCP, 0, 0, 1 << target.state) + target.sockid
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(1)

@@ -21,7 +21,16 @@ from supervisor.haproxy.config import SECTION_KEYWORDS, Config, observe_directiv
 from supervisor.haproxy.global_policy import supervised_global
 from supervisor.haproxy.guard import GUARD_MARKER, guard_redispatch, guard_rules, guard_use_server
 from supervisor.haproxy.lexer import Line, Section, quote_word
-from supervisor.haproxy.resolution import BACKEND_KINDS, PROXY_KINDS, SERVER_KEYWORDS_WITH_ARG, Server, template_names
+from supervisor.haproxy.resolution import (
+    BACKEND_KINDS,
+    PROXY_KINDS,
+    SERVER_KEYWORDS_WITH_ARG,
+    ProxySettings,
+    Server,
+    resolve,
+    section_servers,
+    template_names,
+)
 from supervisor.haproxy.routing import routing_of, server_ids
 from supervisor.settings import Settings
 
@@ -142,6 +151,11 @@ def servers(config: Config, section: Section) -> Iterator[tuple[int, Flags]]:
             yield from ((index, flags_after(flags, words[4:])) for _ in template_names(words[1], words[2]))
 
 
+def settings_of(config: Config, section: Section) -> ProxySettings:
+    """What applies to one proxy section, from the one walk over the whole config."""
+    return next(settings for proxy, settings in resolve(config.sections) if proxy is section)
+
+
 def copy(config: Config) -> Config:
     return Config([Section(s.header, list(s.body)) for s in config.sections])
 
@@ -217,16 +231,16 @@ def slot_table_path(config: Config, directory: Path) -> Path:
     every primary server of every backend, `<backend>_<i> <name>` in config order."""
     rows = [
         f"{section.name}_{i} {name}\n"
-        for section in backends(config)
-        for i, name in enumerate(s.name for s in config.servers(section) if not s.backup)
+        for section, servers in config.servers_by_backend()
+        for i, name in enumerate(s.name for s in servers if not s.backup)
     ]
     # Then what cookies and stick entries can name: the home slot of each primary.
-    for section in backends(config):
-        all_servers = config.servers(section)
+    for section, settings in config.each_backend_with_settings():
+        all_servers = section_servers(section, settings, config.cache)
         home = {s.name: i for i, s in enumerate(s for s in all_servers if not s.backup)}
         if not home:
             continue
-        routing = routing_of(config.settings_of(section), section.body, section.name)
+        routing = routing_of(settings, section.body, section.name)
         if routing.cookie:
             first: dict[str, Server] = {}
             for server in all_servers:
@@ -272,7 +286,7 @@ def inject_guard(config: Config, map_path: str | Path, table_path: Path) -> Conf
         use_servers = [i for i, k in kinds.items() if k == _RULE_ORDER.index("use-server")]
         use_at = use_servers[0] if use_servers else max((i + 1 for i in kinds if i >= at), default=at)
         at, use_at = above_its_comments(body, at), above_its_comments(body, use_at)
-        settings = result.settings_of(section)
+        settings = settings_of(result, section)
         routing = routing_of(settings, body, section.name)
         rules = [GUARD_MARKER, *guard_redispatch(settings), *guard_rules(mode, str(map_path), str(table_path), routing)]
         use = [guard_use_server()] if use_at == at else [GUARD_MARKER, guard_use_server()]

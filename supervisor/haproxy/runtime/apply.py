@@ -1,10 +1,6 @@
-"""Sending changes to one worker's live servers, checking every answer (docs/runtime-changes.md).
-
-Make before break: every change that leaves a server in service goes out, `state ready`
-accepted, before any disable; a backend whose enable was refused keeps its disables for the
-reload. A `;` line runs all its commands whatever each answers, so the commands of one server
-never share a line: they are batched across servers one step at a time.
-"""
+"""Changes to one worker's live servers, every answer checked (docs/runtime-changes.md). Make
+before break: what leaves a server in service goes out before any disable. A `;` line runs all
+its commands whatever each answers, so one server's commands never share a line."""
 
 from __future__ import annotations
 
@@ -12,21 +8,20 @@ import asyncio
 import itertools
 import logging
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..answers import parse_show_map, split_answers
-from ..api import DEFAULT_LINE_LIMIT, CLIError, MasterCLI, batch_lines, on_process
+from ..api import CLIError, MasterCLI, batch_lines, on_process
 from ..config import Config
 from ..guard import is_guarded
 from .plan import RuntimePlan, ServerAdd, ServerChange, loaded_slot_table, ordered_commands, slot_map_commands
 
 log = logging.getLogger(__package__)
 
-# What `set server ... addr` answers when it took. 2.6 and 2.8: `no need to change the addr, port
-# changed from 'a' to 'b' by 'stats socket command'` (either part may say changed or no need);
-# 3.0 on: `IP changed from 'a' to 'b', port changed from ... by ...`, either part alone, or
-# `nothing changed`.
+# What `set server ... addr` answers when it took: 2.6 and 2.8 `no need to change the addr, port
+# changed from 'a' to 'b' by '...'` (either part changed or not); 3.0 on `IP changed from 'a' to
+# 'b', port changed from ... by ...`, either part alone, or `nothing changed`.
 _ADDR_ACCEPTED = re.compile(
     r"^(?:nothing changed\.?"
     r"|(?:(?:IP changed from '[^']*' to '[^']*'|no need to change the addr)"
@@ -37,8 +32,8 @@ _ADDR_ACCEPTED = re.compile(
 
 
 def refusal(command: str, answer: str | None) -> str | None:
-    """None when HAProxy accepted `command`, else why not (its own words when it gave any). An
-    answer this code does not know counts as refused: the sequence then stops out of rotation."""
+    """None when HAProxy accepted `command`, else why not. An unknown answer counts as refused:
+    the sequence then stops out of rotation."""
     if answer is None:
         return "no answer"
     text = answer.strip()
@@ -54,8 +49,7 @@ def refusal(command: str, answer: str | None) -> str | None:
 
 
 def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
-    """Did `del server` take? `No such server.` to a server already asked to delete is a deletion
-    too: the earlier answer was lost (a timeout, a line that could not be read), not the deletion."""
+    """Did `del server` take? `No such server.` to one asked before did: the answer was lost."""
     if refusal(command, answer) is None:
         return True
     return asked_before and answer is not None and answer.strip() == "No such server."
@@ -65,7 +59,6 @@ def deleted(command: str, answer: str | None, asked_before: bool) -> bool:
 class Refusal:
     change: ServerChange
     command: str
-    answer: str
     accepted: tuple[str, ...]  # the commands of this server's sequence that HAProxy accepted
 
     @property
@@ -88,7 +81,7 @@ class ApplyResult:
 
 
 async def send_line(cli: MasterCLI, line: str) -> list[str | None]:
-    """Send one `;` line; one answer per command, read by what each command prints."""
+    """Send one `;` line; one answer per command."""
     # Names and addresses are validated, so `;` only ever separates commands.
     commands = line.split(";")
     count = len(commands)
@@ -98,39 +91,27 @@ async def send_line(cli: MasterCLI, line: str) -> list[str | None]:
         return [f"no answer: {exc}"] * count
     answers = split_answers(text, commands)
     if answers is None:
-        # Cannot tell which command said what: every command of the line counts as refused.
+        # Who said what is unknown: every command of the line counts as refused.
         unexpected = text.strip() or "empty answer"
         return [f"unexpected answer to {count} commands: {unexpected}"] * count
     return list(answers)
 
 
-async def send_step(
-    cli: MasterCLI, worker_pid: int, commands: Sequence[str], line_limit: int
-) -> tuple[list[str | None], int]:
+async def send_step(cli: MasterCLI, worker_pid: int, commands: Sequence[str]) -> tuple[list[str | None], int]:
     """Send one step's commands (one per server) as few `;` lines as fit; answers in order."""
-    lines = batch_lines([on_process(worker_pid, c) for c in commands], line_limit)
+    lines = batch_lines([on_process(worker_pid, c) for c in commands])
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(send_line(cli, line)) for line in lines]
     return [answer for task in tasks for answer in task.result()], len(lines)
 
 
-async def apply_changes(
-    cli: MasterCLI,
-    worker_pid: int,
-    changes: Iterable[ServerChange],
-    *,
-    order: Callable[[ServerChange], list[str]] = ordered_commands,
-    line_limit: int = DEFAULT_LINE_LIMIT,
-    phased: bool = True,
-) -> ApplyResult:
-    """Apply changes to one worker, make before break (module doc). `order` and `phased=False`
-    (every change in one phase) exist so a test can drive the wrong order and show its window."""
+async def apply_changes(cli: MasterCLI, worker_pid: int, changes: Iterable[ServerChange]) -> ApplyResult:
     worker_pid = int(worker_pid)
     result = ApplyResult()
     changes = list(changes)
     unmade: set[str] = set()  # backends where a first-phase command was refused
     making = [c for c in changes if not c.takes_out]
-    for phase in [making, [c for c in changes if c.takes_out]] if phased else [changes]:
+    for phase in [making, [c for c in changes if c.takes_out]]:
         skipped = [c for c in phase if c.backend in unmade]
         if skipped:
             result.skipped.extend(skipped)
@@ -138,35 +119,24 @@ async def apply_changes(
                 "worker %d: %d disables not sent in backends %s, where an enable was refused",
                 worker_pid, len(skipped), ", ".join(sorted({c.backend for c in skipped})),
             )
-        refused = await _apply_steps(cli, worker_pid, [c for c in phase if c.backend not in unmade], order,
-                                     line_limit, result)
+        refused = await _apply_steps(cli, worker_pid, [c for c in phase if c.backend not in unmade], result)
         unmade.update(r.change.backend for r in refused)
     return result
 
 
 async def _apply_steps(
-    cli: MasterCLI,
-    worker_pid: int,
-    changes: list[ServerChange],
-    order: Callable[[ServerChange], list[str]],
-    line_limit: int,
-    result: ApplyResult,
+    cli: MasterCLI, worker_pid: int, changes: list[ServerChange], result: ApplyResult
 ) -> list[Refusal]:
-    """One phase: every server's sequence, step by step across servers; adds to `result` and
-    returns this phase's refusals."""
-    plans = [(change, order(change)) for change in changes]
+    """One phase, step by step across servers; adds to `result`, returns its refusals."""
+    plans = [(change, ordered_commands(change)) for change in changes]
     accepted: list[list[str]] = [[] for _ in plans]
     stopped: dict[int, Refusal] = {}
     step = 0
     while True:
-        batch = [
-            (i, sequence[step])
-            for i, (_, sequence) in enumerate(plans)
-            if step < len(sequence) and i not in stopped
-        ]
+        batch = [(i, seq[step]) for i, (_, seq) in enumerate(plans) if step < len(seq) and i not in stopped]
         if not batch:
             break
-        answers, lines = await send_step(cli, worker_pid, [command for _, command in batch], line_limit)
+        answers, lines = await send_step(cli, worker_pid, [command for _, command in batch])
         result.commands_sent += len(batch)
         result.lines_sent += lines
         for (i, command), answer in zip(batch, answers, strict=True):
@@ -174,7 +144,7 @@ async def _apply_steps(
             if reason is None:
                 accepted[i].append(command)
                 continue
-            refused = Refusal(plans[i][0], command, reason, tuple(accepted[i]))
+            refused = Refusal(plans[i][0], command, tuple(accepted[i]))
             stopped[i] = refused
             log.warning("worker %d refused %r: %s; %s", worker_pid, command, reason,
                         "server left in maint" if refused.left_in_maint else "server left as it was")
@@ -189,8 +159,7 @@ async def _apply_steps(
 
 REMOVE_POLL_S = 0.1
 PLACEHOLDER_ADDRESS, PLACEHOLDER_PORT = "127.0.0.1", 1
-# After `shutdown sessions server`, how long `del server` is still tried: the sessions close
-# asynchronously, within a few milliseconds of the command.
+# How long `del server` is still tried after `shutdown sessions server`: sessions close asynchronously.
 AFTER_SHUTDOWN_S = 2.0
 
 
@@ -201,20 +170,17 @@ def _needs_experimental_mode(answer: str | None) -> bool:
 async def send_commands(
     cli: MasterCLI, pid: int, commands: Sequence[str], prefix: Sequence[str] = ()
 ) -> list[str | None]:
-    """One answer per command to worker `pid`. The master session's mode (`prefix`, such as
-    `experimental-mode on`) rides with each command on a line of its own."""
+    """One answer per command to worker `pid`; a session mode (`prefix`) rides on each command's line."""
     if not prefix:
-        answers, _ = await send_step(cli, pid, commands, DEFAULT_LINE_LIMIT)
-        return answers
+        return (await send_step(cli, pid, commands))[0]
     return [(await send_line(cli, ";".join([*prefix, on_process(pid, c)])))[-1] for c in commands]
 
 
 @dataclass
 class MembershipResult:
-    """What apply_membership() did. Not ok: `why` is the reason for the reload that follows.
-    `made`: the added servers are in service (the removes failed). `pending`: removed servers
-    in maint at the placeholder whose `del server` is still refused (key -> the answer), for
-    hook.py; `mode`: what this worker's lines begin with (`experimental-mode on`, if asked)."""
+    """What apply_membership() did; `why`: the reason for the reload when not ok. `made`: the
+    added servers are in service. `pending`: removals in maint at the placeholder whose `del
+    server` is still refused (key -> answer); `mode`: what this worker's lines begin with."""
 
     ok: bool = True
     why: str = ""
@@ -223,15 +189,14 @@ class MembershipResult:
     removed: list[str] = field(default_factory=list)
     pending: dict[str, str] = field(default_factory=dict)
     mode: list[str] = field(default_factory=list)
-    # An add answered "Already exists", or a removal's `state maint` "No such server.": the
-    # worker holds part of this change already (hook.py then completes it by what it holds).
+    # An add answered "Already exists", or a removal's `state maint` "No such server.": the worker
+    # holds part of this change already (hook.py completes it).
     held_already: bool = False
     commands_sent: int = 0
 
 
 class _Sender:
-    """One membership change in one worker: its commands, as few `;` lines as fit, every answer
-    returned in order, and how its removes wait."""
+    """One membership change in one worker: where its commands go, and how its removes wait."""
 
     def __init__(
         self, cli: MasterCLI, worker_pid: int, result: MembershipResult, remove_wait_s: float, background: bool
@@ -247,8 +212,7 @@ class _Sender:
 async def apply_membership(
     cli: MasterCLI, worker_pid: int, plan: RuntimePlan, new: Config, *, remove_wait_s: float, background: bool
 ) -> MembershipResult:
-    """Add and remove servers in one worker, make before break: the adds readied, the in-place
-    changes, the worker's slot table, only then the removes (`_remove`; docs/removals.md)."""
+    """Add and remove servers, make before break: adds, changes, slot table, removes (docs/removals.md)."""
     result = MembershipResult()
     sender = _Sender(cli, int(worker_pid), result, remove_wait_s, background)
     table = await _slot_table_commands(cli, sender.pid, new, plan.backends)
@@ -281,8 +245,7 @@ def _failed(result: MembershipResult, why: str) -> MembershipResult:
 
 
 async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: set[str]) -> list[str] | str:
-    """The map commands that keep the worker's slot table what `new` says (the guard reads it
-    once the worker is old), or why they cannot be known."""
+    """The map commands that make the worker's slot table `new`'s (read once it is old), or why not."""
     if not any(is_guarded(s) for s in new.backends() if s.name in backends):
         return []
     try:
@@ -296,8 +259,7 @@ async def _slot_table_commands(cli: MasterCLI, pid: int, new: Config, backends: 
 
 
 async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[ServerAdd]) -> str:
-    """Add every server in maint, then step by step its checks and `state ready` (also those
-    `present` in the worker already); the first refusal, or ''."""
+    """Add in maint, then step by step checks and `state ready` (`present` too); a refusal, or ''."""
     result = sender.result
     result.added.extend(add.key for add in present)
     answers = await sender.send([a.add_command for a in adds])
@@ -327,7 +289,7 @@ async def _add(sender: _Sender, adds: Sequence[ServerAdd], present: Sequence[Ser
 
 
 async def _take_back(sender: _Sender) -> None:
-    """Undo the adds after a refusal, best effort: what is still refused is pending, like any removal."""
+    """Undo the adds after a refusal, best effort: what is still refused is pending."""
     if sender.result.added:
         undone = MembershipResult()
         leftover = await _remove(sender, list(sender.result.added), undone)
@@ -337,10 +299,9 @@ async def _take_back(sender: _Sender) -> None:
 
 
 async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) -> str:
-    """Servers to maint, then `del server`, which HAProxy refuses while connections are attached:
-    the refused get the placeholder address and one more try; then, in the background, they are
-    pending, else it is tried for remove_wait_s, their sessions shut down, and a little longer.
-    What is still refused then, or ''."""
+    """Servers to maint, then `del server`, refused while connections are attached: the refused
+    get the placeholder address and one more try; then they are pending (in the background), or
+    tried for remove_wait_s, their sessions shut down, and a little longer. What is left, or ''."""
     if not keys:
         return ""
     maint = [f"set server {key} state maint" for key in keys]
@@ -356,7 +317,6 @@ async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) ->
     wait_s = sender.remove_wait_s
     deadline = loop.time() + wait_s
     shut = purged = False
-    last = ""
     asked: set[str] = set()
     last_answer: dict[str, str] = {}
     while True:
@@ -368,7 +328,6 @@ async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) ->
                 result.removed.append(key)
             else:
                 last_answer[key] = (answer or "no answer").strip()
-                last = f"`{command}`: {last_answer[key]}"
         asked.update(left)
         if not left:
             return ""
@@ -387,6 +346,7 @@ async def _remove(sender: _Sender, keys: list[str], result: MembershipResult) ->
             return ""
         if loop.time() >= deadline:
             if shut:
+                last = f"`del server {left[-1]}`: {last_answer[left[-1]]}"
                 return f"{len(left)} servers not deleted after {wait_s:g}s and their sessions shut down; last {last}"
             log.info("worker %d: sessions still on %d removed servers after %gs: shutting them down",
                      sender.pid, len(left), wait_s)

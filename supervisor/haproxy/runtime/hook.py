@@ -1,12 +1,8 @@
-"""`RuntimeApplier`: what the reloader calls to apply a change without a reload, and to save
-the current worker's server state before one.
-
-It owns the pending removals (docs/removals.md): servers the config no longer has whose
-`del server` HAProxy refuses while connections are attached. In maint at the placeholder they
-route nothing, so the change is live; what is left is retried in the background, without the
-master lock. An old worker refuses every server command: there a removal only ends when the
-worker holds no connection to the server's address any more, or exits.
-"""
+"""`RuntimeApplier`: what the reloader calls to apply a change without a reload, and to save the
+server state before one. It owns the pending removals (docs/removals.md): in maint at the
+placeholder they route nothing, and `del server` is retried in the background, without the master
+lock. An old worker refuses every server command: there a removal ends once it holds no
+connection to the server's address, or exits."""
 
 from __future__ import annotations
 
@@ -32,7 +28,6 @@ from ..server_state import clear_server_state, save_server_state
 from .apply import (
     PLACEHOLDER_ADDRESS,
     PLACEHOLDER_PORT,
-    ApplyResult,
     MembershipResult,
     apply_changes,
     apply_membership,
@@ -58,8 +53,7 @@ def _at_placeholder(state: ServerState) -> bool:
 
 
 def left_pending(held: Iterable[ServerState], running: Config) -> list[str]:
-    """Servers the worker holds at the placeholder that `running` (its generation's config) lacks:
-    removals an earlier daemon left pending. Others are left to the next change (completed_plan)."""
+    """Servers held at the placeholder that `running` lacks: removals an earlier daemon left."""
     wanted = running.server_map()
     return [s.key for s in held if s.key not in wanted and _at_placeholder(s)]
 
@@ -70,9 +64,8 @@ def retry_delay(tries: int) -> float:
 
 
 def why_ended(removal: PendingRemoval, current_pid: int | None, alive: bool, held: int | None) -> str | None:
-    """Why `removal` ends now, or None while it stays pending: in an old worker, once it exits or
-    holds no connection to the server's address (`held`, None when uncounted); in the current
-    worker only by its `del server`."""
+    """Why `removal` ends now, or None: in an old worker once it exits or holds no connection to
+    the address (`held`, None when uncounted); in the current worker only by `del server`."""
     if current_pid is None or removal.worker_pid == current_pid:
         return None
     if not alive:
@@ -85,8 +78,7 @@ def why_ended(removal: PendingRemoval, current_pid: int | None, alive: bool, hel
 
 
 def held_connections(pid: int, endpoint: tuple[str, int]) -> int | None:
-    """How many connections process `pid` holds to `endpoint`, connecting or established; None
-    when the kernel cannot be asked."""
+    """Connections (connecting or established) `pid` holds to `endpoint`; None when unknown."""
     address, port = endpoint
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     address = socket.inet_ntop(family, socket.inet_pton(family, address))  # as the kernel spells it
@@ -103,8 +95,7 @@ Publish = Callable[[Mapping[str, PendingRemoval]], None]
 
 
 class PendingRemovals:
-    """The pending removals of every worker (`removals`, read-only; each change is handed to
-    `publish`, for /status and /metrics) and the task that retries them (`run()`)."""
+    """Every worker's pending removals (`removals`; changes go to `publish`), retried by `run()`."""
 
     def __init__(
         self,
@@ -128,8 +119,7 @@ class PendingRemovals:
         self, worker_pid: int, answers: dict[str, str], prefix: Iterable[str] = (),
         endpoints: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
-        """Servers of `worker_pid` whose `del server` was refused (key -> its last answer), and
-        where they were before the placeholder (key -> address, port)."""
+        """Hold the removals refused in `worker_pid` (key -> answer); `endpoints`: where they were."""
         now, wall = time.monotonic(), datetime.now(UTC)
         for key, answer in answers.items():
             self._removals[key] = PendingRemoval(
@@ -174,8 +164,7 @@ class PendingRemovals:
                     await self._wake.wait()
 
     async def _end_replaced(self) -> set[str]:
-        """End the old workers' removals that why_ended() says are over; the keys of those still
-        pending there (no `del server` is sent to an old worker)."""
+        """End the old workers' removals that why_ended() says are over; the keys still pending there."""
         if self.current_pid is None:
             return set()
         current = self.current_pid()
@@ -231,18 +220,16 @@ class PendingRemovals:
 
 @dataclass(frozen=True)
 class RuntimeOutcome:
-    """What a runtime apply left the current worker running. `applied`: the whole change is
-    live. `runs`: the model the worker now runs, if the apply changed it: the new one, also
-    when a reload must finish the change but the new servers are in service already."""
+    """`applied`: the whole change is live. `runs`: the model the worker now runs if the apply
+    changed it, also when a reload must finish a change whose new servers are in service."""
 
     applied: bool
     runs: Config | None = None
 
 
 class RuntimeApplier:
-    """`runtime_apply(current, new_model) -> RuntimeOutcome` for the reloader. Servers
-    whose sequence was refused are remembered in `forget`: the next server-state save leaves
-    them out, so the reload starts them from the config, not in the maint left here."""
+    """`runtime_apply(current, new_model) -> RuntimeOutcome` for the reloader. `forget`: servers
+    whose sequence was refused, left out of the next state save: the reload starts them afresh."""
 
     def __init__(
         self,
@@ -257,15 +244,13 @@ class RuntimeApplier:
         self.remove_wait_s = remove_wait_s
         self.background = background
         self.forget: set[str] = set()
-        self.last_result: ApplyResult | None = None
         # Workers this daemon has changed servers in: what they hold is what their model says.
         self._known_workers: set[int] = set()
         # Removals whose `del server` HAProxy still refuses; `run()` retries them.
         self.pending = PendingRemovals(cli, remove_wait_s, current_pid, publish_removals)
 
     async def resume_pending(self, current: Generation | None) -> list[str]:
-        """After adopting a master: the removals an earlier daemon left pending in the current
-        worker (left_pending), held and retried like the applier's own; their keys."""
+        """After adopting a master: hold the removals an earlier daemon left pending; their keys."""
         if current is None or current.worker_pid is None:
             return []
         pid = current.worker_pid
@@ -292,7 +277,6 @@ class RuntimeApplier:
         if not changes:
             return RuntimeOutcome(True, new)
         result = await apply_changes(self.cli, current.worker_pid, changes)
-        self.last_result = result
         self.forget.difference_update(change.key for change in result.applied)
         self.forget.update(refused.change.key for refused in result.refused)
         log.info(
@@ -313,8 +297,7 @@ class RuntimeApplier:
             return RuntimeOutcome(False)
         result = await self._membership(pid, plan, new)
         if result.held_already and pid not in self._known_workers:
-            # A worker this daemon has not changed yet holds part of this change: a daemon
-            # before it was killed in the middle of it. Complete it by what the worker holds.
+            # A daemon killed mid-change left part of it in a worker this one has not changed: complete it.
             completed = await self._completed(pid, plan, new)
             if isinstance(completed, str):
                 log.info("worker %d holds part of this change, and %s", pid, completed)
@@ -341,8 +324,7 @@ class RuntimeApplier:
         if result.ok:
             return RuntimeOutcome(True, new)
         log.info("runtime apply not possible, reloading: %s", result.why)
-        # Once the new servers are in service there, the worker runs the new config's servers
-        # (and removed ones left in maint), which is what its steering must go by once old.
+        # With the new servers in service the worker runs the new model: its steering goes by it once old.
         return RuntimeOutcome(False, new if result.made else None)
 
     async def _membership(self, pid: int, plan: RuntimePlan, new: Config) -> MembershipResult:
@@ -357,8 +339,7 @@ class RuntimeApplier:
             if isinstance(servers, str):
                 return servers
             held += servers
-        # An add held in maint at the placeholder is a removal an earlier daemon left pending
-        # (the name came back): delete it, and add it afresh.
+        # An add held at the placeholder is an earlier daemon's pending removal: delete it, add it afresh.
         adding = {a.key for a in plan.adds}
         stale = [s for s in held if s.key in adding and _at_placeholder(s)]
         if stale:
@@ -371,7 +352,7 @@ class RuntimeApplier:
         return completed_plan(plan, held, new)
 
     async def _servers_state(self, pid: int, command: str) -> list[ServerState] | str:
-        """Worker `pid`'s answer to `command` (`show servers state [<backend>]`), or why there is none."""
+        """Worker `pid`'s servers by `command` (`show servers state [<backend>]`), or why none."""
         try:
             answer = await self.cli.execute(on_process(pid, command))
         except CLIError as exc:
@@ -381,7 +362,7 @@ class RuntimeApplier:
         return parse_servers_state(answer)
 
     async def save_server_state(self, current: Generation, new_model: Config, path: Path) -> bool:
-        """Before a reload to `new_model`: save the current worker's state, minus what must not carry over."""
+        """Before a reload to `new_model`: save the current worker's state, less `forget`."""
         if current.worker_pid is None:
             clear_server_state(path)
             return False

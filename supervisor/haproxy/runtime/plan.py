@@ -1,12 +1,7 @@
-"""The plan: does the new config differ from the running one only in what the runtime API can
-change (server addresses, ports, weights, enabled state; servers added and removed by name)?
-Then the changes; else the one-line reason a reload is needed (docs/runtime-changes.md).
-
-A dynamic server gets none of the `default-server` settings (checked on 2.6.12), so its
-`add server` line carries what the config resolves for it (`resolved_params`). What
-`add server` refuses (`cookie`, `init-addr`, `no-check`, `balance static-rr`, ...) the
-applier judges by HAProxy's answer, and reloads.
-"""
+"""The plan: the runtime changes from the running config to the new one (addresses, ports,
+weights, enabled state, servers added and removed), or why a reload is needed. A dynamic server
+gets no `default-server` settings, so `add server` carries them (`resolved_params`); what it
+refuses, HAProxy's answer tells the applier (docs/runtime-changes.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..answers import ServerKey, ServerState, parse_map_list
+from ..answers import ServerKey, ServerState
 from ..config import Config, Section
 from ..guard import COOKIE_ROW, SLOT_TABLE_PREFIX, STICK_ROW, persistence_rows, slot_table
 from ..resolution import (
@@ -44,8 +39,7 @@ Pair = tuple[Section, Server, Section, Server]
 
 @dataclass(frozen=True, slots=True)
 class ServerAdd:
-    """A server to add: `add server <backend>/<server> <address> <params>`, in maint; then
-    health (and agent) checks enabled, then `state ready` unless its config disables it."""
+    """A server to add in maint; then its checks enabled, then `state ready` unless disabled."""
 
     backend: str
     server: str
@@ -81,8 +75,8 @@ class ServerAdd:
 
 
 def resolved_params(words: Iterable[str]) -> tuple[str, ...]:
-    """Server words as HAProxy applies them, folded into one line for `add server`: each keyword
-    once at its last value, `no-X` cancels an earlier X, `enabled`/`disabled` left out."""
+    """Server words folded for `add server`: each keyword once at its last value, `no-X` cancels
+    an earlier X, `enabled`/`disabled` left out."""
     items: dict[str, tuple[str, ...]] = {}
     seq = list(words)
     i = 0
@@ -127,10 +121,9 @@ def _server_lines(section: Section) -> dict[str, _ServerLine] | str:
 
 
 def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd], list[ServerKey]] | str:
-    """The servers present in both configs, those added and those removed, or why the change
-    is more than that: section by section, everything but the backends' `server` lines is the
-    same (the slot table's name aside), and every server present in both has the same line but
-    for what the Runtime API sets, and the same `default-server` lines before it."""
+    """The servers in both configs, those added and those removed, or why the change is more:
+    everything but `server` lines (and the slot table's name) must be the same, and a server in
+    both the same line but for what the Runtime API sets, after the same `default-server` lines."""
     old_frame, new_frame = config_skeleton(running, frame=True), config_skeleton(new, frame=True)
     if old_frame != new_frame:
         return _first_difference(old_frame, new_frame)
@@ -175,8 +168,7 @@ def membership(running: Config, new: Config) -> tuple[list[Pair], list[ServerAdd
 
 
 def _add_of(section: Section, server: Server, inherited: Words, context: tuple[Words, ...]) -> ServerAdd | str:
-    """The add of `server`, its line after the `default-server` lines of its defaults
-    (`inherited`) and of its backend before it (`context`)."""
+    """The add of `server`, after the `default-server` words of its defaults (`inherited`) and backend (`context`)."""
     words = section.body[server.line_index].words
     params = resolved_params([*inherited, *(w for line in context for w in line[1:]), *words[3:]])
     if server.port is None or not is_ip(server.address):
@@ -196,10 +188,8 @@ def _add_of(section: Section, server: Server, inherited: Words, context: tuple[W
 
 
 def slot_map_commands(path: str, held: dict[str, str], config: Config, backends: set[str]) -> list[str]:
-    """The map commands that make a worker's slot table (`held`, read with `show map`) what
-    `config` gives `backends`: `set map` / `add map` for new and changed slots and
-    persistence rows (a cookie's or a stick entry's home slot moves with its server), then
-    `del map` for those that are gone."""
+    """The map commands that make a worker's slot table (`held`) what `config` gives `backends`:
+    set/add for new and changed slots and persistence rows, then del for those gone."""
     wanted = {f"{backend}_{i}": name for backend, names in slot_table(config) if backend in backends
               for i, name in enumerate(names)}
     persistence = tuple(f"{b}{row}" for b in backends for row in (COOKIE_ROW, STICK_ROW))
@@ -218,10 +208,13 @@ def slot_map_commands(path: str, held: dict[str, str], config: Config, backends:
     return commands
 
 
+# `show map` (no file) lists each map a process loaded as `<id> (<path>) pattern loaded from file ...`.
+_LISTED_SLOT_TABLE = re.compile(rf"^-?\d+ \((/(?:[A-Za-z0-9_./-]*/)?{_SLOT_TABLE_NAME.pattern})\) ", re.M)
+
+
 def loaded_slot_table(show_map: str) -> str | None:
-    """The slot table file a worker loaded, from its `show map` list."""
-    tables = [path for path in parse_map_list(show_map) if _SLOT_TABLE_NAME.fullmatch(path.rsplit("/", 1)[-1])]
-    return tables[0] if tables else None
+    found = _LISTED_SLOT_TABLE.search(show_map)
+    return found[1] if found else None
 
 
 MAX_WEIGHT = 256  # HAProxy's absolute weight range is 0..256
@@ -244,7 +237,6 @@ def _validate_int(kind: str, value: object, low: int, high: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ServerChange:
-    """What changes on one server that already exists in the running worker."""
 
     backend: str
     server: str
@@ -288,10 +280,9 @@ class ServerChange:
 
 
 def ordered_commands(change: ServerChange) -> list[str]:
-    """The CLI commands for one change, in the only order that never routes wrongly: a disable
-    starts with `state maint`, an enable ends with `state ready`, a live server's new address is
-    swapped in place (a maint/ready pair would empty a backend of one server). A refused command
-    stops the sequence, so a server whose sequence began with `state maint` stays in maint."""
+    """The commands for one change, in the one order that never routes wrongly: a disable starts
+    with `state maint`, an enable ends with `state ready`, a live server's address is swapped in
+    place (maint/ready would empty a backend of one). A refusal stops the sequence."""
     target = change.key
     weight = [f"set server {target} weight {change.to_weight}"] if change.weight_changed else []
     port = f" port {change.to_port}" if change.to_port is not None else ""
@@ -303,8 +294,8 @@ def ordered_commands(change: ServerChange) -> list[str]:
         return weight
     if not change.takes_out and change.was_enabled:
         return [addr, *weight]
-    # An enable whose address changes starts with `state maint` too: if the address is then
-    # refused, the server is known to be in maint, never ready at an address it should not have.
+    # An enable whose address changes starts with `state maint` too: a refused address leaves
+    # it in maint, never ready at the wrong address.
     commands = [f"set server {target} state maint"]
     if change.address_changed:
         commands.append(addr)
@@ -315,8 +306,7 @@ def ordered_commands(change: ServerChange) -> list[str]:
 
 
 def _runtime_endpoint(word: str) -> tuple[str, int | None] | None:
-    """(host, port) of a config address that `set server ... addr` can express, else None:
-    only IP literals (it does no DNS resolution), optionally after ipv4@ or ipv6@."""
+    """(host, port) of an address `set server ... addr` can take (an IP literal), else None."""
     family = ""
     if word.startswith(("ipv4@", "ipv6@")):
         family, word = word[:4], word[5:]
@@ -381,10 +371,9 @@ def _is_server_line(section: Section, words: Words) -> bool:
 
 
 def config_skeleton(config: Config, frame: bool = False) -> list[Words]:
-    """Every line's words, blank and comment lines left out, server runtime fields taken out:
-    two configs with the same skeleton differ only in what the Runtime API can set on servers
-    of both, or in comments and spacing. `frame`: backends' `server` lines left out too, and
-    the slot table's name made generic (membership())."""
+    """Every line's words, without comments or server runtime fields: configs with the same
+    skeleton differ only in what the Runtime API sets. `frame`: without `server` lines and with
+    a generic slot table name (membership())."""
     skeleton: list[Words] = []
     for section in config.sections:
         if section.header is not None:
@@ -405,15 +394,13 @@ def config_skeleton(config: Config, frame: bool = False) -> list[Words]:
 
 @dataclass(frozen=True, slots=True)
 class RuntimePlan:
-    """The runtime changes that turn one config into another, or (changes None) why only a reload
-    can, in one line. `adds` and `removes` by name go around the in-place `changes`."""
+    """The runtime changes from one config to another, or (changes None) why only a reload can."""
 
     changes: list[ServerChange] | None
     why_reload: str = ""
     adds: tuple[ServerAdd, ...] = ()
     removes: tuple[ServerKey, ...] = ()  # checked
-    # Adds the worker already holds (a daemon killed in the middle of this change): only
-    # their checks and `state ready` are sent.
+    # Adds the worker holds already (a daemon was killed mid-change): only readied.
     present: tuple[ServerAdd, ...] = ()
 
     @property
@@ -426,11 +413,9 @@ class RuntimePlan:
 
 
 def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> RuntimePlan | str:
-    """The plan against what the worker holds (`show servers state` of the plan's backends),
-    for a change a daemon killed in the middle of it left half made (docs/removals.md): an add
-    held at the same address is `present` (only readied), one held elsewhere means a reload (why,
-    as a string), a removal no longer held is done, and a server of those backends that neither
-    the running model (the removes) nor `new` has is removed too."""
+    """The plan against what the worker holds, for a change a killed daemon left half made
+    (docs/removals.md): an add held at its address is `present`, elsewhere a reload (why); a
+    removal not held is done, and a held server neither config has is removed too."""
     holds = {s.key: s for s in held}
     adds: list[ServerAdd] = []
     present: list[ServerAdd] = list(plan.present)
@@ -449,7 +434,6 @@ def completed_plan(plan: RuntimePlan, held: list[ServerState], new: Config) -> R
 
 
 def runtime_plan(running: Config, new: Config) -> RuntimePlan:
-    """The runtime changes that turn `running` into `new`, with the reason when only a reload can."""
     adds: list[ServerAdd] = []
     removes: list[ServerKey] = []
     if config_skeleton(running) != config_skeleton(new):
@@ -477,8 +461,7 @@ def runtime_plan(running: Config, new: Config) -> RuntimePlan:
 
 
 def _first_difference(old: list[Words], new: list[Words]) -> str:
-    """Where two skeletons first differ: the line the new config lacks, the line it adds, or
-    its line that differs, told apart by whether the lines after it line up again."""
+    """Where two skeletons first differ: a line gone, new, or changed (by whether the lines after it line up again)."""
     index = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
     lacks = index >= len(new) or (index < len(old) and old[index + 1 : index + 2] == new[index : index + 1])
     adds = not lacks and (index >= len(old) or new[index + 1 : index + 2] == old[index : index + 1])
@@ -536,11 +519,9 @@ def _is_subsequence(short: list[Words], long: list[Words]) -> bool:
 
 
 def transient_render(running: Config, new: Config) -> str | None:
-    """Why `new` looks like a render caught in the middle of a rebuild, which its next render
-    soon undoes (None when it does not): a reload would be needed, every line of `new` is in
-    `running` in the same order, and a backend that has servers in `running` has none left in
-    `new` but its backups. Ray Serve renders a redeployed app that way while it builds it again.
-    A backend taken out with its routes (an app deleted) is not one."""
+    """Why `new` looks like a render caught mid-rebuild (Ray Serve redeploying an app), or None: a
+    reload would be needed, `new`'s lines are all in `running` in order, and a backend kept with
+    its routes lost every primary."""
     primaries = {section.name: [s for s in servers if not s.backup] for section, servers in new.servers_by_backend()}
     emptied = [section.name for section, servers in running.servers_by_backend()
                if any(not s.backup for s in servers) and primaries.get(section.name) == []]
