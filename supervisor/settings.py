@@ -1,9 +1,5 @@
-"""Settings: a YAML file plus environment gates, validated into frozen dataclasses.
-
-What each key means: config.example.yaml (the controller's: docs/controller.md). Every
-problem becomes one SettingsError line naming the file, the key and what is wrong, so `run`,
-`check` and `render` can exit 2 without a traceback.
-"""
+"""Settings: a YAML file plus environment gates, validated into frozen dataclasses (each key:
+config.example.yaml). Every problem is one SettingsError line naming the file and the key."""
 
 from __future__ import annotations
 
@@ -165,8 +161,8 @@ _STRING_CHECKS = {
 }
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
-# Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or
-# never fire. Durations stop at a day; counts at a million.
+# Upper bounds: a value above these is a typo, and past them timers overflow or never fire.
+# Durations stop at a day; counts at a million.
 _MAXIMUM = {"haproxy.max_config_bytes": 1 << 34}
 DAY_S = 86_400
 
@@ -206,8 +202,7 @@ def decode_text(raw: bytes) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last one
-    silently, so a setting pasted twice would take the value the reader did not look at."""
+    """safe_load's loader, refusing a key given twice in one mapping: PyYAML silently keeps the last one."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
