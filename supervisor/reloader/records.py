@@ -379,9 +379,12 @@ class ConfigOnDisk:
         self.loaded: LoadedConfig | None = None
         self._on_disk_sha: str | None = None  # the effective config last written to disk
 
-    def worker_runs(self, loaded: LoadedConfig) -> None:
-        """The current worker runs `loaded`: the file is kept that, and other slot tables go."""
+    def worker_runs(self, loaded: LoadedConfig, on_disk: bool = False) -> None:
+        """The current worker runs `loaded` (`on_disk`: the file holds it): the file is kept that,
+        and other slot tables go."""
         self.loaded = loaded
+        if on_disk:
+            self._on_disk_sha = loaded.sha256
         self.write_back()
         try:
             removed = remove_stale_slot_tables(self.runtime_dir, loaded.slot_table)
@@ -402,9 +405,6 @@ class ConfigOnDisk:
             if self.previous() != effective.text:
                 raise
         self._on_disk_sha = effective.sha256
-
-    def file_holds(self, text: str) -> None:
-        self._on_disk_sha = sha256_text(text)
 
     def previous(self) -> str | None:
         try:

@@ -84,8 +84,7 @@ class Recovery:
             return False
         log.warning("starting haproxy on the previous effective config %s until the rendered one can be loaded",
                     h.effective_config)
-        self.disk.file_holds(fallback)
-        self.disk.worker_runs(self.disk.loaded_text(fallback, "", None))
+        self.disk.worker_runs(self.disk.loaded_text(fallback, "", None), on_disk=True)
         self.master.request_start()
         return True
 
@@ -147,9 +146,8 @@ class Recovery:
         if on_disk != text:
             # Died mid-reload with a config on disk that never took: disk must be what runs.
             log.warning("%s differs from what worker %s runs: restored", h.effective_config, current.worker_pid)
-        else:
-            disk.file_holds(text)
-        disk.worker_runs(disk.loaded_text(text, current.rendered_sha256, current.inputs_sha256))
+        loaded = disk.loaded_text(text, current.rendered_sha256, current.inputs_sha256)
+        disk.worker_runs(loaded, on_disk=on_disk == text)
         for record in plan.drop:
             log.info("generation pruned generation=%d worker=%s: worker gone", record.number, record.worker_pid)
         book.store.remove_configs([r.number for r in plan.drop])
