@@ -155,9 +155,7 @@ class Daemon:
             log.warning("%s: %s: haproxy writes to our stderr, server states are polled",
                         settings.haproxy.stderr_fifo, exc.strerror or exc)
             relay = None
-        self.master = MasterProcess(
-            settings, self.state, self.cli, on_started=self.handle_master_started, stderr=relay
-        )
+        self.master = MasterProcess(settings, self.state, self.cli, on_started=self.handle_master_started, stderr=relay)
         displaced = self.displaced = OldWorkers(settings, self.state, self.cli)
         if relay is not None:
             relay.subscribe(displaced.on_server_event)

@@ -66,8 +66,7 @@ def sha256_text(text: str) -> str:
 
 
 def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool = False) -> str:
-    """The rendered config's text: a regular file, UTF-8, at most `limit` bytes; with `whole`,
-    WriterBusy while a writer holds it (files.read_whole)."""
+    """The rendered config's text: a regular file, UTF-8, at most `limit` bytes; `whole`: files.read_whole."""
     try:
         return decode_text(read_whole(path, limit) if whole else read_regular(path, limit))
     except OSError as exc:
@@ -111,8 +110,7 @@ RENDERED_CONFIGS = ConfigCache()
 
 
 def build_effective(settings: Settings, rendered_text: str, cache: ConfigCache = RENDERED_CONFIGS) -> Effective:
-    """The rendered config without the global keywords that conflict with being supervised (each
-    drop logged), plus injections; `cache` spans builds."""
+    """The rendered config minus the global keywords that conflict with being supervised, plus injections."""
     cache.new_generation()
     model = Config.parse(rendered_text, cache)
     try:

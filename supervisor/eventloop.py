@@ -54,8 +54,7 @@ async def sliced(steps: Generator[None, None, _T]) -> _T:
 
 
 class LoopLag:
-    """How late the loop runs a timer: the worst lag of the current WINDOW_S and the one before it,
-    sampled on next_tick()'s grid (in the detector's wakes)."""
+    """How late the loop runs a timer: the worst of this WINDOW_S and the last, sampled on next_tick()'s grid."""
 
     INTERVAL_MS = 100
     WINDOW_S = 10.0

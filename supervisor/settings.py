@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .files import DEFAULT_MAX_READ_BYTES, UnreadableFile, mode_bits, owner_ids, read_regular
+from .files import DEFAULT_MAX_READ_BYTES, mode_bits, owner_ids, read_regular
 
 
 class SettingsError(Exception):
@@ -227,7 +227,7 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
         raise SettingsError(f"{str(path)!r}: a path cannot contain a NUL byte")
     try:
         text = decode_text(read_regular(path, MAX_SETTINGS_BYTES))
-    except (OSError, UnreadableFile) as exc:
+    except OSError as exc:  # UnreadableFile included
         raise SettingsError(f"{path}: cannot read settings file: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise SettingsError(f"{path}: settings file {exc}") from None
@@ -242,13 +242,10 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
         raise SettingsError(f"{path}: invalid YAML: nested too deeply") from None
     except (ValueError, TypeError, OverflowError) as exc:  # a constructor choking, e.g. on a bad date
         raise SettingsError(f"{path}: invalid YAML: {exc}") from None
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise SettingsError(f"{path}: top level must be a mapping, got {_type_name(data)}")
-    base = path.resolve().parent
-    settings = _build(Settings, data, prefix="", file=path, base=base)
-    settings = dataclasses.replace(settings, source=path)
+    settings = dataclasses.replace(_build(Settings, data, "", path, path.resolve().parent), source=path)
     if settings.controller.runtime_socket is not None and not settings.haproxy.move_stats_socket:
         # The controller writes HAProxy's `stats socket` at the path the relay binds.
         raise SettingsError(f"{path}: controller.runtime_socket needs haproxy.move_stats_socket: true")

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from ..effective import Effective, RenderedConfigError, load_effective, off_the_loop, start_effective_check
 from ..eventloop import collector_paused, settle_after_reload, wait_set
@@ -25,6 +25,7 @@ from ..master.process import MasterProcess, bind_ports, worker_ready
 from ..notify import Notifier, summary_line
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State, utcnow
+from ..steering.workers import OldWorkers
 from .decisions import (
     EXPECTED_IO_ERRORS,
     Attempt,
@@ -55,18 +56,6 @@ LISTING_AT_REST_S = 5.0
 CONTENT_CHECK_S = 1.0  # the safety net under the watches: how often the rendered config is looked at
 CONFIRM_POLL_S = 0.05
 WRITER_POLL_S = 0.05  # how often a file being written is looked at again
-
-
-class ReloadHooks(Protocol):
-    """The displaced-worker component: prepare()'s plan goes to before_reload(), its answer to after_reload()."""
-
-    async def prepare(self, effective: Effective) -> Any: ...
-
-    async def before_reload(self, plan: Any) -> Any: ...
-
-    async def after_reload(self, plan: Any, ok: bool) -> object: ...
-
-    async def refresh(self) -> None: ...
 
 
 RuntimeApply = Callable[[Generation, Config], Awaitable[RuntimeOutcome]]
@@ -104,8 +93,9 @@ async def load_whole(settings: Settings) -> Effective:
         return effective
 
 
-async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> Any:
-    """The hook's answer; None if it raised: a component's failure must not stop a reload."""
+async def call_hook(hooks: OldWorkers, name: str, *args: object) -> Any:
+    """The displaced-worker component's answer (prepare()'s plan goes to before_reload(), its answer
+    to after_reload()); None if it raised: a component's failure must not stop a reload."""
     try:
         return await getattr(hooks, name)(*args)
     except Exception:
@@ -122,7 +112,7 @@ class Reloader:
         state: State,
         cli: MasterCLI,
         master: MasterProcess,
-        hooks: ReloadHooks,
+        hooks: OldWorkers,
         notifier: Notifier | None = None,
         runtime_apply: RuntimeApply | None = None,
         save_server_state: SaveServerState | None = None,

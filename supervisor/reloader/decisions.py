@@ -172,7 +172,6 @@ Retry = Literal["leave", "stop", "backoff"]
 
 
 def runs_goal(goal: Runs | None, current: Runs | None) -> bool:
-    """Does the current worker run the goal (known)?"""
     return goal is not None and goal == current
 
 

@@ -380,8 +380,7 @@ class ConfigOnDisk:
         self._on_disk_sha: str | None = None  # the effective config last written to disk
 
     def worker_runs(self, loaded: LoadedConfig, on_disk: bool = False) -> None:
-        """The current worker runs `loaded` (`on_disk`: the file holds it): the file is kept that,
-        and other slot tables go."""
+        """The current worker runs `loaded` (`on_disk`: the file holds it); other slot tables go."""
         self.loaded = loaded
         if on_disk:
             self._on_disk_sha = loaded.sha256
