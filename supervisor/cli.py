@@ -9,13 +9,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .binary import require_executable, with_resolved_binary
-from .effective import (
-    RenderedConfigError,
-    check_effective,
-    load_effective,
-    prepare_runtime_dir,
-    write_slot_table,
-)
+from .effective import RenderedConfigError, check_effective, load_effective, prepare_runtime_dir, write_slot_table
 from .files import WriterBusy
 from .settings import Settings, SettingsError, load_settings
 

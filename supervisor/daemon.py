@@ -1,9 +1,6 @@
-"""`haproxy-supervisor run`: wire the components, handle signals, talk to systemd.
-
-SIGTERM / SIGINT: stop HAProxy gracefully, exit 0. SIGHUP: reload now, even when nothing
-changed. SIGQUIT: exit at once (status 3) and leave HAProxy running for the next `run` to
-adopt: how to restart or upgrade the daemon alone. A crash of the daemon itself (an exception
-escaping a task) also leaves HAProxy running, exit 1."""
+"""`haproxy-supervisor run`: wire the components, handle signals, talk to systemd. SIGTERM/SIGINT:
+stop HAProxy gracefully, exit 0; SIGHUP: reload now; SIGQUIT: exit 3 and leave HAProxy running for
+the next `run` to adopt (to upgrade the daemon alone); a crash also leaves it running, exit 1."""
 
 from __future__ import annotations
 
@@ -141,8 +138,7 @@ class Daemon:
             log.error("%s: cannot prepare runtime_dir: %s", settings.haproxy.runtime_dir, exc.strerror or exc)
             return EXIT_CRASHED
         # Bound first (once runtime_dir is ours): a controller that finds its sockets silent
-        # falls back to running HAProxy itself. Their callbacks find the reloader and the
-        # displaced-worker component when called.
+        # falls back to running HAProxy itself.
         controller = ControllerSockets(settings, self._controller_reload, lambda: self.displaced,
                                        self._stats_socket_capacity)
         try:
@@ -159,9 +155,7 @@ class Daemon:
             log.warning("%s: %s: haproxy writes to our stderr, server states are polled",
                         settings.haproxy.stderr_fifo, exc.strerror or exc)
             relay = None
-        self.master = MasterProcess(
-            settings, self.state, self.cli, on_started=self.handle_master_started, stderr=relay
-        )
+        self.master = MasterProcess(settings, self.state, self.cli, on_started=self.handle_master_started, stderr=relay)
         displaced = self.displaced = OldWorkers(settings, self.state, self.cli)
         if relay is not None:
             relay.subscribe(displaced.on_server_event)
@@ -264,8 +258,8 @@ async def haproxy_version(binary: str) -> str | None:
 
 
 def watch_children_without_threads() -> None:
-    """Python 3.11 waits for each asyncio child (`haproxy -c`, on every change) in a thread
-    started with it, a delay on the way to steering; a pidfd lets the loop wait (3.12 does)."""
+    """Python 3.11 waits for each asyncio child (`haproxy -c`) in a thread of its own, a delay on the
+    way to steering; a pidfd lets the loop wait (3.12 does)."""
     if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
         return
     try:

@@ -19,13 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-from .files import (
-    DEFAULT_MAX_READ_BYTES,
-    create_if_missing,
-    ensure_private_dir,
-    read_regular,
-    read_whole,
-)
+from .files import DEFAULT_MAX_READ_BYTES, create_if_missing, ensure_private_dir, read_regular, read_whole
 from .haproxy.config import Config, inject_observe
 from .haproxy.global_policy import RefusedGlobal, move_stats_socket, supervised_global
 from .haproxy.guard import SLOT_TABLE_PREFIX, SlotTable, inject_guard_and_table
@@ -72,8 +66,7 @@ def sha256_text(text: str) -> str:
 
 
 def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool = False) -> str:
-    """The rendered config's text: a regular file, UTF-8, at most `limit` bytes. With `whole`,
-    only as its writer finished it: WriterBusy while a writer holds it (files.read_whole)."""
+    """The rendered config's text: a regular file, UTF-8, at most `limit` bytes; `whole`: files.read_whole."""
     try:
         return decode_text(read_whole(path, limit) if whole else read_regular(path, limit))
     except OSError as exc:
@@ -87,8 +80,7 @@ def read_rendered(path: Path, limit: int = DEFAULT_MAX_READ_BYTES, whole: bool =
 
 
 def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Config, SlotTable | None]:
-    """The rendered config after every injection that the settings switch on, and the slot
-    table file it names (None with the guard off)."""
+    """The rendered config after every injection the settings switch on, and the slot table it names."""
     config = rendered
     if settings.observe.enabled:
         config = inject_observe(config, settings.observe.error_limit)
@@ -98,8 +90,7 @@ def effective_config_and_table(rendered: Config, settings: Settings) -> tuple[Co
     unguarded = config
     try:
         if settings.old_workers.guard:
-            # The injections above leave every server's name and `backup` flag as they were:
-            # the table is the rendered config's.
+            # The injections above keep every server's name and `backup` flag: the table is the rendered config's.
             config, table = inject_guard_and_table(config, settings.haproxy.steer_map, settings.haproxy.runtime_dir)
         if settings.old_workers.hand_off:
             used = reserved_names_used(rendered)
@@ -119,8 +110,7 @@ RENDERED_CONFIGS = ConfigCache()
 
 
 def build_effective(settings: Settings, rendered_text: str, cache: ConfigCache = RENDERED_CONFIGS) -> Effective:
-    """The rendered config without the global keywords that conflict with being supervised (each
-    drop logged; RenderedConfigError for a refused one), plus injections; `cache` spans builds."""
+    """The rendered config minus the global keywords that conflict with being supervised, plus injections."""
     cache.new_generation()
     model = Config.parse(rendered_text, cache)
     try:
@@ -145,15 +135,13 @@ T = TypeVar("T")
 
 
 async def off_the_loop(work: Callable[[], T]) -> T:
-    """Run `work` in the default executor's thread: reading and parsing a big rendered config
-    takes seconds, which the loop's other work must not wait. The parse caches it shares with
-    the loop hold immutable values keyed by content, so a race costs a miss."""
+    """Run `work` in the default executor's thread: parsing a big config takes seconds. The parse
+    caches it shares with the loop hold immutable values keyed by content: a race costs a miss."""
     return await asyncio.get_running_loop().run_in_executor(None, work)
 
 
 def write_slot_table(table: SlotTable | None) -> None:
-    """Put the slot table on disk before `haproxy -c` or a reload reads the config naming it.
-    Its name is its content's hash: a file already there holds the same text."""
+    """Put the slot table on disk before a config naming it is read; named by its hash, one there is the same."""
     if table is not None:
         create_if_missing(table.path, table.text.encode())
 
@@ -163,8 +151,7 @@ SLOT_TABLE_GRACE_S = 60.0
 
 
 def remove_stale_slot_tables(directory: Path, keep: SlotTable | None) -> list[Path]:
-    """Delete the slot tables no config on disk needs any more: only the running config's is
-    read again (a master restarted on it); old workers loaded theirs when they started."""
+    """Delete the slot tables no config on disk needs: old workers loaded theirs when they started."""
     now = time.time()
     removed: list[Path] = []
     for path in directory.glob(f"{SLOT_TABLE_PREFIX}*.map"):
@@ -181,8 +168,7 @@ def remove_stale_slot_tables(directory: Path, keep: SlotTable | None) -> list[Pa
 
 
 def prepare_runtime_dir(settings: Settings) -> None:
-    """The runtime dir and the files the effective config refers to must exist before `haproxy -c`;
-    files.UnsafeDirectory when runtime_dir is not the daemon's own."""
+    """The runtime dir and the files the effective config refers to, before `haproxy -c`."""
     ensure_private_dir(settings.haproxy.runtime_dir)
     # Empty on disk on purpose: a worker starts with no steering; only old ones get entries.
     create_if_missing(settings.haproxy.steer_map, b"")
@@ -194,9 +180,8 @@ def prepare_runtime_dir(settings: Settings) -> None:
 
 
 def source_lines(rendered_text: str, effective_text: str) -> list[int]:
-    """For each line of the effective config (index 0 is its line 1), the rendered config's
-    line it comes from: the same line, the line an injection edited, or, for a line an
-    injection added, the rendered line before it (1 when there is none)."""
+    """For each line of the effective config, the rendered config's line it comes from: the same, the
+    one an injection edited, or, for one an injection added, the line before it (1 when none)."""
     rendered, effective = rendered_text.splitlines(), effective_text.splitlines()
     lines: list[int] = []
     matcher = difflib.SequenceMatcher(None, rendered, effective, autojunk=False)
@@ -212,9 +197,8 @@ def source_lines(rendered_text: str, effective_text: str) -> list[int]:
 
 
 def name_rendered_lines(message: str, checked: str, rendered: Path, lines: list[int]) -> str:
-    """HAProxy's messages about the file `checked` (the effective config), as HAProxy run on
-    the rendered config alone gives them: `[<checked>:N]` names the rendered file and the
-    line N came from, and every other mention of `checked` the rendered file."""
+    """HAProxy's messages about `checked` (the effective config) as if it had checked the rendered
+    file: `[<checked>:N]` names the rendered line N came from."""
 
     def located(m: re.Match[str]) -> str:
         number = int(m[1])
@@ -227,9 +211,8 @@ def name_rendered_lines(message: str, checked: str, rendered: Path, lines: list[
 
 @dataclass
 class ConfigCheck:
-    """`haproxy -c` under way on a core of its own while the caller works on (the next config's
-    steering). `source`: the rendered config's path and text, which the messages then name
-    instead of the copy checked (None: `<effective config>`)."""
+    """`haproxy -c` under way while the caller works on. `source`: the rendered config's path and text,
+    which the messages name instead of the copy checked (None: `<effective config>`)."""
 
     tmp: Path | None  # the copy checked; None: `text` through a pipe (no room for a copy)
     proc: asyncio.subprocess.Process | None
@@ -275,8 +258,7 @@ NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def remove_stale_checks(directory: Path) -> list[Path]:
-    """Delete the copies `haproxy -c` was checking when the process that made it was killed.
-    A copy whose maker still runs is left alone: a `check` may be validating it right now."""
+    """Delete the copies `haproxy -c` was checking when their maker was killed; a living one's stay."""
     removed = []
     for path in directory.glob(f"{CHECK_PREFIX}*{CHECK_SUFFIX}"):
         maker, _, _ = path.name[len(CHECK_PREFIX):-len(CHECK_SUFFIX)].partition(".")  # .validate.<pid>.<random>.cfg
@@ -289,9 +271,8 @@ def remove_stale_checks(directory: Path) -> list[Path]:
 
 
 async def start_check(binary: str, text: str, directory: Path, source: tuple[Path, str] | None = None) -> ConfigCheck:
-    """Start `haproxy -c` on `text`; ConfigCheck.verdict() waits for its answer. The caller
-    must ask for the verdict: that reaps the process and removes the copy. The copy is
-    best-effort: on a full or read-only runtime_dir, HAProxy reads the config from a pipe."""
+    """Start `haproxy -c` on `text`; the caller must ask for the verdict, which reaps it and removes the
+    copy. On a full or read-only runtime_dir, HAProxy reads the config from a pipe."""
     tmp: Path | None = None
     try:
         try:

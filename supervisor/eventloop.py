@@ -1,12 +1,6 @@
-"""Living on the daemon's one event loop: every task waits while some callback holds it.
-
-`wait_set` bounds a wait and keeps a cancel: on Python 3.11 `asyncio.wait_for` loses a cancel
-that arrives as the awaited thing completes; `asyncio.timeout` keeps it. `next_tick` puts periodic
-timers on one grid, so timers whose intervals divide each other fall due in one wake. The
-cyclic collector is kept out of reloads (docs/architecture.md): a full collection walks every
-live generation's models, so what is alive is frozen after each reload and the collector is
-paused during the cycle. The models are acyclic (tests/test_gcpolicy.py).
-"""
+"""Living on the daemon's one event loop: every task waits while some callback holds it. The cyclic
+collector is kept out of reloads (docs/architecture.md): a full collection walks every live
+generation's models, so what lives is frozen after each reload (the models are acyclic)."""
 
 from __future__ import annotations
 
@@ -24,7 +18,8 @@ _T = TypeVar("_T")
 
 
 async def wait_set(event: asyncio.Event, timeout: float | None) -> bool:
-    """Wait until `event` is set or `timeout` seconds pass; True if it was set."""
+    """Wait until `event` is set or `timeout` seconds pass; True if it was set. On Python 3.11
+    `asyncio.wait_for` loses a cancel that arrives as the awaited thing completes."""
     try:
         async with asyncio.timeout(timeout):
             await event.wait()
@@ -34,8 +29,8 @@ async def wait_set(event: asyncio.Event, timeout: float | None) -> bool:
 
 
 def next_tick(now: float, interval_ms: int) -> float:
-    """The first grid instant after `now` (loop time, s). At a grid instant `now * 1000` can come
-    out a hair under its whole millisecond: a microsecond of slack keeps it from coming again."""
+    """The first grid instant after `now` (loop time, s): timers whose intervals divide each other
+    fall due in one wake. A microsecond of slack: at a grid instant `now * 1000` can come out a hair under."""
     return ((int(now * 1000 + 1e-3)) // interval_ms + 1) * interval_ms / 1000
 
 
@@ -59,8 +54,7 @@ async def sliced(steps: Generator[None, None, _T]) -> _T:
 
 
 class LoopLag:
-    """How late the loop runs a timer: State.event_loop_lag_s is the worst lag of the current
-    WINDOW_S and the one before it, sampled on next_tick()'s grid (in the detector's wakes)."""
+    """How late the loop runs a timer: the worst of this WINDOW_S and the last, sampled on next_tick()'s grid."""
 
     INTERVAL_MS = 100
     WINDOW_S = 10.0
@@ -79,8 +73,7 @@ class LoopLag:
         self.state.publish_event_loop_lag(max(self._worst_now, self._worst_before))
 
     async def run(self) -> None:
-        """Sample until cancelled. Each sample is one plain timer callback that sets the next: a
-        task woken through a future would be two callbacks a tick, ten times a second at rest."""
+        """Sample until cancelled, each sample one timer callback that sets the next (a task would be two)."""
         loop = asyncio.get_running_loop()
 
         def sample(due: float) -> None:
@@ -110,8 +103,7 @@ def give_back_free_heap() -> None:
         _malloc_trim(0)
 
 
-# glibc keeps freed blocks' pages inside its heap, so the resident size stays at a reload's
-# peak; malloc_trim releases every whole free page. musl has no such call.
+# glibc keeps freed pages in its heap, the resident size at a reload's peak; musl has no malloc_trim.
 _malloc_trim: Callable[[int], int] | None
 try:
     _malloc_trim = ctypes.CDLL(None).malloc_trim

@@ -1,12 +1,6 @@
-"""Reading and writing the files the daemon trusts, safely.
-
-Reads take only regular files up to a size limit: a FIFO would block, a device may never end.
-Writes go to runtime_dir, the daemon's own (writable by nobody else), with explicit modes and
-never through a symlink. `RuntimeDirLock` keeps it one daemon's: two would run two masters
-sharing the frontend ports, each removing the other's files. `read_whole` reads a file only
-once its writer is done (docs/inputs.md): one rewritten in place in chunks is valid between
-them more often than not. A read lease is dropped at once: held, it makes a writer's open wait.
-"""
+"""Reading and writing the files the daemon trusts, safely: reads take only regular files up to a
+limit (a FIFO would block); writes go to runtime_dir, one daemon's (`RuntimeDirLock`), never through
+a symlink; `read_whole` waits for a writer to finish (docs/inputs.md)."""
 
 from __future__ import annotations
 
@@ -95,8 +89,7 @@ class UnsafeDirectory(OSError):
 
 
 def write_new(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
-    """Replace `path` with `data` by renaming a new, fsynced file over it (O_EXCL | O_NOFOLLOW: no
-    planted name is followed); a symlink at `path` is replaced, never written through."""
+    """Replace `path` with `data` by renaming a new, fsynced file over it; no planted name or symlink is followed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
@@ -195,8 +188,8 @@ def _posix_write_lock(fd: int) -> int | None:
 
 
 def open_for_writing(fd: int) -> bool | None:
-    """Does any process have this file open for writing? None when the kernel will not say
-    (not the owner and no CAP_LEASE, or a filesystem without leases)."""
+    """Does any process have this file open for writing? None when the kernel will not say. The read
+    lease is dropped at once: held, it makes a writer's open wait."""
     try:
         fcntl.fcntl(fd, F_SETLEASE, fcntl.F_RDLCK)
     except OSError as exc:
@@ -231,7 +224,6 @@ def _shared_flock(path: Path, required: bool) -> Iterator[int | None]:
 
 
 def _refuse_while_written(path: Path, fd: int, lock_fd: int | None) -> None:
-    """WriterBusy saying why the file is not whole now."""
     for which, descriptor in ((lock_file(path), lock_fd), (path, fd)):
         if descriptor is not None and (pid := _posix_write_lock(descriptor)) is not None:
             who = "another process" if pid < 0 else f"PID {pid}"
@@ -246,8 +238,8 @@ def _stat_key(fd: int) -> tuple[int, ...]:
 
 
 def read_whole(path: Path, limit: int = DEFAULT_MAX_READ_BYTES) -> bytes:
-    """The file's bytes, or WriterBusy while a writer holds a lock or has it open for writing. The
-    shared flocks are held during the read; the rest is asked again after it, and the stat compared."""
+    """The file's bytes, or WriterBusy while a writer holds a lock or has it open for writing: one
+    rewritten in place in chunks is valid between them more often than not."""
     with _shared_flock(lock_file(path), required=False) as lock_fd, _shared_flock(path, required=True) as fd:
         assert fd is not None
         _refuse_while_written(path, fd, lock_fd)
@@ -288,17 +280,16 @@ def lock_holder(path: Path, fd: int) -> int | None:
 
 
 class RuntimeDirLock:
-    """An exclusive flock on `runtime_dir/daemon.lock` for the daemon's life, close-on-exec so
-    HAProxy never holds it; it goes with the process: after a kill -9 the next daemon locks it at once."""
+    """An exclusive flock on `runtime_dir/daemon.lock` for the daemon's life (two daemons would run two
+    masters on the same ports), close-on-exec so HAProxy never holds it."""
 
     def __init__(self, runtime_dir: Path) -> None:
         self.path = runtime_dir / "daemon.lock"
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise RuntimeDirInUse naming the holder; nothing else in runtime_dir is touched."""
-        # Held read-only: a descriptor open for writing would stop runtime_dir's filesystem from
-        # being remounted read-only (flock needs no write access).
+        """Take the lock or raise RuntimeDirInUse naming the holder."""
+        # Read-only: a descriptor open for writing would stop the filesystem's read-only remount.
         fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

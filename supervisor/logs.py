@@ -38,8 +38,8 @@ def setup_logging(settings: LoggingSettings) -> None:
 
 
 class RecurringCondition:
-    """A condition that can recur thousands of times a second (a flood, a failing disk): logged when
-    it starts or its cause changes, then at most once per EVERY_S with a count, and once when over."""
+    """A condition that can recur thousands of times a second (a flood, a failing disk): logged when it
+    starts or its cause changes, then at most once per EVERY_S with a count, and once when over."""
 
     EVERY_S = 60.0
 
@@ -56,7 +56,6 @@ class RecurringCondition:
         self._reported = False  # logged, and not yet said to be over
 
     def happened(self, *args: object, cause: object = None) -> None:
-        """`message % args`, unless a line with the same `cause` was logged less than EVERY_S ago."""
         self.count += 1
         now = self.clock()
         if self._logged_at is None or cause != self._cause or now - self._logged_at >= self.EVERY_S:
@@ -68,16 +67,14 @@ class RecurringCondition:
             self._reported = True
 
     def over(self, message: str, *args: object) -> None:
-        """Say the condition is over, once per report of it. One that flaps still makes at most one
-        line a minute: its next start waits for that, unless its cause is a new one."""
+        """Say the condition is over, once per report of it (one that flaps still logs a line a minute)."""
         if self._reported:
             self.logger.info(message, *args)
             self._reported = False
 
 
 class RecurringConditions:
-    """A `RecurringCondition` per thing that can fail (a file, a directory), in the wording of its
-    latest occurrence; when one is over, `<key>: works again`."""
+    """A `RecurringCondition` per thing that can fail, in the wording of its latest occurrence."""
 
     def __init__(self, logger: logging.Logger, level: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger

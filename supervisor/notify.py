@@ -1,6 +1,5 @@
-"""systemd's notify protocol (sd_notify) without a library: `KEY=VALUE` lines in one datagram
-to NOTIFY_SOCKET. Without it every call is a no-op, so the daemon runs the same anywhere.
-"""
+"""systemd's notify protocol (sd_notify) without a library: `KEY=VALUE` lines in one datagram to
+NOTIFY_SOCKET. Without it every call is a no-op, so the daemon runs the same anywhere."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ def notify_address(value: str) -> str | bytes | None:
 
 
 def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
-    """Seconds between WATCHDOG=1 pings: half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises.
-    None when no watchdog is armed, or WATCHDOG_PID names another process (inherited variables)."""
+    """Seconds between WATCHDOG=1 pings: half of WATCHDOG_USEC (sd_watchdog_enabled(3)); None when
+    none is armed, or WATCHDOG_PID names another process."""
     raw = environ.get("WATCHDOG_USEC", "").strip()
     if not raw.isdigit() or int(raw) == 0:
         return None
@@ -101,8 +100,7 @@ class Notifier:
         self.send(READY=1, STATUS=status)
 
     def reloading(self, status: str) -> None:
-        # MONOTONIC_USEC (CLOCK_MONOTONIC in microseconds) lets systemd tell this reload from an
-        # earlier one (systemd >= 253).
+        # MONOTONIC_USEC lets systemd (>= 253) tell this reload from an earlier one.
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self.send(RELOADING=1, MONOTONIC_USEC=usec, STATUS=status)
 
@@ -113,8 +111,8 @@ class Notifier:
         self.send(STOPPING=1, STATUS="stopping")
 
     async def run_watchdog(self, unwell: Callable[[], str | None]) -> None:
-        """Ping from the event loop itself, so a blocked loop stops the pings; none either while
-        `unwell()` names a reason: unrecovered within WatchdogSec, systemd restarts the daemon."""
+        """Ping from the event loop itself, so a blocked loop stops the pings; none while `unwell()`
+        names a reason: unrecovered within WatchdogSec, systemd restarts the daemon."""
         if self.watchdog_s is None or self.address is None:
             return
         log.info("systemd watchdog armed: WATCHDOG=1 every %.3fs", self.watchdog_s)

@@ -1,9 +1,5 @@
-"""Settings: a YAML file plus environment gates, validated into frozen dataclasses.
-
-What each key means: config.example.yaml (the controller's: docs/controller.md). Every
-problem becomes one SettingsError line naming the file, the key and what is wrong, so `run`,
-`check` and `render` can exit 2 without a traceback.
-"""
+"""Settings: a YAML file plus environment gates, validated into frozen dataclasses (each key:
+config.example.yaml). Every problem is one SettingsError line naming the file and the key."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .files import DEFAULT_MAX_READ_BYTES, UnreadableFile, mode_bits, owner_ids, read_regular
+from .files import DEFAULT_MAX_READ_BYTES, mode_bits, owner_ids, read_regular
 
 
 class SettingsError(Exception):
@@ -165,8 +161,8 @@ _STRING_CHECKS = {
 }
 # Paths that end up in HAProxy's `-S <path>,<bind options>`.
 _SOCKET_DIRS = {"haproxy.runtime_dir", "haproxy.master_socket"}
-# Upper bounds: a value above these is a typo, and past them timers overflow (10^40 s) or
-# never fire. Durations stop at a day; counts at a million.
+# Upper bounds: a value above these is a typo, and past them timers overflow or never fire.
+# Durations stop at a day; counts at a million.
 _MAXIMUM = {"haproxy.max_config_bytes": 1 << 34}
 DAY_S = 86_400
 
@@ -206,8 +202,7 @@ def decode_text(raw: bytes) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last one
-    silently, so a setting pasted twice would take the value the reader did not look at."""
+    """safe_load's loader, refusing a key given twice in one mapping: PyYAML silently keeps the last one."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -232,7 +227,7 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
         raise SettingsError(f"{str(path)!r}: a path cannot contain a NUL byte")
     try:
         text = decode_text(read_regular(path, MAX_SETTINGS_BYTES))
-    except (OSError, UnreadableFile) as exc:
+    except OSError as exc:  # UnreadableFile included
         raise SettingsError(f"{path}: cannot read settings file: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise SettingsError(f"{path}: settings file {exc}") from None
@@ -247,13 +242,10 @@ def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) ->
         raise SettingsError(f"{path}: invalid YAML: nested too deeply") from None
     except (ValueError, TypeError, OverflowError) as exc:  # a constructor choking, e.g. on a bad date
         raise SettingsError(f"{path}: invalid YAML: {exc}") from None
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise SettingsError(f"{path}: top level must be a mapping, got {_type_name(data)}")
-    base = path.resolve().parent
-    settings = _build(Settings, data, prefix="", file=path, base=base)
-    settings = dataclasses.replace(settings, source=path)
+    settings = dataclasses.replace(_build(Settings, data, "", path, path.resolve().parent), source=path)
     if settings.controller.runtime_socket is not None and not settings.haproxy.move_stats_socket:
         # The controller writes HAProxy's `stats socket` at the path the relay binds.
         raise SettingsError(f"{path}: controller.runtime_socket needs haproxy.move_stats_socket: true")

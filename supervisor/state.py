@@ -1,6 +1,5 @@
-"""What the daemon knows, in one place: a field is written only by a `publish_*` method here,
-each called by the one component that owns that fact; status, the page and /metrics only read.
-A `Generation` is a value, replaced whole on change. Event loop only: no locks, no I/O."""
+"""What the daemon knows: a field is written only by a `publish_*` method here, each called by the
+component that owns that fact; status, the page and /metrics only read. Event loop only, no I/O."""
 
 from __future__ import annotations
 
@@ -141,15 +140,12 @@ class DurationHistogram:
 
 @dataclass
 class Convergence:
-    """Whether the current worker (per `show proc`) runs the effective config of the rendered
-    one and the watched files, and since when not; the reloader retries meanwhile."""
+    """Whether the current worker runs the rendered config and the watched files, and since when not."""
 
     unconverged_since: datetime | None = field(default_factory=utcnow)  # None while converged
     reason: str | None = "starting"
-    # A passing failure (HAProxy unreachable, the disk, file descriptors, a pending change):
-    # retried quickly, and /readyz says 503 once it lasts. False when the config itself is the
-    # problem (invalid, or refused by HAProxy): HAProxy serves the last good config, and a bad
-    # config rendered for the whole fleet must not take every node out of its load balancer.
+    # A passing failure: /readyz says 503 once it lasts. False when the config itself is the problem:
+    # HAProxy serves the last good one, and a bad config for the fleet must not take every node out.
     transient: bool = True
     attempts: int = 0  # attempts since the node last converged
     next_attempt_at: datetime | None = None
@@ -176,10 +172,8 @@ class Convergence:
 
 @dataclass(frozen=True)
 class PendingRemoval:
-    """A server the rendered config no longer has that a worker still holds: `del server` is
-    refused while connections are attached. In maint at the placeholder address, it routes
-    nothing; retried while that worker is current (haproxy/runtime/hook.py), then pending in
-    it as an old worker while it holds connections to `endpoint`."""
+    """A server gone from the rendered config that a worker still holds (`del server` is refused while
+    connections are attached): in maint, retried while that worker is current (haproxy/runtime/hook.py)."""
 
     key: str  # backend/server
     worker_pid: int
@@ -221,15 +215,11 @@ class State:
     server_events: bool = False
     push_duration: DurationHistogram = field(default_factory=DurationHistogram)
     convergence: Convergence = field(default_factory=Convergence)
-    # False while the master's socket is missing from runtime_dir (deleted under us): the daemon
-    # cannot reach HAProxy until it has recreated runtime_dir and made the master rebind it.
-    master_socket_ok: bool = True
-    # Best-effort files (the server-state file, the generations record) whose last write failed,
-    # by what they are, with the error; and how many such writes failed since the start.
+    master_socket_ok: bool = True  # False while the master's socket is missing from runtime_dir
+    # Best-effort files whose last write failed, with the error; and how many such writes failed.
     write_failing: dict[str, str] = field(default_factory=dict)
     write_failures: int = 0
-    # Why the status API cannot serve (its listening socket destroyed, not bound again yet); None: it serves.
-    status_listener_down: str | None = None
+    status_listener_down: str | None = None  # why the status API cannot serve; None: it serves
     event_loop_lag_s: float = 0.0  # the worst delay of the event loop lately (eventloop.LoopLag)
     old_worker_counts: deque[tuple[datetime, int]] = field(default_factory=chart_series)  # (when, old workers)
 
@@ -243,8 +233,7 @@ class State:
         return self.generations.get(self.current_generation)
 
     def note_old_workers(self, now: datetime | None = None) -> None:
-        """Note how many old workers are alive, for the page's chart: when it changed, or a while
-        after the last note."""
+        """Note how many old workers are alive, for the page's chart, when it changed or after a while."""
         now = now or utcnow()
         count = len(self.old_workers)
         if self.old_worker_counts:
@@ -256,7 +245,6 @@ class State:
     # ------------------------------------------------------------ publish, by owner
     # The reloader's.
     def publish_rendered(self, sha256: str) -> None:
-        """The digest of the rendered config it last read."""
         self.rendered_sha256 = sha256
 
     def publish_reload(self, result: ReloadResult, duration_ms: float, error: str | None = None) -> ReloadRecord:
@@ -269,31 +257,26 @@ class State:
         self.convergence.missed(reason, transient)
 
     def publish_next_attempt(self, at: datetime | None, attempts: int | None = None) -> None:
-        """When it tries again to converge (None: not by itself), and how many attempts that makes."""
         self.convergence.next_attempt_at = at
         if attempts is not None:
             self.convergence.attempts = attempts
 
     def publish_master_socket(self, ok: bool) -> None:
-        """Whether the master's socket is in runtime_dir."""
         self.master_socket_ok = ok
 
     # The generations book's.
     def publish_generation(self, generation: Generation, *, current: bool = False) -> None:
-        """A generation, new or a new value of one; `current` makes it the current one and its
-        config the last good one."""
+        """A generation, new or a new value; `current` makes it current and its config the last good one."""
         self.generations[generation.number] = generation
         if current:
             self.current_generation = generation.number
             self.last_good_sha256 = generation.effective_sha256
 
     def publish_pruned(self, numbers: Iterable[int]) -> list[Generation]:
-        """Generations whose worker is gone; those that were known."""
         return [g for n in numbers if (g := self.generations.pop(n, None)) is not None]
 
     # The master process's.
     def publish_master(self, pid: int | None, server_events: bool = False) -> None:
-        """Up with `pid` (and whether its stderr feeds the daemon), or down (None)."""
         self.master_pid, self.master_up, self.server_events = pid, pid is not None, server_events
 
     def publish_master_restart(self) -> int:
@@ -304,8 +287,7 @@ class State:
     def publish_old_workers(
         self, generations: Mapping[int, int | None], started: Mapping[int, datetime | None]
     ) -> None:
-        """The old workers `show proc` lists, with the generation each runs; `started`: when
-        those not listed yet started (the others keep theirs)."""
+        """The old workers `show proc` lists, with their generation; `started`: when new ones started."""
         for pid in [pid for pid in self.old_workers if pid not in generations]:
             del self.old_workers[pid]
         for pid, generation in generations.items():
@@ -317,8 +299,7 @@ class State:
         self.note_old_workers()
 
     def publish_pushes(self, pushes: Mapping[int, PushNews], failures: int = 0) -> None:
-        """How each old worker's last push went (a worker not listed as old yet is left out),
-        and how many pushes failed meanwhile."""
+        """How each old worker's last push went, and how many pushes failed meanwhile."""
         self.push_failures += failures
         for pid, news in pushes.items():
             record = self.old_workers.get(pid)
@@ -331,18 +312,16 @@ class State:
             record.push = PushState(news.result, utcnow() if news.result != "pending" else record.push.at, news.error)
 
     def publish_handed_off(self, counts: Mapping[int, int]) -> None:
-        """How many backends each old worker hands to the current worker, read back."""
         for pid, count in counts.items():
             record = self.old_workers.get(pid)
             if record is not None:
                 record.handed_off = count
 
     def publish_push_round(self, duration_s: float) -> None:
-        """A round's pushes took this long, until the last one was answered."""
         self.push_duration.observe(duration_s)
 
     def publish_old_worker_stats(self, stats: Mapping[int, tuple[int | None, int | None]]) -> None:
-        """Old workers' current connections and resident bytes (None: unknown, the last value stays)."""
+        """Old workers' connections and resident bytes (None: unknown, the last value stays)."""
         for pid, (connections, rss_bytes) in stats.items():
             record = self.old_workers.get(pid)
             if record is not None:
@@ -350,11 +329,9 @@ class State:
                 record.rss_bytes = rss_bytes if rss_bytes is not None else record.rss_bytes
 
     def publish_dead_servers(self, keys: Iterable[str]) -> None:
-        """Every known-dead "backend/server", any reason."""
         self.dead_servers = set(keys)
 
     def publish_operator_dead(self, key: str, dead: bool) -> None:
-        """For the operator API: a "backend/server" marked dead, or unmarked."""
         if dead:
             self.operator_dead.add(key)
         else:
@@ -368,7 +345,6 @@ class State:
         self.suspect_servers = dict(suspects)
 
     def publish_socket_aborts(self, aborted: int, idle_closed: int) -> None:
-        """Sockets it destroyed so far, stalled and idle."""
         self.stalled_aborted, self.idle_closed = aborted, idle_closed
 
     # One owner each: the runtime applier, a best-effort file's writer, the status server,
@@ -377,7 +353,6 @@ class State:
         self.pending_removals = dict(removals)
 
     def publish_write(self, what: str, error: str | None) -> None:
-        """The file's write failed (`error`), or worked (None)."""
         if error is None:
             self.write_failing.pop(what, None)
         else:
@@ -385,7 +360,6 @@ class State:
             self.write_failures += 1
 
     def publish_status_listener(self, down: str | None) -> None:
-        """Why its listener cannot serve, or None once it serves."""
         self.status_listener_down = down
 
     def publish_haproxy_version(self, version: str | None) -> None:

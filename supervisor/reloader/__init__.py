@@ -1,9 +1,6 @@
-"""Watch the rendered config, and turn each burst of changes into one safe reload: watch ->
-debounce -> skip if unchanged -> `haproxy -c` -> runtime apply, or write, `reload`, confirm
-with `show proc` -> new generation. Read `decisions` (pure), `watch`, `records`, `recovery`,
-then `cycle`, the `Reloader`. Every module logs as `supervisor.reloader`, what operators grep for.
-"""
+"""Turn each burst of changes to the rendered config into one safe reload. Read `decisions`
+(pure), `watch`, `records`, `recovery`, then `cycle`. Every module logs as `supervisor.reloader`."""
 
-from .cycle import Reloader, ReloadHooks
+from .cycle import Reloader
 
-__all__ = ["ReloadHooks", "Reloader"]
+__all__ = ["Reloader"]

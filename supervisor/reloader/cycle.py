@@ -1,6 +1,5 @@
-"""The `Reloader`: its tasks watch the inputs, run each cycle when due, and look after the master
-between reloads. A cycle, master.lock held: settle a reload still unconfirmed, decide (skip,
-runtime apply, reload), `haproxy -c`, apply or reload, confirm from `show proc`, record what runs."""
+"""The `Reloader`: watch the inputs, run each cycle when due, look after the master between
+reloads. A cycle, master.lock held: settle, decide, `haproxy -c`, apply or reload, confirm."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from ..effective import Effective, RenderedConfigError, load_effective, off_the_loop, start_effective_check
 from ..eventloop import collector_paused, settle_after_reload, wait_set
@@ -26,6 +25,7 @@ from ..master.process import MasterProcess, bind_ports, worker_ready
 from ..notify import Notifier, summary_line
 from ..settings import Settings
 from ..state import Generation, ReloadRecord, ReloadResult, State, utcnow
+from ..steering.workers import OldWorkers
 from .decisions import (
     EXPECTED_IO_ERRORS,
     Attempt,
@@ -58,31 +58,15 @@ CONFIRM_POLL_S = 0.05
 WRITER_POLL_S = 0.05  # how often a file being written is looked at again
 
 
-class ReloadHooks(Protocol):
-    """What the displaced-worker component needs around each change. prepare() returns its
-    plan for the reload, which the reloader hands to before_reload() as it is, and what
-    before_reload() returns to after_reload()."""
-
-    async def prepare(self, effective: Effective) -> Any: ...
-
-    async def before_reload(self, plan: Any) -> Any: ...
-
-    async def after_reload(self, plan: Any, ok: bool) -> object: ...
-
-    async def refresh(self) -> None: ...
-
-
-# (current generation, new effective model) -> what the worker now runs.
 RuntimeApply = Callable[[Generation, Config], Awaitable[RuntimeOutcome]]
-# (current generation, next effective model, state file) -> saved. Runs just before a reload so
-# the new worker starts with the current worker's server states (maint, DOWN, weights).
+# Just before a reload: the new worker starts with the current one's server states (maint, DOWN, weights).
 SaveServerState = Callable[[Generation, Config, Path], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
 class Unconfirmed:
-    """A reload HAProxy did not confirm within reload.timeout_s: it may still take (a big
-    config loads for a minute), so the new config stays on disk until `show proc` settles it."""
+    """A reload not confirmed within reload.timeout_s: it may still take (a big config loads for
+    a minute), so its config stays on disk until `show proc` settles it."""
 
     before: ProcList
     effective: Effective
@@ -92,8 +76,7 @@ class Unconfirmed:
 
 
 async def load_whole(settings: Settings) -> Effective:
-    """The rendered config's effective config, read once its writer is done: while a writer
-    holds its lock or the file open for writing, wait (the change stays not converged)."""
+    """The effective config, read once the rendered config's writer is done (until then, not converged)."""
     waiting_since: float | None = None
     while True:
         try:
@@ -110,9 +93,9 @@ async def load_whole(settings: Settings) -> Effective:
         return effective
 
 
-async def call_hook(hooks: ReloadHooks, name: str, *args: object) -> Any:
-    """The hook's answer; None if it raised."""
-    # A component's failure must not stop a reload that protects the fleet from stale configs.
+async def call_hook(hooks: OldWorkers, name: str, *args: object) -> Any:
+    """The displaced-worker component's answer (prepare()'s plan goes to before_reload(), its answer
+    to after_reload()); None if it raised: a component's failure must not stop a reload."""
     try:
         return await getattr(hooks, name)(*args)
     except Exception:
@@ -129,7 +112,7 @@ class Reloader:
         state: State,
         cli: MasterCLI,
         master: MasterProcess,
-        hooks: ReloadHooks,
+        hooks: OldWorkers,
         notifier: Notifier | None = None,
         runtime_apply: RuntimeApply | None = None,
         save_server_state: SaveServerState | None = None,
@@ -155,8 +138,7 @@ class Reloader:
         self.unconfirmed: Unconfirmed | None = None
         self._cycling = False  # a cycle is under way (it reads the rendered config)
         self._wake = asyncio.Event()
-        # What the node should run: (effective sha256, watched files' digest) of the rendered config.
-        self._goal: Runs | None = None
+        self._goal: Runs | None = None  # what the node should run, from the rendered config
         # The cycle requests join, by kind ("forced", "asked"), and who asked.
         self._requested: dict[Cause, asyncio.Future[ReloadRecord | None]] = {}
         self._requested_by: list[str] = []
@@ -186,8 +168,7 @@ class Reloader:
             tg.create_task(self._content_check())
 
     async def _content_check(self) -> None:
-        """A content no event told of (a path component swapped where no watch could see it, no
-        inotify) is a change all the same. Idle while a change is pending or a cycle reads the file."""
+        """A content no event told of (no inotify, a swap no watch could see) is a change all the same."""
         content = self.content
         while True:
             await asyncio.sleep(CONTENT_CHECK_S)
@@ -220,7 +201,6 @@ class Reloader:
                     self._listed_at = 0.0  # what the cycle did is settled and capped at once
 
     async def _cycle(self, cause: Cause) -> None:
-        """One cycle toward the goal; then convergence is assessed and a retry set when needed."""
         waiters: list[asyncio.Future[ReloadRecord | None]] = []
         reason: str = cause
         if cause in ("forced", "asked"):
@@ -252,8 +232,7 @@ class Reloader:
         self.assess(attempt)
 
     async def _housekeeping(self) -> None:
-        """Between reloads: settle an unconfirmed reload, prune generations whose worker is gone,
-        enforce old_workers.max, put back what was lost from runtime_dir, assess convergence."""
+        """Between reloads: settle, prune, cap, restore runtime_dir, assess; and the STATUS= line."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             if self.master.up and not self.master.lock.locked():
@@ -266,7 +245,6 @@ class Reloader:
                 self.notifier.status(status)
 
     async def _look_after_master(self) -> None:
-        """One housekeeping round, with master.lock held (taken at once: the master is up)."""
         if not self.settings.haproxy.master_socket_path.exists():
             await self._recover_runtime_dir()
             return
@@ -293,10 +271,8 @@ class Reloader:
             self.disk.write_back()
 
     async def reload_now(self, reason: str = "requested", force: bool = True) -> ReloadRecord | None:
-        """Reload even when nothing changed (SIGHUP, POST /reload), as soon as reload.min_interval_ms
-        allows; with `force` False, a cycle that goes the way of a change: skipped when nothing
-        changed, applied at runtime when it can be (a controller's `reload`). Requests made
-        before that cycle starts join it and get its record."""
+        """Reload even when nothing changed (SIGHUP, POST /reload); with `force` False, a cycle that
+        goes the way of a change (a controller's `reload`). Requests made before it starts join it."""
         kind: Cause = "forced" if force else "asked"
         future = self._requested.get(kind)
         if future is None:
@@ -357,8 +333,7 @@ class Reloader:
                     return await self._change(effective, inputs, force, reason, time.monotonic())
 
     async def _first_start(self, effective: Effective, inputs: str, started: float) -> Attempt | None:
-        """No master yet: it starts on `effective` once valid and written; else on the effective
-        config an earlier run left on disk, if valid, until the rendered one can be loaded."""
+        """No master yet: start on `effective`, else on a valid config an earlier run left on disk."""
         failed = await self.recovery.first_start(effective, inputs)
         if failed is None:
             return None
@@ -386,8 +361,7 @@ class Reloader:
             log.info("reload skipped_unchanged sha256=%s reason=%s", effective.sha256[:12], reason)
             return Attempt(self._record("skipped_unchanged", started))
         check = await start_effective_check(self.settings.haproxy, effective)
-        # `haproxy -c` takes a core of its own for a while: work out the next config's steering
-        # meanwhile, so only its pushes are left once the check passes; none before the verdict.
+        # `haproxy -c` takes a core for a while: work out the steering meanwhile, push none before the verdict.
         plan = None
         try:
             plan = await call_hook(self.hooks, "prepare", effective)
@@ -415,15 +389,13 @@ class Reloader:
                     self.notifier.status(summary_line(self.state, self.book.old_count()))
                     return Attempt(record)
                 if outcome.runs is not None:
-                    # The new servers went in before it fell back to a reload (a `del server`
-                    # refused): the worker runs them, plus removed ones left in maint. Its
-                    # generation says so, for its steering once it is old and for a daemon restart.
+                    # New servers went in before a refused `del server` fell back to a reload: its
+                    # generation says so, for its steering once old and for a daemon restart.
                     self.book.applied_at_runtime(current, outcome.runs, effective, inputs, whole=False)
         return await self._reload(effective, model, inputs, reason, started, plan)
 
     async def _settle_first(self, started: float) -> Attempt | None:
-        """A second reload must not be sent while HAProxy may still load the first: settle it. An
-        attempt when it cannot be (nothing sent, nothing failed: the outcome is HAProxy's), else None."""
+        """Never a second reload while HAProxy may still load the first: settle it; an attempt if not."""
         loading = True
         try:
             procs = await self._show_proc_until(started + self.settings.reload.timeout_s)
@@ -508,8 +480,7 @@ class Reloader:
             raise CLIError("show proc: no answer within reload.timeout_s") from None
 
     async def _verdict(self, before: ProcList, after: ProcList, ports: set[int]) -> Verdict | Literal["loading"]:
-        """confirm_reload(), or "loading" while the new worker it lists is not ready: 3.1+ lists
-        a new worker before it has loaded and bound."""
+        """confirm_reload(), or "loading" while 3.1+ lists a new worker not yet loaded and bound."""
         verdict = confirm_reload(before, after)
         worker = after.current_worker
         if verdict == "ok" and worker is not None and not await worker_ready(self.cli, worker.pid, ports):
@@ -519,8 +490,7 @@ class Reloader:
     async def _confirm(
         self, before: ProcList, deadline: float, effective: Effective, model: Config, inputs: str, started: float
     ) -> Attempt:
-        """The reload sent, as `show proc` tells of it by `deadline`; unknown past it: HAProxy
-        may still be loading it, and the reload is held `unconfirmed`."""
+        """The reload as `show proc` tells of it by `deadline`; past it, held `unconfirmed`."""
         ports = bind_ports(model)
         while True:
             if not self.master.alive:
@@ -565,11 +535,9 @@ class Reloader:
         return Attempt(record, refused=refused)
 
     def _record(self, result: ReloadResult, started: float, error: str | None = None) -> ReloadRecord:
-        """One cycle's outcome, timed from the monotonic `started`, published."""
         return self.state.publish_reload(result, (time.monotonic() - started) * 1000, error)
 
     def _worker_runs(self, effective: Effective, inputs: str, after: ProcList) -> Generation:
-        """HAProxy's current worker (from `show proc`) runs `effective`: record it as a generation."""
         worker = after.current_worker
         assert worker is not None
         generation = self.book.reload_runs(worker.pid, effective, inputs, after)
@@ -615,8 +583,7 @@ class Reloader:
                         convergence.unconverged_s(utcnow()), convergence.reason, convergence.attempts, delay)
 
     async def _settle(self, procs: ProcList) -> bool:
-        """Decide the reload HAProxy did not confirm in time, if any, from a later `show proc`
-        (master.lock held). True while its new worker is listed but not ready: nothing may be sent."""
+        """Decide an unconfirmed reload from a later `show proc`; True while its new worker is not ready."""
         held = self.unconfirmed
         if held is None:
             return False
@@ -650,7 +617,6 @@ class Reloader:
         return generation
 
     def rebuild(self, procs: ProcList) -> Generation | None:
-        """After adoption: the generations every live worker runs, from what an earlier daemon recorded."""
         current = self.recovery.rebuild(procs)
         if current is not None:
             self.cap.enforce(procs, self.state.generations)
@@ -658,7 +624,6 @@ class Reloader:
         return current
 
     def _check_inputs_since_loaded(self, why: str) -> None:
-        """Schedule a change when the rendered config or a watched file differs from what was loaded."""
         goal = self.recovery.goal_since_loaded()
         if goal is None:
             log.info("inputs changed while %s: change scheduled", why)
@@ -667,8 +632,7 @@ class Reloader:
             self._goal = goal
 
     async def _recover_runtime_dir(self) -> None:
-        """runtime_dir deleted under us: recreate what the daemon owns, then make the master
-        re-execute, which binds its socket again (master.lock held)."""
+        """runtime_dir deleted under us: recreate it, then re-execute the master to rebind its socket."""
         h = self.settings.haproxy
         if self.state.master_socket_ok:
             log.error("%s is missing (runtime_dir deleted?): recreating %s, then making master pid=%s bind it again",

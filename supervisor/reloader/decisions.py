@@ -1,6 +1,5 @@
-"""The reloader's decisions, pure functions over the facts it holds: when the next cycle is
-due; skip, apply at runtime or reload; did a reload take (`show proc`); converged or why not,
-and when to try again; and how trouble is worded on one line."""
+"""The reloader's decisions, pure: when the next cycle is due; skip, runtime apply or reload; did
+a reload take; converged or why not, and when to retry; how trouble is worded on one line."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ Cause = Literal["forced", "asked", "change", "retry"]
 
 @dataclass
 class ReloadScheduler:
-    """When the next cycle is due, and why (monotonic timestamps). A change: `debounce_s` after
-    the last write of a burst, at the latest `max_delay_s` after its first; a forced or asked
-    cycle at once; a retry when it was set for; none before `min_interval_s` after the previous
+    """When the next cycle is due, and why (monotonic). A change: `debounce_s` after a burst's last
+    write, at most `max_delay_s` after its first; none before `min_interval_s` after the previous
     reload. Whatever is pending when one is due coalesces into it."""
 
     debounce_s: float
@@ -115,15 +113,14 @@ def retry_delay(attempts: int, max_s: float) -> float:
 
 @dataclass
 class TransientHold:
-    """A render that looks transient (runtime/plan.py) waits up to `hold_s` for the next one,
-    which usually undoes it; renders in a row wait `hold_s` from the first of them."""
+    """A render that looks transient (runtime/plan.py) waits up to `hold_s` from the first of a row
+    for the next one, which usually undoes it."""
 
     hold_s: float
     since: float | None = None  # when the first of the transient renders in a row came
 
     def check(self, running: Config | None, new: Config, now: float) -> tuple[float, str | None]:
-        """(how long `new` should still wait over `running`, why); 0: go on with it. `running`
-        is None for a forced cycle, or when nothing runs."""
+        """(how long `new` should still wait over `running`, why); 0: go on with it."""
         why = None if running is None or self.hold_s <= 0 else transient_render(running, new)
         if why is None:
             self.since = None
@@ -175,7 +172,6 @@ Retry = Literal["leave", "stop", "backoff"]
 
 
 def runs_goal(goal: Runs | None, current: Runs | None) -> bool:
-    """Does the current worker run the goal (known)?"""
     return goal is not None and goal == current
 
 
@@ -189,7 +185,7 @@ class Attempt:
 
 @dataclass(frozen=True)
 class Facts:
-    """What the judgement goes by, gathered by the reloader when an attempt ends and between them."""
+    """What the judgement goes by, gathered when an attempt ends and between them."""
 
     master_up: bool
     master_socket_ok: bool
@@ -211,10 +207,8 @@ class Judgement:
 
 
 def judge_convergence(facts: Facts) -> Judgement:
-    """Converged when the master is up and reachable, nothing is unconfirmed or pending, and the
-    current worker runs the goal; else why not, whether that passes, and when to retry. A
-    config invalid or refused is not retried by itself (while HAProxy tries one, 2.6 pauses the
-    serving worker's listeners); a failed or unconfirmed reload is, with backoff."""
+    """Converged, or why not, whether that passes, and when to retry. A config invalid or refused is
+    not retried by itself (while HAProxy tries one, 2.6 pauses the serving worker's listeners)."""
     if (
         facts.master_up and facts.master_socket_ok and not facts.unconfirmed
         and not facts.change_pending and facts.runs_goal

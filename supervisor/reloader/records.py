@@ -1,8 +1,6 @@
-"""What the reloader records. `GenerationBook`: the generations, published into State and kept
-in `<runtime_dir>/generations/<N>.cfg` and `generations.json` (worker PIDs to generations, the
-reload in flight), so that a restarted daemon knows what every live worker runs. `ConfigOnDisk`:
-the effective config a restarted master loads, kept what the current worker runs.
-`OldWorkerCap`: old_workers.max. Encoding, decoding and the adoption plan are pure."""
+"""What the reloader records: the generations (`GenerationBook`, also on disk, so a restarted
+daemon knows what every live worker runs), the effective config a restarted master loads
+(`ConfigOnDisk`), and old_workers.max (`OldWorkerCap`)."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ import logging
 import os
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -44,8 +43,8 @@ class GenerationRecord:
 
 @dataclass(frozen=True)
 class PendingReload:
-    """A reload about to be sent, recorded before it is: a daemon killed before HAProxy's answer
-    leaves what the new worker was given (the watched files' digest cannot be read back later)."""
+    """A reload recorded before it is sent: a daemon killed before HAProxy's answer leaves what the
+    new worker was given (the watched files' digest cannot be read back later)."""
 
     effective_sha256: str
     rendered_sha256: str
@@ -130,14 +129,13 @@ class RebuildPlan:
     """What an adopting daemon keeps: generations whose worker still lives, and which one is current."""
 
     keep: tuple[GenerationRecord, ...]
-    current: GenerationRecord | None  # None: the running current worker has no record (see below)
+    current: GenerationRecord | None  # None: the daemon died before recording the current worker
     drop: tuple[GenerationRecord, ...]
     unknown_old_pids: tuple[int, ...] = field(default=())
 
 
 def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
-    """Match persisted generations to the workers `show proc` lists. A current worker with no
-    record: the daemon died between HAProxy starting it and writing generations.json."""
+    """Match persisted generations to the workers `show proc` lists."""
     records = snapshot.records if snapshot else ()
     current_pid = procs.current_worker.pid if procs.current_worker else None
     live = {p.pid for p in procs.workers} | {p.pid for p in procs.old_workers}
@@ -151,7 +149,7 @@ def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
 
 def loaded_pending(pending: PendingReload | None, procs: ProcList, on_disk_sha256: str) -> bool:
     """Did the pending reload start the current worker (which has no generation)? The same master,
-    a worker started by a later reload (`show proc`'s counts), and the config sent on disk."""
+    a worker started by a later reload, and the config sent on disk."""
     master, worker = procs.master, procs.current_worker
     if pending is None or master is None or worker is None or master.pid != pending.master_pid:
         return False
@@ -229,8 +227,7 @@ class GenerationBook:
 
     def worker_started(self, pid: int, model: Config, loaded: LoadedConfig, procs: ProcList | None = None,
                        started_at: datetime | None = None) -> Generation:
-        """Worker `pid` runs `loaded`: the next generation, now current, its config recorded, no
-        reload in flight; `procs` observed too. A failed write changes nothing of it."""
+        """Worker `pid` runs `loaded`: the next generation, now current; `procs` observed too."""
         self.last_number += 1
         generation = Generation(self.last_number, model, loaded.sha256, loaded.rendered_sha256,
                                 started_at or utcnow(), pid, loaded.inputs_sha256)
@@ -242,14 +239,12 @@ class GenerationBook:
         return generation
 
     def reload_runs(self, pid: int, effective: Effective, inputs: str, procs: ProcList) -> Generation:
-        """The reload's new worker `pid` runs `effective`: its generation, and the disk kept that."""
         loaded = LoadedConfig.of(effective, inputs)
         generation = self.worker_started(pid, effective.effective_model, loaded, procs)
         self.disk.worker_runs(loaded)
         return generation
 
     def kept(self, record: GenerationRecord, model: Config) -> Generation:
-        """A generation recorded by an earlier daemon whose worker still lives."""
         generation = Generation(record.number, model, record.effective_sha256, record.rendered_sha256,
                                 record.started_at, record.worker_pid, record.inputs_sha256)
         self.state.publish_generation(generation)
@@ -258,8 +253,7 @@ class GenerationBook:
 
     def applied_at_runtime(self, current: Generation, runs: Config, effective: Effective, inputs: str, *,
                            whole: bool) -> Generation:
-        """The current worker runs `runs` now, changed at runtime. `whole`: the whole change is
-        live, and its config the last good one, on disk too; else a reload finishes it."""
+        """The current worker runs `runs`, changed at runtime; unless `whole`, a reload finishes it."""
         if whole:  # HAProxy runs the change already: a failed write is retried, not undone
             self.disk.worker_runs(LoadedConfig.of(effective, inputs))
         generation = replace(current, model=runs, effective_sha256=effective.sha256,
@@ -275,25 +269,29 @@ class GenerationBook:
         self.persist()
 
     def reload_failed(self) -> bool:
-        """HAProxy refused the reload in flight, or it failed: no worker runs it, and the disk
-        is given back what runs; True when it holds that now (ConfigOnDisk.rewrite)."""
+        """No worker runs the reload in flight: the disk is given back what runs (True: it holds it)."""
         self.pending = None
         self.persist()
         return self.disk.rewrite()
 
-    def write_config(self, number: int, text: str) -> None:
+    def _written(self, what: str, write: Callable[[], None], failure: str) -> bool:
+        """`write()`, its failure (`failure` with its {error}) logged and published as `what`'s."""
         try:
-            self.store.write_config(number, text)
+            write()
         except OSError as exc:
             error = io_error_line(exc)
-            self.problems.happened("generation configs", error, (
-                f"cannot record generation {number}'s config: {error} "
-                "(HAProxy runs it; a daemon restarted now would not know its text)"
-            ))
-            self.state.publish_write("generation configs", error)
-            return
-        self.problems.over("generation configs")
-        self.state.publish_write("generation configs", None)
+            self.problems.happened(what, error, failure.format(error=error))
+            self.state.publish_write(what, error)
+            return False
+        self.problems.over(what)
+        self.state.publish_write(what, None)
+        return True
+
+    def write_config(self, number: int, text: str) -> None:
+        self._written("generation configs", lambda: self.store.write_config(number, text), (
+            f"cannot record generation {number}'s config: {{error}} "
+            "(HAProxy runs it; a daemon restarted now would not know its text)"
+        ))
 
     def rewrite_all(self) -> None:
         """Every generation's config and the index again (runtime_dir was lost); OSError raised."""
@@ -306,18 +304,10 @@ class GenerationBook:
         records = tuple(GenerationRecord(g.number, g.worker_pid, g.effective_sha256, g.rendered_sha256, g.started_at,
                                          g.inputs_sha256) for g in self.state.generations.values())
         snapshot = Snapshot(records, self.state.current_generation, self.last_number, self.pending)
-        if snapshot == self._persisted:
-            return
-        try:
-            self.store.save(snapshot)
+        if snapshot != self._persisted and self._written(
+            "generations index", lambda: self.store.save(snapshot), "cannot record the generations: {error}"
+        ):
             self._persisted = snapshot
-        except OSError as exc:
-            error = io_error_line(exc)
-            self.problems.happened("generations index", error, f"cannot record the generations: {error}")
-            self.state.publish_write("generations index", error)
-            return
-        self.problems.over("generations index")
-        self.state.publish_write("generations index", None)
 
     def observe(self, procs: ProcList) -> None:
         """Prune the generations whose worker `show proc` no longer lists."""
@@ -366,8 +356,7 @@ class LoadedConfig:
     rendered_sha256: str
     inputs_sha256: str | None
     slot_table: SlotTable | None = None  # the file the config names, rewritten with it after a loss
-    # The build's model when there was one: a master start on it parses nothing, and its
-    # generation shares the lines and servers of the generations after it.
+    # The build's model, if any: a master start on it parses nothing and shares lines with later generations.
     model: Config | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -380,8 +369,8 @@ class LoadedConfig:
 
 
 class ConfigOnDisk:
-    """What the current worker runs (`loaded`), and the effective config file, written so that
-    it is that whenever no reload is in flight: a master restarted then loads what ran."""
+    """What the current worker runs (`loaded`), and the effective config file, kept that whenever
+    no reload is in flight: a master restarted then loads what ran."""
 
     def __init__(self, settings: Settings, problems: RecurringConditions) -> None:
         self.path = settings.haproxy.effective_config
@@ -390,9 +379,11 @@ class ConfigOnDisk:
         self.loaded: LoadedConfig | None = None
         self._on_disk_sha: str | None = None  # the effective config last written to disk
 
-    def worker_runs(self, loaded: LoadedConfig) -> None:
-        """The current worker runs `loaded`: the file is kept that, and other slot tables go."""
+    def worker_runs(self, loaded: LoadedConfig, on_disk: bool = False) -> None:
+        """The current worker runs `loaded` (`on_disk`: the file holds it); other slot tables go."""
         self.loaded = loaded
+        if on_disk:
+            self._on_disk_sha = loaded.sha256
         self.write_back()
         try:
             removed = remove_stale_slot_tables(self.runtime_dir, loaded.slot_table)
@@ -403,12 +394,10 @@ class ConfigOnDisk:
             log.debug("slot tables removed: %s", ", ".join(p.name for p in removed))
 
     def loaded_text(self, text: str, rendered_sha256: str, inputs: str | None) -> LoadedConfig:
-        """`text`, read from disk, as the config a worker runs, with the slot table it names."""
         return LoadedConfig(text, sha256_text(text), rendered_sha256, inputs, self._slot_table_named(text))
 
     def write(self, effective: Effective) -> None:
-        """The config a reload or a start loads, once `haproxy -c` passed on it. OSError when it
-        cannot be written, unless the file holds it already (a full disk needs no copy)."""
+        """The config a reload or a start loads; OSError unless the file holds it already."""
         try:
             write_atomically(self.path, effective.text)
         except OSError:
@@ -416,19 +405,13 @@ class ConfigOnDisk:
                 raise
         self._on_disk_sha = effective.sha256
 
-    def file_holds(self, text: str) -> None:
-        """The file holds `text` (read, or written by an earlier daemon)."""
-        self._on_disk_sha = sha256_text(text)
-
     def previous(self) -> str | None:
-        """The effective config on disk, as an earlier run left it."""
         try:
             return self.path.read_text()
         except (OSError, UnicodeDecodeError):
             return None
 
     def write_back(self) -> None:
-        """Keep the file what runs: a restarted master loads it."""
         loaded = self.loaded
         if loaded is None or loaded.sha256 == self._on_disk_sha:
             return
@@ -443,8 +426,7 @@ class ConfigOnDisk:
         self.problems.over("effective config")
 
     def rewrite(self) -> bool:
-        """Write what runs again, whatever the file was believed to hold (runtime_dir was lost,
-        or a reload was refused); True when the disk now holds what runs, or nothing runs."""
+        """Write what runs again, whatever the file was believed to hold; True when it holds it (or nothing runs)."""
         self._on_disk_sha = None
         self.write_back()
         return self.loaded is None or self._on_disk_sha == self.loaded.sha256

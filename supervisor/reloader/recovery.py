@@ -1,6 +1,5 @@
-"""Starting from what is there: the first start, a master (re)started on the config on disk,
-the adoption of a running master, runtime_dir deleted under us. Each step records what it
-finds (book, disk) and returns it; the Reloader acts on it."""
+"""Starting from what is there: the first start, a master (re)started on the config on disk, the
+adoption of a running master, runtime_dir deleted under us; the Reloader acts on what each finds."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ class Recovery:
         self.settings, self.master, self.book, self.disk = settings, master, book, disk
 
     async def take_back(self, pid: int) -> ProcList | None:
-        """Our master `pid` lives but its socket file is gone: the rendered config, once valid,
-        goes on disk for it to re-execute on, and it is adopted. MasterError when there is no
-        valid config to give it: a second HAProxy must never start beside it."""
+        """Our master `pid` lives but its socket is gone: it re-executes on the rendered config, once
+        valid, and is adopted; else MasterError: a second HAProxy must never start beside it."""
         settings = self.settings
         log.warning("haproxy master pid=%d lives but %s was removed: taking it back on the rendered config",
                     pid, settings.haproxy.master_socket_path)
@@ -57,8 +55,7 @@ class Recovery:
         return await self.master.take_back(pid)
 
     async def first_start(self, effective: Effective, inputs: str) -> tuple[ReloadResult, str] | None:
-        """No master yet: validate, write the effective config, let the master start on it; else
-        (result, error): invalid, or it cannot be written (a full or read-only runtime_dir)."""
+        """No master yet: validate, write, let the master start on it; else (result, error)."""
         ok, message = await check_effective(self.settings.haproxy, effective)
         if not ok:
             log.error("initial config invalid: %s", one_line(message))
@@ -87,14 +84,12 @@ class Recovery:
             return False
         log.warning("starting haproxy on the previous effective config %s until the rendered one can be loaded",
                     h.effective_config)
-        self.disk.file_holds(fallback)
-        self.disk.worker_runs(self.disk.loaded_text(fallback, "", None))
+        self.disk.worker_runs(self.disk.loaded_text(fallback, "", None), on_disk=True)
         self.master.request_start()
         return True
 
     def master_started(self, procs: ProcList, held: LoadedConfig | None) -> Generation:
-        """A master we started (first start or restart) runs the effective config on disk: `held`,
-        the config of a reload never confirmed, when there was one."""
+        """A master we started runs the config on disk: `held`, a reload's never confirmed, if any."""
         worker = procs.current_worker
         assert worker is not None
         disk = self.disk
@@ -151,9 +146,8 @@ class Recovery:
         if on_disk != text:
             # Died mid-reload with a config on disk that never took: disk must be what runs.
             log.warning("%s differs from what worker %s runs: restored", h.effective_config, current.worker_pid)
-        else:
-            disk.file_holds(text)
-        disk.worker_runs(disk.loaded_text(text, current.rendered_sha256, current.inputs_sha256))
+        loaded = disk.loaded_text(text, current.rendered_sha256, current.inputs_sha256)
+        disk.worker_runs(loaded, on_disk=on_disk == text)
         for record in plan.drop:
             log.info("generation pruned generation=%d worker=%s: worker gone", record.number, record.worker_pid)
         book.store.remove_configs([r.number for r in plan.drop])
@@ -165,8 +159,7 @@ class Recovery:
         return current
 
     def goal_since_loaded(self) -> Runs | None:
-        """What the node should run when the rendered config and the watched files are as the
-        current worker loaded them; None when they differ (a change to schedule)."""
+        """What the node should run when its inputs are as the current worker loaded them; else None."""
         loaded = self.disk.loaded
         h = self.settings.haproxy
         try:
@@ -178,8 +171,7 @@ class Recovery:
         return loaded.sha256, loaded.inputs_sha256
 
     def restore_runtime_dir(self, lock: RuntimeDirLock | None) -> bool:
-        """Recreate what the daemon owns in runtime_dir: the directory, its lock, the config that
-        runs and the generations. False when there is nothing that runs to put back; OSError raised."""
+        """Recreate what the daemon owns in runtime_dir; False when nothing runs to put back."""
         prepare_runtime_dir(self.settings)
         if lock is not None:
             lock.renew()
@@ -189,6 +181,5 @@ class Recovery:
         return True
 
     def _unknown_inputs(self) -> str | None:
-        # The watched files' digest of a config whose loading nobody recorded: with none watched
-        # it is known; else None, and the next change reloads to be sure.
+        # A loading nobody recorded: with no file watched the digest is known; else the next change reloads.
         return None if self.settings.haproxy.watch else inputs_digest(())

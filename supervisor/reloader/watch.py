@@ -1,8 +1,6 @@
-"""Watching the inputs: what to watch and what an event means (`classify`, pure), inotify
-through libc on the event loop, the safety net under it (`ContentCheck`), and the digest of
-the watched files. A path is followed through every symlink, each watched in the directory
-holding it, so a swap of any (a ConfigMap's `..data`) re-plans the watches. Only completed
-writes count (IN_CLOSE_WRITE, IN_MOVED_TO)."""
+"""Watching the inputs with inotify, and the safety net under it (`ContentCheck`). A path is followed
+through every symlink, each watched in its directory, so a swap of any (a ConfigMap's `..data`)
+re-plans the watches. Only completed writes count (IN_CLOSE_WRITE, IN_MOVED_TO)."""
 
 from __future__ import annotations
 
@@ -103,9 +101,8 @@ def _parts(path: str) -> list[str]:
 
 
 def follow(path: Path, plan: WatchPlan, as_file: bool) -> Path | None:
-    """Walk `path` as the kernel resolves it, adding to `plan` every symlink met (in the directory
-    holding it) and the first missing name; returns the real path it reads, or None when it
-    does not resolve (missing, a loop, not a directory on the way)."""
+    """Walk `path` as the kernel resolves it, adding to `plan` every symlink met and the first missing
+    name; the real path it reads, or None when it does not resolve."""
     current = Path("/")
     queue = _parts(os.path.abspath(path))
     links = 0
@@ -172,8 +169,7 @@ def plan_watches(files: Sequence[Path], directories: Sequence[Path], ignore: Ite
 
 
 def classify(interest: Interest | None, mask: int, name: str, is_link: bool = False) -> Meaning:
-    """What one event means. `interest` is None for a watch no longer planned (its IN_IGNORED
-    after a re-plan). `is_link`: the entry created is a symlink (asked only for IN_CREATE)."""
+    """What one event means. `interest` is None for a watch no longer planned (its IN_IGNORED after a re-plan)."""
     if mask & IN_Q_OVERFLOW:
         return "replan"  # events were lost: look at everything again
     if interest is None:
@@ -208,9 +204,8 @@ def split_watch(config: Path, watch: Sequence[Path]) -> tuple[list[Path], list[P
 
 
 def inputs_digest(paths: Sequence[Path]) -> str:
-    """sha256 over every file under haproxy.watch (maps, certificates, includes): a change there
-    needs a reload even when the effective config is the same. Kubernetes' `..` internals are
-    skipped: the visible names resolve through them."""
+    """sha256 over every file under haproxy.watch: a change there needs a reload even when the
+    effective config is the same. Kubernetes' `..` internals are skipped: the names resolve through them."""
     h = hashlib.sha256()
     for root in sorted(paths):
         if root.is_dir():
@@ -232,8 +227,7 @@ def inputs_digest(paths: Sequence[Path]) -> str:
 
 
 class FileWatch:
-    """The watches of one plan on one inotify descriptor (libc's, read on the event loop): each event
-    means nothing, a change (`changed()`), or that a path may read elsewhere now (re-plan, change)."""
+    """The watches of one plan on one inotify descriptor (libc's), read on the event loop."""
 
     def __init__(self, files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
                  changed: Callable[[], None], writing: Callable[[], None]) -> None:
@@ -298,8 +292,7 @@ class FileWatch:
 
 async def watch_changes(files: Sequence[Path], directories: Sequence[Path], ignore: Sequence[Path],
                         changed: Callable[[], None], writing: Callable[[], None]) -> None:
-    """Call `changed()` for each completed change to a watched path, `writing()` while one is being
-    written, for ever; a path that does not resolve yet is waited for, and its appearing counts."""
+    """Call `changed()` for each completed change to a watched path, `writing()` while one is being written."""
     try:
         watch = FileWatch(files, directories, ignore, changed, writing)
     except OSError as exc:  # out of inotify instances (fs.inotify.max_user_instances)
@@ -323,8 +316,7 @@ def content_news(look: str | None, previous: str | None, read: str | None) -> bo
 
 
 class ContentCheck:
-    """The safety net under the watches: the rendered config as HAProxy would read it (through
-    every symlink), looked at every second; hashed only when its stat changed."""
+    """The rendered config as HAProxy would read it, looked at every second; hashed when its stat changed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
