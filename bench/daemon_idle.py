@@ -239,7 +239,9 @@ async def run(
         async def steered() -> bool:
             _, body = await request(sock, "GET", "/status")
             old = json.loads(body)["old_workers"]
-            return len(old) == workers and all(w["push"]["state"] == "ok" and w["steered"] for w in old)
+            # With every check failing, a worker that found every server DOWN itself before it became
+            # old skips them all: it has nothing to be steered from.
+            return len(old) == workers and all(w["push"]["state"] == "ok" and (w["steered"] or failing) for w in old)
 
         await until(steered, 60, "old workers steered after the drain")
         figures["lag_reload_ms"] = 1000 * await metric(sock, "haproxy_supervisor_event_loop_lag_seconds")
