@@ -1,10 +1,6 @@
-"""The status page served at `/`: one self-contained HTML document, no scripts, no external assets.
-
-Built from the /status document plus what it does not carry: each backend's size in the configs
-HAProxy runs (so a drain reads "b42: 3 of 10 dead") and the charts' history (State keeps it).
-Dead servers are shown per backend, worst first, so at fleet size every affected backend is on
-the page; the server names are in each backend's tooltip and in /status.
-"""
+"""The status page at `/`: one self-contained HTML document (no scripts, no external assets) of the
+/status document, each backend's size ("b42: 3 of 10 dead") and the charts' history. Dead servers
+are grouped per backend, worst first, so that at fleet size every affected backend fits the page."""
 
 from __future__ import annotations
 

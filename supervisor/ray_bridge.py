@@ -1,10 +1,6 @@
-"""haproxy-supervisor-ray-bridge: what Ray Serve runs as its HAProxy (RAY_SERVE_HAPROXY_BINARY_PATH).
-
-It never runs HAProxy: it hands Ray's config to the node's daemon (an atomic write of the file it
-watches), waits until the daemon's current worker runs it, then answers on Ray's admin socket as
-that HAProxy would, `show info` with the bridge's PID. Soft-stopped by Ray (SIGUSR1), it lives on
-while an old worker still serves its config. See docs/ray-serve.md.
-"""
+"""What Ray Serve runs as its HAProxy (docs/ray-serve.md): it hands Ray's config to the node's daemon,
+waits until the current worker runs it, then answers Ray's admin socket as that HAProxy would;
+soft-stopped (SIGUSR1), it lives on while an old worker still serves its config."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Which servers are dead, per generation, by the three rules of docs/steering.md#known-dead-servers.
-
-Section digests are interned by content: consecutive configs differ in a few backends, so
-fifty generations share one copy of each section, and every cache downstream keys on it.
-"""
+Section digests are interned by content: fifty generations share one copy of each section."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The stalled-connection detector (docs/steering.md#stalled-connections): a vanished node
-never answers, so a connect to it stays in SYN-SENT and data sent to it unacknowledged, which
-sock_diag shows long before a `timeout connect` or a check concludes.
-"""
+"""The stalled-connection detector (docs/steering.md#stalled-connections): a connect to a vanished
+node stays in SYN-SENT, which sock_diag shows long before a `timeout connect` or a check concludes."""
 
 from __future__ import annotations
 

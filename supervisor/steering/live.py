@@ -1,7 +1,5 @@
-"""What the workers say through the master CLI: the current worker's server states (rule (b)
-of dead.py), parsed in parts so that a big answer never holds the event loop; what each old
-worker skips itself; the old workers' connections and memory.
-"""
+"""What the workers say through the master CLI: server states (parsed in parts, so that a big
+answer never holds the event loop), and the old workers' connections and memory."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The phased changes from the entries a worker holds to its plan, as master CLI lines.
-Phases keep any request from seeing a half state (a count promising slots not there yet, or
-an override removed before the count that needs it).
-"""
+"""The phased changes from a worker's map to its plan, as master CLI lines: phases keep any request
+from seeing a half state (a count promising slots not there yet, say)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What every worker's steer map must hold (docs/steering.md#what-an-old-worker-is-told),
-memoised by content: the config it runs, the latest config, the live view and the servers it
-sees down itself. A new plan is worked out from the last one for the same worker content,
-looking only at the backends whose section or evidence changed.
-"""
+"""What every worker's steer map must hold (docs/steering.md#what-an-old-worker-is-told), memoised
+by content and worked out from the last plan for the same worker, looking only at what changed."""
 
 from __future__ import annotations
 

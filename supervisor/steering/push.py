@@ -1,7 +1,5 @@
-"""One worker's map brought to its plan through the master CLI, and read back; its stuck
-streams ended. A push runs in two stages, steer() (the routing phases) and tidy() (the
-rest), so that a round can steer every worker before it tidies any; it touches no record.
-"""
+"""One worker's map brought to its plan through the master CLI, and read back. A push runs in two
+stages, steer() then tidy(), so that a round steers every worker before it tidies any."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The push rounds: every map that differs from its plan pushed at once, read back to verify
-a push and repair drift, failures backed off (the map then unknown, read before the next
-push). Only PushRounds changes a WorkerRecord.
-"""
+"""The push rounds: every map that differs from its plan pushed at once, read back to verify a push
+and repair drift, failures backed off. Only PushRounds changes a WorkerRecord."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Keeps every old worker's steer map equal to its plan: each round lists the workers, plans
-and pushes what differs. The current worker's map stays empty, except while it is about to
-become old (make-before-break), and is emptied again if the reload fails.
-"""
+"""Keeps every old worker's steer map equal to its plan: each round lists the workers, plans and
+pushes what differs. The current worker's map is empty except during a make-before-break."""
 
 from __future__ import annotations
 
