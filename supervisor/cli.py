@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Sequence
 
@@ -55,13 +56,36 @@ def cmd_check(settings: Settings) -> int:
     return EXIT_FAILED
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """GET /status from `--url`, else from `status.listen` of `--config`, else DEFAULT_URL."""
+    from .statusclient import DEFAULT_URL, StatusFetchError, fetch_status, format_status, url_from_listen
+
+    url = args.url
+    if url is None and args.config is not None:
+        url = url_from_listen(load_settings(args.config).status.listen)
+    url = url or DEFAULT_URL
+    try:
+        document = asyncio.run(fetch_status(url, args.timeout))
+    except StatusFetchError as exc:
+        print(f"haproxy-supervisor: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        return EXIT_OK
+    try:
+        sys.stdout.write(format_status(document))
+    except (KeyError, TypeError, AttributeError) as exc:
+        print(f"haproxy-supervisor: {url}: unexpected /status document (missing {exc}); try --json",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "status":
-        from .statusclient import cmd_status
-
-        return cmd_status(args.url, args.config, args.json, args.timeout)
     try:
+        if args.command == "status":
+            return cmd_status(args)
         settings = with_resolved_binary(load_settings(args.config))
         if args.command == "render":
             sys.stdout.write(load_effective(settings).text)

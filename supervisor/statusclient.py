@@ -1,20 +1,17 @@
-"""`haproxy-supervisor status`: GET /status from `--url`, else from `status.listen` of
-`--config`, else DEFAULT_URL, printed for people (the format_* functions serve the page too)."""
+"""`haproxy-supervisor status`: GET /status of a running daemon, printed for people (the format_*
+functions serve the page too)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 from typing import Any
 
 import aiohttp
 from yarl import URL
 
-from .settings import SettingsError, listen_address, load_settings
+from .settings import listen_address
 
 DEFAULT_URL = "http://127.0.0.1:9180"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def format_age(seconds: float | None) -> str:
@@ -166,27 +163,3 @@ def format_status(doc: dict[str, Any], recent: int = 5) -> str:
     dead = [f"{key} (operator)" if key in operator else key for key in doc["dead_servers"]]
     out.append(f"dead servers ({len(dead)}): {_first(dead, 50) if dead else 'none'}")
     return "\n".join(out) + "\n"
-
-
-def cmd_status(url: str | None, config: str | None, as_json: bool, timeout: float) -> int:
-    try:
-        if url is None and config is not None:
-            url = url_from_listen(load_settings(config).status.listen)
-        url = url or DEFAULT_URL
-        document = asyncio.run(fetch_status(url, timeout))
-    except SettingsError as exc:
-        print(f"haproxy-supervisor: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except StatusFetchError as exc:
-        print(f"haproxy-supervisor: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_FAILED
-    if as_json:
-        sys.stdout.write(json.dumps(document, indent=2) + "\n")
-    else:
-        try:
-            sys.stdout.write(format_status(document))
-        except (KeyError, TypeError, AttributeError) as exc:
-            print(f"haproxy-supervisor: {url}: unexpected /status document (missing {exc}); try --json",
-                  file=sys.stderr)
-            return EXIT_FAILED
-    return EXIT_OK
