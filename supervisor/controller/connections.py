@@ -182,17 +182,14 @@ def stats_socket_capacity(config: Config | None, path: Path) -> int:
     """The stats socket's own `maxconn`, else global `stats maxconn`, else HAProxy's default."""
     capacity = HAPROXY_STATS_MAXCONN
     socket_maxconn = None
-    for section in config.sections if config is not None else ():
-        if section.kind != "global":
-            continue
-        for line in section.body:
-            words = line.words
-            if words[:2] == ("stats", "maxconn") and len(words) > 2 and words[2].isdigit():
-                capacity = int(words[2])
-            elif words[:2] == ("stats", "socket") and len(words) > 2 and words[2] == str(path):
-                for i, word in enumerate(words[3:-1], start=3):
-                    if word == "maxconn" and words[i + 1].isdigit():
-                        socket_maxconn = int(words[i + 1])
+    sections = config.sections if config is not None else []
+    for words in (line.words for section in sections if section.kind == "global" for line in section.body):
+        if words[:2] == ("stats", "maxconn") and len(words) > 2 and words[2].isdigit():
+            capacity = int(words[2])
+        elif words[:2] == ("stats", "socket") and len(words) > 2 and words[2] == str(path):
+            for i, word in enumerate(words[3:-1], start=3):
+                if word == "maxconn" and words[i + 1].isdigit():
+                    socket_maxconn = int(words[i + 1])
     return max(1, socket_maxconn if socket_maxconn is not None else capacity)
 
 
