@@ -72,13 +72,10 @@ class BackendSizes:
 
     def of(self, generations: Iterable[Generation]) -> dict[str, int]:
         running = {g.effective_sha256: g for g in generations}
-        for sha in [sha for sha in self._by_sha if sha not in running]:
-            del self._by_sha[sha]
+        kept = self._by_sha
+        self._by_sha = {sha: kept[sha] if sha in kept else backend_sizes(g.model) for sha, g in running.items()}
         merged: dict[str, int] = {}
-        for sha, generation in running.items():
-            sizes = self._by_sha.get(sha)
-            if sizes is None:
-                sizes = self._by_sha[sha] = backend_sizes(generation.model)
+        for sizes in self._by_sha.values():
             for backend, size in sizes.items():
                 merged[backend] = max(size, merged.get(backend, 0))
         return merged
