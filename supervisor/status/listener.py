@@ -333,8 +333,7 @@ class StatusServer:
                     continue
                 await self._bind_again(listener)
         finally:
-            self._listener = None
-            await listener.runner.cleanup()
+            await self.stop()
 
     async def _bind_again(self, listener: StatusListener) -> None:
         listen = self.settings.status.listen
@@ -356,7 +355,7 @@ class StatusServer:
         log.info("status: listening on %s again", listen)
 
     async def stop(self) -> None:
-        """A start cut short: `start()` bound, `run()` never served."""
+        """Unbind what `start()` bound; `run()` ends so, or never ran (a start cut short)."""
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await listener.runner.cleanup()
