@@ -361,9 +361,6 @@ class LoadedConfig:
         return cls(effective.text, effective.sha256, effective.rendered_sha256, inputs, effective.slot_table,
                    effective.effective_model)
 
-    def parsed(self) -> Config:
-        return self.model if self.model is not None else Config.parse(self.text)
-
 
 class ConfigOnDisk:
     """What the current worker runs (`loaded`), and the effective config file, kept that whenever
