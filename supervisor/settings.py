@@ -187,7 +187,6 @@ _BOOLEANS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0"
 
 
 def parse_bool(text: str) -> bool | None:
-    """1/0, true/false, yes/no, on/off in any case; None for anything else."""
     return _BOOLEANS.get(text.strip().lower())
 
 
@@ -221,7 +220,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read, validate and freeze the settings file, then apply the environment gates."""
     path = Path(path)
     if "\0" in str(path):
         raise SettingsError(f"{str(path)!r}: a path cannot contain a NUL byte")

@@ -299,7 +299,6 @@ class State:
         self.note_old_workers()
 
     def publish_pushes(self, pushes: Mapping[int, PushNews], failures: int = 0) -> None:
-        """How each old worker's last push went, and how many pushes failed meanwhile."""
         self.push_failures += failures
         for pid, news in pushes.items():
             record = self.old_workers.get(pid)

@@ -223,7 +223,6 @@ def find_masters(settings: Settings) -> list[int]:
 
 
 def find_master(settings: Settings) -> int | None:
-    """Our live master, the oldest if several."""
     masters = find_masters(settings)
     if len(masters) > 1:
         log.warning("several haproxy masters hold %s: pids=%s; the oldest is ours",

@@ -104,8 +104,6 @@ async def call_hook(hooks: OldWorkers, name: str, *args: object) -> Any:
 
 
 class Reloader:
-    """watch -> debounce -> cycle -> assess, and housekeeping between cycles."""
-
     def __init__(
         self,
         settings: Settings,
@@ -545,7 +543,6 @@ class Reloader:
         return generation
 
     def assess(self, attempt: Attempt | None) -> None:
-        """Judge convergence, publish the judgement, and schedule the next attempt it asks for."""
         convergence = self.state.convergence
         current = self.state.current
         runs = None if current is None else (current.effective_sha256, current.inputs_sha256)

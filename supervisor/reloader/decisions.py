@@ -177,8 +177,6 @@ def runs_goal(goal: Runs | None, current: Runs | None) -> bool:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt to converge: its record, and whether HAProxy refused the config."""
-
     record: ReloadRecord
     refused: bool = False
 

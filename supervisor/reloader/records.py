@@ -135,7 +135,6 @@ class RebuildPlan:
 
 
 def plan_rebuild(snapshot: Snapshot | None, procs: ProcList) -> RebuildPlan:
-    """Match persisted generations to the workers `show proc` lists."""
     records = snapshot.records if snapshot else ()
     current_pid = procs.current_worker.pid if procs.current_worker else None
     live = {p.pid for p in procs.workers} | {p.pid for p in procs.old_workers}
@@ -208,7 +207,6 @@ class GenerationStore:
 
 
 def old_workers_over_max(procs: ProcList, max_old: int) -> list[Proc]:
-    """The old workers beyond `max_old`, oldest first (the most reloads ago, then lowest PID)."""
     olds = sorted(procs.old_workers, key=lambda p: (-p.reloads, p.pid))
     excess = len(olds) - max_old
     return olds[:excess] if excess > 0 else []
@@ -310,7 +308,6 @@ class GenerationBook:
             self._persisted = snapshot
 
     def observe(self, procs: ProcList) -> None:
-        """Prune the generations whose worker `show proc` no longer lists."""
         self.last_procs = procs
         gone = prunable(self.state.generations, procs, self.state.current_generation)
         for g in self.state.publish_pruned(gone):
@@ -363,9 +360,6 @@ class LoadedConfig:
     def of(cls, effective: Effective, inputs: str | None) -> LoadedConfig:
         return cls(effective.text, effective.sha256, effective.rendered_sha256, inputs, effective.slot_table,
                    effective.effective_model)
-
-    def parsed(self) -> Config:
-        return self.model if self.model is not None else Config.parse(self.text)
 
 
 class ConfigOnDisk:

@@ -74,7 +74,6 @@ class Recovery:
         return None
 
     async def start_on_previous(self) -> bool:
-        """Start HAProxy on the effective config on disk, the last good one, if it is valid."""
         h = self.settings.haproxy
         fallback = self.disk.previous()
         if fallback is None:
@@ -97,8 +96,9 @@ class Recovery:
         if loaded is None:
             loaded = disk.loaded_text(disk.previous() or "", "", self._unknown_inputs())
         disk.worker_runs(loaded)
+        model = loaded.model if loaded.model is not None else Config.parse(loaded.text)
         # The workers of a previous master are gone: their generations are pruned.
-        generation = self.book.worker_started(worker.pid, loaded.parsed(), loaded, procs)
+        generation = self.book.worker_started(worker.pid, model, loaded, procs)
         log.info("generation started generation=%d worker=%d (master start)", generation.number, worker.pid)
         return generation
 
