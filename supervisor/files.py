@@ -116,6 +116,7 @@ def create_if_missing(path: Path, data: bytes) -> None:
 
 
 def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text`, never through a symlink, with FILE_MODE whatever the umask."""
     write_new(path, text.encode())
 
 
@@ -287,6 +288,7 @@ class RuntimeDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        """Take the lock or raise RuntimeDirInUse naming the holder."""
         # Read-only: a descriptor open for writing would stop the filesystem's read-only remount.
         fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:

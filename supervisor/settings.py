@@ -220,6 +220,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read, validate and freeze the settings file, then apply the environment gates."""
     path = Path(path)
     if "\0" in str(path):
         raise SettingsError(f"{str(path)!r}: a path cannot contain a NUL byte")

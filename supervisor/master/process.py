@@ -227,6 +227,7 @@ class MasterProcess:
         self._child = None
 
     async def start(self) -> ProcList:
+        """Start a master on the effective config on disk; return once its first worker is ready."""
         cmd = master_command(self.settings)
         ports = config_ports(self.settings.haproxy.effective_config)
         # A fresh master has no states to hand over: a previous run's file would mislead it.
@@ -386,6 +387,7 @@ class MasterProcess:
         await asyncio.sleep(delay)
 
     async def stop(self) -> None:
+        """Soft-stop (SIGUSR1), wait haproxy.stop_timeout_s, then SIGTERM, then SIGKILL."""
         self.stopping = True
         async with self.lock:
             if not self.alive or self.pid is None:

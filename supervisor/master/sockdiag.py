@@ -116,6 +116,7 @@ def _parse(data: bytes, at: int, end: int) -> DiagSocket:
 def tcp_sockets(
     family: int, states: Iterable[int], ports: Iterable[int] | None = None, info: bool = False
 ) -> Iterator[DiagSocket]:
+    """TCP sockets in one of `states`, toward one of `ports` if given; `info`: with tcp_info."""
     mask = sum(1 << state for state in set(states))
     wanted = frozenset(ports) if ports is not None else None
     bytecode = port_filter(wanted) if wanted and len(wanted) <= MAX_FILTERED_PORTS else b""

@@ -104,6 +104,8 @@ async def call_hook(hooks: OldWorkers, name: str, *args: object) -> Any:
 
 
 class Reloader:
+    """watch -> debounce -> cycle -> assess, and housekeeping between cycles."""
+
     def __init__(
         self,
         settings: Settings,

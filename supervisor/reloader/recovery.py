@@ -74,6 +74,7 @@ class Recovery:
         return None
 
     async def start_on_previous(self) -> bool:
+        """Start HAProxy on the effective config on disk, the last good one, if it is valid."""
         h = self.settings.haproxy
         fallback = self.disk.previous()
         if fallback is None:
