@@ -6,7 +6,9 @@ unix socket) supervises a rendered config of S servers in bench.displaced_push's
 held by an idle connection. Then, one phase after another, each longer than the lag
 gauge's window (so each reading covers that phase only):
 
-    idle     the daemon's CPU over IDLE_S seconds, as a share of one core, and its RSS
+    idle     the daemon's CPU over IDLE_S seconds, as a share of one core, its RSS, and
+             how often its event loop's thread went to sleep (its voluntary context
+             switches: one per wait of the loop that found nothing ready)
     POST     POST then DELETE /servers/<b>/<s>/dead for N servers that exist, one after
              another (each wakes a push round to every old worker), and for a server
              that does not exist (404): latency, median and worst
@@ -142,6 +144,15 @@ def wakes_at_rest(owners: dict[str, tuple[float, float]]) -> str:
     return "".join(f"    {owner}: {rate:.1f}/s, {pct:.3f} %\n" for owner, (rate, pct) in ranked if rate > 0)
 
 
+def loop_sleeps(pid: int) -> int:
+    """How many times the process's main thread, which runs the event loop, gave up the CPU
+    to wait: /proc's count for that one thread, not the process's other threads."""
+    for line in Path(f"/proc/{pid}/task/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no voluntary_ctxt_switches in /proc/{pid}/task/{pid}/status")
+
+
 def longest_callback_ms(log: Path, start: float, end: float) -> float:
     """The longest event-loop callback that started between `start` and `end` (monotonic),
     from the daemon's callback log (bench/callbacks/sitecustomize.py)."""
@@ -197,8 +208,10 @@ async def run(
         process = psutil.Process(daemon.pid)
         reads = await metric(sock, "haproxy_supervisor_server_state_reads_total")
         cpu, started, totals = process.cpu_times(), time.monotonic(), callback_totals(cpu_totals)
+        sleeps = loop_sleeps(daemon.pid)
         await asyncio.sleep(IDLE_S)
         after, elapsed = process.cpu_times(), time.monotonic() - started
+        figures["loop_sleeps_per_s"] = (loop_sleeps(daemon.pid) - sleeps) / elapsed
         owners = at_rest_by_owner(totals, callback_totals(cpu_totals))
         figures["detector_cpu_pct"] = sum(pct for owner, (_, pct) in owners.items() if "StalledDetector" in owner)
         figures["callbacks_cpu_pct"] = sum(pct for _, pct in owners.values())
@@ -263,6 +276,7 @@ def section(quick: bool = False) -> str:
         ("of it, the stalled-connection detector's own callbacks", f"{f['detector_cpu_pct']:.3f} % of a core"),
         (f"full state reads in {IDLE_S:.0f} s at rest", f"{f['idle_reads']:.0f}"),
         ("daemon RSS", f"{f['rss_mb']:.0f} MB"),
+        ("the event loop's waits at rest", f"{f['loop_sleeps_per_s']:.1f} a second"),
         ("`POST` / `DELETE` a server, median", f"{f['post_p50_ms']:.1f} / {f['delete_p50_ms']:.1f} ms"),
         (f"`POST` / `DELETE` a server, worst of {posts}", f"{f['post_max_ms']:.1f} / {f['delete_max_ms']:.1f} ms"),
         ("`POST` a server no config has (404)", f"{f['post_unknown_ms']:.1f} ms"),
@@ -294,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         f"daemon at rest: {args.workers} old workers, {args.servers} servers"
         f"{', every one health checked' if args.checks else ''}, detector {args.detector}\n"
         f"  idle CPU {f['idle_cpu_pct']:.2f} % of a core, RSS {f['rss_mb']:.0f} MB, "
-        f"{f['idle_reads']:.0f} full state reads in {IDLE_S:.0f} s\n"
+        f"{f['idle_reads']:.0f} full state reads in {IDLE_S:.0f} s, "
+        f"the event loop waited {f['loop_sleeps_per_s']:.1f} times a second\n"
         f"  of it in event-loop callbacks {f['callbacks_cpu_pct']:.3f} %, the detector's own "
         f"{f['detector_cpu_pct']:.3f} %; what runs at rest (callbacks a second, % of a core):\n"
         f"{wakes_at_rest(f['wakes'])}"
