@@ -34,6 +34,19 @@ def next_tick(now: float, interval_ms: int) -> float:
     return ((int(now * 1000 + 1e-3)) // interval_ms + 1) * interval_ms / 1000
 
 
+GRID_MS = 100  # the lag gauge's interval: every periodic timer falls due on its instants
+
+
+def on_grid(delay_s: float) -> float:
+    """`delay_s` stretched to the next instant of the shared grid (at most GRID_MS more): a
+    periodic task that sleeps so wakes the loop together with the others, not in a turn of its
+    own. A delay shorter than the grid (a fast poll) is kept as it is."""
+    if delay_s < GRID_MS / 1000:
+        return delay_s
+    now = asyncio.get_running_loop().time()
+    return next_tick(now + delay_s, GRID_MS) - now
+
+
 def finished(steps: Generator[None, None, _T]) -> _T:
     """Run a generator of slices to its end at once; its return value."""
     while True:
@@ -56,7 +69,7 @@ async def sliced(steps: Generator[None, None, _T]) -> _T:
 class LoopLag:
     """How late the loop runs a timer: the worst of this WINDOW_S and the last, sampled on next_tick()'s grid."""
 
-    INTERVAL_MS = 100
+    INTERVAL_MS = GRID_MS
     WINDOW_S = 10.0
 
     def __init__(self, state: State) -> None:

@@ -8,7 +8,7 @@ import selectors
 
 import pytest
 
-from supervisor.eventloop import next_tick
+from supervisor.eventloop import GRID_MS, next_tick, on_grid
 
 
 @pytest.mark.parametrize(("now", "interval_ms", "due"), [
@@ -67,7 +67,7 @@ def wakes(timer_a, timer_b) -> int:  # type: ignore[no-untyped-def]
     return selector.waits
 
 
-async def on_grid() -> None:
+async def fine_grid_ticks() -> None:
     loop = asyncio.get_running_loop()
     for _ in range(10):
         await asyncio.sleep(next_tick(loop.time(), 50) - loop.time())
@@ -85,8 +85,54 @@ async def sleeps() -> None:
 
 
 def test_two_timers_on_the_grid_share_their_wakes():
-    assert wakes(on_grid, on_grid) <= 12
+    assert wakes(fine_grid_ticks, fine_grid_ticks) <= 12
 
 
 def test_control_two_timers_that_sleep_their_interval_wake_apart():
     assert wakes(sleeps, offset_sleeps) >= 19
+
+
+async def grid_samples() -> None:
+    """The lag gauge's pace: ten samples on the grid."""
+    loop = asyncio.get_running_loop()
+    for _ in range(10):
+        await asyncio.sleep(next_tick(loop.time(), GRID_MS) - loop.time())
+
+
+async def seconds_on_grid() -> None:
+    """A slower periodic task (housekeeping, a probe) started off the grid, its sleeps stretched."""
+    await asyncio.sleep(0.013)
+    for _ in range(3):
+        await asyncio.sleep(on_grid(0.25))
+
+
+async def seconds_apart() -> None:
+    await asyncio.sleep(0.013)
+    for _ in range(3):
+        await asyncio.sleep(0.25)
+
+
+def test_a_slower_timer_stretched_to_the_grid_wakes_with_the_samples():
+    assert wakes(grid_samples, seconds_on_grid) <= 11
+
+
+def test_control_a_slower_timer_that_sleeps_its_interval_wakes_on_its_own():
+    assert wakes(grid_samples, seconds_apart) >= 13
+
+
+def test_on_grid_stretches_a_delay_by_less_than_the_grid_and_keeps_a_fast_poll():
+    async def delays() -> list[tuple[float, float, float]]:
+        loop = asyncio.get_running_loop()
+        out = []
+        for delay in (0.0, 0.02, 0.1, 0.25, 1.0, 5.0):
+            now = loop.time()
+            out.append((delay, on_grid(delay), now))
+        return out
+
+    for delay, stretched, now in asyncio.run(delays()):
+        if delay < GRID_MS / 1000:
+            assert stretched == delay
+        else:
+            assert delay <= stretched <= delay + GRID_MS / 1000 + 1e-6
+            due = now + stretched
+            assert abs(due * 1000 / GRID_MS - round(due * 1000 / GRID_MS)) < 1e-3, due

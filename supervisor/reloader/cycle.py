@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..effective import Effective, RenderedConfigError, load_effective, off_the_loop, start_effective_check
-from ..eventloop import collector_paused, settle_after_reload, wait_set
+from ..eventloop import collector_paused, on_grid, settle_after_reload, wait_set
 from ..files import RuntimeDirLock, WriterBusy
 from ..haproxy.answers import ProcList
 from ..haproxy.api import CLIError, MasterCLI
@@ -171,7 +171,7 @@ class Reloader:
         """A content no event told of (no inotify, a swap no watch could see) is a change all the same."""
         content = self.content
         while True:
-            await asyncio.sleep(CONTENT_CHECK_S)
+            await asyncio.sleep(on_grid(CONTENT_CHECK_S))
             if self.scheduler.pending or self._cycling or content.stat_key() == content.key:  # a stat: on the loop
                 continue
             key, sha = await off_the_loop(content.look)
@@ -234,7 +234,7 @@ class Reloader:
     async def _housekeeping(self) -> None:
         """Between reloads: settle, prune, cap, restore runtime_dir, assess; and the STATUS= line."""
         while True:
-            await asyncio.sleep(HOUSEKEEPING_S)
+            await asyncio.sleep(on_grid(HOUSEKEEPING_S))
             if self.master.up and not self.master.lock.locked():
                 async with self.master.lock:
                     await self._look_after_master()

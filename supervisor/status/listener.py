@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from ..eventloop import wait_set
+from ..eventloop import on_grid, wait_set
 from ..files import bind_unix_private
 from ..logs import RecurringCondition, RecurringConditions
 from ..settings import Settings, StatusSettings, listen_address
@@ -328,7 +328,7 @@ class StatusServer:
         assert listener is not None, "start() first"
         try:
             while True:
-                await wait_set(listener.dead, self.PROBE_S)
+                await wait_set(listener.dead, on_grid(self.PROBE_S))
                 if listener.probe():
                     continue
                 await self._bind_again(listener)

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from ..binary import chash_node_keys
 from ..effective import Effective
-from ..eventloop import give_back_free_heap, wait_set
+from ..eventloop import give_back_free_heap, on_grid, wait_set
 from ..haproxy.answers import ProcList, ServerKey
 from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.stderr import ServerEvent
@@ -128,7 +128,7 @@ class OldWorkers:
                         failing.happened(exc)
                 except Exception:
                     log.exception("old workers: unexpected error")  # must not stop the protection of later reloads
-                await wait_set(self._wake, self._sleep_s())
+                await wait_set(self._wake, on_grid(self._sleep_s()))
                 woken = self._wake.is_set()
                 self._wake.clear()
         finally:
