@@ -496,7 +496,8 @@ def _suspects_html(suspects: list[dict[str, Any]], now: datetime) -> str:
     why = {"connect": "connect stalled (SYN-SENT)", "retransmit": "data sent, not acknowledged"}
     rows = "".join(
         f'<tr><td class="mono">{esc(s["server"])}</td><td class="mono">{esc(s["endpoint"])}</td>'
-        f'<td>{esc(why.get(s["why"], s["why"]))}</td><td>{esc(format_age(s["suspect_s"] or 0))}</td></tr>'
+        f'<td>{esc(why.get(s["why"], s["why"]))}{"; left in: its backend has no other way" if s.get("left_in") else ""}'
+        f'</td><td>{esc(format_age(s["suspect_s"] or 0))}</td></tr>'
         for s in suspects[:PAGE_CHIP_LIMIT]
     )
     return (f"<table><tr><th>server</th><th>address</th><th>why</th><th>for</th></tr>{rows}</table>"

@@ -100,6 +100,7 @@ class SuspectServer:
     endpoint: str  # "address:port"
     why: str  # "connect": a connect stalled in SYN-SENT; "retransmit": data sent, never acknowledged
     since: datetime  # when its oldest stalled socket stalled
+    left_in: bool = False  # every other server of its backend is out: routed still (detector.left_in)
 
 
 @dataclass

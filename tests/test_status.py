@@ -339,3 +339,24 @@ def test_unix_socket_refuses_to_replace_a_regular_file(rundir):
         bind_unix_socket(path)
     assert path.read_text() == "not a socket"
 
+
+
+def test_suspects_in_status_metrics_and_page_with_why_since_and_left_in():
+    from supervisor.page import BackendSizes, page_of
+    from supervisor.state import SuspectServer
+
+    state = running_state(NOW)
+    since = NOW - timedelta(seconds=3)
+    state.publish_suspects({
+        "app/app1": SuspectServer("app/app1", "127.0.0.1:9001", "connect", since),
+        "echo/echo_r1": SuspectServer("echo/echo_r1", "127.0.0.1:9002", "retransmit", since, left_in=True),
+    })
+    doc = status_document(state, Settings(), NOW)
+    assert [(s["server"], s["why"], s["left_in"], s["suspect_s"]) for s in doc["suspect_servers"]] == [
+        ("app/app1", "connect", False, 3.0), ("echo/echo_r1", "retransmit", True, 3.0)]
+    families = scrape(state)
+    assert sample(families, "haproxy_supervisor_suspect_servers", {"why": "connect"}) == 1
+    assert sample(families, "haproxy_supervisor_suspect_servers", {"why": "retransmit"}) == 1  # left in, counted
+    html = page_of(state, doc, NOW, BackendSizes())
+    assert "connect stalled (SYN-SENT)</td>" in html
+    assert "data sent, not acknowledged; left in: its backend has no other way</td>" in html

@@ -6,10 +6,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from rigs.wholes import known_dead_servers, parse_live_states, steer_entries, summarize_states
 from supervisor.haproxy.answers import Proc, ProcList, parse_servers_state, show_info_by_pid
 from supervisor.haproxy.config import Config
-from supervisor.state import Generation
+from supervisor.state import Generation, SuspectServer
 from supervisor.steering.dead import live_view
 from supervisor.steering.push import stuck_sessions
 from supervisor.steering.workers import worker_generations
@@ -102,3 +104,11 @@ def test_digest_based_decisions_match_the_plain_ones():
     assert dead_in(digest(old), digest(new), view) == known_dead_servers(old, new, live, {"echo/fallback"})
     dead = dead_in(digest(old), digest(new), view)
     assert steer_entries(digest(old), dead, "fail-fast") == steer_map_entries(old, dead, "fail-fast")
+
+
+@pytest.mark.parametrize(("left_in", "dead"), [(False, {"app/dead"}), (True, set())])
+def test_a_suspect_steers_old_workers_off_it_unless_the_current_worker_keeps_it(left_in: bool, dead: set[str]):
+    text = "backend app\n  server up 127.0.0.1:35137 check\n  server dead 127.0.0.1:43157 check\n"
+    cfg = digest(model(text))
+    suspect = SuspectServer("app/dead", "127.0.0.1:43157", "connect", datetime(2025, 1, 1, tzinfo=UTC), left_in)
+    assert dead_in(cfg, cfg, live_view(cfg, parse_live_states(""), (), suspects=[suspect])) == dead

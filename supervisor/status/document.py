@@ -131,6 +131,7 @@ def _suspect_json(suspect: SuspectServer, now: datetime) -> dict[str, Any]:
         "server": suspect.key,
         "endpoint": suspect.endpoint,
         "why": suspect.why,
+        "left_in": suspect.left_in,
         "since": rfc3339(suspect.since),
         "suspect_s": _seconds(max(0.0, (now - suspect.since).total_seconds())),
     }

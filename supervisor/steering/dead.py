@@ -17,7 +17,7 @@ from ..haproxy.guard import SLOT_TABLE_PREFIX, is_guarded
 from ..haproxy.lexer import content_key
 from ..haproxy.resolution import Server, is_ip, section_servers
 from ..haproxy.routing import routing_of
-from ..state import Generation
+from ..state import Generation, SuspectServer
 from .live import At, LiveStates
 
 DeadGroups = Mapping[str, frozenset[str]]  # backend -> its dead servers' "backend/server" keys
@@ -189,12 +189,15 @@ class LiveView:
 
 def live_view(
     latest: ConfigDigest, live: LiveStates, operator_dead: Iterable[str], previous_down: frozenset[At] = frozenset(),
-    suspect_at: Iterable[At] = (),
+    suspects: Iterable[SuspectServer] = (),
 ) -> LiveView:
     """Combine the evidence. `previous_down`: the last view's `down`, kept while the current
-    worker has no verdict yet (right after a reload). `suspect_at`: the detector's suspects."""
+    worker has no verdict yet (right after a reload). `suspects`: the detector's, but for those
+    the current worker keeps (left in): an old worker steered off them would answer 503 where
+    the current one still routes."""
     operator = frozenset(operator_dead)
-    down = set(live.down) | (previous_down & live.pending) | set(suspect_at)
+    down = set(live.down) | (previous_down & live.pending)
+    down.update(at(s.key.partition("/")[0], s.endpoint) for s in suspects if not s.left_in)
     # The live state shows the resolved address: carry the verdict over by name. Only for
     # host names: during a make-before-break the live states come from the worker that
     # runs the older config, where the same name may sit at another address.

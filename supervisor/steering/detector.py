@@ -571,9 +571,8 @@ class StalledDetector:
     def _publish(self) -> None:
         self.state.publish_suspects({
             key: SuspectServer(
-                key, f"{s.endpoint[0]}:{s.endpoint[1]}",
-                f"{s.why}; left in: every other server of its backend is out" if key in self._left_in else s.why,
-                datetime.fromtimestamp(s.since, UTC),
+                key, f"{s.endpoint[0]}:{s.endpoint[1]}", s.why, datetime.fromtimestamp(s.since, UTC),
+                left_in=key in self._left_in,
             )
             for key, (s, _) in self._held.items()
         })

@@ -319,8 +319,7 @@ class OldWorkers:
         if current_pid is not None and (self._live is None or stale):
             await self._fetch_live(current_pid)
         states = self._live.states if self._live is not None else LiveStates()
-        suspect_at = [f"{key.partition('/')[0]} {s.endpoint}" for key, s in self.state.suspect_servers.items()]
-        view = live_view(latest, states, self.state.operator_dead, self._view.down, suspect_at)
+        view = live_view(latest, states, self.state.operator_dead, self._view.down, self.state.suspect_servers.values())
         # The same view, not an equal copy: every plan under it holds it as its basis.
         if view != self._view:
             self._view = view
