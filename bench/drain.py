@@ -26,7 +26,9 @@ them took together, and that time as a multiple of the supervisor's.
 
 Two vanished-server variants (`--vanish`) run in a network namespace of their own (root, nft):
 one of two servers of a Ray-shaped backend (`http-reuse always`, no `timeout server`, Ray's
-check timings, `timeout connect 5s`, `retries 3`, `option redispatch 1`) stays in the config
+check timings, `timeout connect 5s`, `retries 3`, `option redispatch 1`, and `retry-on
+conn-failure empty-response response-timeout` unless `--retry-on` says other words: Ray's
+own template has `conn-failure` alone) stays in the config
 and its port is dropped by nftables: `blackhole` drops what goes to it, `partition` both ways
 while its process lives. Requests on held connections (an old worker, which pooled
 connections to both servers) and on new ones (the current worker), with the daemon's
@@ -34,6 +36,7 @@ stalled-connection detector off (today) and on. HAPROXY_BIN picks the HAProxy.
 
     python -m bench.drain --vanish blackhole --requests 20
     python -m bench.drain --vanish partition --requests 20
+    python -m bench.drain --vanish partition --requests 20 --retry-on conn-failure   # Ray's words
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Parameters:
     old_workers: int = 1
     spacing_ms: float = 100.0
     vanish: str | None = None  # "blackhole" or "partition": a vanished-server variant
+    retry_on: str = "conn-failure empty-response response-timeout"  # the variants' `retry-on` words
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> Parameters:
                         help="time between two requests' arrivals (default %(default)s)")
     parser.add_argument("--vanish", choices=("blackhole", "partition"), default=None,
                         help="a vanished-server variant instead of the drain, in a network namespace")
+    parser.add_argument("--retry-on", default=defaults.retry_on, metavar="WORDS",
+                        help="the vanished variants' `retry-on` words (default %(default)s)")
     args = parser.parse_args(argv)
     for name in ("connect_timeout", "requests", "old_workers", "error_limit"):
         if getattr(args, name) <= 0:
@@ -225,13 +231,13 @@ def parse_args(argv: list[str] | None = None) -> Parameters:
     if args.retries < 0 or args.spacing_ms < 0:
         parser.error("--retries and --spacing-ms must not be negative")
     return Parameters(args.connect_timeout, args.retries, args.error_limit, args.requests, args.old_workers,
-                      args.spacing_ms, args.vanish)
+                      args.spacing_ms, args.vanish, args.retry_on)
 
 
 VANISH_HEADER = ("variant", "detector", "held: failed / slow / worst", "new: failed / slow / worst")
 
 
-def vanished(variant: str, requests: int) -> list[tuple[str, ...]]:
+def vanished(variant: str, requests: int, retry_on: str = Parameters.retry_on) -> list[tuple[str, ...]]:
     """One variant with the detector off, then on: a row each."""
     from rigs.netns import run_in_netns
     from rigs.vanish import run_staged
@@ -239,7 +245,7 @@ def vanished(variant: str, requests: int) -> list[tuple[str, ...]]:
     found = []
     for detector in (False, True):
         outcome = run_in_netns(run_staged, detector=detector, partition=variant == "partition", requests=requests,
-                               timeout=120 + requests)
+                               retry_on=retry_on, timeout=120 + requests)
         cells = []
         for mode in ("held", "new"):
             failed, slow, worst = outcome.figures(mode)
@@ -252,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     params = parse_args(argv)
     if params.vanish is not None:
         print(f"{params.requests} requests on held and on new connections after a server's port was dropped "
-              f"({params.vanish})", flush=True)
-        print(markdown_table(VANISH_HEADER, vanished(params.vanish, params.requests)))
+              f"({params.vanish}), retry-on {params.retry_on}", flush=True)
+        print(markdown_table(VANISH_HEADER, vanished(params.vanish, params.requests, params.retry_on)))
         return
     print(
         f"{params.requests} requests through {params.old_workers} old worker(s) after a node drained and vanished: "
