@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+from collections.abc import Coroutine
 
 import pytest
 
@@ -67,10 +68,15 @@ def wakes(timer_a, timer_b) -> int:  # type: ignore[no-untyped-def]
     return selector.waits
 
 
-async def fine_grid_ticks() -> None:
+async def grid_ticks(interval_ms: int = GRID_MS) -> None:
+    """Ten ticks on next_tick()'s grid; at GRID_MS, the lag gauge's pace."""
     loop = asyncio.get_running_loop()
     for _ in range(10):
-        await asyncio.sleep(next_tick(loop.time(), 50) - loop.time())
+        await asyncio.sleep(next_tick(loop.time(), interval_ms) - loop.time())
+
+
+def fine_grid_ticks() -> Coroutine[None, None, None]:
+    return grid_ticks(50)
 
 
 async def offset_sleeps() -> None:
@@ -92,13 +98,6 @@ def test_control_two_timers_that_sleep_their_interval_wake_apart():
     assert wakes(sleeps, offset_sleeps) >= 19
 
 
-async def grid_samples() -> None:
-    """The lag gauge's pace: ten samples on the grid."""
-    loop = asyncio.get_running_loop()
-    for _ in range(10):
-        await asyncio.sleep(next_tick(loop.time(), GRID_MS) - loop.time())
-
-
 async def seconds_on_grid() -> None:
     """A slower periodic task (housekeeping, a probe) started off the grid, its sleeps stretched."""
     await asyncio.sleep(0.013)
@@ -113,11 +112,11 @@ async def seconds_apart() -> None:
 
 
 def test_a_slower_timer_stretched_to_the_grid_wakes_with_the_samples():
-    assert wakes(grid_samples, seconds_on_grid) <= 11
+    assert wakes(grid_ticks, seconds_on_grid) <= 11
 
 
 def test_control_a_slower_timer_that_sleeps_its_interval_wakes_on_its_own():
-    assert wakes(grid_samples, seconds_apart) >= 13
+    assert wakes(grid_ticks, seconds_apart) >= 13
 
 
 def test_on_grid_stretches_a_delay_by_less_than_the_grid_and_keeps_a_fast_poll():
