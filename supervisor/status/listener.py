@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import socket
 import stat
@@ -60,6 +61,9 @@ def bind_unix_socket(path: Path) -> socket.socket:
     sock = bind_unix_private(path, 0o660)
     sock.setblocking(False)
     return sock
+
+
+LISTEN_QUEUE = 511  # connections the kernel holds for us beyond those accepted, as nginx's default
 
 
 class ConnectionGuard:
@@ -212,15 +216,23 @@ class StatusListener:
                 lingering_time=2.0,
             )
 
+        # asyncio's `backlog` is both the kernel's queue and how many connections it accepts in one
+        # wakeup, all before the guard sees the first: under a flood, three wakeups in flight
+        # exhausted the descriptors at the guard's limit. A small batch keeps the guard's count
+        # true; a long kernel queue keeps a real client's SYN from being dropped meanwhile.
+        batch = max(1, guard.limit // 4)
         try:
             if isinstance(self.address, str):
                 path = Path(self.address)
                 sock = bind_unix_socket(path)
                 self._inode = path.stat().st_ino
-                listener = await loop.create_server(connection, sock=sock)
+                listener = await loop.create_server(connection, sock=sock, backlog=batch)
             else:
                 host, port = self.address
-                listener = await loop.create_server(connection, host, port, reuse_address=True)
+                listener = await loop.create_server(connection, host, port, reuse_address=True, backlog=batch)
+            for listening in listener.sockets:
+                with socket.socket(fileno=os.dup(listening.fileno())) as same:
+                    same.listen(LISTEN_QUEUE)
         except OSError as exc:
             raise StatusServerError(f"status.listen {self.listen}: {exc.strerror or exc}") from None
         self.server = listener
