@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,10 @@ class Daemon:
 
     # ------------------------------------------------------------ process
 
-    def start(self, env: dict[str, str] | None = None, run_as: RunAs | None = None) -> Daemon:
+    def start(
+        self, env: dict[str, str] | None = None, run_as: RunAs | None = None, through: Sequence[str] = (),
+    ) -> Daemon:
+        """`through`: a command that execs the daemon in its place (`setpriv ...`), so its PID is the daemon's."""
         full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         full_env["PATH"] = full_env.get("PATH", "") + ":/usr/sbin"
         full_env.update(env or {})
@@ -130,7 +133,7 @@ class Daemon:
         log_file = self.log_path.open("a")
         try:
             self.proc = subprocess.Popen(
-                [python, "-m", "supervisor", "run", "--config", str(self.settings_path)],
+                [*through, python, "-m", "supervisor", "run", "--config", str(self.settings_path)],
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=full_env,
                 **({"user": run_as.uid, "group": run_as.gid, "extra_groups": list(run_as.groups)} if run_as else {}),
             )

@@ -208,6 +208,9 @@ class State:
     operator_dead: set[str] = field(default_factory=set)  # "backend/server" marked by an operator
     dead_servers: set[str] = field(default_factory=set)  # every known-dead server, any reason
     suspect_servers: Mapping[str, SuspectServer] = field(default_factory=dict)  # by "backend/server"
+    # Whether the detector destroys stalled sockets, and why not when it does not.
+    detector_aborts: bool = False
+    detector_abort_off: str | None = None
     stalled_aborted: int = 0  # stalled sockets to suspects destroyed
     idle_closed: int = 0  # idle pooled connections to suspects destroyed
     push_failures: int = 0
@@ -343,6 +346,9 @@ class State:
     # The stalled-connection detector's.
     def publish_suspects(self, suspects: Mapping[str, SuspectServer]) -> None:
         self.suspect_servers = dict(suspects)
+
+    def publish_abort(self, aborts: bool, off_because: str | None) -> None:
+        self.detector_aborts, self.detector_abort_off = aborts, off_because
 
     def publish_socket_aborts(self, aborted: int, idle_closed: int) -> None:
         self.stalled_aborted, self.idle_closed = aborted, idle_closed

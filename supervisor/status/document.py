@@ -116,7 +116,8 @@ def status_document(state: State, settings: Settings, now: datetime) -> dict[str
         "pending_removals": [_pending_json(r, now) for _, r in sorted(state.pending_removals.items())],
         "suspect_servers": [_suspect_json(s, now) for _, s in sorted(state.suspect_servers.items())],
         "detector": {
-            "enabled": settings.detector.enabled, "abort": settings.detector.abort,
+            "enabled": settings.detector.enabled,
+            "abort": state.detector_aborts, "abort_off_because": state.detector_abort_off,
             "stalled_aborted": state.stalled_aborted, "idle_closed": state.idle_closed,
         },
         "writes": {
@@ -266,6 +267,9 @@ class StateCollector(Collector):
             suspects.add_metric([why], sum(1 for s in state.suspect_servers.values() if s.why == why))
         yield suspects
         yield from self._scalars(
+            (gauge, "haproxy_supervisor_detector_aborting",
+             "1 when the stalled-connection detector destroys stalled sockets (detector.abort, with CAP_NET_ADMIN), "
+             "else 0.", int(state.detector_aborts)),
             (counter, "haproxy_supervisor_stalled_sockets_aborted",
              "Workers' stalled sockets to suspect servers, and old workers' connects to known-dead ones, destroyed "
              "(SOCK_DESTROY), so HAProxy retries at once.",

@@ -300,8 +300,11 @@ class StalledDetector:
     async def run(self) -> None:
         if not self.settings.enabled:
             log.info("stalled-connection detector off (detector.enabled)")
+            self.state.publish_abort(False, "detector.enabled")
             return
         self.can_abort = self.settings.abort and has_net_admin()
+        off_because = None if self.can_abort else "no CAP_NET_ADMIN" if self.settings.abort else "detector.abort"
+        self.state.publish_abort(self.can_abort, off_because)
         if self.settings.abort and not self.can_abort:
             log.warning("stalled-connection detector: no CAP_NET_ADMIN, stalled sockets are not aborted "
                         "(and idle pooled connections not closed): grant it to the daemon")
