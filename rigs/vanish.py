@@ -51,6 +51,7 @@ class Outcome:
     """Requests after the vanish: (status, server, seconds), per mode."""
 
     held: list[tuple[int, str, float]] = field(default_factory=list)  # on an old worker's connections
+    held_after_lift: list[tuple[int, str, float]] = field(default_factory=list)  # the old worker's, once r2 is back
     new: list[tuple[int, str, float]] = field(default_factory=list)  # new connections, the current worker
     suspects: list[str] = field(default_factory=list)
     back_after_s: float | None = None  # after the drop was lifted, until r2 answered again
@@ -79,10 +80,13 @@ async def staged(
     *, detector: bool, partition: bool = False, requests: int = 10, spacing_s: float = 0.2, balance: str = "roundrobin",
     inter: str = "5s", lift: bool = False, reuse_before: bool = True, settings: dict | None = None,
     fresh_requests: bool = True, retry_on: str = "conn-failure empty-response response-timeout", reuse: str = "always",
+    held_after_lift: int = 0,
 ) -> Outcome:
     """One staged vanish of r2. `partition`: r2's port dropped both ways while r2 lives, after a
     request left a pooled connection to it; else only new packets to it are dropped.
-    `fresh_requests`: also requests on new connections (the current worker's own)."""
+    `fresh_requests`: also requests on new connections (the current worker's own).
+    `held_after_lift`: held connections kept for requests once r2 answers the current worker
+    again and the detector's `hold_s` has passed."""
     outcome = Outcome()
     with tempfile.TemporaryDirectory(prefix="hs-vanish-") as tmp, backends("r1", "r2") as servers:
         front = free_port()
@@ -101,7 +105,7 @@ async def staged(
             await daemon.wait_generation(1, timeout=60)
             # At soft-stop an old worker answers one more request on each idle client connection
             # (`option idle-close-on-response`): one held connection per request after the vanish.
-            held = [await KeepAliveClient(front).connect() for _ in range(requests)]
+            held = [await KeepAliveClient(front).connect() for _ in range(requests + held_after_lift)]
             if reuse_before:  # both servers get a pooled connection in the worker that becomes old
                 for client in held:
                     await client.get()
@@ -138,6 +142,11 @@ async def staged(
                         outcome.back_after_s = time.monotonic() - lifted
                         break
                     await asyncio.sleep(0.1)
+                if held_after_lift:
+                    hold_s = float((settings or {}).get("detector", {}).get("hold_s", 5))
+                    await asyncio.sleep(hold_s + 1.0)  # the suspect let go, and the push after it
+                    for client in held[requests:]:
+                        outcome.held_after_lift.append(await client.get(timeout=10))
             for client in held:
                 await client.close()
         finally:

@@ -75,11 +75,20 @@ def test_control_with_retry_on_none_a_handed_off_request_stuck_connecting_fails(
     assert SENT_BACK in outcome.daemon_log
 
 
-def test_a_suspect_that_comes_back_is_routed_again_within_rise_checks():
-    # `inter 500ms rise 2`: two passing checks after the drop is lifted.
-    outcome = run_in_netns(run_staged, detector=True, requests=3, inter="500ms", lift=True, timeout=120)
+def test_a_suspect_that_comes_back_is_routed_again_within_rise_checks_and_by_old_workers():
+    # `inter 500ms rise 2`: two passing checks after the drop is lifted. An old worker runs no
+    # checks: it routes to r2 again once the detector lets the suspect go (`hold_s`) and the
+    # steering takes r2 out of its down set. While r2 was gone it answered from r1 only.
+    outcome = run_in_netns(
+        run_staged, detector=True, requests=3, inter="500ms", lift=True, held_after_lift=4,
+        settings={"detector": {"enabled": True, "hold_s": 1}}, timeout=120,
+    )
     assert outcome.suspects == ["app/r2"]
     assert outcome.back_after_s is not None and outcome.back_after_s < 2.5, outcome
+    assert all(status == 200 and body == "r1" for status, body, _ in outcome.held), outcome.held
+    after = outcome.held_after_lift
+    assert len(after) == 4 and all(status == 200 for status, _, _ in after), after
+    assert "r2" in {body for _, body, _ in after}, (after, outcome.daemon_log[-3000:])
 
 
 class LateServer:
