@@ -239,13 +239,19 @@ def inside(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def run_once(mode: RayMode, requests: int, spacing_ms: float) -> Run:
+def run_once(mode: RayMode, requests: int, spacing_ms: float, daemon_logs: Path | None = None) -> Run:
+    """`daemon_logs`: a path prefix the nodes' daemon logs are copied to (`-head-daemon.log`, ...)."""
     directory = short_tmpdir("hs-rd-")
     try:
         found = run_scenario("bench.ray_drain", ["--inside", "--mode", mode.key, "--dir", str(directory),
                                                  "--requests", str(requests), "--spacing-ms", str(spacing_ms)],
                              600, directory / "run.log")
     finally:
+        for node in ("head", "second") if daemon_logs is not None else ():
+            log = directory / node / "daemon.log"
+            if log.exists():
+                daemon_logs.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(log, f"{daemon_logs}-{node}-daemon.log")
         shutil.rmtree(directory, ignore_errors=True)
     return Run(mode, [Answer(**a) for a in found["answers"]], found["notes"], found.get("sent_at", []),
                found.get("evidence", {}))
@@ -257,7 +263,7 @@ def run(requests: int, spacing_ms: float, runs: int = 1, keep: Path | None = Non
     done = []
     for number in range(1, runs + 1):
         for mode in modes:
-            one = run_once(mode, requests, spacing_ms)
+            one = run_once(mode, requests, spacing_ms, None if keep is None else keep / f"{mode.key}-{number}")
             print(f"  run {number} {mode.name}: {by_app(one)}; {json.dumps(one.notes)}", flush=True)
             for line in explained(one.answers, one.sent_at, one.evidence):
                 print(f"    {line}", flush=True)
@@ -279,7 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rounds of the ways, side by side (default %(default)s)")
     parser.add_argument("--modes", default=",".join(m.key for m in MODES),
                         help="the ways to run, comma-separated (default %(default)s)")
-    parser.add_argument("--keep", type=Path, help="a directory to write each run's answers and evidence to")
+    parser.add_argument("--keep", type=Path,
+                        help="a directory to write each run's answers, evidence and daemon logs to")
     parser.add_argument("--tables-from", type=Path, metavar="DIR",
                         help="print the tables of the runs a --keep DIR holds, and run nothing")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)

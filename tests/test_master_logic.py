@@ -14,6 +14,8 @@ from supervisor.master.processes import (
     is_our_master_worker,
     master_socket_candidates,
     read_pid_file,
+    socket_inodes,
+    still_open,
 )
 from supervisor.settings import HAProxySettings, Settings
 
@@ -122,3 +124,18 @@ def test_listening_ports_are_the_kernels_listeners_held_by_the_process():
         assert bound_only.getsockname()[1] not in ports
     assert port not in (listening_ports(os.getpid()) or set()), "closed: no longer listening"
     assert listening_ports(1) is not None and port not in (listening_ports(1) or set()), "not pid 1's"
+
+
+def test_a_socket_is_still_open_until_its_descriptor_is_closed():
+    sock = socket.socket()
+    inode = os.fstat(sock.fileno()).st_ino
+    held = socket_inodes(os.getpid())
+    assert held[inode] == sock.fileno()
+    assert still_open(os.getpid(), {inode: held[inode]}) == {inode: held[inode]}
+    sock.close()
+    assert still_open(os.getpid(), {inode: held[inode]}) == {}
+    reused = socket.socket()  # the same descriptor number, another socket
+    try:
+        assert still_open(os.getpid(), {inode: held[inode]}) == {}
+    finally:
+        reused.close()

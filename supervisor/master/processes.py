@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import subprocess
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -17,15 +17,26 @@ import psutil
 from ..settings import Settings
 
 
-def socket_inodes(pid: int) -> set[int]:
-    inodes: set[int] = set()
+def socket_inodes(pid: int) -> dict[int, int]:
+    """{inode: file descriptor} of the sockets `pid` holds."""
+    inodes: dict[int, int] = {}
     with contextlib.suppress(OSError), os.scandir(f"/proc/{pid}/fd") as fds:
         for fd in fds:
             with contextlib.suppress(OSError):
                 target = os.readlink(fd.path)
                 if target.startswith("socket:["):
-                    inodes.add(int(target[8:-1]))
+                    inodes[int(target[8:-1])] = int(fd.name)
     return inodes
+
+
+def still_open(pid: int, sockets: Mapping[int, int]) -> dict[int, int]:
+    """Those of `sockets` ({inode: file descriptor}) that `pid` still holds."""
+    held = {}
+    for inode, fd in sockets.items():
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                held[inode] = fd
+    return held
 
 
 def is_alive(pid: int) -> bool:

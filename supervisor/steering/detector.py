@@ -20,7 +20,7 @@ from ..haproxy.api import CLIError, MasterCLI
 from ..haproxy.handoff import HANDOFF_FRONTEND
 from ..haproxy.resolution import is_ip, section_servers
 from ..logs import RecurringCondition
-from ..master.processes import socket_inodes
+from ..master.processes import socket_inodes, still_open
 from ..master.sockdiag import (
     TCP_ESTABLISHED,
     TCP_SYN_SENT,
@@ -41,6 +41,8 @@ Endpoint = tuple[str, int]  # (address, port) of a server as its sockets name it
 
 # A connect or a segment is stalled past this many round trips (and the floor).
 RTT_FACTOR = 8
+# How long a `health down` waits for the current worker to handle the connects aborted before it.
+ABORT_SETTLE_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,7 @@ class StalledDetector:
         self._health_down: set[str] = set()  # suspects set `health down` in the current worker
         self._left_in: set[str] = set()  # suspects the current worker keeps: left_in()
         self._destroyed: set[bytes] = set()
+        self._current_fds: dict[int, int] = {}  # the current worker's sockets at the last _owners(): inode -> fd
         self.aborted = 0  # stalled sockets destroyed
         self.idle_closed = 0  # idle pooled connections destroyed
 
@@ -458,7 +461,9 @@ class StalledDetector:
             stalled_pids = {owners.get(s.socket.inode) for s in stalls}
             steered = {pid: frozenset(r.steered) for pid, r in self.state.old_workers.items() if pid in stalled_pids}
             own = await self._own_indexes(stalls, owners, current.worker_pid, steered, index, now_index)
-            self._abort(listed, stalls, owners, current.worker_pid, index, steered, own)
+            aborted = self._abort(listed, stalls, owners, current.worker_pid, index, steered, own)
+        else:
+            aborted = []
         if current.worker_pid is not None:
             # A server taken out with a check comes back after `rise` passes; one without, only if set up again.
             unchecked = [
@@ -469,6 +474,11 @@ class StalledDetector:
                 await self._set_health(current.worker_pid, unchecked, "up")
             here = [s.key for s in new if s.key in now_index.keys and s.key not in self._left_in]
             if here:
+                # HAProxy decides whether a retry waits its turn-around (1 s, when the backend has
+                # one active server left) as it handles the connect error, and closes the socket
+                # in that step: a `health down` read before it would leave one.
+                pid = current.worker_pid
+                await self._until_closed(pid, (s.inode for s in aborted if owners.get(s.inode) == pid))
                 await self._set_health(current.worker_pid, here, "down")
                 self._health_down.update(here)
                 self.wake_steering()
@@ -477,10 +487,20 @@ class StalledDetector:
 
     def _owners(self, current_pid: int | None) -> dict[int, int]:
         """{socket inode: worker PID}: read only when something is stalled."""
-        pids = set(self.state.old_workers)
+        owners = {inode: pid for pid in self.state.old_workers for inode in socket_inodes(pid)}
+        self._current_fds = {}
         if current_pid is not None:
-            pids.add(current_pid)
-        return {inode: pid for pid in pids for inode in socket_inodes(pid)}
+            self._current_fds = socket_inodes(current_pid)
+            owners.update(dict.fromkeys(self._current_fds, current_pid))
+        return owners
+
+    async def _until_closed(self, pid: int, inodes: Iterable[int]) -> None:
+        """Until worker `pid` has closed the sockets destroyed under it (or ABORT_SETTLE_S)."""
+        left = {i: self._current_fds[i] for i in inodes if i in self._current_fds}
+        deadline = time.monotonic() + ABORT_SETTLE_S
+        while left and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+            left = still_open(pid, left)
 
     async def _set_health(self, pid: int, keys: list[str], health: str) -> None:
         commands = ";".join(f"set server {ServerKey.parse(key)} health {health}" for key in keys)  # parse() validates
@@ -539,8 +559,9 @@ class StalledDetector:
     def _abort(
         self, listed: list[DiagSocket], stalls: list[Stall], owners: dict[int, int], current_pid: int | None,
         index: ServerIndex, steered: dict[int, frozenset[str]], own: dict[int, dict[Endpoint, tuple[str, ...]]],
-    ) -> None:
-        """Destroy the stalled sockets to_abort() names, and idle pooled connections to suspects."""
+    ) -> list[DiagSocket]:
+        """Destroy the stalled sockets to_abort() names, and idle pooled connections to suspects;
+        the stalled ones destroyed."""
         # A suspect left in is still routed: its connections are the backend's only way.
         held_at = {s.endpoint for key, (s, _) in self._held.items() if key not in self._left_in}
         targets: list[tuple[DiagSocket, str]] = [
@@ -551,6 +572,7 @@ class StalledDetector:
         for sock in listed:
             if (sock.dst, sock.dport) in held_at and idle(sock) and sock.inode in owners:
                 targets.append((sock, "idle"))
+        destroyed: list[DiagSocket] = []
         for sock, kind in targets:
             if sock.sockid in self._destroyed:
                 continue
@@ -564,12 +586,14 @@ class StalledDetector:
                 self.idle_closed += 1
             else:
                 self.aborted += 1
+                destroyed.append(sock)
             log.info("worker %d: %s socket %s:%d -> %s:%d destroyed", owners[sock.inode], kind, sock.src,
                      sock.sport, sock.dst, sock.dport)
         if len(self._destroyed) > 10_000:
             self._destroyed.clear()
         if targets:
             self.state.publish_socket_aborts(self.aborted, self.idle_closed)
+        return destroyed
 
     def _publish(self) -> None:
         self.state.publish_suspects({
